@@ -1,0 +1,68 @@
+//! The admin listener, never the public port: health, readiness and the running rules.
+
+use std::sync::Arc;
+use std::time::UNIX_EPOCH;
+
+use arc_swap::ArcSwap;
+use http::{Method, Request, Response, StatusCode};
+use hyper::body::Incoming;
+use serde_json::json;
+
+use crate::respond::{Body, json_response};
+use crate::rules::Snapshot;
+use crate::server::{ConnInfo, Handler};
+use crate::store::Store;
+
+pub struct Admin {
+    pub rules: Arc<ArcSwap<Snapshot>>,
+    pub store: Arc<dyn Store>,
+}
+
+impl Admin {
+    pub async fn serve(&self, req: Request<Incoming>) -> Response<Body> {
+        if req.method() != Method::GET {
+            return json_response(
+                StatusCode::METHOD_NOT_ALLOWED,
+                json!({"error": "method_not_allowed"}).to_string(),
+            );
+        }
+        match req.uri().path() {
+            "/healthz" => json_response(StatusCode::OK, json!({"status": "alive"}).to_string()),
+            "/readyz" => match self.store.ping().await {
+                Ok(_) => json_response(
+                    StatusCode::OK,
+                    json!({"status": "ready", "rules_version": self.rules.load().version, "store": self.store.kind()})
+                        .to_string(),
+                ),
+                Err(e) => json_response(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    json!({"status": "not_ready", "store": self.store.kind(), "reason": e.to_string()}).to_string(),
+                ),
+            },
+            "/admin/rules" => {
+                let snap = self.rules.load();
+                let loaded = snap.loaded_at.duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+                json_response(
+                    StatusCode::OK,
+                    json!({
+                        "version": snap.version,
+                        "digest": format!("sha256:{}", snap.digest),
+                        "source": snap.source,
+                        "loaded_at_unix_ms": loaded,
+                        "limits": snap.limits.len(),
+                        "routes": snap.routes.len(),
+                        "keys": snap.keys.len(),
+                    })
+                    .to_string(),
+                )
+            }
+            _ => json_response(StatusCode::NOT_FOUND, json!({"error": "not_found"}).to_string()),
+        }
+    }
+}
+
+impl Handler for Admin {
+    async fn handle(self: Arc<Self>, req: Request<Incoming>, _conn: ConnInfo) -> Response<Body> {
+        self.serve(req).await
+    }
+}

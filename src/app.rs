@@ -1,0 +1,282 @@
+//! Assembles a running gateway from a validated configuration: rules, store, listeners, the
+//! demo upstream, and one shutdown signal for all of them.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::admin::Admin;
+use crate::config::StoreUrl;
+use crate::demo::DemoUpstream;
+use crate::gateway::Gateway;
+use crate::identity::TrustedProxies;
+use crate::limit::clock::{Clock, SystemClock};
+use crate::rules::{self, CompileOptions, RulesError, Snapshot};
+use crate::server::{self, ServerLimits, tls};
+use crate::store::Store;
+use crate::store::memory::MemoryStore;
+
+/// The demo rules, built in so `tollgate demo` works from any directory.
+pub const DEMO_RULES: &[u8] = include_bytes!("../rules/demo.json");
+
+/// Where the rules come from.
+#[derive(Debug, Clone)]
+pub enum RulesSource {
+    File(PathBuf),
+    Embedded {
+        label: &'static str,
+        bytes: &'static [u8],
+    },
+}
+
+impl RulesSource {
+    pub fn demo() -> RulesSource {
+        RulesSource::Embedded {
+            label: "rules/demo.json (built in)",
+            bytes: DEMO_RULES,
+        }
+    }
+}
+
+/// Compiles rules the same way at start-up and on every reload, including the demo's
+/// upstream override.
+#[derive(Debug, Clone)]
+pub struct RulesLoader {
+    pub source: RulesSource,
+    pub opts: CompileOptions,
+    /// In demo mode every upstream points at the built-in demo upstream.
+    pub upstream_override: Option<http::uri::Authority>,
+}
+
+impl RulesLoader {
+    pub fn load(&self) -> Result<Snapshot, RulesError> {
+        let mut snap = match &self.source {
+            RulesSource::File(path) => rules::load(path, self.opts)?,
+            RulesSource::Embedded { label, bytes } => rules::compile(bytes, label, self.opts)?,
+        };
+        if let Some(auth) = &self.upstream_override {
+            for u in &mut snap.upstreams {
+                u.authority = auth.clone();
+            }
+        }
+        Ok(snap)
+    }
+}
+
+/// A validated configuration.
+pub struct GatewayConfig {
+    pub rules: RulesSource,
+    pub listen: SocketAddr,
+    pub admin_listen: Option<SocketAddr>,
+    pub store: StoreUrl,
+    pub tls: Option<(PathBuf, PathBuf)>,
+    pub trusted: TrustedProxies,
+    pub limits: ServerLimits,
+    /// Start the demo upstream and point every upstream at it.
+    pub demo: bool,
+    /// The gateway's clock (the embedded store reads it; tests pass a manual one).
+    pub clock: Arc<dyn Clock>,
+}
+
+impl GatewayConfig {
+    /// Defaults for a quick start on loopback: memory store, free ports, system clock.
+    pub fn new(rules: RulesSource) -> GatewayConfig {
+        GatewayConfig {
+            rules,
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            admin_listen: None,
+            store: StoreUrl::Memory,
+            tls: None,
+            trusted: TrustedProxies::default(),
+            limits: ServerLimits::default(),
+            demo: false,
+            clock: SystemClock::shared(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("{0}")]
+    Rules(#[from] RulesError),
+    #[error("TLS: {0}")]
+    Tls(#[from] tls::TlsError),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("store: {0}")]
+    Store(String),
+}
+
+/// A gateway that is serving.
+pub struct Running {
+    pub addr: SocketAddr,
+    pub admin_addr: Option<SocketAddr>,
+    pub demo_upstream: Option<SocketAddr>,
+    pub rules: Arc<ArcSwap<Snapshot>>,
+    pub store: Arc<dyn Store>,
+    pub memory: Option<Arc<MemoryStore>>,
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<usize>>,
+}
+
+impl Running {
+    /// Stops accepting and drains; resolves when every listener has finished.
+    pub async fn shutdown(self) -> usize {
+        let _ = self.stop.send(true);
+        let mut open = 0;
+        for t in self.tasks {
+            open += t.await.unwrap_or(1);
+        }
+        open
+    }
+
+    /// Signals shutdown without waiting.
+    pub fn trigger_shutdown(&self) {
+        let _ = self.stop.send(true);
+    }
+
+    /// Resolves when every listener has finished.
+    pub async fn wait(self) -> usize {
+        let mut open = 0;
+        for t in self.tasks {
+            open += t.await.unwrap_or(1);
+        }
+        open
+    }
+}
+
+async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| StartError::Bind { addr, source })
+}
+
+async fn stopped(mut rx: watch::Receiver<bool>) {
+    while !*rx.borrow_and_update() {
+        if rx.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Starts every listener. Fails before serving anything if a part can't start.
+pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
+    let tls = match &cfg.tls {
+        Some((cert, key)) => Some(tls::acceptor(cert, key)?),
+        None => None,
+    };
+    let (stop, stop_rx) = watch::channel(false);
+    let mut tasks = Vec::new();
+
+    let demo_upstream = if cfg.demo {
+        let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
+        let addr = listener.local_addr().map_err(|source| StartError::Bind {
+            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            source,
+        })?;
+        // The demo upstream outlives the gateway's drain, so it stops a little later.
+        let rx = stop_rx.clone();
+        let limits = cfg.limits;
+        tokio::spawn(server::run(
+            listener,
+            None,
+            Arc::new(DemoUpstream),
+            limits,
+            async move {
+                stopped(rx).await;
+                tokio::time::sleep(limits.drain_timeout + Duration::from_secs(1)).await;
+            },
+        ));
+        Some(addr)
+    } else {
+        None
+    };
+
+    let cluster = matches!(cfg.store, StoreUrl::RedisCluster(_));
+    let loader = RulesLoader {
+        source: cfg.rules.clone(),
+        opts: CompileOptions { cluster },
+        upstream_override: demo_upstream.map(|a| {
+            a.to_string()
+                .parse()
+                .expect("a socket address is a valid authority")
+        }),
+    };
+    let snapshot = loader.load()?;
+    let rules = Arc::new(ArcSwap::from_pointee(snapshot));
+
+    let (store, memory): (Arc<dyn Store>, Option<Arc<MemoryStore>>) = match &cfg.store {
+        StoreUrl::Memory => {
+            let m = Arc::new(MemoryStore::new(cfg.clock.clone()));
+            m.spawn_sweeper(Duration::from_secs(5));
+            (m.clone(), Some(m))
+        }
+        other => {
+            return Err(StartError::Store(format!(
+                "{other:?}: this build has only the embedded store; use --store memory"
+            )));
+        }
+    };
+
+    let listener = bind(cfg.listen).await?;
+    let addr = listener.local_addr().map_err(|source| StartError::Bind {
+        addr: cfg.listen,
+        source,
+    })?;
+    let admin = match cfg.admin_listen {
+        Some(a) => {
+            let l = bind(a).await?;
+            let addr = l
+                .local_addr()
+                .map_err(|source| StartError::Bind { addr: a, source })?;
+            Some((l, addr))
+        }
+        None => None,
+    };
+
+    let gateway = Arc::new(Gateway::new(rules.clone(), store.clone(), cfg.trusted.clone()));
+    tasks.push(tokio::spawn(server::run(
+        listener,
+        tls,
+        gateway,
+        cfg.limits,
+        stopped(stop_rx.clone()),
+    )));
+    let admin_addr = match admin {
+        Some((l, a)) => {
+            let handler = Arc::new(Admin {
+                rules: rules.clone(),
+                store: store.clone(),
+            });
+            tasks.push(tokio::spawn(server::run(
+                l,
+                None,
+                handler,
+                cfg.limits,
+                stopped(stop_rx.clone()),
+            )));
+            Some(a)
+        }
+        None => None,
+    };
+
+    Ok(Running {
+        addr,
+        admin_addr,
+        demo_upstream,
+        rules,
+        store,
+        memory,
+        stop,
+        tasks,
+    })
+}

@@ -1,0 +1,172 @@
+//! The command line: every flag also reads a `TOLLGATE_*` environment variable, and every value
+//! is validated before anything starts.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "tollgate",
+    version,
+    about = "An HTTP gateway that enforces API rate limits as one fleet"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the gateway.
+    Serve(ServeArgs),
+    /// Run the gateway with the demo rules and a built-in demo upstream.
+    Demo(DemoArgs),
+    /// Run only the built-in demo upstream ("orders").
+    DemoUpstream {
+        #[arg(long, env = "TOLLGATE_LISTEN", default_value = "127.0.0.1:8081")]
+        listen: SocketAddr,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
+pub enum LogFormat {
+    #[default]
+    Human,
+    Json,
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// The rules file (JSON).
+    #[arg(long, env = "TOLLGATE_RULES")]
+    pub rules: PathBuf,
+    #[command(flatten)]
+    pub common: CommonArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// A rules file of your own instead of the built-in rules/demo.json; it is hot-reloaded.
+    #[arg(long, env = "TOLLGATE_RULES")]
+    pub rules: Option<PathBuf>,
+    #[command(flatten)]
+    pub common: CommonArgs,
+}
+
+#[derive(Debug, Args, Clone)]
+pub struct CommonArgs {
+    /// Public listener.
+    #[arg(long, env = "TOLLGATE_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// Admin listener (/healthz, /readyz, /metrics, /admin/rules); off when unset.
+    #[arg(long, env = "TOLLGATE_ADMIN_LISTEN")]
+    pub admin_listen: Option<SocketAddr>,
+    /// `memory` (embedded), `redis://HOST:PORT` or `redis-cluster://H1:P1,H2:P2`.
+    #[arg(long, env = "TOLLGATE_STORE", default_value = "memory")]
+    pub store: String,
+    /// PEM certificate chain; enables TLS (h2 and http/1.1 by ALPN).
+    #[arg(long, env = "TOLLGATE_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key for --tls-cert.
+    #[arg(long, env = "TOLLGATE_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Proxies whose X-Forwarded-For is believed (addresses or CIDRs, comma-separated).
+    #[arg(long, env = "TOLLGATE_TRUSTED_PROXY", value_delimiter = ',')]
+    pub trusted_proxy: Vec<String>,
+    /// Log format.
+    #[arg(long, env = "TOLLGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Human)]
+    pub log_format: LogFormat,
+    /// How long to finish requests in flight after SIGTERM or SIGINT.
+    #[arg(long, env = "TOLLGATE_DRAIN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub drain_timeout: Duration,
+    /// A client must send its whole request head within this time.
+    #[arg(long, env = "TOLLGATE_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub header_timeout: Duration,
+    /// Largest request head, in bytes; larger gets 431.
+    #[arg(long, env = "TOLLGATE_MAX_HEADER_BYTES", default_value_t = 32 * 1024)]
+    pub max_header_bytes: usize,
+}
+
+/// Parses `250ms`, `3s`, `2m` or `1h`.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !c.is_ascii_digit())
+        .ok_or_else(|| format!("{text:?} needs a unit: ms, s, m or h"))?;
+    let (n, unit) = t.split_at(split);
+    let n: u64 = n
+        .parse()
+        .map_err(|_| format!("{text:?} must start with a whole number"))?;
+    let ms = match unit {
+        "ms" => n,
+        "s" => n.saturating_mul(1_000),
+        "m" => n.saturating_mul(60_000),
+        "h" => n.saturating_mul(3_600_000),
+        _ => return Err(format!("{text:?}: unknown unit {unit:?} (use ms, s, m or h)")),
+    };
+    Ok(Duration::from_millis(ms))
+}
+
+/// Which store holds the buckets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreUrl {
+    Memory,
+    Redis(String),
+    RedisCluster(Vec<String>),
+}
+
+impl StoreUrl {
+    pub fn parse(text: &str) -> Result<StoreUrl, String> {
+        let t = text.trim();
+        if t == "memory" {
+            return Ok(StoreUrl::Memory);
+        }
+        if let Some(rest) = t.strip_prefix("redis-cluster://") {
+            let nodes: Vec<String> = rest
+                .split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(String::from)
+                .collect();
+            if nodes.is_empty() {
+                return Err(format!(
+                    "--store {text:?}: redis-cluster:// needs at least one HOST:PORT"
+                ));
+            }
+            for n in &nodes {
+                if !n.contains(':') {
+                    return Err(format!("--store {text:?}: {n:?} must be HOST:PORT"));
+                }
+            }
+            return Ok(StoreUrl::RedisCluster(nodes));
+        }
+        if t.starts_with("redis://") || t.starts_with("rediss://") || t.starts_with("valkey://") {
+            return Ok(StoreUrl::Redis(t.replacen("valkey://", "redis://", 1)));
+        }
+        Err(format!(
+            "--store {text:?}: expected \"memory\", \"redis://HOST:PORT\" or \"redis-cluster://H1:P1,H2:P2\""
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_and_stores() {
+        assert_eq!(parse_duration("3ms").unwrap(), Duration::from_millis(3));
+        assert_eq!(parse_duration("30s").unwrap(), Duration::from_secs(30));
+        assert!(parse_duration("30").is_err());
+        assert!(parse_duration("1d").is_err());
+        assert_eq!(StoreUrl::parse("memory").unwrap(), StoreUrl::Memory);
+        assert_eq!(
+            StoreUrl::parse("redis-cluster://a:1,b:2").unwrap(),
+            StoreUrl::RedisCluster(vec!["a:1".into(), "b:2".into()])
+        );
+        assert!(StoreUrl::parse("mysql://x").is_err());
+    }
+}

@@ -1,0 +1,29 @@
+//! Tollgate: an HTTP reverse-proxy gateway that enforces per-key, per-route and per-IP
+//! token-bucket limits in one all-or-nothing check, alone or as a fleet sharing Redis.
+//!
+//! Modules in data-path order:
+//! - [`config`]: the command line and environment, validated.
+//! - [`app`]: assembles rules, store and listeners into a running gateway.
+//! - [`server`]: accepts TCP/TLS connections, HTTP/1.1 and HTTP/2, drains on shutdown.
+//! - [`gateway`]: one request's path: route → identity → plan → store check → 429 or forward.
+//! - [`rules`]: the rules file parsed, validated and compiled into an immutable `Snapshot`.
+//! - [`identity`]: API key (compared by SHA-256) and client IP (trusted proxies only).
+//! - [`limit`]: exact token-bucket math, clocks, request plans, decisions and their headers.
+//! - [`store`]: the `Store` trait and the embedded `MemoryStore`.
+//! - [`respond`]: every response the gateway makes itself, in one place.
+//! - [`proxy`]: the pooled upstream client, hop-by-hop stripping, `X-Forwarded-*`, 502/504.
+//! - [`admin`]: the admin listener (health, readiness, running rules).
+//! - [`demo`]: the built-in demo upstream.
+
+pub mod admin;
+pub mod app;
+pub mod config;
+pub mod demo;
+pub mod gateway;
+pub mod identity;
+pub mod limit;
+pub mod proxy;
+pub mod respond;
+pub mod rules;
+pub mod server;
+pub mod store;

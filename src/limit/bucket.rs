@@ -1,0 +1,444 @@
+//! Exact token-bucket arithmetic: integer microseconds, integer token units, time passed in.
+//!
+//! A limit of `N` tokens per `P` seconds refills `N / P` tokens a second. We count
+//! tokens in *units* of `1 / scale` token, where `scale = P_µs / gcd(N, P_µs)`, so one
+//! microsecond adds exactly `refill = N / gcd(N, P_µs)` units. Every refill is then an
+//! integer and no decision ever depends on float rounding. The spec's storm puts arrivals
+//! exactly on token boundaries (a bucket holding exactly one token at 09:00:00.100), which
+//! is where a float bucket would disagree.
+//!
+//! `lua/check.lua` runs the same arithmetic inside Redis. Lua 5.1 numbers are doubles,
+//! exact for integers below 2^53, so every value here is kept below [`MAX_EXACT`] and
+//! rule validation refuses numbers that would not fit.
+
+use std::fmt;
+
+/// Integers below this are exact in a Lua (double) number.
+pub const MAX_EXACT: u64 = 1 << 53;
+
+/// Microseconds in a second.
+pub const US_PER_S: u64 = 1_000_000;
+
+/// `tokens` per `period_us` microseconds: the contract's rate as written (`600/60s`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Rate {
+    pub tokens: u64,
+    pub period_us: u64,
+}
+
+impl Rate {
+    /// Parses `N/Ps`, `N/Pms`, `N/Pm`, `N/Ph` or `N/s` (a period of one unit).
+    pub fn parse(text: &str) -> Result<Rate, String> {
+        let (n, p) = text
+            .split_once('/')
+            .ok_or_else(|| format!("rate {text:?} must look like \"10/1s\" or \"600/60s\""))?;
+        let tokens: u64 = n
+            .trim()
+            .parse()
+            .map_err(|_| format!("rate {text:?}: {n:?} is not a whole number of tokens"))?;
+        let p = p.trim();
+        let split = p
+            .find(|c: char| !c.is_ascii_digit())
+            .ok_or_else(|| format!("rate {text:?}: the period {p:?} needs a unit (us, ms, s, m, h)"))?;
+        let (count, unit) = p.split_at(split);
+        let count: u64 = if count.is_empty() {
+            1
+        } else {
+            count
+                .parse()
+                .map_err(|_| format!("rate {text:?}: {count:?} is not a whole number"))?
+        };
+        let unit_us = match unit {
+            "us" | "µs" => 1,
+            "ms" => 1_000,
+            "s" => US_PER_S,
+            "m" | "min" => 60 * US_PER_S,
+            "h" => 3_600 * US_PER_S,
+            _ => {
+                return Err(format!(
+                    "rate {text:?}: unknown unit {unit:?} (use us, ms, s, m or h)"
+                ));
+            }
+        };
+        let period_us = count
+            .checked_mul(unit_us)
+            .ok_or_else(|| format!("rate {text:?}: the period is too long"))?;
+        if tokens == 0 {
+            return Err(format!("rate {text:?}: the rate must be above zero"));
+        }
+        if period_us == 0 {
+            return Err(format!("rate {text:?}: the period must be above zero"));
+        }
+        Ok(Rate { tokens, period_us })
+    }
+
+    /// Tokens per second, for display only.
+    pub fn per_second(&self) -> f64 {
+        self.tokens as f64 * US_PER_S as f64 / self.period_us as f64
+    }
+}
+
+impl fmt::Display for Rate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let p = self.period_us;
+        if p % US_PER_S == 0 {
+            write!(f, "{}/{}s", self.tokens, p / US_PER_S)
+        } else if p % 1_000 == 0 {
+            write!(f, "{}/{}ms", self.tokens, p / 1_000)
+        } else {
+            write!(f, "{}/{}us", self.tokens, p)
+        }
+    }
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+/// The compiled numbers of one bucket. Copy-cheap; travels to the store with every check.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BucketParams {
+    /// Units per whole token.
+    pub scale: u64,
+    /// Units added per microsecond.
+    pub refill: u64,
+    /// `burst × scale`: the most units the bucket holds.
+    pub capacity: u64,
+    /// The burst in whole tokens.
+    pub burst: u64,
+    /// The rate as configured, for headers and display.
+    pub rate: Rate,
+}
+
+/// Why a rate and burst can't be compiled.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ParamError {
+    #[error("the burst must be at least 1")]
+    ZeroBurst,
+    #[error("the rate must be above zero")]
+    ZeroRate,
+    #[error(
+        "burst {burst} at rate {rate} needs {units} internal units, above the exact limit 2^53; use a shorter period or a smaller burst"
+    )]
+    TooLarge { burst: u64, rate: Rate, units: u128 },
+    #[error(
+        "rate {rate} needs {scale} units per token, above 2^32; use a period of at most about 71 minutes, or more tokens per period"
+    )]
+    ScaleTooLarge { rate: Rate, scale: u64 },
+}
+
+impl BucketParams {
+    pub fn new(rate: Rate, burst: u64) -> Result<BucketParams, ParamError> {
+        if burst == 0 {
+            return Err(ParamError::ZeroBurst);
+        }
+        if rate.tokens == 0 || rate.period_us == 0 {
+            return Err(ParamError::ZeroRate);
+        }
+        let g = gcd(rate.tokens, rate.period_us);
+        let scale = rate.period_us / g;
+        let refill = rate.tokens / g;
+        if scale > u32::MAX as u64 {
+            return Err(ParamError::ScaleTooLarge { rate, scale });
+        }
+        let units = burst as u128 * scale as u128;
+        // Headroom: tokens + one microsecond of refill must stay exact too.
+        if units + refill as u128 >= MAX_EXACT as u128 {
+            return Err(ParamError::TooLarge { burst, rate, units });
+        }
+        Ok(BucketParams {
+            scale,
+            refill,
+            capacity: units as u64,
+            burst,
+            rate,
+        })
+    }
+
+    /// Microseconds an empty bucket takes to fill: `b / r`, rounded up.
+    pub fn fill_time_us(&self) -> u64 {
+        self.capacity.div_ceil(self.refill)
+    }
+
+    /// Key expiry in milliseconds: at least `b / r`, so expiry never hands out free tokens
+    /// (an idle bucket is full by then, and a missing one starts full), plus one second of slack
+    /// for clock granularity.
+    pub fn ttl_ms(&self) -> u64 {
+        self.fill_time_us().div_ceil(1_000) + 1_000
+    }
+
+    /// Units a request of `cost` tokens needs.
+    pub fn units(&self, cost: u64) -> u64 {
+        cost.saturating_mul(self.scale)
+    }
+}
+
+/// What a bucket holds: `tokens` units of `1 / scale` token, as computed at `ts` microseconds.
+///
+/// The scale is stored with the tokens because it depends on the rule's rate: when a rule
+/// changes, the stored units are converted to the new scale before the refill, so a bucket
+/// keeps its tokens across rule versions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct BucketState {
+    pub tokens: u64,
+    pub ts: u64,
+    pub scale: u64,
+}
+
+/// Converts units from one scale to another: exact for whole tokens, and the fraction rounded
+/// down through one IEEE double division and multiplication, exactly as `lua/check.lua` does.
+#[inline]
+pub fn rescale(tokens: u64, from: u64, to: u64) -> u64 {
+    if from == to || from == 0 {
+        return tokens;
+    }
+    let frac = tokens % from;
+    let whole = tokens / from;
+    whole
+        .saturating_mul(to)
+        .saturating_add(((frac as f64 / from as f64) * to as f64).floor() as u64)
+}
+
+/// Units in the bucket at `now`: lazy refill, elapsed time clamped at zero (a clock that went
+/// back gives no refill), and never above the capacity given now (a tightened rule clamps
+/// stored tokens; it never resets them to full). A missing bucket starts full.
+#[inline]
+pub fn refill(p: &BucketParams, state: Option<BucketState>, now: u64) -> u64 {
+    let Some(s) = state else {
+        return p.capacity;
+    };
+    let tokens = rescale(s.tokens, s.scale, p.scale);
+    if tokens >= p.capacity {
+        return p.capacity;
+    }
+    let elapsed = now.saturating_sub(s.ts);
+    let room = p.capacity - tokens;
+    // Compare in time first so the multiplication can't overflow after a long idle.
+    if elapsed >= room.div_ceil(p.refill) {
+        p.capacity
+    } else {
+        tokens + elapsed * p.refill
+    }
+}
+
+/// Microseconds until `tokens` units become `need` units. `None` when no wait helps
+/// (the request costs more than the burst).
+#[inline]
+pub fn wait_us(p: &BucketParams, tokens: u64, need: u64) -> Option<u64> {
+    if need > p.capacity {
+        None
+    } else if tokens >= need {
+        Some(0)
+    } else {
+        Some((need - tokens).div_ceil(p.refill))
+    }
+}
+
+/// Whole seconds for `Retry-After`: the wait rounded up, at least 1 for a refusal.
+#[inline]
+pub fn retry_after_secs(wait_us: u64) -> u64 {
+    wait_us.div_ceil(US_PER_S).max(1)
+}
+
+/// One bucket's part of a check: its numbers, what the request costs in it, and whether it is
+/// only observed (shadow) or enforced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Charge {
+    pub params: BucketParams,
+    pub cost: u64,
+    pub shadow: bool,
+}
+
+/// One bucket's answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BucketVerdict {
+    /// Whether this bucket held enough for its cost.
+    pub sufficient: bool,
+    /// Units left after the check (after charging, if the check charged it).
+    pub tokens: u64,
+    /// Microseconds until this bucket could pay its cost; 0 when sufficient, `None` if never.
+    pub wait_us: Option<u64>,
+}
+
+impl BucketVerdict {
+    /// Whole tokens left.
+    pub fn remaining(&self, p: &BucketParams) -> u64 {
+        self.tokens / p.scale
+    }
+}
+
+/// Checks every bucket of one request at `now`, all or nothing.
+///
+/// Enforced buckets are charged together only if every one of them holds its cost; otherwise
+/// none is charged. A shadow bucket is charged on its own when it holds its cost, and its
+/// shortage never blocks the request. Every state is written back, refilled to `now`, whether
+/// the request was allowed or not. Returns whether the request is allowed.
+pub fn check_all(
+    charges: &[Charge],
+    states: &mut [Option<BucketState>],
+    now: u64,
+    out: &mut [BucketVerdict],
+) -> bool {
+    debug_assert_eq!(charges.len(), states.len());
+    debug_assert_eq!(charges.len(), out.len());
+    let mut allowed = true;
+    for ((c, s), v) in charges.iter().zip(states.iter()).zip(out.iter_mut()) {
+        let tokens = refill(&c.params, *s, now);
+        let need = c.params.units(c.cost);
+        let wait = wait_us(&c.params, tokens, need);
+        let sufficient = wait == Some(0);
+        if !sufficient && !c.shadow {
+            allowed = false;
+        }
+        *v = BucketVerdict {
+            sufficient,
+            tokens,
+            wait_us: wait,
+        };
+    }
+    for ((c, s), v) in charges.iter().zip(states.iter_mut()).zip(out.iter_mut()) {
+        let charge = v.sufficient && (allowed || c.shadow);
+        if charge {
+            v.tokens -= c.params.units(c.cost);
+        }
+        *s = Some(BucketState {
+            tokens: v.tokens,
+            ts: now,
+            scale: c.params.scale,
+        });
+    }
+    allowed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(rate: &str, burst: u64) -> BucketParams {
+        BucketParams::new(Rate::parse(rate).unwrap(), burst).unwrap()
+    }
+
+    #[test]
+    fn parses_rates() {
+        assert_eq!(
+            Rate::parse("600/60s").unwrap(),
+            Rate {
+                tokens: 600,
+                period_us: 60 * US_PER_S
+            }
+        );
+        assert_eq!(Rate::parse("1/5s").unwrap().period_us, 5 * US_PER_S);
+        assert_eq!(Rate::parse("10/s").unwrap().period_us, US_PER_S);
+        assert_eq!(Rate::parse("5/1m").unwrap().period_us, 60 * US_PER_S);
+        assert_eq!(Rate::parse("5/250ms").unwrap().period_us, 250_000);
+        for bad in ["", "10", "0/1s", "10/0s", "10/1x", "ten/1s", "10/s1", "-1/1s"] {
+            assert!(Rate::parse(bad).is_err(), "{bad} should fail");
+        }
+    }
+
+    #[test]
+    fn scale_makes_refill_integral() {
+        let k7 = p("600/60s", 20);
+        assert_eq!((k7.scale, k7.refill), (100_000, 1));
+        let exports = p("1/5s", 1);
+        assert_eq!((exports.scale, exports.refill), (5_000_000, 1));
+        let big = p("10000/1s", 20_000);
+        assert_eq!((big.scale, big.refill), (100, 1));
+        assert!(BucketParams::new(Rate::parse("1/1h").unwrap(), 10_000_000).is_err());
+        assert!(BucketParams::new(Rate::parse("1/2h").unwrap(), 1).is_err());
+    }
+
+    #[test]
+    fn storm_token_boundary_is_exact() {
+        // k-7: the 20th storm request at 47.5 ms leaves 0.475 tokens; at 100 ms the bucket
+        // holds exactly 1 token and must admit.
+        let k7 = p("600/60s", 20);
+        let mut state = None;
+        let mut admitted = vec![];
+        for i in 0..41u64 {
+            let now = i * 2_500;
+            let c = [Charge {
+                params: k7,
+                cost: 1,
+                shadow: false,
+            }];
+            let mut s = [state];
+            let mut v = [BucketVerdict {
+                sufficient: false,
+                tokens: 0,
+                wait_us: None,
+            }];
+            if check_all(&c, &mut s, now, &mut v) {
+                admitted.push(i);
+            }
+            state = s[0];
+        }
+        assert_eq!(admitted.len(), 21);
+        assert_eq!(*admitted.last().unwrap(), 40);
+    }
+
+    #[test]
+    fn all_or_nothing_and_longest_wait() {
+        // Replay M: the plan holds 20, the export bucket is empty; the export is refused and
+        // the plan is untouched.
+        let plan = p("600/60s", 20);
+        let exports = p("1/5s", 1);
+        let charges = [
+            Charge {
+                params: plan,
+                cost: 10,
+                shadow: false,
+            },
+            Charge {
+                params: exports,
+                cost: 1,
+                shadow: false,
+            },
+        ];
+        let mut states = [None, None];
+        let mut v = [BucketVerdict {
+            sufficient: false,
+            tokens: 0,
+            wait_us: None,
+        }; 2];
+        assert!(check_all(&charges, &mut states, 100_000, &mut v));
+        assert_eq!(v[0].remaining(&plan), 10);
+        assert!(!check_all(&charges, &mut states, 101_000, &mut v));
+        // The plan refilled 1 ms (0.01 tokens) and was not charged.
+        assert_eq!(v[0].tokens, 10 * plan.scale + 1_000);
+        assert!(v[0].sufficient);
+        assert_eq!(v[1].wait_us, Some(4_999_000));
+        assert_eq!(retry_after_secs(v[1].wait_us.unwrap()), 5);
+    }
+
+    #[test]
+    fn tightening_clamps_and_loosening_refills_from_current() {
+        let wide = p("10/1s", 20);
+        let narrow = p("10/1s", 5);
+        let full = BucketState {
+            tokens: wide.capacity,
+            ts: 0,
+            scale: wide.scale,
+        };
+        assert_eq!(refill(&narrow, Some(full), 0), narrow.capacity);
+        let fast = p("20/1s", 20);
+        assert_ne!(fast.scale, wide.scale);
+        let two = BucketState {
+            tokens: 2 * wide.scale,
+            ts: 0,
+            scale: wide.scale,
+        };
+        // 100 ms at 20/s adds 2 tokens to the 2 already there.
+        assert_eq!(refill(&fast, Some(two), 100_000), 4 * fast.scale);
+        assert_eq!(rescale(7 * 3 + 2, 3, 5), 7 * 5 + 3);
+    }
+
+    #[test]
+    fn cost_above_burst_has_no_wait() {
+        let b = p("1/5s", 1);
+        assert_eq!(wait_us(&b, b.capacity, b.units(2)), None);
+    }
+}

@@ -1,0 +1,94 @@
+//! Our token-bucket mapping of the IETF `RateLimit-Policy` and `RateLimit` fields
+//! (draft-ietf-httpapi-ratelimit-headers-11), serialized as RFC 9651 structured fields.
+//!
+//! The draft defines quota policies over windows; a token bucket has two numbers, so each
+//! limit advertises two policies: its burst, `"<name>-burst";q=b;w=ceil(b/r)` (the bucket
+//! refills from empty in that window), and its rate, `"<name>";q=N;w=P`. `RateLimit` names the
+//! burst policy of the deciding bucket, with `r` its whole tokens left and `t` the seconds to
+//! wait: on a refusal the same wait as `Retry-After`, on an admission the seconds until the
+//! bucket is full again (0 when it is full).
+
+use http::HeaderValue;
+use sfv::{ItemSerializer, KeyRef, ListSerializer, StringRef};
+
+use super::bucket::{BucketParams, US_PER_S};
+
+/// Precomputed at rule load: the `RateLimit-Policy` value of one limit with these numbers.
+pub fn policy_value(name: &str, p: &BucketParams) -> Result<HeaderValue, String> {
+    let burst_name = format!("{name}-burst");
+    let q = KeyRef::constant("q");
+    let w = KeyRef::constant("w");
+    let sfv_int = |v: u64| {
+        sfv::Integer::try_from(v).map_err(|_| format!("{v} is too large for a structured field integer"))
+    };
+    let burst_window = p.fill_time_us().div_ceil(US_PER_S).max(1);
+    let rate_window = p.rate.period_us.div_ceil(US_PER_S).max(1);
+    let mut ser = ListSerializer::new();
+    ser.bare_item(StringRef::from_str(&burst_name).map_err(|e| format!("limit name {name:?}: {e}"))?)
+        .parameter(q, sfv_int(p.burst)?)
+        .parameter(w, sfv_int(burst_window)?);
+    ser.bare_item(StringRef::from_str(name).map_err(|e| format!("limit name {name:?}: {e}"))?)
+        .parameter(q, sfv_int(p.rate.tokens)?)
+        .parameter(w, sfv_int(rate_window)?);
+    let text = ser.finish().unwrap_or_default();
+    HeaderValue::from_str(&text).map_err(|e| format!("limit name {name:?}: {e}"))
+}
+
+/// The `RateLimit` value for one answer: `"<name>-burst";r=<remaining>;t=<seconds>`.
+pub fn state_value(name: &str, remaining: u64, t_secs: u64) -> HeaderValue {
+    let mut burst_name = String::with_capacity(name.len() + 6);
+    burst_name.push_str(name);
+    burst_name.push_str("-burst");
+    let mut out = String::with_capacity(burst_name.len() + 24);
+    let text = match StringRef::from_str(&burst_name) {
+        Ok(s) => {
+            ItemSerializer::with_buffer(&mut out)
+                .bare_item(s)
+                .parameter(KeyRef::constant("r"), clamp(remaining))
+                .parameter(KeyRef::constant("t"), clamp(t_secs));
+            out
+        }
+        // Names are validated at load, so this is unreachable in practice; never panic on it.
+        Err(_) => String::new(),
+    };
+    HeaderValue::from_str(&text).unwrap_or_else(|_| HeaderValue::from_static(""))
+}
+
+fn clamp(v: u64) -> sfv::Integer {
+    sfv::Integer::try_from(v.min(999_999_999_999_999)).unwrap_or(sfv::Integer::constant(0))
+}
+
+/// Seconds until a bucket holding `tokens` units is full again.
+pub fn secs_to_full(p: &BucketParams, tokens: u64) -> u64 {
+    p.capacity
+        .saturating_sub(tokens)
+        .div_ceil(p.refill)
+        .div_ceil(US_PER_S)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limit::bucket::Rate;
+
+    #[test]
+    fn k7_policy_matches_the_spec_example() {
+        let p = BucketParams::new(Rate::parse("600/60s").unwrap(), 20).unwrap();
+        assert_eq!(
+            policy_value("k7", &p).unwrap(),
+            r#""k7-burst";q=20;w=2, "k7";q=600;w=60"#
+        );
+        assert_eq!(state_value("k7", 0, 1), r#""k7-burst";r=0;t=1"#);
+    }
+
+    #[test]
+    fn windows_round_up() {
+        let p = BucketParams::new(Rate::parse("1/5s").unwrap(), 1).unwrap();
+        assert_eq!(
+            policy_value("exports", &p).unwrap(),
+            r#""exports-burst";q=1;w=5, "exports";q=1;w=5"#
+        );
+        assert_eq!(secs_to_full(&p, 0), 5);
+        assert_eq!(secs_to_full(&p, p.capacity), 0);
+    }
+}

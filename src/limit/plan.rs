@@ -1,0 +1,208 @@
+//! From a matched route and an identity to the batch of buckets one request must pay.
+
+use std::fmt::Write as _;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use http::HeaderMap;
+
+use super::bucket::Charge;
+use crate::rules::{ApiKey, Dimension, Limit, Prepared, Route, Snapshot};
+use crate::store::{Batch, CheckItem};
+
+/// Why a request's buckets can't be named.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    #[error("limit {limit:?} needs the {header} header")]
+    MissingHeader { limit: Arc<str>, header: String },
+    #[error("the {header} header is not valid for limit {limit:?}")]
+    BadHeader { limit: Arc<str>, header: String },
+}
+
+/// Header values longer than this are named by their hash in bucket keys.
+const MAX_VALUE_IN_KEY: usize = 64;
+
+/// Appends a header value to a bucket name so it can't break out of its hash tag or its
+/// segment: `{`, `}`, `:` and `%` and any byte outside printable ASCII are %-escaped, and a
+/// long value is replaced by a hash.
+fn push_value(out: &mut String, value: &[u8]) {
+    if value.len() > MAX_VALUE_IN_KEY {
+        out.push_str("sha256=");
+        let h = crate::rules::hash_secret(value);
+        out.push_str(&hex::encode(&h[..16]));
+        return;
+    }
+    for &b in value {
+        match b {
+            b'{' | b'}' | b':' | b'%' => {
+                let _ = write!(out, "%{b:02X}");
+            }
+            0x21..=0x7e => out.push(b as char),
+            _ => {
+                let _ = write!(out, "%{b:02X}");
+            }
+        }
+    }
+}
+
+fn ip_tag(out: &mut String, ip: IpAddr) {
+    let _ = write!(out, "rl:{{ip:{ip}}}:");
+}
+
+/// Builds the batch for one request. `key` is the authenticated key, if any.
+pub fn build(
+    snap: &Snapshot,
+    route: &Route,
+    key: Option<usize>,
+    ip: IpAddr,
+    headers: &HeaderMap,
+) -> Result<Batch, PlanError> {
+    let key: Option<&ApiKey> = key.map(|k| &snap.keys[k]);
+    let mut batch = Batch::new();
+    let mut has_unauth = false;
+    for &(li, cost) in &route.costs {
+        let idx = li as usize;
+        let limit = &snap.limits[idx];
+        if key.is_none() && Some(li) == snap.unauthenticated.map(|u| u.0) {
+            has_unauth = true;
+        }
+        let Some(item) = item_for(limit, idx, key, route, ip, headers, cost)? else {
+            continue;
+        };
+        batch.push(item);
+    }
+    if key.is_none()
+        && !has_unauth
+        && let Some((li, cost)) = snap.unauthenticated
+    {
+        batch.extend(unauthenticated(snap, li, cost, ip));
+    }
+    Ok(batch)
+}
+
+/// The unauthenticated bucket alone: what a request with a missing or unknown key pays.
+pub fn unauthenticated_only(snap: &Snapshot, ip: IpAddr) -> Batch {
+    let mut batch = Batch::new();
+    if let Some((li, cost)) = snap.unauthenticated {
+        batch.extend(unauthenticated(snap, li, cost, ip));
+    }
+    batch
+}
+
+fn unauthenticated(snap: &Snapshot, li: u16, cost: u64, ip: IpAddr) -> Option<CheckItem> {
+    let limit = &snap.limits[li as usize];
+    let numbers = limit.numbers.as_ref()?;
+    let mut name = String::with_capacity(48);
+    ip_tag(&mut name, ip);
+    name.push_str(&limit.name);
+    Some(CheckItem::new(
+        name.into(),
+        Charge {
+            params: numbers.params,
+            cost,
+            shadow: limit.shadow(),
+        },
+        li,
+        limit.policy,
+    ))
+}
+
+fn item_for(
+    limit: &Limit,
+    idx: usize,
+    key: Option<&ApiKey>,
+    route: &Route,
+    ip: IpAddr,
+    headers: &HeaderMap,
+    cost: u64,
+) -> Result<Option<CheckItem>, PlanError> {
+    let numbers = match key {
+        Some(k) => k.numbers(limit, idx),
+        None => limit.numbers.as_ref(),
+    };
+    let Some(numbers) = numbers else {
+        // A key limit without a key, or without numbers for this caller: nothing to pay.
+        return Ok(None);
+    };
+    let charge = Charge {
+        params: numbers.params,
+        cost,
+        shadow: limit.shadow(),
+    };
+    let prepared = |p: &Prepared| CheckItem {
+        key: p.key.clone(),
+        fp: p.fp,
+        charge,
+        limit: idx as u16,
+        policy: limit.policy,
+    };
+    let mut name = String::with_capacity(64);
+    match (&limit.dimension, key) {
+        (Dimension::Key, Some(k)) => {
+            return Ok(k.key_buckets[idx].as_ref().map(prepared));
+        }
+        (Dimension::Key, None) => return Ok(None),
+        (Dimension::Route, Some(k)) => {
+            let _ = write!(name, "rl:{{{}}}:{}:", k.tenant, limit.name);
+            push_value(&mut name, route.name.as_bytes());
+        }
+        (Dimension::Route, None) => {
+            ip_tag(&mut name, ip);
+            name.push_str(&limit.name);
+            name.push(':');
+            push_value(&mut name, route.name.as_bytes());
+        }
+        (Dimension::Ip, _) => {
+            ip_tag(&mut name, ip);
+            name.push_str(&limit.name);
+        }
+        (Dimension::Header(h), k) => {
+            let mut values = headers.get_all(h).iter();
+            let Some(value) = values.next() else {
+                return Err(PlanError::MissingHeader {
+                    limit: limit.name.clone(),
+                    header: h.to_string(),
+                });
+            };
+            if values.next().is_some() || value.is_empty() {
+                return Err(PlanError::BadHeader {
+                    limit: limit.name.clone(),
+                    header: h.to_string(),
+                });
+            }
+            match k {
+                Some(k) => {
+                    let _ = write!(name, "rl:{{{}}}:{}:", k.tenant, limit.name);
+                    push_value(&mut name, value.as_bytes());
+                }
+                None => {
+                    name.push_str("rl:{h:");
+                    push_value(&mut name, value.as_bytes());
+                    name.push_str("}:");
+                    name.push_str(&limit.name);
+                }
+            }
+        }
+    }
+    Ok(Some(CheckItem::new(
+        name.into(),
+        charge,
+        idx as u16,
+        limit.policy,
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_values_cannot_escape_their_tag() {
+        let mut s = String::new();
+        push_value(&mut s, b"a}b{c:d%e f");
+        assert_eq!(s, "a%7Db%7Bc%3Ad%25e%20f");
+        let mut long = String::new();
+        push_value(&mut long, &[b'x'; 200]);
+        assert!(long.starts_with("sha256=") && long.len() == 7 + 32);
+    }
+}

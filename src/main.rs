@@ -1,0 +1,138 @@
+//! The `tollgate` command: parses flags, sets up logging, and hands over to the library.
+
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use tollgate::app::{self, GatewayConfig, RulesSource};
+use tollgate::config::{Cli, Command, CommonArgs, LogFormat, StoreUrl};
+use tollgate::identity::TrustedProxies;
+use tollgate::server::{self, ServerLimits};
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TOLLGATE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Human => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).with_current_span(false).init(),
+    }
+}
+
+fn config(rules: RulesSource, c: &CommonArgs, demo: bool) -> Result<GatewayConfig> {
+    let mut cfg = GatewayConfig::new(rules);
+    cfg.listen = c.listen;
+    cfg.admin_listen = c.admin_listen;
+    cfg.store = StoreUrl::parse(&c.store).map_err(anyhow::Error::msg)?;
+    cfg.tls = match (&c.tls_cert, &c.tls_key) {
+        (Some(cert), Some(key)) => Some((cert.clone(), key.clone())),
+        _ => None,
+    };
+    cfg.trusted = TrustedProxies::parse(&c.trusted_proxy).map_err(anyhow::Error::msg)?;
+    cfg.limits = ServerLimits {
+        header_read_timeout: c.header_timeout,
+        drain_timeout: c.drain_timeout,
+        max_header_bytes: c.max_header_bytes,
+        ..ServerLimits::default()
+    };
+    cfg.demo = demo;
+    Ok(cfg)
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot listen for SIGTERM");
+            return std::future::pending().await;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
+    }
+}
+
+async fn run_gateway(cfg: GatewayConfig, demo: bool) -> Result<()> {
+    let scheme = if cfg.tls.is_some() { "https" } else { "http" };
+    let running = app::start(cfg).await.context("tollgate could not start")?;
+    let snap = running.rules.load();
+    println!(
+        "tollgate listening on {scheme}://{} (store: {}, rules version {} from {})",
+        running.addr,
+        running.store.kind(),
+        snap.version,
+        snap.source
+    );
+    if let Some(a) = running.admin_addr {
+        println!("admin listening on http://{a}");
+    }
+    if demo {
+        if let Some(u) = running.demo_upstream {
+            println!("demo upstream \"orders\" on http://{u}");
+        }
+        println!("demo keys:");
+        for k in &snap.keys {
+            println!("  {:<6} {}", &*k.id, k.name.as_deref().unwrap_or(""));
+        }
+        println!(
+            "try: curl -i -H 'Authorization: Bearer k7-demo-key' {scheme}://{}/v1/orders",
+            running.addr
+        );
+    }
+    drop(snap);
+    shutdown_signal().await;
+    let open = running.shutdown().await;
+    if open > 0 {
+        tracing::warn!(open, "exited with connections still open after the drain timeout");
+    }
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let format = match &cli.command {
+        Command::Serve(a) => a.common.log_format,
+        Command::Demo(a) => a.common.log_format,
+        Command::DemoUpstream { .. } => LogFormat::Human,
+    };
+    init_logging(format);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    rt.block_on(async move {
+        match cli.command {
+            Command::Serve(a) => {
+                let cfg = config(RulesSource::File(a.rules.clone()), &a.common, false)?;
+                run_gateway(cfg, false).await
+            }
+            Command::Demo(a) => {
+                let rules = match &a.rules {
+                    Some(p) => RulesSource::File(p.clone()),
+                    None => RulesSource::demo(),
+                };
+                let cfg = config(rules, &a.common, true)?;
+                run_gateway(cfg, true).await
+            }
+            Command::DemoUpstream { listen } => {
+                let l = tokio::net::TcpListener::bind(listen)
+                    .await
+                    .with_context(|| format!("cannot listen on {listen}"))?;
+                println!("demo upstream listening on http://{}", l.local_addr()?);
+                server::run(
+                    l,
+                    None,
+                    Arc::new(tollgate::demo::DemoUpstream),
+                    ServerLimits::default(),
+                    shutdown_signal(),
+                )
+                .await;
+                Ok(())
+            }
+        }
+    })
+}

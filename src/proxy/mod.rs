@@ -1,0 +1,201 @@
+//! Forwarding to upstreams: a pooled client, hop-by-hop stripping, `X-Forwarded-*`, and 502/504
+//! for upstreams that refuse, reset or stall.
+
+use std::net::IpAddr;
+use std::time::Duration;
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Request, Response, Uri, Version};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use crate::identity::{KeySource, X_API_KEY};
+use crate::respond::{Body, Refusal};
+use crate::rules::Upstream;
+
+/// Headers that describe one connection, not the message (RFC 9110 7.6.1), so a proxy never
+/// forwards them.
+const HOP_BY_HOP: [&str; 9] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "proxy-authenticate",
+    "proxy-authorization",
+];
+
+pub static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+pub static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+pub static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+/// The authenticated key's public id, for the upstream; never the secret.
+pub static X_TOLLGATE_KEY_ID: HeaderName = HeaderName::from_static("x-tollgate-key-id");
+pub static X_TOLLGATE_TENANT: HeaderName = HeaderName::from_static("x-tollgate-tenant");
+
+/// Removes hop-by-hop headers, including every header the `Connection` header names.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for n in named {
+        headers.remove(n);
+    }
+    for n in HOP_BY_HOP {
+        headers.remove(n);
+    }
+}
+
+/// What the proxy needs to know about the caller.
+#[derive(Debug, Clone, Copy)]
+pub struct Caller<'a> {
+    /// The TCP peer.
+    pub peer: IpAddr,
+    /// Whether the peer is a trusted proxy whose `X-Forwarded-*` we keep.
+    pub peer_trusted: bool,
+    /// `http` or `https`, as the client reached us.
+    pub proto: &'static str,
+    /// The authenticated key: (public id, tenant), and where its secret came from.
+    pub key: Option<(&'a str, &'a str, KeySource)>,
+}
+
+/// The pooled upstream client.
+#[derive(Clone)]
+pub struct Proxy {
+    client: Client<HttpConnector, Body>,
+}
+
+impl Default for Proxy {
+    fn default() -> Self {
+        Proxy::new()
+    }
+}
+
+impl Proxy {
+    pub fn new() -> Proxy {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(Duration::from_secs(5)));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .pool_max_idle_per_host(256)
+            .build(connector);
+        Proxy { client }
+    }
+
+    /// Sends `req` to `up` and returns its response with hop-by-hop headers removed. The
+    /// bodies stream both ways; nothing is buffered whole.
+    pub async fn forward(
+        &self,
+        up: &Upstream,
+        mut req: Request<Body>,
+        caller: Caller<'_>,
+    ) -> Result<Response<Incoming>, Refusal> {
+        let original_host = req.headers().get(header::HOST).cloned().or_else(|| {
+            req.uri()
+                .authority()
+                .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+        });
+        let path_and_query = req.uri().path_and_query().map_or("/", |p| p.as_str());
+        let mut target = String::with_capacity(up.path_prefix.len() + path_and_query.len() + 32);
+        target.push_str(up.scheme.as_str());
+        target.push_str("://");
+        target.push_str(up.authority.as_str());
+        target.push_str(&up.path_prefix);
+        target.push_str(path_and_query);
+        *req.uri_mut() = target
+            .parse::<Uri>()
+            .map_err(|e| Refusal::BadRequest(format!("request target can't be forwarded: {e}")))?;
+        *req.version_mut() = Version::HTTP_11;
+
+        let h = req.headers_mut();
+        strip_hop_by_hop(h);
+        h.remove(&X_TOLLGATE_KEY_ID);
+        h.remove(&X_TOLLGATE_TENANT);
+        if let Some((id, tenant, source)) = caller.key {
+            // The upstream learns who called from us, not from the secret.
+            match source {
+                KeySource::Bearer => {
+                    h.remove(header::AUTHORIZATION);
+                }
+                KeySource::ApiKeyHeader => {
+                    h.remove(X_API_KEY);
+                }
+                KeySource::Both => {
+                    h.remove(header::AUTHORIZATION);
+                    h.remove(X_API_KEY);
+                }
+            }
+            if let Ok(v) = HeaderValue::from_str(id) {
+                h.insert(X_TOLLGATE_KEY_ID.clone(), v);
+            }
+            if let Ok(v) = HeaderValue::from_str(tenant) {
+                h.insert(X_TOLLGATE_TENANT.clone(), v);
+            }
+        }
+        let peer = HeaderValue::from_str(&caller.peer.to_string())
+            .unwrap_or_else(|_| HeaderValue::from_static("unknown"));
+        let forwarded_for = match (caller.peer_trusted, h.get(&X_FORWARDED_FOR)) {
+            (true, Some(prior)) => {
+                let mut v = prior.as_bytes().to_vec();
+                v.extend_from_slice(b", ");
+                v.extend_from_slice(peer.as_bytes());
+                HeaderValue::from_bytes(&v).unwrap_or(peer)
+            }
+            _ => peer,
+        };
+        h.insert(X_FORWARDED_FOR.clone(), forwarded_for);
+        if !caller.peer_trusted || !h.contains_key(&X_FORWARDED_PROTO) {
+            h.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static(caller.proto));
+        }
+        if (!caller.peer_trusted || !h.contains_key(&X_FORWARDED_HOST))
+            && let Some(host) = original_host
+        {
+            h.insert(X_FORWARDED_HOST.clone(), host);
+        }
+        if let Ok(v) = HeaderValue::from_str(up.authority.as_str()) {
+            h.insert(header::HOST, v);
+        }
+
+        let mut resp = match tokio::time::timeout(up.timeout, self.client.request(req)).await {
+            Err(_) => return Err(Refusal::GatewayTimeout),
+            Ok(Err(e)) => {
+                let what = if e.is_connect() {
+                    format!("upstream {:?} refused the connection", &*up.name)
+                } else {
+                    format!("upstream {:?} closed the connection before answering", &*up.name)
+                };
+                tracing::debug!(upstream = &*up.name, error = %e, "upstream failed");
+                return Err(Refusal::BadGateway(what));
+            }
+            Ok(Ok(r)) => r,
+        };
+        strip_hop_by_hop(resp.headers_mut());
+        Ok(resp)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strips_hop_by_hop_and_connection_named() {
+        let mut h = HeaderMap::new();
+        h.insert("connection", HeaderValue::from_static("keep-alive, x-secret-hop"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert("x-secret-hop", HeaderValue::from_static("1"));
+        h.insert("te", HeaderValue::from_static("trailers"));
+        h.insert("x-kept", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1);
+        assert!(h.contains_key("x-kept"));
+    }
+}

@@ -1,0 +1,141 @@
+//! Every answer the gateway makes itself, built in one place: each refusal or failure maps to
+//! its status, headers and small JSON body here.
+
+use bytes::Bytes;
+use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
+use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
+use http_body_util::{Either, Full};
+use hyper::body::Incoming;
+
+use crate::limit::decision::Decision;
+use crate::limit::headers::state_value;
+use crate::rules::Snapshot;
+use crate::store::CheckItem;
+
+/// Bodies the gateway sends: an upstream's streamed through, or one of its own.
+pub type Body = Either<Incoming, Full<Bytes>>;
+
+pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+
+/// A request the gateway answers itself instead of forwarding.
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    #[error("no route")]
+    NotFound,
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{0}")]
+    Unauthorized(&'static str),
+    #[error("body over {limit} bytes")]
+    PayloadTooLarge { limit: u64 },
+    #[error("rate limited by {limit}")]
+    RateLimited { limit: String, retry_after: Option<u64> },
+    #[error("limiter unavailable")]
+    LimiterUnavailable,
+    #[error("upstream overloaded")]
+    UpstreamOverloaded { retry_after: u64 },
+    #[error("bad gateway: {0}")]
+    BadGateway(String),
+    #[error("gateway timeout")]
+    GatewayTimeout,
+}
+
+impl Refusal {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Refusal::NotFound => StatusCode::NOT_FOUND,
+            Refusal::BadRequest(_) => StatusCode::BAD_REQUEST,
+            Refusal::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            Refusal::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Refusal::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Refusal::LimiterUnavailable | Refusal::UpstreamOverloaded { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+            Refusal::BadGateway(_) => StatusCode::BAD_GATEWAY,
+            Refusal::GatewayTimeout => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+
+    fn body(&self) -> serde_json::Value {
+        use serde_json::json;
+        match self {
+            Refusal::NotFound => {
+                json!({"error": "not_found", "message": "no route for this method and path"})
+            }
+            Refusal::BadRequest(m) => json!({"error": "bad_request", "message": m}),
+            Refusal::Unauthorized(m) => json!({"error": "unauthorized", "message": m}),
+            Refusal::PayloadTooLarge { limit } => {
+                json!({"error": "payload_too_large", "max_body_bytes": limit})
+            }
+            Refusal::RateLimited { limit, retry_after } => {
+                json!({"error": "rate_limited", "limit": limit, "retry_after_seconds": retry_after})
+            }
+            Refusal::LimiterUnavailable => json!({"error": "limiter_unavailable"}),
+            Refusal::UpstreamOverloaded { .. } => json!({"error": "upstream_overloaded"}),
+            Refusal::BadGateway(m) => json!({"error": "bad_gateway", "message": m}),
+            Refusal::GatewayTimeout => {
+                json!({"error": "gateway_timeout", "message": "the upstream did not answer in time"})
+            }
+        }
+    }
+
+    /// The response, without rate-limit headers (see [`budget_headers`]).
+    pub fn into_response(self) -> Response<Body> {
+        let status = self.status();
+        let body = self.body().to_string();
+        let mut resp = json_response(status, body);
+        let h = resp.headers_mut();
+        match &self {
+            Refusal::RateLimited { retry_after, .. } => {
+                if let Some(s) = retry_after {
+                    h.insert(RETRY_AFTER, HeaderValue::from(*s));
+                }
+                h.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+            }
+            Refusal::LimiterUnavailable => {
+                h.insert(RETRY_AFTER, HeaderValue::from_static("1"));
+                h.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+            }
+            Refusal::UpstreamOverloaded { retry_after } => {
+                h.insert(RETRY_AFTER, HeaderValue::from(*retry_after));
+                h.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+            }
+            _ => {}
+        }
+        resp
+    }
+}
+
+/// A JSON response the gateway makes itself.
+pub fn json_response(status: StatusCode, body: String) -> Response<Body> {
+    let mut resp = Response::new(Either::Right(Full::new(Bytes::from(body))));
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp
+}
+
+/// Adds `RateLimit-Policy` and `RateLimit` for the deciding bucket of a decision.
+pub fn budget_headers(
+    headers: &mut HeaderMap,
+    snap: &Snapshot,
+    batch: &[CheckItem],
+    key: Option<usize>,
+    d: &Decision,
+) {
+    let Some(i) = d.deciding else { return };
+    let li = batch[i].limit as usize;
+    let limit = &snap.limits[li];
+    let numbers = match key {
+        Some(k) => snap.keys[k].numbers(limit, li),
+        None => limit.numbers.as_ref(),
+    };
+    if let Some(n) = numbers {
+        headers.insert(RATELIMIT_POLICY.clone(), n.policy.clone());
+    }
+    headers.insert(
+        RATELIMIT.clone(),
+        state_value(&limit.name, d.remaining, d.reset_secs),
+    );
+}

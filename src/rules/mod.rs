@@ -1,0 +1,751 @@
+//! Rules: the JSON file parsed (`raw`), validated and compiled into one immutable [`Snapshot`].
+//!
+//! A request loads the snapshot once and uses it to the end. Every error names the file, the
+//! field and the reason; nothing is defaulted silently.
+
+pub mod raw;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use http::{HeaderName, HeaderValue, Method, uri::Authority};
+use sha2::{Digest, Sha256};
+
+use crate::limit::bucket::{BucketParams, Rate};
+use crate::limit::headers::policy_value;
+use crate::store::{FailurePolicy, fingerprint};
+pub use raw::{KeyRequirement, LimitClass, Mode};
+use raw::{RawBlock, RawDimension, RawDimensionName, RawNumbers, RawRules};
+
+/// A rules file that can't be used, with where and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{file}: {field}: {reason}")]
+pub struct RulesError {
+    pub file: String,
+    pub field: String,
+    pub reason: String,
+}
+
+/// The default time an upstream has to send its response headers.
+pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(30);
+/// The default wait for a place under an upstream's `max_in_flight`.
+pub const DEFAULT_QUEUE_TIMEOUT: Duration = Duration::from_millis(50);
+
+#[derive(Debug)]
+pub struct Upstream {
+    pub name: Arc<str>,
+    pub scheme: http::uri::Scheme,
+    pub authority: Authority,
+    /// Prepended to every request path; empty or `/prefix` without a trailing slash.
+    pub path_prefix: String,
+    pub timeout: Duration,
+    pub max_in_flight: Option<u32>,
+    pub queue_timeout: Duration,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Dimension {
+    Key,
+    Route,
+    Ip,
+    Header(HeaderName),
+}
+
+impl Dimension {
+    pub fn describe(&self) -> String {
+        match self {
+            Dimension::Key => "key".into(),
+            Dimension::Route => "route".into(),
+            Dimension::Ip => "ip".into(),
+            Dimension::Header(h) => format!("header {h}"),
+        }
+    }
+}
+
+/// A limit's numbers with their precomputed `RateLimit-Policy` value.
+#[derive(Debug, Clone)]
+pub struct Numbers {
+    pub params: BucketParams,
+    pub policy: HeaderValue,
+}
+
+/// Block size for leased limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseBlock {
+    Auto,
+    Fixed(u64),
+}
+
+#[derive(Debug)]
+pub struct Limit {
+    pub name: Arc<str>,
+    pub dimension: Dimension,
+    /// The limit's own numbers; `None` for a key limit whose numbers every key sets.
+    pub numbers: Option<Numbers>,
+    pub mode: Mode,
+    pub class: LimitClass,
+    pub policy: FailurePolicy,
+    pub lease: Option<LeaseBlock>,
+}
+
+impl Limit {
+    pub fn shadow(&self) -> bool {
+        self.mode == Mode::Shadow
+    }
+}
+
+/// One bucket name prepared at load time, so keyed requests build no strings.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    pub key: Arc<str>,
+    pub fp: u64,
+}
+
+impl Prepared {
+    pub fn new(key: String) -> Prepared {
+        Prepared {
+            fp: fingerprint(&key),
+            key: key.into(),
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct ApiKey {
+    /// The public id (`k-7`): logs, traces and replay name keys by it.
+    pub id: Arc<str>,
+    pub tenant: Arc<str>,
+    pub name: Option<String>,
+    /// The first 8 hex digits of the secret's SHA-256, the most of it that logs may show.
+    pub hash_prefix: String,
+    /// This key's numbers per limit, where it overrides the limit's.
+    pub numbers: Vec<Option<Numbers>>,
+    /// Bucket names of `key` limits, per limit index.
+    pub key_buckets: Vec<Option<Prepared>>,
+}
+
+impl ApiKey {
+    /// The numbers a bucket of `limit` uses for this key.
+    pub fn numbers<'a>(&'a self, limit: &'a Limit, idx: usize) -> Option<&'a Numbers> {
+        self.numbers
+            .get(idx)
+            .and_then(Option::as_ref)
+            .or(limit.numbers.as_ref())
+    }
+}
+
+#[derive(Debug)]
+pub struct Route {
+    pub name: Arc<str>,
+    /// `None` matches any method.
+    pub method: Option<Method>,
+    pub prefix: String,
+    pub upstream: usize,
+    pub key: KeyRequirement,
+    /// (limit index, cost), in limit order.
+    pub costs: Vec<(u16, u64)>,
+    pub max_body_bytes: Option<u64>,
+}
+
+impl Route {
+    /// Whether `path` is under this route's prefix, on segment boundaries.
+    pub fn matches_path(&self, path: &str) -> bool {
+        let Some(rest) = path.strip_prefix(self.prefix.as_str()) else {
+            return false;
+        };
+        rest.is_empty() || self.prefix.ends_with('/') || rest.starts_with('/')
+    }
+}
+
+/// The compiled rules: immutable, swapped whole.
+#[derive(Debug)]
+pub struct Snapshot {
+    pub version: u64,
+    /// SHA-256 of the file's bytes, hex.
+    pub digest: String,
+    pub source: String,
+    pub loaded_at: SystemTime,
+    pub upstreams: Vec<Upstream>,
+    pub limits: Vec<Limit>,
+    pub keys: Vec<ApiKey>,
+    key_index: HashMap<[u8; 32], usize>,
+    key_ids: HashMap<Arc<str>, usize>,
+    /// Sorted longest prefix first.
+    pub routes: Vec<Route>,
+    /// (limit index, cost) charged to every request without a valid key.
+    pub unauthenticated: Option<(u16, u64)>,
+}
+
+impl Snapshot {
+    /// The route for a method and path: the longest matching prefix.
+    pub fn route(&self, method: &Method, path: &str) -> Option<usize> {
+        self.routes
+            .iter()
+            .position(|r| r.method.as_ref().is_none_or(|m| m == method) && r.matches_path(path))
+    }
+
+    /// The key whose secret hashes to `digest`.
+    pub fn key_by_hash(&self, digest: &[u8; 32]) -> Option<usize> {
+        self.key_index.get(digest).copied()
+    }
+
+    /// The key with this public id.
+    pub fn key_by_id(&self, id: &str) -> Option<usize> {
+        self.key_ids.get(id).copied()
+    }
+
+    pub fn limit_index(&self, name: &str) -> Option<usize> {
+        self.limits.iter().position(|l| &*l.name == name)
+    }
+}
+
+/// How to compile: what the store needs of the rules.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CompileOptions {
+    /// Redis Cluster: every request's buckets must share one hash slot.
+    pub cluster: bool,
+}
+
+/// Reads and compiles a rules file.
+pub fn load(path: &Path, opts: CompileOptions) -> Result<Snapshot, RulesError> {
+    let file = path.display().to_string();
+    let bytes = std::fs::read(path).map_err(|e| RulesError {
+        file: file.clone(),
+        field: "(file)".into(),
+        reason: format!("cannot read: {e}"),
+    })?;
+    compile(&bytes, &file, opts)
+}
+
+/// Parses and compiles rules from bytes; `file` names them in errors.
+pub fn compile(bytes: &[u8], file: &str, opts: CompileOptions) -> Result<Snapshot, RulesError> {
+    let err = |field: &str, reason: String| RulesError {
+        file: file.to_string(),
+        field: field.to_string(),
+        reason,
+    };
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let raw: RawRules = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let field = if path == "." {
+            "(top level)".to_string()
+        } else {
+            path
+        };
+        err(&field, inner.to_string())
+    })?;
+    de.end().map_err(|e| {
+        err(
+            "(top level)",
+            format!("trailing data after the rules object: {e}"),
+        )
+    })?;
+    let digest = hex::encode(Sha256::digest(bytes));
+    Compiler { file, opts }.run(raw, digest)
+}
+
+struct Compiler<'a> {
+    file: &'a str,
+    opts: CompileOptions,
+}
+
+impl Compiler<'_> {
+    fn err(&self, field: impl Into<String>, reason: impl Into<String>) -> RulesError {
+        RulesError {
+            file: self.file.to_string(),
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+
+    fn numbers(&self, field: &str, name: &str, rate: &str, burst: u64) -> Result<Numbers, RulesError> {
+        let rate = Rate::parse(rate).map_err(|e| self.err(format!("{field}.rate"), e))?;
+        let params = BucketParams::new(rate, burst).map_err(|e| self.err(field, e.to_string()))?;
+        let policy = policy_value(name, &params).map_err(|e| self.err(field, e))?;
+        Ok(Numbers { params, policy })
+    }
+
+    fn run(&self, raw: RawRules, digest: String) -> Result<Snapshot, RulesError> {
+        if raw.version == 0 {
+            return Err(self.err("version", "must be a positive integer (1 or more)"));
+        }
+
+        // Upstreams.
+        let mut upstreams = Vec::new();
+        let mut upstream_index = HashMap::new();
+        for (name, u) in &raw.upstreams {
+            let field = format!("upstreams.{name}");
+            let uri: http::Uri = u
+                .url
+                .parse()
+                .map_err(|e| self.err(format!("{field}.url"), format!("{:?} is not a URL: {e}", u.url)))?;
+            let scheme = uri.scheme().cloned().ok_or_else(|| {
+                self.err(
+                    format!("{field}.url"),
+                    format!("{:?} needs a scheme, http://", u.url),
+                )
+            })?;
+            if scheme != http::uri::Scheme::HTTP {
+                return Err(self.err(
+                    format!("{field}.url"),
+                    format!("{:?}: only http:// upstreams are supported", u.url),
+                ));
+            }
+            let authority = uri
+                .authority()
+                .cloned()
+                .ok_or_else(|| self.err(format!("{field}.url"), format!("{:?} needs a host", u.url)))?;
+            if uri.query().is_some() {
+                return Err(self.err(format!("{field}.url"), "a base URL can't have a query"));
+            }
+            let path_prefix = uri.path().trim_end_matches('/').to_string();
+            let timeout = match u.timeout_ms {
+                Some(0) => return Err(self.err(format!("{field}.timeout_ms"), "must be above zero")),
+                Some(ms) => Duration::from_millis(ms),
+                None => DEFAULT_UPSTREAM_TIMEOUT,
+            };
+            if u.max_in_flight == Some(0) {
+                return Err(self.err(format!("{field}.max_in_flight"), "must be above zero"));
+            }
+            let queue_timeout = u
+                .queue_timeout_ms
+                .map(Duration::from_millis)
+                .unwrap_or(DEFAULT_QUEUE_TIMEOUT);
+            upstream_index.insert(name.clone(), upstreams.len());
+            upstreams.push(Upstream {
+                name: name.as_str().into(),
+                scheme,
+                authority,
+                path_prefix,
+                timeout,
+                max_in_flight: u.max_in_flight,
+                queue_timeout,
+            });
+        }
+
+        // Limits.
+        let mut limits = Vec::new();
+        let mut limit_index: BTreeMap<&str, usize> = BTreeMap::new();
+        for (name, l) in &raw.limits {
+            let field = format!("limits.{name}");
+            if name.is_empty()
+                || !name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+            {
+                return Err(self.err(&field, "a limit name uses only letters, digits, '-', '_' and '.'"));
+            }
+            let dimension = match &l.dimension {
+                RawDimension::Named(RawDimensionName::Key) => Dimension::Key,
+                RawDimension::Named(RawDimensionName::Route) => Dimension::Route,
+                RawDimension::Named(RawDimensionName::Ip) => Dimension::Ip,
+                RawDimension::Header(h) => {
+                    Dimension::Header(HeaderName::from_bytes(h.header.as_bytes()).map_err(|_| {
+                        self.err(
+                            format!("{field}.dimension.header"),
+                            format!("{:?} is not a header name", h.header),
+                        )
+                    })?)
+                }
+            };
+            let numbers = match (&l.rate, l.burst) {
+                (Some(rate), Some(burst)) => Some(self.numbers(&field, name, rate, burst)?),
+                (None, None) if dimension == Dimension::Key => None,
+                (None, None) => {
+                    return Err(self.err(
+                        &field,
+                        "needs \"rate\" and \"burst\" (only key limits may leave them to each key)",
+                    ));
+                }
+                (Some(_), None) => {
+                    return Err(self.err(format!("{field}.burst"), "missing: a rate needs a burst"));
+                }
+                (None, Some(_)) => {
+                    return Err(self.err(format!("{field}.rate"), "missing: a burst needs a rate"));
+                }
+            };
+            let policy = l.on_store_failure.unwrap_or(FailurePolicy::Local);
+            if l.class == LimitClass::Security && policy == FailurePolicy::Open {
+                return Err(self.err(
+                    format!("{field}.on_store_failure"),
+                    "a security limit may not fail open; use \"local\" or \"closed\"",
+                ));
+            }
+            let lease = match &l.lease {
+                None => None,
+                Some(lease) => {
+                    if l.class == LimitClass::Security {
+                        return Err(self.err(format!("{field}.lease"), "a security limit is never leased"));
+                    }
+                    if dimension != Dimension::Key {
+                        return Err(self.err(format!("{field}.lease"), "only key limits can be leased"));
+                    }
+                    match &lease.block {
+                        RawBlock::Fixed(0) => {
+                            return Err(
+                                self.err(format!("{field}.lease.block"), "must be \"auto\" or at least 1")
+                            );
+                        }
+                        RawBlock::Fixed(n) => Some(LeaseBlock::Fixed(*n)),
+                        RawBlock::Auto(s) if s == "auto" => Some(LeaseBlock::Auto),
+                        RawBlock::Auto(s) => {
+                            return Err(self.err(
+                                format!("{field}.lease.block"),
+                                format!("{s:?} is neither \"auto\" nor a number"),
+                            ));
+                        }
+                    }
+                }
+            };
+            if lease.is_some()
+                && let Some(n) = &numbers
+            {
+                self.check_leasable(&field, &n.params)?;
+            }
+            limit_index.insert(name.as_str(), limits.len());
+            limits.push(Limit {
+                name: name.as_str().into(),
+                dimension,
+                numbers,
+                mode: l.mode,
+                class: l.class,
+                policy,
+                lease,
+            });
+        }
+        if limits.len() > u16::MAX as usize {
+            return Err(self.err("limits", "too many limits"));
+        }
+
+        // Keys.
+        let mut keys: Vec<ApiKey> = Vec::new();
+        let mut key_index = HashMap::new();
+        let mut key_ids: HashMap<Arc<str>, usize> = HashMap::new();
+        let mut tenant_numbers: HashMap<String, (String, KeyNumbers)> = HashMap::new();
+        for (i, k) in raw.keys.iter().enumerate() {
+            let field = format!("keys[{i}]");
+            if k.id.is_empty() {
+                return Err(self.err(format!("{field}.id"), "must not be empty"));
+            }
+            if key_ids.contains_key(k.id.as_str()) {
+                return Err(self.err(format!("{field}.id"), format!("duplicate key id {:?}", k.id)));
+            }
+            let hash = parse_sha256(&k.sha256)
+                .map_err(|reason| self.err(format!("{field}.sha256"), format!("key {}: {reason}", k.id)))?;
+            if let Some(&other) = key_index.get(&hash) {
+                let other: &ApiKey = &keys[other];
+                return Err(self.err(
+                    format!("{field}.sha256"),
+                    format!(
+                        "duplicate key hash: keys {:?} and {:?} have the same secret",
+                        other.id, k.id
+                    ),
+                ));
+            }
+            let tenant = k.tenant.clone().unwrap_or_else(|| k.id.clone());
+            if tenant.is_empty() || tenant.contains(['{', '}']) {
+                return Err(self.err(format!("{field}.tenant"), "must be non-empty, without braces"));
+            }
+            let mut numbers = vec![None; limits.len()];
+            let mut seen = BTreeMap::new();
+            for (lname, RawNumbers { rate, burst }) in &k.limits {
+                let lfield = format!("{field}.limits.{lname}");
+                let Some(&li) = limit_index.get(lname.as_str()) else {
+                    return Err(self.err(&lfield, format!("no limit named {lname:?}")));
+                };
+                if limits[li].dimension == Dimension::Ip {
+                    return Err(self.err(&lfield, "ip limits are per address and can't be set per key"));
+                }
+                let n = self.numbers(&lfield, lname, rate, *burst)?;
+                if limits[li].lease.is_some() {
+                    self.check_leasable(&lfield, &n.params)?;
+                }
+                numbers[li] = Some(n);
+                seen.insert(lname.clone(), (rate.clone(), *burst));
+            }
+            // Keys of one tenant share buckets, so they must share numbers.
+            match tenant_numbers.get(&tenant) {
+                Some((first, theirs)) if *theirs != seen => {
+                    return Err(self.err(
+                        format!("{field}.limits"),
+                        format!(
+                            "keys {first:?} and {:?} share tenant {tenant:?} but set different limits",
+                            k.id
+                        ),
+                    ));
+                }
+                Some(_) => {}
+                None => {
+                    tenant_numbers.insert(tenant.clone(), (k.id.clone(), seen));
+                }
+            }
+            let key_buckets = limits
+                .iter()
+                .map(|l| {
+                    (l.dimension == Dimension::Key)
+                        .then(|| Prepared::new(format!("rl:{{{tenant}}}:{}", l.name)))
+                })
+                .collect();
+            key_index.insert(hash, keys.len());
+            key_ids.insert(k.id.as_str().into(), keys.len());
+            keys.push(ApiKey {
+                id: k.id.as_str().into(),
+                tenant: tenant.into(),
+                name: k.name.clone(),
+                hash_prefix: hex::encode(&hash[..4]),
+                numbers,
+                key_buckets,
+            });
+        }
+
+        // Routes.
+        let mut routes = Vec::new();
+        let mut seen_routes = HashMap::new();
+        for (i, r) in raw.routes.iter().enumerate() {
+            let field = format!("routes[{i}]");
+            let method = if r.method == "*" {
+                None
+            } else {
+                Some(Method::from_bytes(r.method.as_bytes()).map_err(|_| {
+                    self.err(
+                        format!("{field}.method"),
+                        format!("{:?} is not an HTTP method (or \"*\")", r.method),
+                    )
+                })?)
+            };
+            if !r.path.starts_with('/') {
+                return Err(self.err(
+                    format!("{field}.path"),
+                    format!("{:?} must start with '/'", r.path),
+                ));
+            }
+            let Some(&upstream) = upstream_index.get(&r.upstream) else {
+                return Err(self.err(
+                    format!("{field}.upstream"),
+                    format!(
+                        "no upstream named {:?} (known: {:?})",
+                        r.upstream,
+                        raw.upstreams.keys().collect::<Vec<_>>()
+                    ),
+                ));
+            };
+            let name = r
+                .name
+                .clone()
+                .unwrap_or_else(|| format!("{} {}", r.method, r.path));
+            if let Some(prev) = seen_routes.insert((r.method.clone(), r.path.clone()), i) {
+                return Err(self.err(&field, format!("same method and path as routes[{prev}]")));
+            }
+            if routes.iter().any(|x: &Route| *x.name == *name) {
+                return Err(self.err(format!("{field}.name"), format!("duplicate route name {name:?}")));
+            }
+            let mut costs = Vec::new();
+            for (lname, &cost) in &r.cost {
+                let cfield = format!("{field}.cost.{lname}");
+                let Some(&li) = limit_index.get(lname.as_str()) else {
+                    return Err(self.err(&cfield, format!("no limit named {lname:?}")));
+                };
+                if cost == 0 {
+                    return Err(self.err(&cfield, "a cost must be at least 1; leave the limit out instead"));
+                }
+                let limit = &limits[li];
+                let check = |n: &Numbers, who: &str| {
+                    if cost > n.params.burst {
+                        Err(self.err(
+                            &cfield,
+                            format!(
+                                "route {name:?} costs {cost} in limit {lname:?}, above its burst {}{who}: it could never pass",
+                                n.params.burst
+                            ),
+                        ))
+                    } else {
+                        Ok(())
+                    }
+                };
+                if let Some(n) = &limit.numbers {
+                    check(n, "")?;
+                }
+                for k in &keys {
+                    match k.numbers(limit, li) {
+                        Some(n) => check(n, &format!(" for key {:?}", k.id))?,
+                        None if r.key == KeyRequirement::Required || limit.dimension == Dimension::Key => {
+                            return Err(self.err(
+                                format!("keys[{}].limits.{lname}", key_ids[&k.id]),
+                                format!(
+                                    "limit {lname:?} has no numbers of its own and key {:?} sets none, but route {name:?} charges it",
+                                    k.id
+                                ),
+                            ));
+                        }
+                        None => {}
+                    }
+                }
+                costs.push((li as u16, cost));
+            }
+            routes.push(Route {
+                name: name.into(),
+                method,
+                prefix: r.path.clone(),
+                upstream,
+                key: r.key,
+                costs,
+                max_body_bytes: r.max_body_bytes,
+            });
+        }
+        // Longest prefix first; a route with a method before the catch-all of the same prefix.
+        routes.sort_by(|a, b| {
+            b.prefix
+                .len()
+                .cmp(&a.prefix.len())
+                .then_with(|| a.method.is_none().cmp(&b.method.is_none()))
+        });
+
+        let unauthenticated = match &raw.unauthenticated {
+            None => None,
+            Some(u) => {
+                let Some(&li) = limit_index.get(u.limit.as_str()) else {
+                    return Err(self.err("unauthenticated.limit", format!("no limit named {:?}", u.limit)));
+                };
+                if limits[li].dimension != Dimension::Ip {
+                    return Err(self.err(
+                        "unauthenticated.limit",
+                        format!("limit {:?} must have dimension \"ip\"", u.limit),
+                    ));
+                }
+                if u.cost == 0 {
+                    return Err(self.err("unauthenticated.cost", "must be at least 1"));
+                }
+                if let Some(n) = &limits[li].numbers
+                    && u.cost > n.params.burst
+                {
+                    return Err(self.err(
+                        "unauthenticated.cost",
+                        format!(
+                            "cost {} is above the burst {} of limit {:?}",
+                            u.cost, n.params.burst, u.limit
+                        ),
+                    ));
+                }
+                Some((li as u16, u.cost))
+            }
+        };
+
+        if self.opts.cluster {
+            self.check_one_slot(&routes, &limits, unauthenticated)?;
+        }
+
+        Ok(Snapshot {
+            version: raw.version,
+            digest,
+            source: self.file.to_string(),
+            loaded_at: SystemTime::now(),
+            upstreams,
+            limits,
+            keys,
+            key_index,
+            key_ids,
+            routes,
+            unauthenticated,
+        })
+    }
+
+    /// Leasing pays only for hot capacity limits: at least 500 tokens a second.
+    fn check_leasable(&self, field: &str, p: &BucketParams) -> Result<(), RulesError> {
+        if (p.rate.tokens as u128) * 1_000_000 < 500 * p.rate.period_us as u128 {
+            return Err(self.err(
+                format!("{field}.lease"),
+                format!("rate {} is under 500/s; leasing is for hot keys only", p.rate),
+            ));
+        }
+        Ok(())
+    }
+
+    /// In Redis Cluster one script reaches one slot, so every bucket of one request must
+    /// share a hash tag. Buckets of a keyed request are tagged with the tenant, except IP
+    /// buckets, tagged with the address; without a key, header buckets are tagged with the
+    /// header's value. A route that mixes tags can't be checked in one atomic step there, so
+    /// it is refused at load, naming the limits.
+    fn check_one_slot(
+        &self,
+        routes: &[Route],
+        limits: &[Limit],
+        unauth: Option<(u16, u64)>,
+    ) -> Result<(), RulesError> {
+        for r in routes {
+            let mut scenarios: Vec<(&str, BTreeMap<String, Vec<&str>>)> = Vec::new();
+            let mut keyed: BTreeMap<String, Vec<&str>> = BTreeMap::new();
+            for &(li, _) in &r.costs {
+                let l = &limits[li as usize];
+                let tag = if l.dimension == Dimension::Ip {
+                    "the client IP"
+                } else {
+                    "the tenant"
+                };
+                keyed.entry(tag.to_string()).or_default().push(&l.name);
+            }
+            scenarios.push(("with a key", keyed));
+            if r.key == KeyRequirement::Optional {
+                let mut open: BTreeMap<String, Vec<&str>> = BTreeMap::new();
+                for &(li, _) in &r.costs {
+                    let l = &limits[li as usize];
+                    let tag = match &l.dimension {
+                        Dimension::Key => continue,
+                        Dimension::Route | Dimension::Ip => "the client IP".to_string(),
+                        Dimension::Header(h) => format!("the {h} header"),
+                    };
+                    open.entry(tag).or_default().push(&l.name);
+                }
+                if let Some((li, _)) = unauth {
+                    let name = &*limits[li as usize].name;
+                    let ip = open.entry("the client IP".to_string()).or_default();
+                    if !ip.contains(&name) {
+                        ip.push(name);
+                    }
+                }
+                scenarios.push(("without a key", open));
+            }
+            for (when, tags) in scenarios {
+                if tags.len() > 1 {
+                    let parts: Vec<String> = tags
+                        .iter()
+                        .map(|(tag, names)| format!("{names:?} on {tag}"))
+                        .collect();
+                    return Err(self.err(
+                        format!("routes ({})", r.name),
+                        format!(
+                            "with redis-cluster:// every bucket of one request must share one hash slot, but {when} this route keys limits {}",
+                            parts.join(" and ")
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A key's own numbers as written, per limit: keys of one tenant must agree on them.
+type KeyNumbers = BTreeMap<String, (String, u64)>;
+
+fn parse_sha256(text: &str) -> Result<[u8; 32], String> {
+    if text.len() != 64
+        || !text
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    {
+        return Err(format!(
+            "{text:?} is not 64 lower-case hex digits (the SHA-256 of the key)"
+        ));
+    }
+    let mut out = [0u8; 32];
+    hex::decode_to_slice(text, &mut out).map_err(|e| e.to_string())?;
+    Ok(out)
+}
+
+/// The SHA-256 of a presented secret: the only form in which keys are compared.
+pub fn hash_secret(secret: &[u8]) -> [u8; 32] {
+    Sha256::digest(secret).into()
+}

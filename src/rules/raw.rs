@@ -1,0 +1,185 @@
+//! The rules file as written: serde types with `deny_unknown_fields`, checked later by `compile`.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+
+use crate::store::FailurePolicy;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRules {
+    /// Only goes up: a running gateway ignores a file whose version is not above its own.
+    pub version: u64,
+    pub upstreams: BTreeMap<String, RawUpstream>,
+    #[serde(default)]
+    pub limits: BTreeMap<String, RawLimit>,
+    #[serde(default)]
+    pub keys: Vec<RawKey>,
+    pub routes: Vec<RawRoute>,
+    /// The limit charged to every request that has no valid key, keyed on the client IP.
+    #[serde(default)]
+    pub unauthenticated: Option<RawUnauthenticated>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawUpstream {
+    /// Base URL: `http://host:port[/prefix]`.
+    pub url: String,
+    /// How long the upstream may take to send its response headers.
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    /// At most this many requests in flight to the upstream; past it, 503.
+    #[serde(default)]
+    pub max_in_flight: Option<u32>,
+    /// How long a request may wait for a place under `max_in_flight`.
+    #[serde(default)]
+    pub queue_timeout_ms: Option<u64>,
+}
+
+#[derive(Debug, Deserialize, Clone, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum RawDimensionName {
+    /// One bucket per tenant (the key's plan).
+    Key,
+    /// One bucket per tenant (or client IP, without a key) per route.
+    Route,
+    /// One bucket per client IP.
+    Ip,
+}
+
+#[derive(Debug, Deserialize, Clone, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct RawHeaderDimension {
+    /// One bucket per value of this request header.
+    pub header: String,
+}
+
+#[derive(Debug, Deserialize, Clone, PartialEq, Eq)]
+#[serde(untagged)]
+pub enum RawDimension {
+    Named(RawDimensionName),
+    Header(RawHeaderDimension),
+}
+
+#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Refuses when short.
+    #[default]
+    Enforce,
+    /// Computed and counted, never refuses.
+    Shadow,
+}
+
+#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LimitClass {
+    /// Protects capacity or fairness.
+    #[default]
+    Capacity,
+    /// Protects accounts (logins): never fails open, never leased.
+    Security,
+}
+
+#[derive(Debug, Deserialize, Clone, PartialEq, Eq)]
+#[serde(untagged)]
+pub enum RawBlock {
+    Fixed(u64),
+    Auto(String),
+}
+
+#[derive(Debug, Deserialize, Clone, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct RawLease {
+    /// `"auto"` or a fixed number of tokens per block.
+    pub block: RawBlock,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawLimit {
+    pub dimension: RawDimension,
+    /// `N/P`, e.g. `600/60s`. Optional for `key` limits whose numbers every key sets.
+    #[serde(default)]
+    pub rate: Option<String>,
+    #[serde(default)]
+    pub burst: Option<u64>,
+    #[serde(default)]
+    pub mode: Mode,
+    #[serde(default)]
+    pub class: LimitClass,
+    #[serde(default)]
+    pub on_store_failure: Option<FailurePolicy>,
+    #[serde(default)]
+    pub lease: Option<RawLease>,
+    #[serde(default)]
+    pub description: Option<String>,
+}
+
+#[derive(Debug, Deserialize, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct RawNumbers {
+    pub rate: String,
+    pub burst: u64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawKey {
+    /// The key's public id, as in access logs and replay traces (`k-7`). Never the secret.
+    pub id: String,
+    /// Buckets of `key` and `route` limits are per tenant; defaults to the id.
+    #[serde(default)]
+    pub tenant: Option<String>,
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Lower-case hex SHA-256 of the secret key.
+    pub sha256: String,
+    /// This key's own numbers for some limits.
+    #[serde(default)]
+    pub limits: BTreeMap<String, RawNumbers>,
+}
+
+#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum KeyRequirement {
+    /// No key: 401.
+    #[default]
+    Required,
+    /// A valid key is used when sent; without one the request is unauthenticated.
+    Optional,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRoute {
+    #[serde(default)]
+    pub name: Option<String>,
+    /// An HTTP method, or `*` for any.
+    pub method: String,
+    /// A path prefix, matched on whole segments.
+    pub path: String,
+    pub upstream: String,
+    #[serde(default)]
+    pub key: KeyRequirement,
+    /// Tokens this route costs in each limit.
+    #[serde(default)]
+    pub cost: BTreeMap<String, u64>,
+    /// Largest request body accepted, in bytes.
+    #[serde(default)]
+    pub max_body_bytes: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawUnauthenticated {
+    pub limit: String,
+    #[serde(default = "one")]
+    pub cost: u64,
+}
+
+fn one() -> u64 {
+    1
+}

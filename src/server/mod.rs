@@ -1,0 +1,155 @@
+//! Accepting connections: TCP or TLS, HTTP/1.1 and HTTP/2 (h2c prior knowledge or ALPN) on one
+//! port, and a graceful drain on shutdown.
+
+pub mod tls;
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Request, Response};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
+
+use crate::respond::Body;
+
+/// The connection a request arrived on.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnInfo {
+    pub peer: SocketAddr,
+    /// `http` or `https`.
+    pub proto: &'static str,
+}
+
+/// Anything that answers requests: the gateway, the admin endpoints, the demo upstream.
+pub trait Handler: Send + Sync + 'static {
+    fn handle(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        conn: ConnInfo,
+    ) -> impl Future<Output = Response<Body>> + Send;
+}
+
+/// Connection limits that protect the server itself.
+#[derive(Debug, Clone, Copy)]
+pub struct ServerLimits {
+    /// A client must finish sending its request headers within this time.
+    pub header_read_timeout: Duration,
+    /// How long a TLS handshake may take.
+    pub handshake_timeout: Duration,
+    /// How long to wait for requests in flight after the shutdown signal.
+    pub drain_timeout: Duration,
+    /// Largest request head accepted; larger gets 431.
+    pub max_header_bytes: usize,
+}
+
+impl Default for ServerLimits {
+    fn default() -> Self {
+        ServerLimits {
+            header_read_timeout: Duration::from_secs(10),
+            handshake_timeout: Duration::from_secs(10),
+            drain_timeout: Duration::from_secs(30),
+            max_header_bytes: 32 * 1024,
+        }
+    }
+}
+
+fn builder(limits: &ServerLimits) -> auto::Builder<TokioExecutor> {
+    let mut b = auto::Builder::new(TokioExecutor::new());
+    b.http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .max_buf_size(limits.max_header_bytes.max(8192));
+    b.http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(limits.max_header_bytes as u32);
+    b
+}
+
+/// Serves `handler` on `listener` until `shutdown` resolves, then stops accepting and waits up
+/// to the drain timeout for connections in flight. Returns how many connections were still
+/// open when the drain gave up.
+pub async fn run<H: Handler>(
+    listener: TcpListener,
+    tls: Option<TlsAcceptor>,
+    handler: Arc<H>,
+    limits: ServerLimits,
+    shutdown: impl Future<Output = ()>,
+) -> usize {
+    let graceful = GracefulShutdown::new();
+    let builder = Arc::new(builder(&limits));
+    let proto = if tls.is_some() { "https" } else { "http" };
+    tokio::pin!(shutdown);
+    loop {
+        let (tcp, peer) = tokio::select! {
+            biased;
+            () = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of descriptors and the like: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = tcp.set_nodelay(true);
+        let info = ConnInfo { peer, proto };
+        let handler = handler.clone();
+        let service = service_fn(move |req| {
+            let handler = handler.clone();
+            async move { Ok::<_, Infallible>(handler.handle(req, info).await) }
+        });
+        let watcher = graceful.watcher();
+        let builder = builder.clone();
+        match &tls {
+            None => {
+                tokio::spawn(async move {
+                    let conn = builder.serve_connection(TokioIo::new(tcp), service);
+                    if let Err(e) = watcher.watch(conn.into_owned()).await {
+                        tracing::debug!(%peer, error = %e, "connection ended with an error");
+                    }
+                });
+            }
+            Some(acceptor) => {
+                let acceptor = acceptor.clone();
+                let handshake = limits.handshake_timeout;
+                tokio::spawn(async move {
+                    let stream = match tokio::time::timeout(handshake, acceptor.accept(tcp)).await {
+                        Ok(Ok(s)) => s,
+                        Ok(Err(e)) => {
+                            tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                            return;
+                        }
+                        Err(_) => {
+                            tracing::debug!(%peer, "TLS handshake timed out");
+                            return;
+                        }
+                    };
+                    let conn = builder.serve_connection(TokioIo::new(stream), service);
+                    if let Err(e) = watcher.watch(conn.into_owned()).await {
+                        tracing::debug!(%peer, error = %e, "connection ended with an error");
+                    }
+                });
+            }
+        }
+    }
+    drop(listener);
+    let open = graceful.count();
+    tracing::info!(connections = open, "stopped accepting; draining");
+    match tokio::time::timeout(limits.drain_timeout, graceful.shutdown()).await {
+        Ok(()) => 0,
+        Err(_) => {
+            tracing::warn!("drain timeout reached with connections still open");
+            1
+        }
+    }
+}

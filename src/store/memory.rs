@@ -1,0 +1,250 @@
+//! The embedded store: buckets in this process's memory, two numbers a key, sharded by fingerprint.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use smallvec::SmallVec;
+
+use super::{CheckFuture, CheckItem, Outcome, Source, Store};
+use crate::limit::bucket::{BucketState, BucketVerdict, Charge, check_all};
+use crate::limit::clock::Clock;
+
+const SHARDS: usize = 64;
+
+/// Fingerprints are already uniform keyed hashes; hashing them again would only cost time.
+#[derive(Default)]
+struct IdentityHasher(u64);
+
+impl Hasher for IdentityHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+/// A fingerprint split in two words, so a map slot needs 4-byte alignment, not 8.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Fp([u32; 2]);
+
+impl Fp {
+    fn new(fp: u64) -> Fp {
+        Fp([fp as u32, (fp >> 32) as u32])
+    }
+}
+
+impl std::hash::Hash for Fp {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        h.write_u64(u64::from(self.0[0]) | (u64::from(self.0[1]) << 32));
+    }
+}
+
+/// A bucket in 20 bytes: with the key, a map slot is 28 bytes (29 with its control byte),
+/// which keeps a million keys under 64 bytes each even right after the table doubles.
+#[derive(Clone, Copy)]
+struct Packed {
+    tokens: [u32; 2],
+    ts: [u32; 2],
+    scale: u32,
+}
+
+fn split(v: u64) -> [u32; 2] {
+    [v as u32, (v >> 32) as u32]
+}
+
+fn join(v: [u32; 2]) -> u64 {
+    u64::from(v[0]) | (u64::from(v[1]) << 32)
+}
+
+impl Packed {
+    fn pack(s: BucketState) -> Packed {
+        Packed {
+            tokens: split(s.tokens),
+            ts: split(s.ts),
+            // Rule validation keeps every scale below 2^32.
+            scale: s.scale as u32,
+        }
+    }
+
+    fn unpack(self) -> BucketState {
+        BucketState {
+            tokens: join(self.tokens),
+            ts: join(self.ts),
+            scale: u64::from(self.scale),
+        }
+    }
+}
+
+type Shard = HashMap<Fp, Packed, BuildHasherDefault<IdentityHasher>>;
+
+/// Buckets in memory. A std `Mutex` per shard, not a tokio one: a check holds it for a few
+/// dozen nanoseconds and never across an await.
+pub struct MemoryStore {
+    shards: Box<[Mutex<Shard>]>,
+    clock: Arc<dyn Clock>,
+    /// The longest fill time (b / r) of any bucket checked so far. A bucket idle for longer
+    /// is full, exactly as a missing one, so the sweeper may drop it.
+    horizon_us: AtomicU64,
+}
+
+#[inline]
+fn shard_of(fp: u64) -> usize {
+    // hashbrown uses the low bits for the slot and the top 7 for its tag; take the shard from
+    // bits in between so neither is constant within a shard.
+    ((fp >> 32) as usize) % SHARDS
+}
+
+fn lock(m: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
+    // A panic while holding the lock can only have left whole entries behind: keep serving.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl MemoryStore {
+    pub fn new(clock: Arc<dyn Clock>) -> MemoryStore {
+        MemoryStore {
+            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+            clock,
+            horizon_us: AtomicU64::new(0),
+        }
+    }
+
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        &self.clock
+    }
+
+    /// Checks a batch at the clock's now.
+    pub fn check_now(&self, batch: &[CheckItem]) -> Outcome {
+        self.check_at(batch, self.clock.now_us())
+    }
+
+    /// Checks a batch at `now`, all or nothing, under the locks of every shard it touches.
+    pub fn check_at(&self, batch: &[CheckItem], now: u64) -> Outcome {
+        for item in batch {
+            let fill = item.charge.params.fill_time_us();
+            if fill > self.horizon_us.load(Ordering::Relaxed) {
+                self.horizon_us.fetch_max(fill, Ordering::Relaxed);
+            }
+        }
+        let mut verdicts: SmallVec<[BucketVerdict; 4]> = smallvec::smallvec![
+            BucketVerdict {
+                sufficient: false,
+                tokens: 0,
+                wait_us: None
+            };
+            batch.len()
+        ];
+        let charges: SmallVec<[Charge; 4]> = batch.iter().map(|i| i.charge).collect();
+        let allowed = if let [item] = batch {
+            let mut shard = lock(&self.shards[shard_of(item.fp)]);
+            let fp = Fp::new(item.fp);
+            let mut states = [shard.get(&fp).map(|p| p.unpack())];
+            let allowed = check_all(&charges, &mut states, now, &mut verdicts);
+            if let Some(s) = states[0] {
+                shard.insert(fp, Packed::pack(s));
+            }
+            allowed
+        } else {
+            // Lock shards in ascending order so two batches never wait on each other in a cycle.
+            let mut idx: SmallVec<[usize; 4]> = batch.iter().map(|i| shard_of(i.fp)).collect();
+            idx.sort_unstable();
+            idx.dedup();
+            let mut guards: SmallVec<[(usize, MutexGuard<'_, Shard>); 4]> =
+                idx.iter().map(|&i| (i, lock(&self.shards[i]))).collect();
+            let find = |fp: u64| -> usize {
+                let s = shard_of(fp);
+                guards.iter().position(|(i, _)| *i == s).unwrap_or(0)
+            };
+            let slots: SmallVec<[usize; 4]> = batch.iter().map(|i| find(i.fp)).collect();
+            let mut states: SmallVec<[Option<BucketState>; 4]> = batch
+                .iter()
+                .zip(&slots)
+                .map(|(i, &g)| guards[g].1.get(&Fp::new(i.fp)).map(|p| p.unpack()))
+                .collect();
+            let allowed = check_all(&charges, &mut states, now, &mut verdicts);
+            for ((item, &g), s) in batch.iter().zip(&slots).zip(&states) {
+                if let Some(s) = s {
+                    guards[g].1.insert(Fp::new(item.fp), Packed::pack(*s));
+                }
+            }
+            allowed
+        };
+        Outcome {
+            allowed,
+            now_us: now,
+            buckets: verdicts,
+            source: Source::Store,
+        }
+    }
+
+    /// The stored state of one bucket, for tests and tools.
+    pub fn peek(&self, fp: u64) -> Option<BucketState> {
+        lock(&self.shards[shard_of(fp)])
+            .get(&Fp::new(fp))
+            .map(|p| p.unpack())
+    }
+
+    /// Overwrites one bucket, for tests and tools.
+    pub fn put(&self, fp: u64, state: BucketState) {
+        lock(&self.shards[shard_of(fp)]).insert(Fp::new(fp), Packed::pack(state));
+    }
+
+    /// Live buckets.
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|s| lock(s).len()).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Drops every bucket idle for longer than the longest fill time seen: each of them is
+    /// full, so forgetting it changes no decision. Returns how many were dropped.
+    pub fn sweep(&self) -> usize {
+        let now = self.clock.now_us();
+        let horizon = self.horizon_us.load(Ordering::Relaxed);
+        let mut dropped = 0;
+        for shard in self.shards.iter() {
+            let mut s = lock(shard);
+            let before = s.len();
+            s.retain(|_, b| now.saturating_sub(join(b.ts)) < horizon);
+            dropped += before - s.len();
+            if s.capacity() > 64 && s.len() < s.capacity() / 4 {
+                s.shrink_to_fit();
+            }
+        }
+        dropped
+    }
+
+    /// Sweeps every `every` until the store is dropped.
+    pub fn spawn_sweeper(self: &Arc<Self>, every: Duration) {
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let Some(store) = weak.upgrade() else { break };
+                store.sweep();
+            }
+        });
+    }
+}
+
+impl Store for MemoryStore {
+    fn check<'a>(&'a self, batch: &'a [CheckItem]) -> CheckFuture<'a> {
+        CheckFuture::ready(Ok(self.check_now(batch)))
+    }
+
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
+}

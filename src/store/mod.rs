@@ -1,0 +1,148 @@
+//! The limiter's state behind one trait: every bucket of a request goes in one all-or-nothing call.
+//!
+//! [`MemoryStore`](memory::MemoryStore) is the embedded default. The Redis store runs the
+//! same arithmetic inside one Lua script on the store's clock. Both pass one conformance suite
+//! (`tests/store_conformance.rs`).
+
+pub mod memory;
+
+use std::future::Future;
+use std::hash::BuildHasher;
+use std::pin::Pin;
+use std::sync::{Arc, LazyLock};
+use std::task::{Context, Poll};
+
+use smallvec::SmallVec;
+
+use crate::limit::bucket::{BucketVerdict, Charge};
+
+/// What a limit does when its store can't answer. Chosen per limit, in the rules.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FailurePolicy {
+    /// A share of the limit (rate r/N, burst max(1, b/N)) in this gateway's memory.
+    Local,
+    /// Admit, and count the bypass.
+    Open,
+    /// Refuse with 503.
+    Closed,
+}
+
+/// One bucket of one request.
+#[derive(Clone, Debug)]
+pub struct CheckItem {
+    /// The bucket's name in the store, e.g. `rl:{k7}:plan`. Never holds a rule version.
+    pub key: Arc<str>,
+    /// A 64-bit keyed hash of `key`, so the embedded store never hashes or keeps the string.
+    pub fp: u64,
+    pub charge: Charge,
+    /// Index of the limit in the rules snapshot that produced this item.
+    pub limit: u16,
+    pub policy: FailurePolicy,
+}
+
+impl CheckItem {
+    pub fn new(key: Arc<str>, charge: Charge, limit: u16, policy: FailurePolicy) -> CheckItem {
+        CheckItem {
+            fp: fingerprint(&key),
+            key,
+            charge,
+            limit,
+            policy,
+        }
+    }
+}
+
+/// Every bucket of one request. Four inline slots cover the demo's largest request.
+pub type Batch = SmallVec<[CheckItem; 4]>;
+
+/// Where a bucket's answer came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// The store's shared bucket.
+    Store,
+    /// Decided without the store, under this failure policy.
+    Bypass(FailurePolicy),
+}
+
+/// The store's answer to one batch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Outcome {
+    /// Every enforced bucket held its cost, and all of them were charged.
+    pub allowed: bool,
+    /// The time the check used, in microseconds (the store's clock for Redis).
+    pub now_us: u64,
+    /// One verdict per item, in batch order.
+    pub buckets: SmallVec<[BucketVerdict; 4]>,
+    pub source: Source,
+}
+
+/// A real failure to get an answer. A refusal is an [`Outcome`], never an error.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum StoreError {
+    #[error("limiter store unavailable: {0}")]
+    Unavailable(String),
+    #[error("limiter store timed out")]
+    Timeout,
+    #[error("limiter store answered something unexpected: {0}")]
+    Protocol(String),
+    #[error("limiter store breaker is open")]
+    BreakerOpen,
+}
+
+/// The future of one check: ready at once for the embedded store (no allocation on the hot
+/// path), boxed for stores that go over the network.
+pub enum CheckFuture<'a> {
+    Ready(Option<Result<Outcome, StoreError>>),
+    Boxed(Pin<Box<dyn Future<Output = Result<Outcome, StoreError>> + Send + 'a>>),
+}
+
+impl CheckFuture<'_> {
+    pub fn ready(r: Result<Outcome, StoreError>) -> Self {
+        CheckFuture::Ready(Some(r))
+    }
+}
+
+impl Future for CheckFuture<'_> {
+    type Output = Result<Outcome, StoreError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.get_mut() {
+            CheckFuture::Ready(r) => Poll::Ready(
+                r.take()
+                    .unwrap_or_else(|| Err(StoreError::Protocol("check polled after it completed".into()))),
+            ),
+            CheckFuture::Boxed(f) => f.as_mut().poll(cx),
+        }
+    }
+}
+
+/// Holds every bucket. Implementations must check a batch all-or-nothing and atomically with
+/// respect to other checks of the same buckets.
+pub trait Store: Send + Sync + 'static {
+    fn check<'a>(&'a self, batch: &'a [CheckItem]) -> CheckFuture<'a>;
+
+    /// A short name for logs and metrics: `memory`, `redis`, `redis-cluster`.
+    fn kind(&self) -> &'static str;
+
+    /// Whether the store answers now (for `/readyz`).
+    fn ping(&self) -> CheckFuture<'_> {
+        CheckFuture::ready(Ok(Outcome {
+            allowed: true,
+            now_us: 0,
+            buckets: SmallVec::new(),
+            source: Source::Store,
+        }))
+    }
+}
+
+/// Per-process random keys, so nobody outside can craft two bucket names with one fingerprint.
+static FINGERPRINT: LazyLock<std::collections::hash_map::RandomState> =
+    LazyLock::new(std::collections::hash_map::RandomState::new);
+
+/// The embedded store's 64-bit name for a bucket. Two live buckets share one with probability
+/// about n²/2⁶⁵ (3·10⁻⁸ at a million keys); the keys are random per process.
+#[inline]
+pub fn fingerprint(key: &str) -> u64 {
+    FINGERPRINT.hash_one(key)
+}

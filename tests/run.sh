@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Runs every test. Installs redis-server (and the other servers the tests start) with apt-get
+# when missing, then runs cargo test. The tests start and stop their own servers on free ports.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need=()
+command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+command -v redis-cli >/dev/null 2>&1 || need+=(redis-tools)
+command -v node >/dev/null 2>&1 || need+=(nodejs)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "tests/run.sh: installing ${need[*]} with apt-get" >&2
+  if [ "$(id -u)" -eq 0 ]; then sudo=""; else sudo="sudo"; fi
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+cargo test --release --all-targets "$@"
