@@ -1,0 +1,332 @@
+//! Test fixtures: in-process gateways, mock upstreams, gateway processes, and a real
+//! `redis-server` on a free port. Every fixture stops what it started when dropped.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderMap, Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tollgate::app::{self, GatewayConfig, RulesSource, Running};
+use tollgate::limit::clock::{Clock, ManualClock};
+
+pub const K7: &str = "k7-demo-key";
+pub const K8: &str = "k8-demo-key";
+pub const KBIG: &str = "kbig-demo-key";
+pub const DEMO_KEYS: [&str; 3] = [K7, K8, KBIG];
+
+/// The demo rules with every upstream pointed at `upstream`.
+pub fn demo_rules_for(upstream: SocketAddr) -> String {
+    let text = std::fs::read_to_string(repo().join("rules/demo.json")).expect("rules/demo.json");
+    text.replace("http://127.0.0.1:8081", &format!("http://{upstream}"))
+}
+
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Writes `text` to a fresh temporary file and returns the directory and path.
+pub fn rules_file(text: &str) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("rules.json");
+    std::fs::write(&path, text).expect("write rules");
+    (dir, path)
+}
+
+/// A gateway in this process on 127.0.0.1:0, on the embedded store with the given clock.
+pub async fn start_gateway(rules: &str, clock: Arc<dyn Clock>) -> (Running, tempfile::TempDir) {
+    let (dir, path) = rules_file(rules);
+    let mut cfg = GatewayConfig::new(RulesSource::File(path));
+    cfg.clock = clock;
+    cfg.admin_listen = Some(SocketAddr::from(([127, 0, 0, 1], 0)));
+    let running = app::start(cfg).await.expect("gateway starts");
+    (running, dir)
+}
+
+/// The demo upstream in this process on a free port.
+pub async fn start_demo_upstream() -> SocketAddr {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(tollgate::server::run(
+        l,
+        None,
+        Arc::new(tollgate::demo::DemoUpstream),
+        tollgate::server::ServerLimits::default(),
+        std::future::pending::<()>(),
+    ));
+    addr
+}
+
+/// A demo gateway on a manual clock in this process, with its own demo upstream.
+pub async fn demo_gateway() -> (Running, Arc<ManualClock>, tempfile::TempDir) {
+    let upstream = start_demo_upstream().await;
+    let clock = ManualClock::new(1_700_000_000_000_000);
+    let (running, dir) = start_gateway(&demo_rules_for(upstream), clock.clone()).await;
+    (running, clock, dir)
+}
+
+/// An answer, read whole.
+#[derive(Debug)]
+pub struct Answer {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Answer {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {:?}", String::from_utf8_lossy(&self.body)))
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+}
+
+/// A plain HTTP/1.1 client with a connection pool.
+#[derive(Clone)]
+pub struct Http {
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl Default for Http {
+    fn default() -> Self {
+        Http::new()
+    }
+}
+
+impl Http {
+    pub fn new() -> Http {
+        Http {
+            client: Client::builder(TokioExecutor::new()).build(HttpConnector::new()),
+        }
+    }
+
+    pub async fn send(&self, method: Method, url: &str, headers: &[(&str, &str)], body: &'static [u8]) -> Answer {
+        let mut req = Request::builder().method(method).uri(url);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let resp = self
+            .client
+            .request(req.body(Full::new(Bytes::from_static(body))).unwrap())
+            .await
+            .unwrap_or_else(|e| panic!("request to {url} failed: {e}"));
+        let (parts, body) = resp.into_parts();
+        let body = body.collect().await.expect("response body").to_bytes();
+        Answer {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        }
+    }
+
+    pub async fn get(&self, url: &str, headers: &[(&str, &str)]) -> Answer {
+        self.send(Method::GET, url, headers, b"").await
+    }
+}
+
+/// Finds a binary on PATH or fails the test with a message that says how to get it.
+pub fn require_binary(name: &str) -> PathBuf {
+    for dir in std::env::var("PATH").unwrap_or_default().split(':') {
+        let p = Path::new(dir).join(name);
+        if p.is_file() {
+            return p;
+        }
+    }
+    for dir in ["/usr/bin", "/usr/sbin", "/usr/local/bin"] {
+        let p = Path::new(dir).join(name);
+        if p.is_file() {
+            return p;
+        }
+    }
+    panic!("{name} is not installed: this test needs a real {name}. Run tests/run.sh, which installs it with apt-get.");
+}
+
+/// A free TCP port on loopback (bind :0, read, release).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A real `redis-server` on a free loopback port, with no persistence; killed on drop.
+pub struct RedisServer {
+    pub port: u16,
+    child: Child,
+    _dir: tempfile::TempDir,
+}
+
+impl RedisServer {
+    pub fn start() -> RedisServer {
+        RedisServer::start_with(&[])
+    }
+
+    pub fn start_with(extra: &[&str]) -> RedisServer {
+        let bin = require_binary("redis-server");
+        let dir = tempfile::tempdir().unwrap();
+        for _ in 0..5 {
+            let port = free_port();
+            let mut child = Command::new(&bin)
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+                .args(["--dir", dir.path().to_str().unwrap()])
+                .args(extra)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("spawn redis-server");
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline {
+                if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                    return RedisServer {
+                        port,
+                        child,
+                        _dir: dir,
+                    };
+                }
+                if let Ok(Some(_)) = child.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        panic!("redis-server did not start on a free port");
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Runs `redis-cli` against this server and returns its output.
+    pub fn cli(&self, args: &[&str]) -> String {
+        let out = Command::new(require_binary("redis-cli"))
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .expect("redis-cli runs");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A `tollgate` process; killed on drop unless it already exited.
+pub struct Tollgate {
+    pub child: Child,
+    pub addr: SocketAddr,
+    pub admin: Option<SocketAddr>,
+    pub stderr_path: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Tollgate {
+    /// Starts `tollgate <args>` with `--listen 127.0.0.1:0` and waits for its address.
+    pub fn spawn(args: &[&str]) -> Tollgate {
+        let dir = tempfile::tempdir().unwrap();
+        let stderr_path = dir.path().join("stderr.log");
+        let stderr = std::fs::File::create(&stderr_path).unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+            .args(args)
+            .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+            .stdout(Stdio::piped())
+            .stderr(stderr)
+            .spawn()
+            .expect("spawn tollgate");
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = BufReader::new(stdout).lines();
+        let mut addr = None;
+        let mut admin = None;
+        for line in lines.by_ref() {
+            let line = line.unwrap_or_default();
+            if let Some(rest) = line.split("listening on http").nth(1) {
+                let a = rest.trim_start_matches('s').trim_start_matches("://");
+                let a = a.split_whitespace().next().unwrap_or("");
+                let a: SocketAddr = a.parse().unwrap_or_else(|_| panic!("bad address in {line:?}"));
+                if line.starts_with("admin") {
+                    admin = Some(a);
+                } else {
+                    addr = Some(a);
+                }
+            }
+            if addr.is_some() && admin.is_some() {
+                break;
+            }
+        }
+        // Keep draining stdout so the process never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        let Some(addr) = addr else {
+            let _ = child.kill();
+            let err = std::fs::read_to_string(&stderr_path).unwrap_or_default();
+            panic!("tollgate did not start: {err}");
+        };
+        Tollgate {
+            child,
+            addr,
+            admin,
+            stderr_path,
+            _dir: dir,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://{}{}", self.admin.expect("admin listener"), path)
+    }
+
+    pub fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
+    }
+
+    /// Sends a signal with `kill`.
+    pub fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .args([&format!("-{sig}"), &self.child.id().to_string()])
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        assert!(ok, "kill -{sig} failed");
+    }
+
+    /// Peak resident memory of the process in KiB (VmHWM).
+    pub fn peak_rss_kib(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap_or_default();
+        status
+            .lines()
+            .find(|l| l.starts_with("VmHWM:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for Tollgate {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
