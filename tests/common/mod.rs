@@ -83,8 +83,12 @@ pub struct Answer {
 
 impl Answer {
     pub fn json(&self) -> serde_json::Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {:?}", String::from_utf8_lossy(&self.body)))
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "body is not JSON ({e}): {:?}",
+                String::from_utf8_lossy(&self.body)
+            )
+        })
     }
 
     pub fn header(&self, name: &str) -> Option<&str> {
@@ -111,7 +115,13 @@ impl Http {
         }
     }
 
-    pub async fn send(&self, method: Method, url: &str, headers: &[(&str, &str)], body: &'static [u8]) -> Answer {
+    pub async fn send(
+        &self,
+        method: Method,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: &'static [u8],
+    ) -> Answer {
         let mut req = Request::builder().method(method).uri(url);
         for (k, v) in headers {
             req = req.header(*k, *v);
@@ -149,7 +159,9 @@ pub fn require_binary(name: &str) -> PathBuf {
             return p;
         }
     }
-    panic!("{name} is not installed: this test needs a real {name}. Run tests/run.sh, which installs it with apt-get.");
+    panic!(
+        "{name} is not installed: this test needs a real {name}. Run tests/run.sh, which installs it with apt-get."
+    );
 }
 
 /// A free TCP port on loopback (bind :0, read, release).
@@ -179,7 +191,16 @@ impl RedisServer {
         for _ in 0..5 {
             let port = free_port();
             let mut child = Command::new(&bin)
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+                .args([
+                    "--port",
+                    &port.to_string(),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ])
                 .args(["--dir", dir.path().to_str().unwrap()])
                 .args(extra)
                 .stdout(Stdio::null())
