@@ -23,6 +23,7 @@ use crate::rules::{CompileOptions, RulesError, Snapshot};
 pub use crate::rules::{RulesLoader, RulesSource};
 use crate::server::{self, ServerLimits, tls};
 use crate::store::Store;
+use crate::store::guard::{FleetSize, Guard};
 use crate::store::memory::MemoryStore;
 
 /// A validated configuration.
@@ -38,6 +39,10 @@ pub struct GatewayConfig {
     pub demo: bool,
     /// The gateway's clock (the embedded store reads it; tests pass a manual one).
     pub clock: Arc<dyn Clock>,
+    /// How long a check may wait for a remote store.
+    pub store_timeout: Duration,
+    /// Gateways in the fleet; learned from the store when `None`.
+    pub fleet_size: Option<u32>,
 }
 
 impl GatewayConfig {
@@ -53,6 +58,8 @@ impl GatewayConfig {
             limits: ServerLimits::default(),
             demo: false,
             clock: SystemClock::shared(),
+            store_timeout: Duration::from_millis(3),
+            fleet_size: None,
         }
     }
 }
@@ -82,6 +89,7 @@ pub struct Running {
     pub rules: Arc<ArcSwap<Snapshot>>,
     pub store: Arc<dyn Store>,
     pub memory: Option<Arc<MemoryStore>>,
+    pub guard: Option<Arc<Guard>>,
     pub metrics: Arc<Metrics>,
     pub reloader: Arc<Reloader>,
     _watch: WatchHandle,
@@ -193,6 +201,26 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         }
     };
 
+    // A store on the network gets a timeout, a breaker and the failure policies in front.
+    let (store, guard) = if store.remote() {
+        let fleet = Arc::new(match cfg.fleet_size {
+            Some(n) => FleetSize::fixed(n),
+            None => FleetSize::learned(),
+        });
+        let g = Arc::new(Guard::new(
+            store,
+            cfg.store_timeout,
+            fleet,
+            cfg.clock.clone(),
+            rules.clone(),
+            metrics.clone(),
+        ));
+        g.spawn_heartbeat(format!("{:032x}", rand::random::<u128>()));
+        (g.clone() as Arc<dyn Store>, Some(g))
+    } else {
+        (store, None)
+    };
+
     let listener = bind(cfg.listen).await?;
     let addr = listener.local_addr().map_err(|source| StartError::Bind {
         addr: cfg.listen,
@@ -248,6 +276,7 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         rules,
         store,
         memory,
+        guard,
         metrics,
         reloader,
         _watch: watch,

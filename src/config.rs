@@ -75,6 +75,13 @@ pub struct CommonArgs {
     /// `memory` (embedded), `redis://HOST:PORT` or `redis-cluster://H1:P1,H2:P2`.
     #[arg(long, env = "TOLLGATE_STORE", default_value = "memory")]
     pub store: String,
+    /// How long one check may wait for a remote store before its failure policy decides.
+    #[arg(long, env = "TOLLGATE_STORE_TIMEOUT", default_value = "3ms", value_parser = parse_duration)]
+    pub store_timeout: Duration,
+    /// Gateways in the fleet, for local shares (r/N) while the store is down; learned from the
+    /// store's heartbeat when unset.
+    #[arg(long, env = "TOLLGATE_FLEET_SIZE", value_parser = clap::value_parser!(u32).range(1..))]
+    pub fleet_size: Option<u32>,
     /// PEM certificate chain; enables TLS (h2 and http/1.1 by ALPN).
     #[arg(long, env = "TOLLGATE_TLS_CERT", requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,

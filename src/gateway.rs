@@ -19,7 +19,7 @@ use crate::proxy::{Caller, Proxy};
 use crate::respond::{Body, Refusal, budget_headers};
 use crate::rules::{KeyRequirement, Snapshot, hash_secret};
 use crate::server::{ConnInfo, Handler};
-use crate::store::{Batch, Store, StoreError};
+use crate::store::{Batch, FailurePolicy, Source, Store, StoreError};
 
 pub static X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
 
@@ -163,6 +163,9 @@ impl Gateway {
         }
         match self.check(snap, batch).await {
             Err(_) => Refusal::LimiterUnavailable.into_response(),
+            Ok(c) if !c.decision.allowed && c.decision.source == Source::Bypass(FailurePolicy::Closed) => {
+                Refusal::LimiterUnavailable.into_response()
+            }
             Ok(c) => {
                 let mut resp = if c.decision.allowed {
                     Refusal::Unauthorized(why).into_response()
@@ -222,6 +225,11 @@ impl Gateway {
         };
         if let Some(c) = &checked {
             trace.limit = deciding_name(snap, c);
+            if !c.decision.allowed && c.decision.source == Source::Bypass(FailurePolicy::Closed) {
+                // The client did nothing wrong: the limiter can't decide, and this limit
+                // would rather refuse than guess.
+                return Refusal::LimiterUnavailable.into_response();
+            }
             if !c.decision.allowed {
                 let mut resp = rate_limited(snap, c);
                 budget_headers(resp.headers_mut(), snap, &c.batch, key_idx, &c.decision);

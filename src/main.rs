@@ -38,6 +38,8 @@ fn config(rules: RulesSource, c: &CommonArgs, demo: bool) -> Result<GatewayConfi
         ..ServerLimits::default()
     };
     cfg.demo = demo;
+    cfg.store_timeout = c.store_timeout;
+    cfg.fleet_size = c.fleet_size;
     Ok(cfg)
 }
 

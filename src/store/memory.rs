@@ -197,6 +197,15 @@ impl MemoryStore {
         lock(&self.shards[shard_of(fp)]).insert(Fp::new(fp), Packed::pack(state));
     }
 
+    /// Forgets every bucket.
+    pub fn clear(&self) {
+        for shard in self.shards.iter() {
+            let mut s = lock(shard);
+            s.clear();
+            s.shrink_to_fit();
+        }
+    }
+
     /// Live buckets.
     pub fn len(&self) -> usize {
         self.shards.iter().map(|s| lock(s).len()).sum()
