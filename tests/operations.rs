@@ -216,8 +216,17 @@ async fn sigterm_finishes_in_flight_requests_and_refuses_new_ones() {
     let mut gw = Tollgate::spawn(&["demo", "--drain-timeout", "10s"]);
     let url = gw.url("/v1/slow?ms=800");
     let slow = tokio::spawn(async move { Http::new().get(&url, &[("x-api-key", K8)]).await });
-    // Let the slow request reach the upstream before the signal.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Signal only once the slow request is in flight.
+    let http = Http::new();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let m = http.get(&gw.admin_url("/metrics"), &[]).await;
+        if value(&String::from_utf8_lossy(&m.body), "tollgate_in_flight_requests") == Some(1.0) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the slow request never got in flight");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     gw.signal("TERM");
     let deadline = Instant::now() + Duration::from_secs(5);
     while !gw.stderr().contains("stopped accepting") {

@@ -1,6 +1,8 @@
 //! Forwarding to upstreams: a pooled client, hop-by-hop stripping, `X-Forwarded-*`, and 502/504
 //! for upstreams that refuse, reset or stall.
 
+pub mod body;
+
 use std::net::IpAddr;
 use std::time::Duration;
 
@@ -12,7 +14,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
 use crate::identity::{KeySource, X_API_KEY};
-use crate::respond::{Body, Refusal};
+use crate::respond::{Refusal, UpBody};
 use crate::rules::Upstream;
 
 /// Headers that describe one connection, not the message (RFC 9110 7.6.1), so a proxy never
@@ -69,7 +71,7 @@ pub struct Caller<'a> {
 /// The pooled upstream client.
 #[derive(Clone)]
 pub struct Proxy {
-    client: Client<HttpConnector, Body>,
+    client: Client<HttpConnector, UpBody>,
 }
 
 impl Default for Proxy {
@@ -95,7 +97,7 @@ impl Proxy {
     pub async fn forward(
         &self,
         up: &Upstream,
-        mut req: Request<Body>,
+        mut req: Request<UpBody>,
         caller: Caller<'_>,
     ) -> Result<Response<Incoming>, Refusal> {
         let original_host = req.headers().get(header::HOST).cloned().or_else(|| {

@@ -45,6 +45,8 @@ pub struct Upstream {
     pub timeout: Duration,
     pub max_in_flight: Option<u32>,
     pub queue_timeout: Duration,
+    /// Places under `max_in_flight`, shared with the next snapshot when it keeps the cap.
+    pub gate: Option<Arc<tokio::sync::Semaphore>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,6 +55,8 @@ pub enum Dimension {
     Route,
     Ip,
     Header(HeaderName),
+    /// A top-level field of a JSON request body.
+    BodyField(String),
 }
 
 impl Dimension {
@@ -62,6 +66,7 @@ impl Dimension {
             Dimension::Route => "route".into(),
             Dimension::Ip => "ip".into(),
             Dimension::Header(h) => format!("header {h}"),
+            Dimension::BodyField(f) => format!("body field {f}"),
         }
     }
 }
@@ -149,6 +154,8 @@ pub struct Route {
     /// (limit index, cost), in limit order.
     pub costs: Vec<(u16, u64)>,
     pub max_body_bytes: Option<u64>,
+    /// The JSON body field a limit of this route is keyed on, if any.
+    pub body_field: Option<String>,
 }
 
 impl Route {
@@ -181,6 +188,20 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
+    /// Keeps the in-flight places of upstreams whose cap did not change, so a reload never
+    /// lets a slow upstream receive twice its cap.
+    pub fn inherit_gates(&mut self, running: &Snapshot) {
+        for u in &mut self.upstreams {
+            if let Some(old) = running
+                .upstreams
+                .iter()
+                .find(|o| o.name == u.name && o.max_in_flight == u.max_in_flight)
+            {
+                u.gate = old.gate.clone();
+            }
+        }
+    }
+
     /// The route for a method and path: the longest matching prefix.
     pub fn route(&self, method: &Method, path: &str) -> Option<usize> {
         self.routes
@@ -376,6 +397,9 @@ impl Compiler<'_> {
                 timeout,
                 max_in_flight: u.max_in_flight,
                 queue_timeout,
+                gate: u
+                    .max_in_flight
+                    .map(|n| Arc::new(tokio::sync::Semaphore::new(n as usize))),
             });
         }
 
@@ -395,6 +419,12 @@ impl Compiler<'_> {
                 RawDimension::Named(RawDimensionName::Key) => Dimension::Key,
                 RawDimension::Named(RawDimensionName::Route) => Dimension::Route,
                 RawDimension::Named(RawDimensionName::Ip) => Dimension::Ip,
+                RawDimension::BodyField(b) => {
+                    if b.body_field.is_empty() {
+                        return Err(self.err(format!("{field}.dimension.body_field"), "must not be empty"));
+                    }
+                    Dimension::BodyField(b.body_field.clone())
+                }
                 RawDimension::Header(h) => {
                     Dimension::Header(HeaderName::from_bytes(h.header.as_bytes()).map_err(|_| {
                         self.err(
@@ -638,8 +668,24 @@ impl Compiler<'_> {
                 }
                 costs.push((li as u16, cost));
             }
+            let mut body_fields: Vec<&String> = costs
+                .iter()
+                .filter_map(|&(li, _)| match &limits[li as usize].dimension {
+                    Dimension::BodyField(f) => Some(f),
+                    _ => None,
+                })
+                .collect();
+            body_fields.dedup();
+            if body_fields.len() > 1 {
+                return Err(self.err(
+                    format!("{field}.cost"),
+                    format!("limits keyed on different body fields {body_fields:?}; one route can read one"),
+                ));
+            }
+            let body_field = body_fields.first().map(|f| f.to_string());
             routes.push(Route {
                 name: name.into(),
+                body_field,
                 method,
                 prefix: r.path.clone(),
                 upstream,
@@ -748,6 +794,7 @@ impl Compiler<'_> {
                         Dimension::Key => continue,
                         Dimension::Route | Dimension::Ip => "the client IP".to_string(),
                         Dimension::Header(h) => format!("the {h} header"),
+                        Dimension::BodyField(f) => format!("the body field {f:?}"),
                     };
                     open.entry(tag).or_default().push(&l.name);
                 }
