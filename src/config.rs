@@ -91,6 +91,9 @@ pub struct CommonArgs {
     /// Proxies whose X-Forwarded-For is believed (addresses or CIDRs, comma-separated).
     #[arg(long, env = "TOLLGATE_TRUSTED_PROXY", value_delimiter = ',')]
     pub trusted_proxy: Vec<String>,
+    /// Worker threads of the async runtime (default: one per CPU).
+    #[arg(long, env = "TOLLGATE_THREADS", value_parser = clap::value_parser!(u16).range(1..))]
+    pub threads: Option<u16>,
     /// Log format.
     #[arg(long, env = "TOLLGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Human)]
     pub log_format: LogFormat,

@@ -110,16 +110,17 @@ fn main() -> Result<()> {
             }
         }
     }
-    let format = match &cli.command {
-        Command::Serve(a) => a.common.log_format,
-        Command::Demo(a) => a.common.log_format,
-        Command::DemoUpstream { .. } | Command::CheckRules { .. } => LogFormat::Human,
+    let (format, threads) = match &cli.command {
+        Command::Serve(a) => (a.common.log_format, a.common.threads),
+        Command::Demo(a) => (a.common.log_format, a.common.threads),
+        Command::DemoUpstream { .. } | Command::CheckRules { .. } => (LogFormat::Human, None),
     };
     init_logging(format);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")?;
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = threads {
+        rt.worker_threads(n as usize);
+    }
+    let rt = rt.enable_all().build().context("cannot start the async runtime")?;
     rt.block_on(async move {
         match cli.command {
             Command::Serve(a) => {
