@@ -14,6 +14,7 @@
 //! - [`proxy`]: the pooled upstream client, hop-by-hop stripping, `X-Forwarded-*`, 502/504.
 //! - [`admin`]: the admin listener (health, readiness, running rules).
 //! - [`demo`]: the built-in demo upstream.
+//! - [`replay`]: `tollgate replay`, traces through the same limiter code on a virtual clock.
 
 pub mod admin;
 pub mod app;
@@ -23,6 +24,7 @@ pub mod gateway;
 pub mod identity;
 pub mod limit;
 pub mod proxy;
+pub mod replay;
 pub mod respond;
 pub mod rules;
 pub mod server;

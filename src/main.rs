@@ -94,10 +94,19 @@ async fn run_gateway(cfg: GatewayConfig, demo: bool) -> Result<()> {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    if let Command::Replay(a) = &cli.command {
+        // Offline and single-threaded: no logging, no async runtime. The error names the
+        // file, row and column already; a backtrace would only bury it.
+        if let Err(e) = tollgate::replay::args::main(a) {
+            eprintln!("tollgate replay: {e}");
+            std::process::exit(1);
+        }
+        return Ok(());
+    }
     let format = match &cli.command {
         Command::Serve(a) => a.common.log_format,
         Command::Demo(a) => a.common.log_format,
-        Command::DemoUpstream { .. } => LogFormat::Human,
+        Command::DemoUpstream { .. } | Command::Replay(_) => LogFormat::Human,
     };
     init_logging(format);
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -133,6 +142,7 @@ fn main() -> Result<()> {
                 .await;
                 Ok(())
             }
+            Command::Replay(_) => unreachable!("replay returns before the runtime starts"),
         }
     })
 }
