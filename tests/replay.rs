@@ -133,12 +133,18 @@ fn local_buckets_admit_24380_in_the_storm() {
 }
 
 #[test]
-fn exact_shares_stay_under_their_bound() {
-    let (d, _, _) = storm(Algorithm::TokenBucket, Design::Shares);
-    let storm_admitted = admitted_between(&d, STORM_START_US, STORM_END_US);
-    // 20 × (1 + 0.5 × 120) = 1,220.
-    assert!(storm_admitted <= 1_220, "{storm_admitted}");
-    assert!(storm_admitted >= 1_180, "{storm_admitted}");
+fn exact_shares_never_admit_too_much() {
+    let (d, summary, _) = storm(Algorithm::TokenBucket, Design::Shares);
+    // Each gateway sees k-7 every 50 ms and its share (0.5/s, burst 1) refills one token every
+    // 2 s, exactly 40 of its arrivals: one admission per 2 s, 60 in the two minutes, 1,200 for
+    // the fleet, inside the bound 20 × (1 + 0.5 × 120) = 1,220.
+    assert_eq!(admitted_between(&d, STORM_START_US, STORM_END_US), 1_200);
+    assert!(summary.keys["k-7"].max_admitted_60s <= 20 * (1 + 30));
+    // A burst of 1 per gateway costs the page load: gateways that served a normal call less
+    // than 2 s before refuse it.
+    let page = (8 * 3600 + 59 * 60 + 30) * US_PER_S + 100_000;
+    let page_refused = d.iter().filter(|(t, v)| *t == page && !v.allowed).count();
+    assert!(page_refused > 0 && page_refused < 15, "{page_refused}");
 }
 
 #[test]
