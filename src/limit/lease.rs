@@ -1,5 +1,6 @@
 //! Leased blocks for hot keys: the store's grant math and the gateway's block holder, pure and
-//! time-injected, so the gateway, `lua/lease.lua` and `tollgate replay` share one definition.
+//! time-injected, so `tollgate replay`, the gateway and its Lua twin (a `lua/lease.lua` to come)
+//! share one definition.
 //!
 //! A key too hot for one store shard (the spec's k-big: 100,000 checks a second) is not asked
 //! once per request. Each gateway leases a *block* of `B` tokens from the shared bucket, spends

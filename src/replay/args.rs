@@ -34,7 +34,12 @@ Examples:
   tollgate replay storm.csv --rate 600/60s --burst 20
   tollgate replay storm.csv --rate 600/60s --burst 20 --design local --json
   tollgate replay storm.csv --rate 600/60s --algorithm fixed-window --decisions out.csv
-  tollgate replay exports.csv --rules rules/demo.json")]
+  tollgate replay exports.csv --rules rules/demo.json
+  tollgate replay --generate hot -o hot.csv
+  tollgate replay hot.csv --rate 10000/1s --burst 20000 --design lease --seed 1 --excess-from 33000.25
+
+Decisions CSV: allowed,retry_after per trace row, in trace order: 1,0 when allowed; 0,N when
+refused with Retry-After N seconds; 0, (empty) when no wait can help (cost above the burst).")]
 pub struct ReplayArgs {
     /// The trace CSV, or - for standard input.
     #[arg(required_unless_present = "generate")]

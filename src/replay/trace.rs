@@ -276,7 +276,7 @@ fn split(line: &[u8], side: &mut Vec<u8>, spans: &mut Vec<Span>) -> Result<(), S
     if line.len() > u32::MAX as usize {
         return Err("the line is longer than 4 GiB".into());
     }
-    if memchr_quote(line).is_none() {
+    if find_quote(line).is_none() {
         // Fast path: no quotes anywhere.
         let mut start = 0;
         for (i, &b) in line.iter().enumerate() {
@@ -369,7 +369,7 @@ fn split(line: &[u8], side: &mut Vec<u8>, spans: &mut Vec<Span>) -> Result<(), S
 }
 
 #[inline]
-fn memchr_quote(line: &[u8]) -> Option<usize> {
+fn find_quote(line: &[u8]) -> Option<usize> {
     line.iter().position(|&b| b == b'"')
 }
 
