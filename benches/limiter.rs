@@ -75,7 +75,11 @@ fn filled_store(keys: usize, per_item: usize) -> (Arc<MemoryStore>, Vec<Vec<Chec
     let store = Arc::new(MemoryStore::new(clock));
     let p = params("10000/1s", 20_000);
     let batches: Vec<Vec<CheckItem>> = (0..keys)
-        .map(|k| (0..per_item).map(|i| item(format!("rl:{{t{k}}}:l{i}"), p)).collect())
+        .map(|k| {
+            (0..per_item)
+                .map(|i| item(format!("rl:{{t{k}}}:l{i}"), p))
+                .collect()
+        })
         .collect();
     for b in &batches {
         store.check_at(b, 1_000_000);
@@ -124,7 +128,12 @@ fn memory_store(c: &mut Criterion) {
 }
 
 fn rules_and_plans(c: &mut Criterion) {
-    let snap = compile(include_bytes!("../rules/demo.json"), "demo.json", CompileOptions::default()).unwrap();
+    let snap = compile(
+        include_bytes!("../rules/demo.json"),
+        "demo.json",
+        CompileOptions::default(),
+    )
+    .unwrap();
     let get = Method::GET;
     let post = Method::POST;
     c.bench_function("rules/route match GET /v1/orders", |b| {

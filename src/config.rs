@@ -37,6 +37,8 @@ pub enum Command {
         #[arg(long, env = "TOLLGATE_LISTEN", default_value = "127.0.0.1:8081")]
         listen: SocketAddr,
     },
+    /// Replay a trace through the gateway's limiter code on a virtual clock (offline what-if).
+    Replay(crate::replay::ReplayArgs),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]

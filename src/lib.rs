@@ -16,6 +16,7 @@
 //! - [`metrics`], [`logsample`]: what the operator sees: Prometheus metrics, sampled log lines.
 //! - [`admin`]: the admin listener (health, readiness, metrics, running rules).
 //! - [`demo`]: the built-in demo upstream.
+//! - [`replay`]: `tollgate replay`, traces through the same limiter code on a virtual clock.
 
 pub mod admin;
 pub mod app;
@@ -27,6 +28,7 @@ pub mod limit;
 pub mod logsample;
 pub mod metrics;
 pub mod proxy;
+pub mod replay;
 pub mod respond;
 pub mod rules;
 pub mod sanitize;

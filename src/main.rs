@@ -97,6 +97,15 @@ async fn run_gateway(cfg: GatewayConfig, demo: bool) -> Result<()> {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    if let Command::Replay(a) = &cli.command {
+        // Offline and single-threaded: no logging, no async runtime. The error names the
+        // file, row and column already; a backtrace would only bury it.
+        if let Err(e) = tollgate::replay::args::main(a) {
+            eprintln!("tollgate replay: {e}");
+            std::process::exit(1);
+        }
+        return Ok(());
+    }
     if let Command::CheckRules { file, cluster } = &cli.command {
         let opts = tollgate::rules::CompileOptions { cluster: *cluster };
         match tollgate::rules::load(file, opts) {
@@ -113,14 +122,19 @@ fn main() -> Result<()> {
     let (format, threads) = match &cli.command {
         Command::Serve(a) => (a.common.log_format, a.common.threads),
         Command::Demo(a) => (a.common.log_format, a.common.threads),
-        Command::DemoUpstream { .. } | Command::CheckRules { .. } => (LogFormat::Human, None),
+        Command::DemoUpstream { .. } | Command::CheckRules { .. } | Command::Replay(_) => {
+            (LogFormat::Human, None)
+        }
     };
     init_logging(format);
     let mut rt = tokio::runtime::Builder::new_multi_thread();
     if let Some(n) = threads {
         rt.worker_threads(n as usize);
     }
-    let rt = rt.enable_all().build().context("cannot start the async runtime")?;
+    let rt = rt
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
     rt.block_on(async move {
         match cli.command {
             Command::Serve(a) => {
@@ -135,7 +149,8 @@ fn main() -> Result<()> {
                 let cfg = config(rules, &a.common, true)?;
                 run_gateway(cfg, true).await
             }
-            Command::CheckRules { .. } => Ok(()),
+            // Both returned before the runtime started.
+            Command::CheckRules { .. } | Command::Replay(_) => Ok(()),
             Command::DemoUpstream { listen } => {
                 let l = tokio::net::TcpListener::bind(listen)
                     .await
