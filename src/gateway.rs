@@ -119,7 +119,7 @@ impl Gateway {
                 self.metrics
                     .decisions
                     .get_or_create(&LimitDecision {
-                        limit: snap.limits[item.limit as usize].name.to_string(),
+                        limit: snap.limits[item.limit as usize].name.clone(),
                         decision: "admitted",
                     })
                     .inc();
@@ -128,7 +128,7 @@ impl Gateway {
             self.metrics
                 .decisions
                 .get_or_create(&LimitDecision {
-                    limit: snap.limits[batch[i].limit as usize].name.to_string(),
+                    limit: snap.limits[batch[i].limit as usize].name.clone(),
                     decision: "refused",
                 })
                 .inc();
@@ -137,9 +137,7 @@ impl Gateway {
             let name = &snap.limits[li as usize].name;
             self.metrics
                 .shadow_refusals
-                .get_or_create(&LimitLabel {
-                    limit: name.to_string(),
-                })
+                .get_or_create(&LimitLabel { limit: name.clone() })
                 .inc();
             if let Some(suppressed) = self.shadow_log.allow(li as usize) {
                 tracing::info!(
@@ -334,14 +332,15 @@ impl Gateway {
         resp.headers_mut()
             .insert(X_REQUEST_ID.clone(), request_id.clone());
         let status = resp.status().as_u16();
-        let route = trace.route.as_deref().unwrap_or("(none)");
+        let route = trace.route.take().unwrap_or_else(|| NO_ROUTE.clone());
         self.metrics
             .requests
             .get_or_create(&RouteStatus {
-                route: route.to_string(),
+                route: route.clone(),
                 status,
             })
             .inc();
+        let route = &*route;
         tracing::info!(
             target: "tollgate::access",
             method = method.as_str(),
@@ -360,6 +359,7 @@ impl Gateway {
 /// The most of a body read to find a limit's JSON field.
 pub const MAX_FIELD_BODY: u64 = 16 * 1024;
 
+static NO_ROUTE: std::sync::LazyLock<Arc<str>> = std::sync::LazyLock::new(|| Arc::from("(none)"));
 static OVERLOADED: std::sync::LazyLock<Arc<str>> =
     std::sync::LazyLock::new(|| Arc::from("(upstream overloaded)"));
 

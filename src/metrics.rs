@@ -1,6 +1,6 @@
 //! Prometheus metrics, one registry per gateway (no globals, so tests in one process never mix
 //! counts). Labels are low-cardinality: routes, limits, upstreams and outcomes, never API keys
-//! or client addresses.
+//! or client addresses. Label values are shared `Arc<str>`s, so counting allocates nothing.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,25 +15,25 @@ use prometheus_client::registry::Registry;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RouteStatus {
-    pub route: String,
+    pub route: Arc<str>,
     pub status: u16,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct LimitDecision {
-    pub limit: String,
+    pub limit: Arc<str>,
     /// `admitted` or `refused`.
     pub decision: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct LimitLabel {
-    pub limit: String,
+    pub limit: Arc<str>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct LimitPolicy {
-    pub limit: String,
+    pub limit: Arc<str>,
     pub policy: &'static str,
 }
 
@@ -49,7 +49,7 @@ pub struct ResultLabel {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct UpstreamLabel {
-    pub upstream: String,
+    pub upstream: Arc<str>,
 }
 
 /// Every metric the gateway keeps.
@@ -191,10 +191,10 @@ impl Metrics {
         self.rules_reloads.get_or_create(&ResultLabel { result }).inc();
     }
 
-    pub fn observe_upstream(&self, upstream: &str, took: Duration) {
+    pub fn observe_upstream(&self, upstream: &Arc<str>, took: Duration) {
         self.upstream_seconds
             .get_or_create(&UpstreamLabel {
-                upstream: upstream.to_string(),
+                upstream: upstream.clone(),
             })
             .observe(took.as_secs_f64());
     }

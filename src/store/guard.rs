@@ -216,7 +216,11 @@ impl Guard {
     /// Decides a batch without the store: the strictest policy among its enforced limits wins.
     fn fallback(&self, batch: &[CheckItem]) -> Outcome {
         let snap = self.rules.load();
-        let name = |li: u16| snap.limits.get(li as usize).map_or("?", |l| &*l.name).to_string();
+        let name = |li: u16| {
+            snap.limits
+                .get(li as usize)
+                .map_or_else(|| Arc::from("?"), |l| l.name.clone())
+        };
         let mut verdicts: SmallVec<[BucketVerdict; 4]> = batch
             .iter()
             .map(|i| BucketVerdict {
@@ -246,7 +250,7 @@ impl Guard {
                 .inc();
             if let Some(suppressed) = self.warn.allow(item.limit as usize) {
                 tracing::warn!(
-                    limit = name(item.limit),
+                    limit = &*name(item.limit),
                     policy,
                     suppressed,
                     "deciding without the limiter store"
