@@ -12,7 +12,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::admin::Admin;
-use crate::config::StoreUrl;
+use crate::config::{ClockSource, StoreUrl};
 use crate::demo::DemoUpstream;
 use crate::gateway::Gateway;
 use crate::identity::TrustedProxies;
@@ -21,6 +21,7 @@ use crate::rules::{self, CompileOptions, RulesError, Snapshot};
 use crate::server::{self, ServerLimits, tls};
 use crate::store::Store;
 use crate::store::memory::MemoryStore;
+use crate::store::redis::{RedisStore, Target};
 
 /// The demo rules, built in so `tollgate demo` works from any directory.
 pub const DEMO_RULES: &[u8] = include_bytes!("../rules/demo.json");
@@ -82,6 +83,8 @@ pub struct GatewayConfig {
     pub demo: bool,
     /// The gateway's clock (the embedded store reads it; tests pass a manual one).
     pub clock: Arc<dyn Clock>,
+    /// Whose clock a Redis store's check reads (the store's unless `--clock gateway`).
+    pub clock_source: ClockSource,
 }
 
 impl GatewayConfig {
@@ -97,6 +100,7 @@ impl GatewayConfig {
             limits: ServerLimits::default(),
             demo: false,
             clock: SystemClock::shared(),
+            clock_source: ClockSource::Store,
         }
     }
 }
@@ -168,6 +172,23 @@ async fn stopped(mut rx: watch::Receiver<bool>) {
     }
 }
 
+/// Connects the shared store; start-up fails with the store's name and the reason.
+async fn redis_store(target: Target<'_>, cfg: &GatewayConfig) -> Result<Arc<dyn Store>, StartError> {
+    let clock = match cfg.clock_source {
+        ClockSource::Store => None,
+        ClockSource::Gateway => {
+            tracing::warn!(
+                "--clock gateway: buckets refill on each gateway's own clock; skew between gateways hands out extra tokens"
+            );
+            Some(cfg.clock.clone())
+        }
+    };
+    let store = RedisStore::connect(target, clock)
+        .await
+        .map_err(|e| StartError::Store(e.to_string()))?;
+    Ok(Arc::new(store))
+}
+
 /// Starts every listener. Fails before serving anything if a part can't start.
 pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
     let tls = match &cfg.tls {
@@ -220,11 +241,8 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
             m.spawn_sweeper(Duration::from_secs(5));
             (m.clone(), Some(m))
         }
-        other => {
-            return Err(StartError::Store(format!(
-                "{other:?}: this build has only the embedded store; use --store memory"
-            )));
-        }
+        StoreUrl::Redis(url) => (redis_store(Target::Node(url), &cfg).await?, None),
+        StoreUrl::RedisCluster(nodes) => (redis_store(Target::Cluster(nodes), &cfg).await?, None),
     };
 
     let listener = bind(cfg.listen).await?;

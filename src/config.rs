@@ -38,6 +38,17 @@ pub enum LogFormat {
     Json,
 }
 
+/// Whose clock a shared store's check reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
+pub enum ClockSource {
+    /// The store's own TIME: one clock for the whole fleet.
+    #[default]
+    Store,
+    /// The calling gateway's clock, passed to the script: clock skew between gateways refills
+    /// buckets early (the spec's side row S).
+    Gateway,
+}
+
 #[derive(Debug, Args)]
 pub struct ServeArgs {
     /// The rules file (JSON).
@@ -67,6 +78,11 @@ pub struct CommonArgs {
     /// `memory` (embedded), `redis://HOST:PORT` or `redis-cluster://H1:P1,H2:P2`.
     #[arg(long, env = "TOLLGATE_STORE", default_value = "memory")]
     pub store: String,
+    /// Whose clock refills Redis buckets: `store` (the store's TIME, inside the check script) or
+    /// `gateway` (each gateway passes its own time; only for stores that refuse TIME in scripts:
+    /// gateways whose clocks differ then hand out extra tokens, see README "Redis store").
+    #[arg(long, env = "TOLLGATE_CLOCK", value_enum, default_value_t = ClockSource::Store)]
+    pub clock: ClockSource,
     /// PEM certificate chain; enables TLS (h2 and http/1.1 by ALPN).
     #[arg(long, env = "TOLLGATE_TLS_CERT", requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,

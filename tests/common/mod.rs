@@ -83,8 +83,12 @@ pub struct Answer {
 
 impl Answer {
     pub fn json(&self) -> serde_json::Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {:?}", String::from_utf8_lossy(&self.body)))
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "body is not JSON ({e}): {:?}",
+                String::from_utf8_lossy(&self.body)
+            )
+        })
     }
 
     pub fn header(&self, name: &str) -> Option<&str> {
@@ -111,7 +115,13 @@ impl Http {
         }
     }
 
-    pub async fn send(&self, method: Method, url: &str, headers: &[(&str, &str)], body: &'static [u8]) -> Answer {
+    pub async fn send(
+        &self,
+        method: Method,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: &'static [u8],
+    ) -> Answer {
         let mut req = Request::builder().method(method).uri(url);
         for (k, v) in headers {
             req = req.header(*k, *v);
@@ -149,7 +159,9 @@ pub fn require_binary(name: &str) -> PathBuf {
             return p;
         }
     }
-    panic!("{name} is not installed: this test needs a real {name}. Run tests/run.sh, which installs it with apt-get.");
+    panic!(
+        "{name} is not installed: this test needs a real {name}. Run tests/run.sh, which installs it with apt-get."
+    );
 }
 
 /// A free TCP port on loopback (bind :0, read, release).
@@ -174,14 +186,29 @@ impl RedisServer {
     }
 
     pub fn start_with(extra: &[&str]) -> RedisServer {
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        RedisServer::start_with_fn(|| extra.clone())
+    }
+
+    /// Like `start_with`, with arguments made afresh for each attempt (a new free port each).
+    pub fn start_with_fn(extra: impl Fn() -> Vec<String>) -> RedisServer {
         let bin = require_binary("redis-server");
         let dir = tempfile::tempdir().unwrap();
         for _ in 0..5 {
             let port = free_port();
             let mut child = Command::new(&bin)
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+                .args([
+                    "--port",
+                    &port.to_string(),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ])
                 .args(["--dir", dir.path().to_str().unwrap()])
-                .args(extra)
+                .args(extra())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .spawn()
@@ -229,6 +256,88 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// A Redis Cluster of three masters and no replicas, each a `RedisServer` on free ports (client
+/// and bus); stopped on drop.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    pub fn start() -> RedisCluster {
+        let nodes: Vec<RedisServer> = (0..3)
+            .map(|_| {
+                RedisServer::start_with_fn(|| {
+                    [
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        "nodes.conf",
+                        "--cluster-node-timeout",
+                        "5000",
+                        "--cluster-port",
+                        &free_port().to_string(),
+                    ]
+                    .map(String::from)
+                    .to_vec()
+                })
+            })
+            .collect();
+        let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
+        let out = Command::new(require_binary("redis-cli"))
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .expect("redis-cli --cluster create runs");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let cluster = RedisCluster { nodes };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let ready = cluster.nodes.iter().all(|n| {
+                let info = n.cli(&["CLUSTER", "INFO"]);
+                info.contains("cluster_state:ok")
+                    && info.contains("cluster_slots_ok:16384")
+                    && info.contains("cluster_known_nodes:3")
+            });
+            if ready {
+                return cluster;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the 3-master cluster did not become ready in 20 s"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// `redis-cluster://127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3`.
+    pub fn url(&self) -> String {
+        format!("redis-cluster://{}", self.node_list().join(","))
+    }
+
+    pub fn node_list(&self) -> Vec<String> {
+        self.nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect()
+    }
+
+    /// Runs `redis-cli -c` (following redirections) against the first node.
+    pub fn cli(&self, args: &[&str]) -> String {
+        let out = Command::new(require_binary("redis-cli"))
+            .args(["-c", "-p", &self.nodes[0].port.to_string()])
+            .args(args)
+            .output()
+            .expect("redis-cli runs");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
     }
 }
 
