@@ -8,6 +8,7 @@ use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde_json::json;
 
+use crate::metrics::Metrics;
 use crate::respond::{Body, json_response};
 use crate::rules::Snapshot;
 use crate::server::{ConnInfo, Handler};
@@ -16,6 +17,7 @@ use crate::store::Store;
 pub struct Admin {
     pub rules: Arc<ArcSwap<Snapshot>>,
     pub store: Arc<dyn Store>,
+    pub metrics: Arc<Metrics>,
 }
 
 impl Admin {
@@ -27,6 +29,16 @@ impl Admin {
             );
         }
         match req.uri().path() {
+            "/metrics" => {
+                let mut resp = Response::new(http_body_util::Either::Right(http_body_util::Full::new(
+                    bytes::Bytes::from(self.metrics.render()),
+                )));
+                resp.headers_mut().insert(
+                    http::header::CONTENT_TYPE,
+                    http::HeaderValue::from_static(crate::metrics::CONTENT_TYPE),
+                );
+                resp
+            }
             "/healthz" => json_response(StatusCode::OK, json!({"status": "alive"}).to_string()),
             "/readyz" => match self.store.ping().await {
                 Ok(_) => json_response(

@@ -17,58 +17,14 @@ use crate::demo::DemoUpstream;
 use crate::gateway::Gateway;
 use crate::identity::TrustedProxies;
 use crate::limit::clock::{Clock, SystemClock};
-use crate::rules::{self, CompileOptions, RulesError, Snapshot};
+use crate::metrics::Metrics;
+use crate::rules::watch::{Reloader, WatchHandle};
+use crate::rules::{CompileOptions, RulesError, Snapshot};
+pub use crate::rules::{RulesLoader, RulesSource};
 use crate::server::{self, ServerLimits, tls};
 use crate::store::Store;
 use crate::store::memory::MemoryStore;
 use crate::store::redis::{RedisStore, Target};
-
-/// The demo rules, built in so `tollgate demo` works from any directory.
-pub const DEMO_RULES: &[u8] = include_bytes!("../rules/demo.json");
-
-/// Where the rules come from.
-#[derive(Debug, Clone)]
-pub enum RulesSource {
-    File(PathBuf),
-    Embedded {
-        label: &'static str,
-        bytes: &'static [u8],
-    },
-}
-
-impl RulesSource {
-    pub fn demo() -> RulesSource {
-        RulesSource::Embedded {
-            label: "rules/demo.json (built in)",
-            bytes: DEMO_RULES,
-        }
-    }
-}
-
-/// Compiles rules the same way at start-up and on every reload, including the demo's
-/// upstream override.
-#[derive(Debug, Clone)]
-pub struct RulesLoader {
-    pub source: RulesSource,
-    pub opts: CompileOptions,
-    /// In demo mode every upstream points at the built-in demo upstream.
-    pub upstream_override: Option<http::uri::Authority>,
-}
-
-impl RulesLoader {
-    pub fn load(&self) -> Result<Snapshot, RulesError> {
-        let mut snap = match &self.source {
-            RulesSource::File(path) => rules::load(path, self.opts)?,
-            RulesSource::Embedded { label, bytes } => rules::compile(bytes, label, self.opts)?,
-        };
-        if let Some(auth) = &self.upstream_override {
-            for u in &mut snap.upstreams {
-                u.authority = auth.clone();
-            }
-        }
-        Ok(snap)
-    }
-}
 
 /// A validated configuration.
 pub struct GatewayConfig {
@@ -118,6 +74,8 @@ pub enum StartError {
     },
     #[error("store: {0}")]
     Store(String),
+    #[error("rules file watch: {0}")]
+    Watch(String),
 }
 
 /// A gateway that is serving.
@@ -128,6 +86,9 @@ pub struct Running {
     pub rules: Arc<ArcSwap<Snapshot>>,
     pub store: Arc<dyn Store>,
     pub memory: Option<Arc<MemoryStore>>,
+    pub metrics: Arc<Metrics>,
+    pub reloader: Arc<Reloader>,
+    _watch: WatchHandle,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<usize>>,
 }
@@ -234,6 +195,11 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
     };
     let snapshot = loader.load()?;
     let rules = Arc::new(ArcSwap::from_pointee(snapshot));
+    let metrics = Metrics::new();
+    let reloader = Arc::new(Reloader::new(loader, rules.clone(), metrics.clone()));
+    let watch = reloader
+        .watch(Duration::from_millis(100))
+        .map_err(StartError::Watch)?;
 
     let (store, memory): (Arc<dyn Store>, Option<Arc<MemoryStore>>) = match &cfg.store {
         StoreUrl::Memory => {
@@ -261,7 +227,12 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         None => None,
     };
 
-    let gateway = Arc::new(Gateway::new(rules.clone(), store.clone(), cfg.trusted.clone()));
+    let gateway = Arc::new(Gateway::new(
+        rules.clone(),
+        store.clone(),
+        cfg.trusted.clone(),
+        metrics.clone(),
+    ));
     tasks.push(tokio::spawn(server::run(
         listener,
         tls,
@@ -274,6 +245,7 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
             let handler = Arc::new(Admin {
                 rules: rules.clone(),
                 store: store.clone(),
+                metrics: metrics.clone(),
             });
             tasks.push(tokio::spawn(server::run(
                 l,
@@ -294,6 +266,9 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         rules,
         store,
         memory,
+        metrics,
+        reloader,
+        _watch: watch,
         stop,
         tasks,
     })

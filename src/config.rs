@@ -24,6 +24,14 @@ pub enum Command {
     Serve(ServeArgs),
     /// Run the gateway with the demo rules and a built-in demo upstream.
     Demo(DemoArgs),
+    /// Validate a rules file and print a summary; exits non-zero with the error otherwise.
+    CheckRules {
+        /// The rules file.
+        file: PathBuf,
+        /// Validate for Redis Cluster too (every request's buckets in one hash slot).
+        #[arg(long)]
+        cluster: bool,
+    },
     /// Run only the built-in demo upstream ("orders").
     DemoUpstream {
         #[arg(long, env = "TOLLGATE_LISTEN", default_value = "127.0.0.1:8081")]

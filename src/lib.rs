@@ -12,7 +12,8 @@
 //! - [`store`]: the `Store` trait, the embedded `MemoryStore` and the shared `RedisStore`.
 //! - [`respond`]: every response the gateway makes itself, in one place.
 //! - [`proxy`]: the pooled upstream client, hop-by-hop stripping, `X-Forwarded-*`, 502/504.
-//! - [`admin`]: the admin listener (health, readiness, running rules).
+//! - [`metrics`], [`logsample`]: what the operator sees: Prometheus metrics, sampled log lines.
+//! - [`admin`]: the admin listener (health, readiness, metrics, running rules).
 //! - [`demo`]: the built-in demo upstream.
 
 pub mod admin;
@@ -22,6 +23,8 @@ pub mod demo;
 pub mod gateway;
 pub mod identity;
 pub mod limit;
+pub mod logsample;
+pub mod metrics;
 pub mod proxy;
 pub mod respond;
 pub mod rules;

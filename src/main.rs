@@ -95,10 +95,23 @@ async fn run_gateway(cfg: GatewayConfig, demo: bool) -> Result<()> {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    if let Command::CheckRules { file, cluster } = &cli.command {
+        let opts = tollgate::rules::CompileOptions { cluster: *cluster };
+        match tollgate::rules::load(file, opts) {
+            Ok(snap) => {
+                print!("{}", tollgate::rules::summary::summary(&snap));
+                return Ok(());
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                std::process::exit(1);
+            }
+        }
+    }
     let format = match &cli.command {
         Command::Serve(a) => a.common.log_format,
         Command::Demo(a) => a.common.log_format,
-        Command::DemoUpstream { .. } => LogFormat::Human,
+        Command::DemoUpstream { .. } | Command::CheckRules { .. } => LogFormat::Human,
     };
     init_logging(format);
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -119,6 +132,7 @@ fn main() -> Result<()> {
                 let cfg = config(rules, &a.common, true)?;
                 run_gateway(cfg, true).await
             }
+            Command::CheckRules { .. } => Ok(()),
             Command::DemoUpstream { listen } => {
                 let l = tokio::net::TcpListener::bind(listen)
                     .await

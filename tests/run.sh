@@ -15,4 +15,4 @@ if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
-cargo test --release --all-targets "$@"
+cargo test --all-targets "$@"

@@ -4,9 +4,11 @@
 //! field and the reason; nothing is defaulted silently.
 
 pub mod raw;
+pub mod summary;
+pub mod watch;
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -208,6 +210,53 @@ pub struct CompileOptions {
     pub cluster: bool,
 }
 
+/// The demo rules, built in so `tollgate demo` works from any directory.
+pub const DEMO_RULES: &[u8] = include_bytes!("../../rules/demo.json");
+
+/// Where the rules come from.
+#[derive(Debug, Clone)]
+pub enum RulesSource {
+    File(PathBuf),
+    Embedded {
+        label: &'static str,
+        bytes: &'static [u8],
+    },
+}
+
+impl RulesSource {
+    pub fn demo() -> RulesSource {
+        RulesSource::Embedded {
+            label: "rules/demo.json (built in)",
+            bytes: DEMO_RULES,
+        }
+    }
+}
+
+/// Compiles rules the same way at start-up and on every reload, including the demo's
+/// upstream override.
+#[derive(Debug, Clone)]
+pub struct RulesLoader {
+    pub source: RulesSource,
+    pub opts: CompileOptions,
+    /// In demo mode every upstream points at the built-in demo upstream.
+    pub upstream_override: Option<http::uri::Authority>,
+}
+
+impl RulesLoader {
+    pub fn load(&self) -> Result<Snapshot, RulesError> {
+        let mut snap = match &self.source {
+            RulesSource::File(path) => load(path, self.opts)?,
+            RulesSource::Embedded { label, bytes } => compile(bytes, label, self.opts)?,
+        };
+        if let Some(auth) = &self.upstream_override {
+            for u in &mut snap.upstreams {
+                u.authority = auth.clone();
+            }
+        }
+        Ok(snap)
+    }
+}
+
 /// Reads and compiles a rules file.
 pub fn load(path: &Path, opts: CompileOptions) -> Result<Snapshot, RulesError> {
     let file = path.display().to_string();
@@ -235,7 +284,11 @@ pub fn compile(bytes: &[u8], file: &str, opts: CompileOptions) -> Result<Snapsho
         } else {
             path
         };
-        err(&field, inner.to_string())
+        let reason = match field.as_str() {
+            "version" => format!("must be a positive integer ({inner})"),
+            _ => inner.to_string(),
+        };
+        err(&field, reason)
     })?;
     de.end().map_err(|e| {
         err(

@@ -248,3 +248,41 @@ impl Store for MemoryStore {
         "memory"
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limit::bucket::{BucketParams, Rate};
+    use crate::limit::clock::ManualClock;
+    use crate::store::FailurePolicy;
+
+    #[test]
+    fn idle_buckets_expire_only_once_full() {
+        let clock = ManualClock::new(0);
+        let store = MemoryStore::new(clock.clone());
+        let params = BucketParams::new(Rate::parse("10/1s").unwrap(), 20).unwrap();
+        let item = CheckItem::new(
+            "rl:{t}:plan".into(),
+            Charge {
+                params,
+                cost: 15,
+                shadow: false,
+            },
+            0,
+            FailurePolicy::Local,
+        );
+        assert!(store.check_now(std::slice::from_ref(&item)).allowed);
+        // The sweeper's horizon is the fill time of an empty bucket (b / r = 2 s): until then
+        // the bucket stays, whatever it holds.
+        clock.advance_us(params.fill_time_us() - 1);
+        assert_eq!(store.sweep(), 0);
+        assert_eq!(store.len(), 1);
+        clock.advance_us(1);
+        assert_eq!(store.sweep(), 1);
+        assert!(store.is_empty());
+        // Forgetting it changed nothing: a new bucket starts full, as the old one was.
+        let out = store.check_now(std::slice::from_ref(&item));
+        assert!(out.allowed);
+        assert_eq!(out.buckets[0].tokens, params.capacity - params.units(15));
+    }
+}

@@ -1,0 +1,99 @@
+//! `tollgate check-rules`: a human summary of a compiled rule set.
+
+use std::fmt::Write as _;
+
+use super::{Dimension, Snapshot};
+
+/// Version, upstreams, limits with their numbers (and per-key numbers), routes with costs.
+pub fn summary(snap: &Snapshot) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{}: OK, version {} (sha256:{})",
+        snap.source, snap.version, snap.digest
+    );
+    let _ = writeln!(out, "upstreams:");
+    for u in &snap.upstreams {
+        let _ = writeln!(
+            out,
+            "  {:<12} http://{}{}  timeout {} ms{}",
+            &*u.name,
+            u.authority,
+            u.path_prefix,
+            u.timeout.as_millis(),
+            u.max_in_flight
+                .map(|m| format!(", max {m} in flight"))
+                .unwrap_or_default()
+        );
+    }
+    let _ = writeln!(out, "limits:");
+    for (i, l) in snap.limits.iter().enumerate() {
+        let numbers = match &l.numbers {
+            Some(n) => format!(
+                "{} ({:.3}/s), burst {}",
+                n.params.rate,
+                n.params.rate.per_second(),
+                n.params.burst
+            ),
+            None => "numbers set per key".into(),
+        };
+        let dim = match &l.dimension {
+            Dimension::Key => "per key".to_string(),
+            Dimension::Route => "per key and route".to_string(),
+            Dimension::Ip => "per client IP".to_string(),
+            Dimension::Header(h) => format!("per {h} value"),
+        };
+        let _ = writeln!(
+            out,
+            "  {:<12} {numbers}; {dim}; {:?}, {:?}, on store failure {:?}{}",
+            &*l.name,
+            l.mode,
+            l.class,
+            l.policy,
+            l.lease.map(|b| format!(", leased ({b:?})")).unwrap_or_default()
+        );
+        for k in &snap.keys {
+            if let Some(Some(n)) = k.numbers.get(i) {
+                let _ = writeln!(
+                    out,
+                    "    key {:<8} {} ({:.3}/s), burst {}",
+                    &*k.id,
+                    n.params.rate,
+                    n.params.rate.per_second(),
+                    n.params.burst
+                );
+            }
+        }
+    }
+    let _ = writeln!(out, "keys: {}", snap.keys.len());
+    let _ = writeln!(out, "routes:");
+    for r in &snap.routes {
+        let costs: Vec<String> = r
+            .costs
+            .iter()
+            .map(|&(li, c)| format!("{} {c}", snap.limits[li as usize].name))
+            .collect();
+        let _ = writeln!(
+            out,
+            "  {:<12} {} {} -> {}; key {:?}; costs: {}",
+            &*r.name,
+            r.method.as_ref().map_or("*", |m| m.as_str()),
+            r.prefix,
+            &*snap.upstreams[r.upstream].name,
+            r.key,
+            if costs.is_empty() {
+                "none".to_string()
+            } else {
+                costs.join(", ")
+            }
+        );
+    }
+    if let Some((li, c)) = snap.unauthenticated {
+        let _ = writeln!(
+            out,
+            "unauthenticated: {} {c} per request without a valid key",
+            snap.limits[li as usize].name
+        );
+    }
+    out
+}

@@ -1,0 +1,112 @@
+//! `tollgate check-rules`: every shipped rules file passes with a summary, and each broken file
+//! (one fault each) fails with its own message naming the file, the field and the reason.
+
+mod common;
+
+use std::process::Command;
+
+fn check(path: &std::path::Path) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .arg("check-rules")
+        .arg(path)
+        .output()
+        .expect("run tollgate check-rules");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn every_shipped_rules_file_passes() {
+    let mut files: Vec<_> = std::fs::read_dir(common::repo().join("rules"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "json"))
+        .collect();
+    files.sort();
+    assert!(!files.is_empty());
+    for f in files {
+        let (ok, stdout, stderr) = check(&f);
+        assert!(ok, "{}: {stderr}", f.display());
+        assert!(stdout.contains("OK, version"), "{stdout}");
+        assert!(
+            stdout.contains("limits:") && stdout.contains("routes:"),
+            "{stdout}"
+        );
+    }
+}
+
+#[test]
+fn the_summary_lists_rates_bursts_and_costs() {
+    let (ok, stdout, _) = check(&common::repo().join("rules/demo.json"));
+    assert!(ok);
+    assert!(stdout.contains("version 1"), "{stdout}");
+    assert!(
+        stdout.contains("key k-7      600/60s (10.000/s), burst 20"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("exports      1/5s (0.200/s), burst 1"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("costs: exports 1, plan 10"), "{stdout}");
+}
+
+#[test]
+fn each_broken_file_fails_with_its_own_message() {
+    let dir = common::repo().join("tests/broken_rules");
+    let cases = [
+        ("unknown-field.json", "routes[0].costs: unknown field `costs`"),
+        (
+            "cost-over-burst.json",
+            "routes[0].cost.exports: route \"POST /v1/exports\" costs 2 in limit \"exports\", above its burst 1",
+        ),
+        (
+            "duplicate-key-hash.json",
+            "keys[1].sha256: duplicate key hash: keys \"k-1\" and \"k-2\"",
+        ),
+        (
+            "zero-rate.json",
+            "limits.exports.rate: rate \"0/5s\": the rate must be above zero",
+        ),
+        ("version-zero.json", "version: must be a positive integer"),
+        ("version-negative.json", "version: must be a positive integer"),
+        ("version-fraction.json", "version: must be a positive integer"),
+        ("version-string.json", "version: must be a positive integer"),
+        (
+            "missing-upstream.json",
+            "routes[0].upstream: no upstream named \"billing\"",
+        ),
+    ];
+    let mut seen = std::collections::HashSet::new();
+    for (file, expected) in cases {
+        let path = dir.join(file);
+        let (ok, _, stderr) = check(&path);
+        assert!(!ok, "{file} passed");
+        assert!(
+            stderr.contains(&format!("{}: {expected}", path.display())),
+            "{file}: {stderr}"
+        );
+        assert!(
+            seen.insert(stderr.clone()),
+            "{file} repeats another file's message"
+        );
+    }
+    // The base the broken files come from is valid, so each fails for its one fault only.
+    let base = std::fs::read_to_string(dir.join("valid-base.json.txt")).unwrap();
+    let (_d, path) = common::rules_file(&base);
+    let (ok, _, stderr) = check(&path);
+    assert!(ok, "{stderr}");
+}
+
+#[test]
+fn a_missing_file_is_named() {
+    let (ok, _, stderr) = check(std::path::Path::new("/nonexistent/rules.json"));
+    assert!(!ok);
+    assert!(
+        stderr.contains("/nonexistent/rules.json: (file): cannot read"),
+        "{stderr}"
+    );
+}
