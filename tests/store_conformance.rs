@@ -361,6 +361,30 @@ async fn redis_cluster_conforms() {
         })
         .await;
     }
+    // A failover empties a node's script cache: after SCRIPT FLUSH on every master, the next
+    // check on each master loads the script again and succeeds.
+    for n in &cluster.nodes {
+        assert_eq!(n.cli(&["SCRIPT", "FLUSH"]), "OK");
+    }
+    for tag in ["conf", "k8", "a"] {
+        let key = format!("rl:{{{tag}}}:after-flush");
+        let params = params("1/60s", 2);
+        let b = [CheckItem::new(
+            key.into(),
+            Charge {
+                params,
+                cost: 1,
+                shadow: false,
+            },
+            0,
+            FailurePolicy::Local,
+        )];
+        let o = store
+            .check(&b)
+            .await
+            .expect("a check after SCRIPT FLUSH succeeds");
+        assert_eq!(o.buckets[0].tokens, params.scale);
+    }
     let sizes: Vec<String> = cluster.nodes.iter().map(|n| n.cli(&["DBSIZE"])).collect();
     assert!(
         sizes.iter().all(|n| n != "0"),

@@ -51,6 +51,21 @@ pub async fn start_gateway(rules: &str, clock: Arc<dyn Clock>) -> (Running, temp
     (running, dir)
 }
 
+/// A gateway in this process on 127.0.0.1:0 with an admin listener, on the given store.
+pub async fn start_gateway_on(
+    rules: &str,
+    store: tollgate::config::StoreUrl,
+) -> (Running, tempfile::TempDir) {
+    let (dir, path) = rules_file(rules);
+    let mut cfg = GatewayConfig::new(RulesSource::File(path));
+    cfg.store = store;
+    cfg.admin_listen = Some(SocketAddr::from(([127, 0, 0, 1], 0)));
+    let running = app::start(cfg)
+        .await
+        .unwrap_or_else(|e| panic!("gateway starts: {e}"));
+    (running, dir)
+}
+
 /// The demo upstream in this process on a free port.
 pub async fn start_demo_upstream() -> SocketAddr {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -338,6 +353,39 @@ impl RedisCluster {
             .output()
             .expect("redis-cli runs");
         String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+}
+
+/// Runs `tollgate serve --rules <rules>` expecting it to exit; returns (success, stderr).
+pub fn serve_and_exit(rules: &str, args: &[&str]) -> (bool, String) {
+    let (_dir, rules) = rules_file(rules);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args([
+            "serve",
+            "--rules",
+            rules.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            use std::io::Read;
+            child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+            return (status.success(), err);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("tollgate {args:?} was expected to exit but still runs after 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
