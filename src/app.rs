@@ -12,7 +12,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::admin::Admin;
-use crate::config::StoreUrl;
+use crate::config::{ClockSource, StoreUrl};
 use crate::demo::DemoUpstream;
 use crate::gateway::Gateway;
 use crate::identity::TrustedProxies;
@@ -25,6 +25,7 @@ use crate::server::{self, ServerLimits, tls};
 use crate::store::Store;
 use crate::store::guard::{FleetSize, Guard};
 use crate::store::memory::MemoryStore;
+use crate::store::redis::{ConnectError, RedisStore, Target};
 
 /// A validated configuration.
 pub struct GatewayConfig {
@@ -43,6 +44,8 @@ pub struct GatewayConfig {
     pub store_timeout: Duration,
     /// Gateways in the fleet; learned from the store when `None`.
     pub fleet_size: Option<u32>,
+    /// Whose clock a Redis store's check reads (the store's unless `--clock gateway`).
+    pub clock_source: ClockSource,
 }
 
 impl GatewayConfig {
@@ -60,6 +63,7 @@ impl GatewayConfig {
             clock: SystemClock::shared(),
             store_timeout: Duration::from_millis(3),
             fleet_size: None,
+            clock_source: ClockSource::Store,
         }
     }
 }
@@ -137,6 +141,30 @@ async fn stopped(mut rx: watch::Receiver<bool>) {
     }
 }
 
+/// Connects the shared store; start-up fails with the store's name and the reason.
+async fn redis_store(target: Target<'_>, cfg: &GatewayConfig) -> Result<Arc<dyn Store>, StartError> {
+    let clock = match cfg.clock_source {
+        ClockSource::Store => None,
+        ClockSource::Gateway => {
+            tracing::warn!(
+                "--clock gateway: buckets refill on each gateway's own clock; skew between gateways hands out extra tokens"
+            );
+            Some(cfg.clock.clone())
+        }
+    };
+    match RedisStore::connect(target, clock.clone()).await {
+        Ok(store) => Ok(Arc::new(store)),
+        // Down now: start degraded under the failure policies, and connect when it is back.
+        Err(e @ ConnectError::Unreachable { .. }) => {
+            tracing::warn!(error = %e, "starting degraded: limits decide by their failure policies until the store answers");
+            let store =
+                RedisStore::connect_later(target, clock).map_err(|e| StartError::Store(e.to_string()))?;
+            Ok(Arc::new(store))
+        }
+        Err(e) => Err(StartError::Store(e.to_string())),
+    }
+}
+
 /// Starts every listener. Fails before serving anything if a part can't start.
 pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
     let tls = match &cfg.tls {
@@ -194,11 +222,8 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
             m.spawn_sweeper(Duration::from_secs(5));
             (m.clone(), Some(m))
         }
-        other => {
-            return Err(StartError::Store(format!(
-                "{other:?}: this build has only the embedded store; use --store memory"
-            )));
-        }
+        StoreUrl::Redis(url) => (redis_store(Target::Node(url), &cfg).await?, None),
+        StoreUrl::RedisCluster(nodes) => (redis_store(Target::Cluster(nodes), &cfg).await?, None),
     };
 
     // A store on the network gets a timeout, a breaker and the failure policies in front.

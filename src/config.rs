@@ -48,6 +48,17 @@ pub enum LogFormat {
     Json,
 }
 
+/// Whose clock a shared store's check reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
+pub enum ClockSource {
+    /// The store's own TIME: one clock for the whole fleet.
+    #[default]
+    Store,
+    /// The calling gateway's clock, passed to the script: clock skew between gateways refills
+    /// buckets early (the spec's side row S).
+    Gateway,
+}
+
 #[derive(Debug, Args)]
 pub struct ServeArgs {
     /// The rules file (JSON).
@@ -84,6 +95,11 @@ pub struct CommonArgs {
     /// store's heartbeat when unset.
     #[arg(long, env = "TOLLGATE_FLEET_SIZE", value_parser = clap::value_parser!(u32).range(1..))]
     pub fleet_size: Option<u32>,
+    /// Whose clock refills Redis buckets: `store` (the store's TIME, inside the check script) or
+    /// `gateway` (each gateway passes its own time; only for stores that refuse TIME in scripts:
+    /// gateways whose clocks differ then hand out extra tokens, see README "Redis store").
+    #[arg(long, env = "TOLLGATE_CLOCK", value_enum, default_value_t = ClockSource::Store)]
+    pub clock: ClockSource,
     /// PEM certificate chain; enables TLS (h2 and http/1.1 by ALPN).
     #[arg(long, env = "TOLLGATE_TLS_CERT", requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,

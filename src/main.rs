@@ -27,6 +27,7 @@ fn config(rules: RulesSource, c: &CommonArgs, demo: bool) -> Result<GatewayConfi
     cfg.listen = c.listen;
     cfg.admin_listen = c.admin_listen;
     cfg.store = StoreUrl::parse(&c.store).map_err(anyhow::Error::msg)?;
+    cfg.clock_source = c.clock;
     cfg.tls = match (&c.tls_cert, &c.tls_key) {
         (Some(cert), Some(key)) => Some((cert.clone(), key.clone())),
         _ => None,

@@ -1,11 +1,12 @@
 //! The limiter's state behind one trait: every bucket of a request goes in one all-or-nothing call.
 //!
-//! [`MemoryStore`](memory::MemoryStore) is the embedded default. The Redis store runs the
-//! same arithmetic inside one Lua script on the store's clock. Both pass one conformance suite
+//! [`MemoryStore`](memory::MemoryStore) is the embedded default. [`RedisStore`](redis::RedisStore)
+//! runs the same arithmetic inside one Lua script (`lua/check.lua`) on the store's clock. Both pass one conformance suite
 //! (`tests/store_conformance.rs`).
 
 pub mod guard;
 pub mod memory;
+pub mod redis;
 
 use std::future::Future;
 use std::hash::BuildHasher;

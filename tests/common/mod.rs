@@ -51,6 +51,21 @@ pub async fn start_gateway(rules: &str, clock: Arc<dyn Clock>) -> (Running, temp
     (running, dir)
 }
 
+/// A gateway in this process on 127.0.0.1:0 with an admin listener, on the given store.
+pub async fn start_gateway_on(
+    rules: &str,
+    store: tollgate::config::StoreUrl,
+) -> (Running, tempfile::TempDir) {
+    let (dir, path) = rules_file(rules);
+    let mut cfg = GatewayConfig::new(RulesSource::File(path));
+    cfg.store = store;
+    cfg.admin_listen = Some(SocketAddr::from(([127, 0, 0, 1], 0)));
+    let running = app::start(cfg)
+        .await
+        .unwrap_or_else(|e| panic!("gateway starts: {e}"));
+    (running, dir)
+}
+
 /// The demo upstream in this process on a free port.
 pub async fn start_demo_upstream() -> SocketAddr {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -185,7 +200,48 @@ impl RedisServer {
         RedisServer::start_with(&[])
     }
 
+    /// A server on a given port (one a test reserved and left free on purpose).
+    pub fn start_on(port: u16) -> RedisServer {
+        let bin = require_binary("redis-server");
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = Command::new(&bin)
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .args(["--dir", dir.path().to_str().unwrap()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn redis-server");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if Instant::now() > deadline || matches!(child.try_wait(), Ok(Some(_))) {
+                let _ = child.kill();
+                panic!("redis-server did not start on port {port}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        RedisServer {
+            port,
+            child,
+            _dir: dir,
+        }
+    }
+
     pub fn start_with(extra: &[&str]) -> RedisServer {
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        RedisServer::start_with_fn(|| extra.clone())
+    }
+
+    /// Like `start_with`, with arguments made afresh for each attempt (a new free port each).
+    pub fn start_with_fn(extra: impl Fn() -> Vec<String>) -> RedisServer {
         let bin = require_binary("redis-server");
         let dir = tempfile::tempdir().unwrap();
         for _ in 0..5 {
@@ -202,7 +258,7 @@ impl RedisServer {
                     "no",
                 ])
                 .args(["--dir", dir.path().to_str().unwrap()])
-                .args(extra)
+                .args(extra())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .spawn()
@@ -250,6 +306,121 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// A Redis Cluster of three masters and no replicas, each a `RedisServer` on free ports (client
+/// and bus); stopped on drop.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    pub fn start() -> RedisCluster {
+        let nodes: Vec<RedisServer> = (0..3)
+            .map(|_| {
+                RedisServer::start_with_fn(|| {
+                    [
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        "nodes.conf",
+                        "--cluster-node-timeout",
+                        "5000",
+                        "--cluster-port",
+                        &free_port().to_string(),
+                    ]
+                    .map(String::from)
+                    .to_vec()
+                })
+            })
+            .collect();
+        let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
+        let out = Command::new(require_binary("redis-cli"))
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .expect("redis-cli --cluster create runs");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let cluster = RedisCluster { nodes };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let ready = cluster.nodes.iter().all(|n| {
+                let info = n.cli(&["CLUSTER", "INFO"]);
+                info.contains("cluster_state:ok")
+                    && info.contains("cluster_slots_ok:16384")
+                    && info.contains("cluster_known_nodes:3")
+            });
+            if ready {
+                return cluster;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the 3-master cluster did not become ready in 20 s"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// `redis-cluster://127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3`.
+    pub fn url(&self) -> String {
+        format!("redis-cluster://{}", self.node_list().join(","))
+    }
+
+    pub fn node_list(&self) -> Vec<String> {
+        self.nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect()
+    }
+
+    /// Runs `redis-cli -c` (following redirections) against the first node.
+    pub fn cli(&self, args: &[&str]) -> String {
+        let out = Command::new(require_binary("redis-cli"))
+            .args(["-c", "-p", &self.nodes[0].port.to_string()])
+            .args(args)
+            .output()
+            .expect("redis-cli runs");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+}
+
+/// Runs `tollgate serve --rules <rules>` expecting it to exit; returns (success, stderr).
+pub fn serve_and_exit(rules: &str, args: &[&str]) -> (bool, String) {
+    let (_dir, rules) = rules_file(rules);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args([
+            "serve",
+            "--rules",
+            rules.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            use std::io::Read;
+            child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+            return (status.success(), err);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("tollgate {args:?} was expected to exit but still runs after 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 

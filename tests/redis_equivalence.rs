@@ -1,0 +1,208 @@
+//! `lua/check.lua` and `limit/bucket.rs` are one algorithm in two homes: thousands of random
+//! checks (random rates and bursts, rule changes, costs up to far above the burst, batches of
+//! several buckets, shadow flags) give the same decision, the same units left and the same
+//! wait on every step. The Rust side keeps its own copy of every bucket and is fed the `now`
+//! the script reports.
+//!
+//! Set `TOLLGATE_EQ_SEED` to replay a failing seed; every failure prints its seed and step.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tollgate::limit::bucket::{BucketParams, BucketState, BucketVerdict, Charge, MAX_EXACT, Rate, check_all};
+use tollgate::limit::clock::ManualClock;
+use tollgate::store::redis::{RedisStore, Target};
+use tollgate::store::{CheckItem, FailurePolicy, Store};
+
+const STEPS: usize = 4_000;
+const BUCKETS: usize = 12;
+
+/// Rates people write: changing between them converts units between "round" scales, where a
+/// double division is most likely to round (1/49 × 49 < 1), so both sides must round alike.
+const USUAL_RATES: [&str; 14] = [
+    "10/1s", "20/1s", "600/60s", "1/5s", "5/60s", "7/3s", "49/1s", "3/1s", "100/1s", "1000/1s", "10000/1s",
+    "1/1s", "300/1m", "9/7s",
+];
+
+fn random_params(rng: &mut StdRng) -> BucketParams {
+    if rng.random_range(0..2) == 0 {
+        let rate = Rate::parse(USUAL_RATES[rng.random_range(0..USUAL_RATES.len())]).unwrap();
+        let burst = match rng.random_range(0..3) {
+            0 => rng.random_range(1..=5),
+            1 => rng.random_range(1..=100),
+            _ => rng.random_range(1..=100_000),
+        };
+        return BucketParams::new(rate, burst).unwrap();
+    }
+    loop {
+        let tokens = match rng.random_range(0..4) {
+            0 => rng.random_range(1..=10),
+            1 => rng.random_range(1..=1_000),
+            2 => rng.random_range(1..=1_000_000),
+            _ => rng.random_range(1..=100),
+        };
+        let period_us = match rng.random_range(0..5) {
+            0 => 1_000_000,
+            1 => 60_000_000,
+            2 => rng.random_range(1..=10_000_000),
+            3 => rng.random_range(1..=3_600_000_000),
+            _ => rng.random_range(1..=1_000) * 1_000,
+        };
+        let burst = match rng.random_range(0..4) {
+            0 => rng.random_range(1..=5),
+            1 => rng.random_range(1..=100),
+            2 => rng.random_range(1..=100_000),
+            _ => rng.random_range(1..=10_000_000),
+        };
+        if let Ok(p) = BucketParams::new(Rate { tokens, period_us }, burst) {
+            assert!(p.capacity < MAX_EXACT);
+            return p;
+        }
+    }
+}
+
+fn random_cost(rng: &mut StdRng, p: &BucketParams) -> u64 {
+    match rng.random_range(0..20) {
+        0 => 0,
+        1 => p.burst + rng.random_range(1..=p.burst),
+        2 => u64::MAX / rng.random_range(1..=1_000),
+        3..=6 => p.burst,
+        _ => rng.random_range(1..=p.burst.min(5)),
+    }
+}
+
+/// Moves the manual clock: mostly forward by anything from nothing to hours, sometimes back
+/// (a gateway clock may step back; elapsed time is then clamped at zero on both sides).
+fn move_clock(rng: &mut StdRng, clock: &ManualClock) {
+    use tollgate::limit::clock::Clock;
+    let now = clock.now_us();
+    let next = match rng.random_range(0..20) {
+        0 => now.saturating_sub(rng.random_range(1..=5_000_000)),
+        1 => now,
+        2 => now + rng.random_range(1..=4_000_000_000),
+        3..=8 => now + rng.random_range(1..=1_000),
+        _ => now + rng.random_range(1..=2_000_000),
+    };
+    clock.set_us(next);
+}
+
+async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u64) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let keys: Vec<String> = (0..BUCKETS).map(|i| format!("rl:{{{tag}}}:b{i}")).collect();
+    let mut rules: Vec<BucketParams> = (0..BUCKETS).map(|_| random_params(&mut rng)).collect();
+    let mut states: HashMap<String, BucketState> = HashMap::new();
+    let (mut allowed, mut refused, mut changes) = (0, 0, 0);
+    for step in 0..STEPS {
+        // A rule changes under a live bucket now and then.
+        if rng.random_range(0..5) == 0 {
+            let i = rng.random_range(0..BUCKETS);
+            rules[i] = random_params(&mut rng);
+            changes += 1;
+        }
+        let n = rng.random_range(1..=4);
+        let mut picked: Vec<usize> = (0..BUCKETS).collect();
+        for i in 0..n {
+            let j = rng.random_range(i..BUCKETS);
+            picked.swap(i, j);
+        }
+        let batch: Vec<CheckItem> = picked[..n]
+            .iter()
+            .map(|&i| {
+                let params = rules[i];
+                let charge = Charge {
+                    params,
+                    cost: random_cost(&mut rng, &params),
+                    shadow: rng.random_range(0..5) == 0,
+                };
+                CheckItem::new(keys[i].as_str().into(), charge, i as u16, FailurePolicy::Local)
+            })
+            .collect();
+        if let Some(c) = clock {
+            move_clock(&mut rng, c);
+        }
+        let outcome = store
+            .check(&batch)
+            .await
+            .unwrap_or_else(|e| panic!("seed {seed} step {step}: {e}"));
+
+        let charges: Vec<Charge> = batch.iter().map(|i| i.charge).collect();
+        let mut expected_states: Vec<Option<BucketState>> =
+            batch.iter().map(|i| states.get(&*i.key).copied()).collect();
+        let before = expected_states.clone();
+        let mut verdicts = vec![
+            BucketVerdict {
+                sufficient: false,
+                tokens: 0,
+                wait_us: None,
+            };
+            batch.len()
+        ];
+        let expected_allowed = check_all(&charges, &mut expected_states, outcome.now_us, &mut verdicts);
+        let context = || {
+            format!(
+                "seed {seed} step {step} (replay with TOLLGATE_EQ_SEED={seed}), now {}:\n  charges {charges:#?}\n  states before {before:?}",
+                outcome.now_us
+            )
+        };
+        assert_eq!(
+            outcome.allowed,
+            expected_allowed,
+            "decision differs; {}",
+            context()
+        );
+        assert_eq!(
+            outcome.buckets.as_slice(),
+            verdicts.as_slice(),
+            "units left or waits differ; {}",
+            context()
+        );
+        for (item, s) in batch.iter().zip(expected_states) {
+            states.insert(item.key.to_string(), s.expect("check_all writes every state"));
+        }
+        if outcome.allowed {
+            allowed += 1;
+        } else {
+            refused += 1;
+        }
+    }
+    // The run must have exercised both answers and rule changes, or it proves little.
+    assert!(
+        allowed > STEPS / 20 && refused > STEPS / 20,
+        "seed {seed}: {allowed} allowed, {refused} refused"
+    );
+    assert!(changes > 100, "seed {seed}: only {changes} rule changes");
+}
+
+fn seed() -> u64 {
+    match std::env::var("TOLLGATE_EQ_SEED") {
+        Ok(s) => s.parse().expect("TOLLGATE_EQ_SEED must be a number"),
+        Err(_) => rand::rng().random(),
+    }
+}
+
+#[tokio::test]
+async fn script_and_bucket_rs_agree_on_the_store_clock() {
+    let redis = common::RedisServer::start();
+    let store = RedisStore::connect(Target::Node(&redis.url()), None)
+        .await
+        .unwrap();
+    let seed = seed();
+    eprintln!("TOLLGATE_EQ_SEED={seed}");
+    run(&store, None, "eq", seed).await;
+}
+
+#[tokio::test]
+async fn script_and_bucket_rs_agree_on_a_jumping_gateway_clock() {
+    let redis = common::RedisServer::start();
+    let clock = ManualClock::new(1_700_000_000_000_000);
+    let store = RedisStore::connect(Target::Node(&redis.url()), Some(clock.clone() as Arc<_>))
+        .await
+        .unwrap();
+    let seed = seed();
+    eprintln!("TOLLGATE_EQ_SEED={seed}");
+    run(&store, Some(&clock), "eq", seed).await;
+}

@@ -1,0 +1,388 @@
+//! `RedisStore` against a real `redis-server` started by each test on a free port: the race of
+//! the spec's side row C, two gateway processes sharing one limit, key expiry and names,
+//! NOSCRIPT recovery, start-up failures, and failed calls after start-up.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{Http, K7, K8, RedisServer, Tollgate};
+use http::{Method, StatusCode};
+use tollgate::config::StoreUrl;
+use tollgate::limit::bucket::{BucketParams, Charge, Rate};
+use tollgate::limit::plan;
+use tollgate::rules::{Snapshot, hash_secret};
+use tollgate::store::redis::{RedisStore, Target};
+use tollgate::store::{Batch, CheckItem, FailurePolicy, Store, StoreError};
+
+fn item(key: &str, rate: &str, burst: u64, cost: u64) -> CheckItem {
+    let params = BucketParams::new(Rate::parse(rate).unwrap(), burst).unwrap();
+    CheckItem::new(
+        key.into(),
+        Charge {
+            params,
+            cost,
+            shadow: false,
+        },
+        0,
+        FailurePolicy::Local,
+    )
+}
+
+async fn connect(redis: &RedisServer) -> RedisStore {
+    RedisStore::connect(Target::Node(&redis.url()), None)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Side row C: the bucket holds 5 tokens, 15 checks arrive at once over 15 connections, and
+/// the atomic script lets exactly 5 through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fifteen_connections_at_once_on_five_tokens_admit_exactly_five() {
+    let redis = RedisServer::start();
+    let mut stores = Vec::new();
+    for _ in 0..15 {
+        stores.push(Arc::new(connect(&redis).await));
+    }
+    let info = redis.cli(&["INFO", "clients"]);
+    let connected: u64 = info
+        .lines()
+        .find_map(|l| l.strip_prefix("connected_clients:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no connected_clients in {info}"));
+    assert!(
+        connected >= 15,
+        "15 stores should hold 15 connections, Redis counts {connected}"
+    );
+
+    // One token a minute, so nothing refills during the race; 20 - 15 leaves exactly 5.
+    let key = "rl:{k7}:plan";
+    let scale = BucketParams::new(Rate::parse("1/60s").unwrap(), 20)
+        .unwrap()
+        .scale;
+    let o = stores[0].check(&[item(key, "1/60s", 20, 15)]).await.unwrap();
+    assert!(o.allowed);
+    assert_eq!(o.buckets[0].tokens, 5 * scale);
+
+    let barrier = Arc::new(tokio::sync::Barrier::new(15));
+    let mut tasks = Vec::new();
+    for store in &stores {
+        let (store, barrier) = (store.clone(), barrier.clone());
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            store.check(&[item(key, "1/60s", 20, 1)]).await.unwrap().allowed
+        }));
+    }
+    let mut allowed = 0;
+    for t in tasks {
+        allowed += usize::from(t.await.unwrap());
+    }
+    assert_eq!(allowed, 5, "15 simultaneous checks on 5 tokens");
+}
+
+/// Two gateway processes on one Redis: 25 requests of k-7 alternating between them admit 20
+/// (its burst), not 40.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gateway_processes_enforce_one_limit() {
+    let redis = RedisServer::start();
+    let upstream = common::start_demo_upstream().await;
+    // k-7's burst of 20 as in the demo, at one token an hour: the store's clock can't be
+    // stopped, and at the demo's 10/s a run slower than 100 ms would earn a 21st token.
+    let demo = common::demo_rules_for(upstream);
+    let rules = demo.replacen(
+        r#""plan": { "rate": "600/60s", "burst": 20 }"#,
+        r#""plan": { "rate": "1/1h", "burst": 20 }"#,
+        1,
+    );
+    assert_ne!(rules, demo, "the demo's k-7 plan line moved; update this test");
+    let (_dir, path) = common::rules_file(&rules);
+    let path = path.to_str().unwrap();
+    let url = redis.url();
+    let a = Tollgate::spawn(&["serve", "--rules", path, "--store", &url]);
+    let b = Tollgate::spawn(&["serve", "--rules", path, "--store", &url]);
+    let http = Http::new();
+    for g in [&a, &b] {
+        let ready = http.get(&g.admin_url("/readyz"), &[]).await;
+        assert_eq!(ready.status, StatusCode::OK, "{:?}", ready.body);
+        assert_eq!(ready.json()["store"], "redis");
+    }
+    let auth = format!("Bearer {K7}");
+    let mut allowed = [0; 2];
+    for i in 0..25 {
+        let g = if i % 2 == 0 { &a } else { &b };
+        let r = http
+            .get(&g.url("/v1/orders"), &[("authorization", auth.as_str())])
+            .await;
+        match r.status {
+            StatusCode::OK => allowed[i % 2] += 1,
+            StatusCode::TOO_MANY_REQUESTS => {}
+            other => panic!("request {i}: {other} {:?}", r.body),
+        }
+    }
+    assert_eq!(allowed[0] + allowed[1], 20, "admitted per gateway: {allowed:?}");
+    assert!(
+        allowed[0] > 0 && allowed[1] > 0,
+        "both gateways admitted some: {allowed:?}"
+    );
+}
+
+/// The batch the gateway pays for one request, computed from the same snapshot.
+fn expected_batch(
+    snap: &Snapshot,
+    method: &Method,
+    path: &str,
+    secret: Option<&str>,
+    headers: &http::HeaderMap,
+) -> Batch {
+    let ip = "127.0.0.1".parse().unwrap();
+    let route = &snap.routes[snap.route(method, path).expect("route")];
+    let key = secret.map(|s| snap.key_by_hash(&hash_secret(s.as_bytes())).expect("known key"));
+    if key.is_none() && route.key == tollgate::rules::KeyRequirement::Required {
+        return plan::unauthenticated_only(snap, ip);
+    }
+    plan::build(snap, route, key, ip, headers, None).expect("plan")
+}
+
+/// Every bucket the gateway writes has a TTL of at least b/r, its name carries the hash tag,
+/// and no name carries the rules version: gateways on two versions share the same buckets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_bucket_key_expires_and_names_no_version() {
+    let redis = RedisServer::start();
+    let upstream = common::start_demo_upstream().await;
+    let demo = common::demo_rules_for(upstream);
+    let requests: [(Method, &str, Option<&str>, Option<&str>); 5] = [
+        (Method::GET, "/v1/orders", Some(K7), None),
+        (Method::POST, "/v1/exports", Some(K8), None),
+        (Method::GET, "/v1/orders", None, None),
+        (Method::POST, "/login", None, Some("alice")),
+        (Method::POST, "/login", Some(K7), Some("bob")),
+    ];
+    let http = Http::new();
+    let mut key_sets = Vec::new();
+    for version in ["7340291", "7340292"] {
+        let rules = demo.replacen(r#""version": 1,"#, &format!(r#""version": {version},"#), 1);
+        assert_ne!(rules, demo);
+        let (running, _dir) = common::start_gateway_on(&rules, StoreUrl::Redis(redis.url())).await;
+        let snap = running.rules.load_full();
+        assert_eq!(snap.version.to_string(), version);
+        let mut expected = std::collections::BTreeMap::new();
+        for (method, path, secret, account) in &requests {
+            let mut headers: Vec<(&str, String)> = Vec::new();
+            let mut map = http::HeaderMap::new();
+            if let Some(s) = secret {
+                headers.push(("authorization", format!("Bearer {s}")));
+            }
+            if let Some(a) = account {
+                headers.push(("x-account", a.to_string()));
+                map.insert("x-account", a.parse().unwrap());
+            }
+            let h: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            let url = format!("http://{}{path}", running.addr);
+            let r = http.send(method.clone(), &url, &h, b"").await;
+            assert_ne!(
+                r.status,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "{method} {path}: {:?}",
+                r.body
+            );
+            for i in expected_batch(&snap, method, path, *secret, &map) {
+                expected.insert(i.key.to_string(), i.charge.params);
+            }
+        }
+        // Besides the buckets, the store holds only the fleet's heartbeat set, which expires too.
+        let fleet = "tollgate:{fleet}:members";
+        let keys: std::collections::BTreeSet<String> = redis
+            .cli(&["--scan"])
+            .lines()
+            .filter(|k| *k != fleet)
+            .map(String::from)
+            .collect();
+        if redis.cli(&["EXISTS", fleet]) == "1" {
+            let pttl: i64 = redis.cli(&["PTTL", fleet]).parse().unwrap();
+            assert!(pttl > 0, "the heartbeat set has no TTL");
+        }
+        assert_eq!(
+            keys,
+            expected.keys().cloned().collect(),
+            "the store holds exactly the buckets the requests paid"
+        );
+        for (key, params) in &expected {
+            let pttl: i64 = redis.cli(&["PTTL", key]).parse().unwrap();
+            assert!(pttl > 0, "{key} has no TTL (PTTL {pttl})");
+            assert!(
+                pttl as u64 * 1_000 >= params.fill_time_us(),
+                "{key}: PTTL {pttl} ms is under b/r = {} µs",
+                params.fill_time_us()
+            );
+            assert!(
+                key.starts_with("rl:{") && key.contains("}:"),
+                "{key} has no hash tag"
+            );
+            assert!(!key.contains(version), "{key} names the rules version {version}");
+            assert_eq!(redis.cli(&["TYPE", key]), "string", "{key}");
+            assert_eq!(redis.cli(&["STRLEN", key]), "18", "{key}: one 18-byte value");
+        }
+        key_sets.push(keys);
+        running.shutdown().await;
+    }
+    assert_eq!(
+        key_sets[0], key_sets[1],
+        "a new rules version reuses the same buckets"
+    );
+    assert!(key_sets[0].contains("rl:{k7}:plan") && key_sets[0].contains("rl:{ip:127.0.0.1}:unauth"));
+}
+
+/// After SCRIPT FLUSH (as after a failover) the next check loads the script again and goes on
+/// from the bucket's state.
+#[tokio::test]
+async fn a_flushed_script_is_loaded_again() {
+    let redis = RedisServer::start();
+    let store = connect(&redis).await;
+    let b = [item("rl:{t}:flush", "1/60s", 3, 1)];
+    let scale = b[0].charge.params.scale;
+    let first = store.check(&b).await.unwrap();
+    assert_eq!(first.buckets[0].tokens, 2 * scale);
+    assert_eq!(redis.cli(&["SCRIPT", "FLUSH"]), "OK");
+    assert_eq!(redis.cli(&["SCRIPT", "EXISTS", store.script_sha()]), "0");
+    let second = store
+        .check(&b)
+        .await
+        .expect("the check after SCRIPT FLUSH succeeds");
+    assert!(second.allowed);
+    assert_eq!(second.buckets[0].tokens, scale + (second.now_us - first.now_us));
+    assert_eq!(redis.cli(&["SCRIPT", "EXISTS", store.script_sha()]), "1");
+}
+
+fn demo_rules() -> String {
+    std::fs::read_to_string(common::repo().join("rules/demo.json")).unwrap()
+}
+
+/// No store at start-up: the gateway starts degraded under the failure policies, says so, and
+/// takes its decisions from the store as soon as one listens there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_up_without_a_store_starts_degraded_and_recovers() {
+    let port = common::free_port();
+    let url = format!("redis://127.0.0.1:{port}");
+    let upstream = common::start_demo_upstream().await;
+    let (_dir, path) = common::rules_file(&common::demo_rules_for(upstream));
+    let g = Tollgate::spawn(&[
+        "serve",
+        "--rules",
+        path.to_str().unwrap(),
+        "--store",
+        &url,
+        "--fleet-size",
+        "1",
+    ]);
+    let http = Http::new();
+    let ready = http.get(&g.admin_url("/readyz"), &[]).await;
+    assert_eq!(ready.status, StatusCode::OK, "{:?}", ready.body);
+    assert_eq!(ready.json()["status"], "degraded");
+    let stderr = g.stderr();
+    assert!(
+        stderr.contains(&url) && stderr.contains("starting degraded"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let auth = format!("Bearer {K7}");
+    let r = http.get(&g.url("/v1/orders"), &[("authorization", &auth)]).await;
+    assert_eq!(r.status, StatusCode::OK, "the local share admits: {:?}", r.body);
+
+    let redis = RedisServer::start_on(port);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    loop {
+        let r = http.get(&g.url("/v1/orders"), &[("authorization", &auth)]).await;
+        assert_ne!(r.status, StatusCode::SERVICE_UNAVAILABLE);
+        if redis.cli(&["EXISTS", "rl:{k7}:plan"]) == "1" {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "decisions never moved to the store: {}",
+            g.stderr()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let ready = http.get(&g.admin_url("/readyz"), &[]).await;
+    assert_eq!(ready.json()["status"], "ready");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_that_refuses_time_in_scripts_needs_the_gateway_clock() {
+    // A store where scripts can't call TIME, as on some managed services.
+    let redis = RedisServer::start_with(&["--rename-command", "TIME", ""]);
+    let url = redis.url();
+    let (ok, stderr) = common::serve_and_exit(&demo_rules(), &["--store", &url]);
+    assert!(!ok, "tollgate started on a store whose scripts can't read TIME");
+    assert!(stderr.contains(&url), "{stderr}");
+    assert!(
+        stderr.contains("TIME") && stderr.contains("--clock gateway"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+
+    let upstream = common::start_demo_upstream().await;
+    let (_dir, path) = common::rules_file(&common::demo_rules_for(upstream));
+    let g = Tollgate::spawn(&[
+        "serve",
+        "--rules",
+        path.to_str().unwrap(),
+        "--store",
+        &url,
+        "--clock",
+        "gateway",
+    ]);
+    let r = Http::new()
+        .get(
+            &g.url("/v1/orders"),
+            &[("authorization", &format!("Bearer {K7}"))],
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+    assert_eq!(redis.cli(&["EXISTS", "rl:{k7}:plan"]), "1");
+}
+
+/// A store that goes away after start-up: checks fail as `StoreError`, and the gateway decides
+/// by the failure policies and reports itself degraded; nothing panics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_call_is_a_store_error() {
+    let redis = RedisServer::start();
+    let upstream = common::start_demo_upstream().await;
+    let (running, _dir) =
+        common::start_gateway_on(&common::demo_rules_for(upstream), StoreUrl::Redis(redis.url())).await;
+    let store = connect(&redis).await;
+    let http = Http::new();
+    let admin = format!("http://{}/readyz", running.admin_addr.unwrap());
+    let orders = format!("http://{}/v1/orders", running.addr);
+    let auth = format!("Bearer {K7}");
+    assert_eq!(http.get(&admin, &[]).await.status, StatusCode::OK);
+    assert_eq!(
+        http.get(&orders, &[("authorization", &auth)]).await.status,
+        StatusCode::OK
+    );
+
+    drop(redis);
+    let err = store
+        .check(&[item("rl:{t}:gone", "1/1s", 1, 1)])
+        .await
+        .expect_err("a check against a stopped store");
+    assert!(
+        matches!(err, StoreError::Unavailable(_) | StoreError::Timeout),
+        "{err:?}"
+    );
+    // The gateway still serves: the demo limits decide by their failure policy (local shares),
+    // and readiness says degraded.
+    let ready = http.get(&admin, &[]).await;
+    assert_eq!(ready.status, StatusCode::OK);
+    assert_eq!(ready.json()["status"], "degraded");
+    assert_eq!(ready.json()["store"], "redis");
+    let r = http.get(&orders, &[("authorization", &auth)]).await;
+    assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+    assert!(
+        running
+            .metrics
+            .render()
+            .contains(r#"tollgate_store_bypass_total{limit="plan",policy="local"}"#)
+    );
+    running.shutdown().await;
+}

@@ -1,0 +1,393 @@
+//! One conformance suite for every store: `MemoryStore`, `RedisStore` on one node (on the
+//! store's clock, and on a manual gateway clock), and `RedisStore` on a 3-master Redis Cluster.
+//!
+//! Every expectation is computed from the `now` each check reports, never from a sleep: on a
+//! manual clock the suite moves time itself; on the store's clock real microseconds pass
+//! between checks and the formulas absorb them.
+
+mod common;
+
+use std::sync::Arc;
+
+use tollgate::limit::bucket::{BucketParams, Charge, Rate, rescale};
+use tollgate::limit::clock::ManualClock;
+use tollgate::limit::decision::decide;
+use tollgate::store::memory::MemoryStore;
+use tollgate::store::redis::{RedisStore, Target};
+use tollgate::store::{CheckItem, FailurePolicy, Outcome, Store};
+
+/// A store under test, and its clock when the test can move it.
+struct Subject<'a> {
+    name: &'static str,
+    store: &'a dyn Store,
+    clock: Option<&'a ManualClock>,
+    /// The hash tag every key of the suite shares, so a cluster takes each batch in one slot.
+    tag: &'static str,
+}
+
+/// Time the suite moves a manual clock before each check: odd, so no refill lands on a round
+/// number by luck.
+const STEP_US: u64 = 1_337;
+
+fn params(rate: &str, burst: u64) -> BucketParams {
+    BucketParams::new(Rate::parse(rate).unwrap(), burst).unwrap()
+}
+
+impl Subject<'_> {
+    fn key(&self, name: &str) -> String {
+        format!("rl:{{{}}}:{name}", self.tag)
+    }
+
+    fn item(&self, name: &str, rate: &str, burst: u64, cost: u64, shadow: bool, limit: u16) -> CheckItem {
+        CheckItem::new(
+            self.key(name).into(),
+            Charge {
+                params: params(rate, burst),
+                cost,
+                shadow,
+            },
+            limit,
+            FailurePolicy::Local,
+        )
+    }
+
+    async fn check(&self, batch: &[CheckItem]) -> Outcome {
+        if let Some(c) = self.clock {
+            c.advance_us(STEP_US);
+        }
+        let o = self
+            .store
+            .check(batch)
+            .await
+            .unwrap_or_else(|e| panic!("{}: check failed: {e}", self.name));
+        assert_eq!(
+            o.buckets.len(),
+            batch.len(),
+            "{}: one verdict per bucket",
+            self.name
+        );
+        if let Some(c) = self.clock {
+            use tollgate::limit::clock::Clock;
+            assert_eq!(
+                o.now_us,
+                c.now_us(),
+                "{}: the check used the clock it was given",
+                self.name
+            );
+        }
+        o
+    }
+}
+
+/// Burst 5 at 1 token a minute: five pass, the sixth waits for exactly the rest of its token.
+async fn burst_then_refusal(s: &Subject<'_>) {
+    let p = params("1/60s", 5);
+    assert_eq!((p.scale, p.refill), (60_000_000, 1));
+    let b = [s.item("burst", "1/60s", 5, 1, false, 0)];
+    let first = s.check(&b).await;
+    assert!(first.allowed, "{}: first of the burst", s.name);
+    assert_eq!(first.buckets[0].tokens, 4 * p.scale, "{}", s.name);
+    for j in 2..=5u64 {
+        let o = s.check(&b).await;
+        assert!(o.allowed, "{}: check {j} of a burst of 5", s.name);
+        assert_eq!(
+            o.buckets[0].tokens,
+            (5 - j) * p.scale + (o.now_us - first.now_us),
+            "{}",
+            s.name
+        );
+        assert_eq!(decide(&b, &o).remaining, 5 - j, "{}", s.name);
+    }
+    let o = s.check(&b).await;
+    let since = o.now_us - first.now_us;
+    assert!(!o.allowed, "{}: the sixth of a burst of 5 is refused", s.name);
+    assert_eq!(o.buckets[0].tokens, since, "{}: refused, not charged", s.name);
+    assert_eq!(o.buckets[0].wait_us, Some(p.scale - since), "{}", s.name);
+    let d = decide(&b, &o);
+    assert_eq!(d.retry_after, Some(60), "{}", s.name);
+    assert_eq!(d.remaining, 0, "{}", s.name);
+}
+
+/// Several buckets, one answer: a refusal charges none of them, its retry time is the longest
+/// wait, and an admission reports the fewest tokens left.
+async fn all_or_nothing(s: &Subject<'_>) {
+    let minute = params("1/60s", 1).scale;
+    let plan = s.item("aon-plan", "1/60s", 10, 1, false, 0);
+    let small = s.item("aon-small", "1/60s", 4, 1, false, 1);
+    let o = s.check(&[plan.clone(), small.clone()]).await;
+    assert!(o.allowed, "{}", s.name);
+    let d = decide(&[plan.clone(), small.clone()], &o);
+    assert_eq!(
+        (d.remaining, d.deciding),
+        (3, Some(1)),
+        "{}: remaining is the smallest",
+        s.name
+    );
+
+    let x = s.item("aon-x", "1/60s", 1, 1, false, 2);
+    let y = s.item("aon-y", "1/120s", 1, 1, false, 3);
+    let batch = [plan.clone(), x.clone(), y.clone()];
+    let first = s.check(&batch).await;
+    assert!(first.allowed, "{}", s.name);
+    let plan_after_first = first.buckets[0].tokens;
+    assert_eq!(
+        plan_after_first,
+        8 * minute + (first.now_us - o.now_us),
+        "{}",
+        s.name
+    );
+
+    let second = s.check(&batch).await;
+    let dt = second.now_us - first.now_us;
+    assert!(!second.allowed, "{}: x and y are empty", s.name);
+    assert!(
+        second.buckets[0].sufficient,
+        "{}: the plan alone could pay",
+        s.name
+    );
+    assert_eq!(
+        second.buckets[0].tokens,
+        plan_after_first + dt,
+        "{}: the plan was not charged",
+        s.name
+    );
+    assert_eq!(second.buckets[1].wait_us, Some(minute - dt), "{}", s.name);
+    assert_eq!(second.buckets[2].wait_us, Some(2 * minute - dt), "{}", s.name);
+    let d = decide(&batch, &second);
+    assert_eq!(d.deciding, Some(2), "{}: the longest wait decides", s.name);
+    assert_eq!(d.retry_after, Some(120), "{}", s.name);
+
+    let alone = s.check(std::slice::from_ref(&plan)).await;
+    assert!(alone.allowed, "{}", s.name);
+    assert_eq!(
+        alone.buckets[0].tokens,
+        plan_after_first + (alone.now_us - first.now_us) - minute,
+        "{}: the refusal charged nothing",
+        s.name
+    );
+}
+
+/// A cost above the burst can never be paid: refused with no wait, and nothing is charged.
+async fn cost_above_burst(s: &Subject<'_>) {
+    let p = params("1/60s", 2);
+    let too_big = [s.item("big", "1/60s", 2, 3, false, 0)];
+    let o = s.check(&too_big).await;
+    assert!(!o.allowed, "{}", s.name);
+    assert_eq!(o.buckets[0].wait_us, None, "{}: no wait helps", s.name);
+    assert_eq!(o.buckets[0].tokens, p.capacity, "{}", s.name);
+    assert_eq!(decide(&too_big, &o).retry_after, None, "{}", s.name);
+    let fits = [s.item("big", "1/60s", 2, 2, false, 0)];
+    let o = s.check(&fits).await;
+    assert!(o.allowed, "{}: the refused request took nothing", s.name);
+    assert_eq!(o.buckets[0].tokens, 0, "{}", s.name);
+}
+
+/// Shadow buckets never block, and are charged on their own whenever they hold their cost.
+async fn shadow_buckets(s: &Subject<'_>) {
+    let minute = params("1/60s", 1).scale;
+    let enforced = s.item("sh-enforced", "1/60s", 1, 1, false, 0);
+    let shadow = s.item("sh-shadow", "1/60s", 1, 1, true, 1);
+    let a = s.check(&[enforced.clone(), shadow.clone()]).await;
+    assert!(a.allowed, "{}", s.name);
+    assert_eq!(
+        (a.buckets[0].tokens, a.buckets[1].tokens),
+        (0, 0),
+        "{}: both charged",
+        s.name
+    );
+
+    // An empty shadow bucket does not block a request its enforced buckets admit.
+    let fresh = s.item("sh-fresh", "1/60s", 5, 1, false, 2);
+    let batch = [fresh.clone(), shadow.clone()];
+    let b = s.check(&batch).await;
+    assert!(b.allowed, "{}: a shadow refusal never blocks", s.name);
+    assert!(!b.buckets[1].sufficient, "{}", s.name);
+    assert_eq!(
+        b.buckets[1].tokens,
+        b.now_us - a.now_us,
+        "{}: shadow not charged when short",
+        s.name
+    );
+    assert_eq!(b.buckets[0].tokens, 4 * minute, "{}", s.name);
+    assert_eq!(decide(&batch, &b).shadow_refusals.as_slice(), &[1], "{}", s.name);
+
+    // A refused request still charges a shadow bucket that holds its cost.
+    let shadow_full = s.item("sh-shadow-2", "1/60s", 5, 1, true, 3);
+    let batch = [enforced.clone(), shadow_full];
+    let c = s.check(&batch).await;
+    assert!(!c.allowed, "{}: the enforced bucket is empty", s.name);
+    assert_eq!(c.buckets[0].tokens, c.now_us - a.now_us, "{}", s.name);
+    assert_eq!(
+        c.buckets[1].tokens,
+        4 * minute,
+        "{}: the shadow bucket was charged alone",
+        s.name
+    );
+    assert!(decide(&batch, &c).shadow_refusals.is_empty(), "{}", s.name);
+
+    // Only shadow buckets: always admitted.
+    let only = [shadow.clone()];
+    assert!(s.check(&only).await.allowed, "{}", s.name);
+}
+
+/// Burst 20 -> 5 on a full bucket clamps it to 5 tokens; going back to 20 does not refill it.
+async fn tightening(s: &Subject<'_>) {
+    let p = params("10/1s", 20);
+    assert_eq!((p.scale, p.refill), (100_000, 1));
+    let wide = s.check(&[s.item("tight", "10/1s", 20, 1, false, 0)]).await;
+    assert_eq!(wide.buckets[0].tokens, 19 * p.scale, "{}", s.name);
+    let narrow = [s.item("tight", "10/1s", 5, 1, false, 0)];
+    let o = s.check(&narrow).await;
+    assert!(o.allowed, "{}", s.name);
+    assert_eq!(
+        o.buckets[0].tokens,
+        4 * p.scale,
+        "{}: clamped to 5, then charged 1",
+        s.name
+    );
+    assert_eq!(decide(&narrow, &o).remaining, 4, "{}", s.name);
+    let back = s.check(&[s.item("tight", "10/1s", 20, 0, false, 0)]).await;
+    assert_eq!(
+        back.buckets[0].tokens,
+        4 * p.scale + (back.now_us - o.now_us),
+        "{}: loosening again refills from 4 tokens, never resets to full",
+        s.name
+    );
+}
+
+/// 10/s -> 20/s on an empty bucket: it refills at 20 a second from where it was.
+async fn loosening(s: &Subject<'_>) {
+    let slow = params("10/1s", 10);
+    let fast = params("20/1s", 10);
+    assert_eq!((slow.scale, fast.scale, fast.refill), (100_000, 50_000, 1));
+    let drained = s.check(&[s.item("loose", "10/1s", 10, 10, false, 0)]).await;
+    assert!(drained.allowed, "{}", s.name);
+    assert_eq!(drained.buckets[0].tokens, 0, "{}", s.name);
+    if let Some(c) = s.clock {
+        // 100 ms: one token at 10/s, two at 20/s.
+        c.advance_us(100_000 - STEP_US);
+    }
+    let o = s.check(&[s.item("loose", "20/1s", 10, 0, false, 0)]).await;
+    let elapsed = o.now_us - drained.now_us;
+    assert_eq!(
+        o.buckets[0].tokens,
+        elapsed.min(fast.capacity),
+        "{}: elapsed µs × 1 unit of 1/50,000 token: 20 tokens a second",
+        s.name
+    );
+    if s.clock.is_some() {
+        assert_eq!(
+            decide(&[s.item("loose", "20/1s", 10, 0, false, 0)], &o).remaining,
+            2
+        );
+    }
+    // And back to 10/s: the units convert to the old scale (the fraction rounded down as
+    // `rescale` does) and refill at 10/s from there.
+    let back = s.check(&[s.item("loose", "10/1s", 10, 0, false, 0)]).await;
+    let expected =
+        (rescale(o.buckets[0].tokens, fast.scale, slow.scale) + (back.now_us - o.now_us)).min(slow.capacity);
+    assert_eq!(back.buckets[0].tokens, expected, "{}", s.name);
+}
+
+/// The whole suite, in one order, on fresh keys under `s.tag`.
+async fn conformance(s: Subject<'_>) {
+    burst_then_refusal(&s).await;
+    all_or_nothing(&s).await;
+    cost_above_burst(&s).await;
+    shadow_buckets(&s).await;
+    tightening(&s).await;
+    loosening(&s).await;
+}
+
+#[tokio::test]
+async fn memory_store_conforms() {
+    let clock = ManualClock::new(1_700_000_000_000_000);
+    let store = MemoryStore::new(clock.clone());
+    conformance(Subject {
+        name: "memory",
+        store: &store,
+        clock: Some(&clock),
+        tag: "conf",
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn redis_store_conforms_on_the_store_clock() {
+    let redis = common::RedisServer::start();
+    let store = RedisStore::connect(Target::Node(&redis.url()), None)
+        .await
+        .expect("connects");
+    conformance(Subject {
+        name: "redis",
+        store: &store,
+        clock: None,
+        tag: "conf",
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn redis_store_conforms_on_a_gateway_clock() {
+    let redis = common::RedisServer::start();
+    let clock = ManualClock::new(1_700_000_000_000_000);
+    let store = RedisStore::connect(Target::Node(&redis.url()), Some(clock.clone() as Arc<_>))
+        .await
+        .expect("connects");
+    conformance(Subject {
+        name: "redis --clock gateway",
+        store: &store,
+        clock: Some(&clock),
+        tag: "conf",
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn redis_cluster_conforms() {
+    let cluster = common::RedisCluster::start();
+    let nodes = cluster.node_list();
+    let store = RedisStore::connect(Target::Cluster(&nodes), None)
+        .await
+        .expect("connects");
+    assert_eq!(store.kind(), "redis-cluster");
+    // Tags in slots 4369, 8331 and 15495: one on each master of a fresh 3-master cluster.
+    for tag in ["conf", "k8", "a"] {
+        conformance(Subject {
+            name: "redis-cluster",
+            store: &store,
+            clock: None,
+            tag,
+        })
+        .await;
+    }
+    // A failover empties a node's script cache: after SCRIPT FLUSH on every master, the next
+    // check on each master loads the script again and succeeds.
+    for n in &cluster.nodes {
+        assert_eq!(n.cli(&["SCRIPT", "FLUSH"]), "OK");
+    }
+    for tag in ["conf", "k8", "a"] {
+        let key = format!("rl:{{{tag}}}:after-flush");
+        let params = params("1/60s", 2);
+        let b = [CheckItem::new(
+            key.into(),
+            Charge {
+                params,
+                cost: 1,
+                shadow: false,
+            },
+            0,
+            FailurePolicy::Local,
+        )];
+        let o = store
+            .check(&b)
+            .await
+            .expect("a check after SCRIPT FLUSH succeeds");
+        assert_eq!(o.buckets[0].tokens, params.scale);
+    }
+    let sizes: Vec<String> = cluster.nodes.iter().map(|n| n.cli(&["DBSIZE"])).collect();
+    assert!(
+        sizes.iter().all(|n| n != "0"),
+        "every master should hold some of the suite's buckets, got DBSIZE {sizes:?}"
+    );
+}
