@@ -16,7 +16,7 @@ use crate::identity::{self, KeySource, TrustedProxies};
 use crate::limit::decision::{Decision, decide};
 use crate::limit::plan;
 use crate::logsample::Sampler;
-use crate::metrics::{LimitDecision, LimitLabel, Metrics, RouteStatus};
+use crate::metrics::{Handles, Metrics};
 use crate::proxy::body::{IdleBody, LimitedBody};
 use crate::proxy::{Caller, Proxy};
 use crate::respond::{Body, Refusal, budget_headers};
@@ -35,6 +35,7 @@ pub struct Gateway {
     pub trusted: TrustedProxies,
     pub metrics: Arc<Metrics>,
     shadow_log: Sampler,
+    handles: ArcSwap<Handles>,
 }
 
 /// What the limiter said, with the batch it said it about, for headers and logs.
@@ -46,7 +47,7 @@ struct Checked {
 /// What the access line and the metrics need to know about one request.
 #[derive(Default)]
 struct Trace {
-    route: Option<Arc<str>>,
+    route: Option<usize>,
     limit: Option<Arc<str>>,
     key_id: Option<Arc<str>>,
 }
@@ -82,10 +83,28 @@ impl Gateway {
             trusted,
             metrics,
             shadow_log: Sampler::new(std::time::Duration::from_secs(1)),
+            handles: ArcSwap::from_pointee(Handles::new(0, vec![], vec![], vec![])),
         }
     }
 
-    async fn check(&self, snap: &Snapshot, batch: Batch) -> Result<Checked, StoreError> {
+    /// Counter handles for this snapshot, made at its first request. Versions only go up, so a
+    /// version names one snapshot.
+    fn handles(&self, snap: &Snapshot) -> Arc<Handles> {
+        let current = self.handles.load_full();
+        if current.snapshot == snap.version {
+            return current;
+        }
+        let fresh = Arc::new(Handles::new(
+            snap.version,
+            snap.routes.iter().map(|r| r.name.clone()).collect(),
+            snap.limits.iter().map(|l| l.name.clone()).collect(),
+            snap.upstreams.iter().map(|u| u.name.clone()).collect(),
+        ));
+        self.handles.store(fresh.clone());
+        fresh
+    }
+
+    async fn check(&self, snap: &Snapshot, h: &Handles, batch: Batch) -> Result<Checked, StoreError> {
         let started = Instant::now();
         let result = self.store.check(&batch).await;
         self.metrics
@@ -107,38 +126,23 @@ impl Gateway {
             }
         };
         let decision = decide(&batch, &outcome);
-        self.count(snap, &batch, &decision);
+        self.count(snap, h, &batch, &decision);
         Ok(Checked { batch, decision })
     }
 
     /// Admissions count once per enforced limit paid; a refusal counts for the limit that
     /// decided it. Shadow limits count what they would have refused.
-    fn count(&self, snap: &Snapshot, batch: &[crate::store::CheckItem], d: &Decision) {
+    fn count(&self, snap: &Snapshot, h: &Handles, batch: &[crate::store::CheckItem], d: &Decision) {
         if d.allowed {
             for item in batch.iter().filter(|i| !i.charge.shadow) {
-                self.metrics
-                    .decisions
-                    .get_or_create(&LimitDecision {
-                        limit: snap.limits[item.limit as usize].name.clone(),
-                        decision: "admitted",
-                    })
-                    .inc();
+                h.decision(&self.metrics, item.limit as usize, true);
             }
         } else if let Some(i) = d.deciding {
-            self.metrics
-                .decisions
-                .get_or_create(&LimitDecision {
-                    limit: snap.limits[batch[i].limit as usize].name.clone(),
-                    decision: "refused",
-                })
-                .inc();
+            h.decision(&self.metrics, batch[i].limit as usize, false);
         }
         for &li in &d.shadow_refusals {
             let name = &snap.limits[li as usize].name;
-            self.metrics
-                .shadow_refusals
-                .get_or_create(&LimitLabel { limit: name.clone() })
-                .inc();
+            h.shadow(&self.metrics, li as usize);
             if let Some(suppressed) = self.shadow_log.allow(li as usize) {
                 tracing::info!(
                     limit = &**name,
@@ -157,13 +161,14 @@ impl Gateway {
         snap: &Snapshot,
         ip: IpAddr,
         why: &'static str,
+        h: &Handles,
         trace: &mut Trace,
     ) -> Response<Body> {
         let batch = plan::unauthenticated_only(snap, ip);
         if batch.is_empty() {
             return Refusal::Unauthorized(why).into_response();
         }
-        match self.check(snap, batch).await {
+        match self.check(snap, h, batch).await {
             Err(_) => Refusal::LimiterUnavailable.into_response(),
             Ok(c) if !c.decision.allowed && c.decision.source == Source::Bypass(FailurePolicy::Closed) => {
                 Refusal::LimiterUnavailable.into_response()
@@ -186,6 +191,7 @@ impl Gateway {
         snap: &Snapshot,
         req: Request<Incoming>,
         conn: ConnInfo,
+        h: &Handles,
         trace: &mut Trace,
     ) -> Response<Body> {
         let peer = identity::canonical(conn.peer.ip());
@@ -193,12 +199,12 @@ impl Gateway {
             Ok(c) => c,
             Err(Early::Refuse(r)) => return r.into_response(),
             Err(Early::Unauthorized { route, ip, why }) => {
-                trace.route = route.map(|r| snap.routes[r].name.clone());
-                return self.unauthorized(snap, ip, why, trace).await;
+                trace.route = route;
+                return self.unauthorized(snap, ip, why, h, trace).await;
             }
         };
         let route = &snap.routes[c.route];
-        trace.route = Some(route.name.clone());
+        trace.route = Some(c.route);
         let key_idx = c.key.map(|k| k.0);
         trace.key_id = key_idx.map(|k| snap.keys[k].id.clone());
 
@@ -240,7 +246,7 @@ impl Gateway {
         let checked = if batch.is_empty() {
             None
         } else {
-            match self.check(snap, batch).await {
+            match self.check(snap, h, batch).await {
                 Ok(c) => Some(c),
                 Err(e) => {
                     tracing::warn!(error = %e, "limiter store failed");
@@ -277,19 +283,19 @@ impl Gateway {
             }
         };
         let caller = Caller {
-            peer: c.peer,
-            peer_trusted: self.trusted.contains(c.peer),
+            peer: &conn.peer_header,
+            peer_trusted: !self.trusted.is_empty() && self.trusted.contains(c.peer),
             proto: conn.proto,
             key: c
                 .key
-                .map(|(k, src)| (&*snap.keys[k].id, &*snap.keys[k].tenant, src)),
+                .map(|(k, src)| (&snap.keys[k].id_header, &snap.keys[k].tenant_header, src)),
         };
         let started = Instant::now();
         let forwarded = self
             .proxy
             .forward(upstream, Request::from_parts(parts, up_body), caller)
             .await;
-        self.metrics.observe_upstream(&upstream.name, started.elapsed());
+        h.upstream(&self.metrics, route.upstream, started.elapsed());
         let mut resp = match forwarded {
             Ok(r) => r.map(|b| Either::Left(IdleBody::new(b, upstream.timeout, permit))),
             Err(_) if tripped.is_some_and(|t| t.load(std::sync::atomic::Ordering::Acquire)) => {
@@ -309,6 +315,7 @@ impl Gateway {
         let started = Instant::now();
         let _in_flight = InFlight::new(&self.metrics.in_flight);
         let snap = self.rules.load_full();
+        let h = self.handles(&snap);
         let request_id = match req.headers().get(&X_REQUEST_ID) {
             Some(v) if valid_request_id(v) => v.clone(),
             _ => {
@@ -327,20 +334,13 @@ impl Gateway {
                     .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
                 r
             }
-            None => self.route(&snap, req, conn, &mut trace).await,
+            None => self.route(&snap, req, conn, &h, &mut trace).await,
         };
         resp.headers_mut()
             .insert(X_REQUEST_ID.clone(), request_id.clone());
         let status = resp.status().as_u16();
-        let route = trace.route.take().unwrap_or_else(|| NO_ROUTE.clone());
-        self.metrics
-            .requests
-            .get_or_create(&RouteStatus {
-                route: route.clone(),
-                status,
-            })
-            .inc();
-        let route = &*route;
+        h.request(&self.metrics, trace.route, &NO_ROUTE, status);
+        let route = trace.route.map_or("(none)", |r| &*snap.routes[r].name);
         tracing::info!(
             target: "tollgate::access",
             method = method.as_str(),

@@ -3,10 +3,10 @@
 
 pub mod body;
 
-use std::net::IpAddr;
 use std::time::Duration;
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::uri::PathAndQuery;
 use http::{Request, Response, Uri, Version};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
@@ -58,14 +58,14 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 /// What the proxy needs to know about the caller.
 #[derive(Debug, Clone, Copy)]
 pub struct Caller<'a> {
-    /// The TCP peer.
-    pub peer: IpAddr,
+    /// The TCP peer, as a header value.
+    pub peer: &'a HeaderValue,
     /// Whether the peer is a trusted proxy whose `X-Forwarded-*` we keep.
     pub peer_trusted: bool,
     /// `http` or `https`, as the client reached us.
     pub proto: &'static str,
-    /// The authenticated key: (public id, tenant), and where its secret came from.
-    pub key: Option<(&'a str, &'a str, KeySource)>,
+    /// The authenticated key: its id and tenant headers, and where its secret came from.
+    pub key: Option<(&'a HeaderValue, &'a HeaderValue, KeySource)>,
 }
 
 /// The pooled upstream client.
@@ -105,15 +105,22 @@ impl Proxy {
                 .authority()
                 .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
         });
-        let path_and_query = req.uri().path_and_query().map_or("/", |p| p.as_str());
-        let mut target = String::with_capacity(up.path_prefix.len() + path_and_query.len() + 32);
-        target.push_str(up.scheme.as_str());
-        target.push_str("://");
-        target.push_str(up.authority.as_str());
-        target.push_str(&up.path_prefix);
-        target.push_str(path_and_query);
-        *req.uri_mut() = target
-            .parse::<Uri>()
+        let path_and_query = match (up.path_prefix.is_empty(), req.uri().path_and_query()) {
+            (true, Some(pq)) => pq.clone(),
+            (_, pq) => {
+                let pq = pq.map_or("/", |p| p.as_str());
+                let mut joined = String::with_capacity(up.path_prefix.len() + pq.len());
+                joined.push_str(&up.path_prefix);
+                joined.push_str(pq);
+                PathAndQuery::from_maybe_shared(joined)
+                    .map_err(|e| Refusal::BadRequest(format!("request target can't be forwarded: {e}")))?
+            }
+        };
+        let mut target = http::uri::Parts::default();
+        target.scheme = Some(up.scheme.clone());
+        target.authority = Some(up.authority.clone());
+        target.path_and_query = Some(path_and_query);
+        *req.uri_mut() = Uri::from_parts(target)
             .map_err(|e| Refusal::BadRequest(format!("request target can't be forwarded: {e}")))?;
         *req.version_mut() = Version::HTTP_11;
 
@@ -135,15 +142,10 @@ impl Proxy {
                     h.remove(X_API_KEY);
                 }
             }
-            if let Ok(v) = HeaderValue::from_str(id) {
-                h.insert(X_TOLLGATE_KEY_ID.clone(), v);
-            }
-            if let Ok(v) = HeaderValue::from_str(tenant) {
-                h.insert(X_TOLLGATE_TENANT.clone(), v);
-            }
+            h.insert(X_TOLLGATE_KEY_ID.clone(), id.clone());
+            h.insert(X_TOLLGATE_TENANT.clone(), tenant.clone());
         }
-        let peer = HeaderValue::from_str(&caller.peer.to_string())
-            .unwrap_or_else(|_| HeaderValue::from_static("unknown"));
+        let peer = caller.peer.clone();
         let forwarded_for = match (caller.peer_trusted, h.get(&X_FORWARDED_FOR)) {
             (true, Some(prior)) => {
                 let mut v = prior.as_bytes().to_vec();
@@ -162,9 +164,7 @@ impl Proxy {
         {
             h.insert(X_FORWARDED_HOST.clone(), host);
         }
-        if let Ok(v) = HeaderValue::from_str(up.authority.as_str()) {
-            h.insert(header::HOST, v);
-        }
+        h.insert(header::HOST, up.host_header.clone());
 
         let mut resp = match tokio::time::timeout(up.timeout, self.client.request(req)).await {
             Err(_) => return Err(Refusal::GatewayTimeout),

@@ -47,6 +47,8 @@ pub struct Upstream {
     pub queue_timeout: Duration,
     /// Places under `max_in_flight`, shared with the next snapshot when it keeps the cap.
     pub gate: Option<Arc<tokio::sync::Semaphore>>,
+    /// The `Host` header requests to it carry.
+    pub host_header: HeaderValue,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -131,6 +133,9 @@ pub struct ApiKey {
     pub numbers: Vec<Option<Numbers>>,
     /// Bucket names of `key` limits, per limit index.
     pub key_buckets: Vec<Option<Prepared>>,
+    /// `X-Tollgate-Key-Id` and `X-Tollgate-Tenant` for the upstream, made once.
+    pub id_header: HeaderValue,
+    pub tenant_header: HeaderValue,
 }
 
 impl ApiKey {
@@ -270,8 +275,14 @@ impl RulesLoader {
             RulesSource::Embedded { label, bytes } => compile(bytes, label, self.opts)?,
         };
         if let Some(auth) = &self.upstream_override {
+            let host = HeaderValue::from_str(auth.as_str()).map_err(|_| RulesError {
+                file: "(demo upstream)".into(),
+                field: "upstreams".into(),
+                reason: format!("{auth} can't be a Host header"),
+            })?;
             for u in &mut snap.upstreams {
                 u.authority = auth.clone();
+                u.host_header = host.clone();
             }
         }
         Ok(snap)
@@ -388,6 +399,8 @@ impl Compiler<'_> {
                 .queue_timeout_ms
                 .map(Duration::from_millis)
                 .unwrap_or(DEFAULT_QUEUE_TIMEOUT);
+            let host_header = HeaderValue::from_str(authority.as_str())
+                .map_err(|_| self.err(format!("{field}.url"), "the host can't be a Host header"))?;
             upstream_index.insert(name.clone(), upstreams.len());
             upstreams.push(Upstream {
                 name: name.as_str().into(),
@@ -400,6 +413,7 @@ impl Compiler<'_> {
                 gate: u
                     .max_in_flight
                     .map(|n| Arc::new(tokio::sync::Semaphore::new(n as usize))),
+                host_header,
             });
         }
 
@@ -572,6 +586,18 @@ impl Compiler<'_> {
                         .then(|| Prepared::new(format!("rl:{{{tenant}}}:{}", l.name)))
                 })
                 .collect();
+            let id_header = HeaderValue::from_str(&k.id).map_err(|_| {
+                self.err(
+                    format!("{field}.id"),
+                    "must be printable ASCII (it is sent upstream)",
+                )
+            })?;
+            let tenant_header = HeaderValue::from_str(&tenant).map_err(|_| {
+                self.err(
+                    format!("{field}.tenant"),
+                    "must be printable ASCII (it is sent upstream)",
+                )
+            })?;
             key_index.insert(hash, keys.len());
             key_ids.insert(k.id.as_str().into(), keys.len());
             keys.push(ApiKey {
@@ -581,6 +607,8 @@ impl Compiler<'_> {
                 hash_prefix: hex::encode(&hash[..4]),
                 numbers,
                 key_buckets,
+                id_header,
+                tenant_header,
             });
         }
 

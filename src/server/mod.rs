@@ -30,6 +30,8 @@ pub struct ConnInfo {
     pub proto: &'static str,
     /// What the framing watcher saw of each request's raw head.
     pub framing: Arc<Framing>,
+    /// The peer's address as a header value, made once per connection for `X-Forwarded-For`.
+    pub peer_header: http::HeaderValue,
 }
 
 /// Anything that answers requests: the gateway, the admin endpoints, the demo upstream.
@@ -111,6 +113,8 @@ pub async fn run<H: Handler>(
             peer,
             proto,
             framing: framing.clone(),
+            peer_header: http::HeaderValue::from_str(&crate::identity::canonical(peer.ip()).to_string())
+                .unwrap_or_else(|_| http::HeaderValue::from_static("unknown")),
         };
         let handler = handler.clone();
         let service = service_fn(move |req| {
