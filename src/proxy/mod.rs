@@ -2,16 +2,12 @@
 //! for upstreams that refuse, reset or stall.
 
 pub mod body;
-
-use std::time::Duration;
+pub mod pool;
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::PathAndQuery;
 use http::{Request, Response, Uri, Version};
 use hyper::body::Incoming;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 
 use crate::identity::{KeySource, X_API_KEY};
 use crate::respond::{Refusal, UpBody};
@@ -19,16 +15,16 @@ use crate::rules::Upstream;
 
 /// Headers that describe one connection, not the message (RFC 9110 7.6.1), so a proxy never
 /// forwards them.
-const HOP_BY_HOP: [&str; 9] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "proxy-authenticate",
-    "proxy-authorization",
+static HOP_BY_HOP: [HeaderName; 9] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
 ];
 
 pub static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -39,7 +35,13 @@ pub static X_TOLLGATE_KEY_ID: HeaderName = HeaderName::from_static("x-tollgate-k
 pub static X_TOLLGATE_TENANT: HeaderName = HeaderName::from_static("x-tollgate-tenant");
 
 /// Removes hop-by-hop headers, including every header the `Connection` header names.
+///
+/// Runs twice per request, so it first looks for any of them in one pass over the names
+/// (comparing known names is cheap) and removes only what it found.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    if !headers.keys().any(|k| HOP_BY_HOP.contains(k)) {
+        return;
+    }
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -50,7 +52,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     for n in named {
         headers.remove(n);
     }
-    for n in HOP_BY_HOP {
+    for n in &HOP_BY_HOP {
         headers.remove(n);
     }
 }
@@ -68,28 +70,13 @@ pub struct Caller<'a> {
     pub key: Option<(&'a HeaderValue, &'a HeaderValue, KeySource)>,
 }
 
-/// The pooled upstream client.
-#[derive(Clone)]
-pub struct Proxy {
-    client: Client<HttpConnector, UpBody>,
-}
-
-impl Default for Proxy {
-    fn default() -> Self {
-        Proxy::new()
-    }
-}
+/// Forwards requests to upstreams, each over its own keep-alive connections.
+#[derive(Clone, Default)]
+pub struct Proxy;
 
 impl Proxy {
     pub fn new() -> Proxy {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(Duration::from_secs(5)));
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            .pool_max_idle_per_host(256)
-            .build(connector);
-        Proxy { client }
+        Proxy
     }
 
     /// Sends `req` to `up` and returns its response with hop-by-hop headers removed. The
@@ -116,9 +103,8 @@ impl Proxy {
                     .map_err(|e| Refusal::BadRequest(format!("request target can't be forwarded: {e}")))?
             }
         };
+        // Origin form: the connection already names the upstream, and `Host` says it again.
         let mut target = http::uri::Parts::default();
-        target.scheme = Some(up.scheme.clone());
-        target.authority = Some(up.authority.clone());
         target.path_and_query = Some(path_and_query);
         *req.uri_mut() = Uri::from_parts(target)
             .map_err(|e| Refusal::BadRequest(format!("request target can't be forwarded: {e}")))?;
@@ -166,13 +152,14 @@ impl Proxy {
         }
         h.insert(header::HOST, up.host_header.clone());
 
-        let mut resp = match tokio::time::timeout(up.timeout, self.client.request(req)).await {
+        let mut resp = match tokio::time::timeout(up.timeout, up.pool.send(req)).await {
             Err(_) => return Err(Refusal::GatewayTimeout),
             Ok(Err(e)) => {
-                let what = if e.is_connect() {
-                    format!("upstream {:?} refused the connection", &*up.name)
-                } else {
-                    format!("upstream {:?} closed the connection before answering", &*up.name)
+                let what = match &e {
+                    pool::SendError::Connect(_) => format!("upstream {:?} refused the connection", &*up.name),
+                    pool::SendError::Failed(_) => {
+                        format!("upstream {:?} closed the connection before answering", &*up.name)
+                    }
                 };
                 tracing::debug!(upstream = &*up.name, error = %e, "upstream failed");
                 return Err(Refusal::BadGateway(what));

@@ -32,6 +32,8 @@ pub struct RulesError {
 
 /// The default time an upstream has to send its response headers.
 pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long opening a connection to an upstream may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// The default wait for a place under an upstream's `max_in_flight`.
 pub const DEFAULT_QUEUE_TIMEOUT: Duration = Duration::from_millis(50);
 
@@ -49,6 +51,8 @@ pub struct Upstream {
     pub gate: Option<Arc<tokio::sync::Semaphore>>,
     /// The `Host` header requests to it carry.
     pub host_header: HeaderValue,
+    /// Its keep-alive connections, shared with the next snapshot when the address is the same.
+    pub pool: Arc<crate::proxy::pool::ConnPool>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -193,16 +197,18 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
-    /// Keeps the in-flight places of upstreams whose cap did not change, so a reload never
-    /// lets a slow upstream receive twice its cap.
-    pub fn inherit_gates(&mut self, running: &Snapshot) {
+    /// Keeps what outlives a reload: the in-flight places of upstreams whose cap did not
+    /// change (so a reload never lets a slow upstream receive twice its cap), and the
+    /// keep-alive connections of upstreams at the same address.
+    pub fn inherit(&mut self, running: &Snapshot) {
         for u in &mut self.upstreams {
-            if let Some(old) = running
-                .upstreams
-                .iter()
-                .find(|o| o.name == u.name && o.max_in_flight == u.max_in_flight)
-            {
-                u.gate = old.gate.clone();
+            if let Some(old) = running.upstreams.iter().find(|o| o.name == u.name) {
+                if old.max_in_flight == u.max_in_flight {
+                    u.gate = old.gate.clone();
+                }
+                if old.pool.authority() == u.pool.authority() {
+                    u.pool = old.pool.clone();
+                }
             }
         }
     }
@@ -283,6 +289,7 @@ impl RulesLoader {
             for u in &mut snap.upstreams {
                 u.authority = auth.clone();
                 u.host_header = host.clone();
+                u.pool = Arc::new(crate::proxy::pool::ConnPool::new(auth.clone(), CONNECT_TIMEOUT));
             }
         }
         Ok(snap)
@@ -401,8 +408,13 @@ impl Compiler<'_> {
                 .unwrap_or(DEFAULT_QUEUE_TIMEOUT);
             let host_header = HeaderValue::from_str(authority.as_str())
                 .map_err(|_| self.err(format!("{field}.url"), "the host can't be a Host header"))?;
+            let pool = Arc::new(crate::proxy::pool::ConnPool::new(
+                authority.clone(),
+                CONNECT_TIMEOUT,
+            ));
             upstream_index.insert(name.clone(), upstreams.len());
             upstreams.push(Upstream {
+                pool,
                 name: name.as_str().into(),
                 scheme,
                 authority,

@@ -55,7 +55,7 @@ impl Reloader {
             },
             Ok(mut snap) => {
                 let to = snap.version;
-                snap.inherit_gates(&self.rules.load());
+                snap.inherit(&self.rules.load());
                 self.rules.store(Arc::new(snap));
                 Reload::Swapped { from: running, to }
             }
