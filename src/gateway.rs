@@ -200,7 +200,9 @@ impl Gateway {
             Err(Early::Refuse(r)) => return r.into_response(),
             Err(Early::Unauthorized { route, ip, why }) => {
                 trace.route = route;
-                return self.unauthorized(snap, ip, why, h, trace).await;
+                // Boxed, like every rare path here: an async fn's future is as large as its
+                // largest state, and the common path should not carry (and copy) that size.
+                return Box::pin(self.unauthorized(snap, ip, why, h, trace)).await;
             }
         };
         let route = &snap.routes[c.route];
@@ -223,7 +225,7 @@ impl Gateway {
             }
             Some(field) => {
                 let cap = route.max_body_bytes.unwrap_or(MAX_FIELD_BODY).min(MAX_FIELD_BODY);
-                let bytes = match Limited::new(body, cap as usize).collect().await {
+                let bytes = match Box::pin(Limited::new(body, cap as usize).collect()).await {
                     Ok(b) => b.to_bytes(),
                     Err(e) if e.is::<LengthLimitError>() => {
                         return Refusal::PayloadTooLarge { limit: cap }.into_response();
@@ -291,10 +293,13 @@ impl Gateway {
                 .map(|(k, src)| (&snap.keys[k].id_header, &snap.keys[k].tenant_header, src)),
         };
         let started = Instant::now();
-        let forwarded = self
-            .proxy
-            .forward(upstream, Request::from_parts(parts, up_body), caller)
-            .await;
+        // Boxed: this future is the largest part of a request's, and boxing it once is cheaper
+        // than copying it through every enclosing future.
+        let forwarded = Box::pin(
+            self.proxy
+                .forward(upstream, Request::from_parts(parts, up_body), caller),
+        )
+        .await;
         h.upstream(&self.metrics, route.upstream, started.elapsed());
         let mut resp = match forwarded {
             Ok(r) => r.map(|b| Either::Left(IdleBody::new(b, upstream.timeout, permit))),

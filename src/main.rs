@@ -128,10 +128,16 @@ fn main() -> Result<()> {
         }
     };
     init_logging(format);
-    let mut rt = tokio::runtime::Builder::new_multi_thread();
-    if let Some(n) = threads {
-        rt.worker_threads(n as usize);
-    }
+    // One thread: the current-thread scheduler, with no work-stealing machinery to pay for.
+    let mut rt = match threads {
+        Some(1) => tokio::runtime::Builder::new_current_thread(),
+        Some(n) => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(n as usize);
+            b
+        }
+        None => tokio::runtime::Builder::new_multi_thread(),
+    };
     let rt = rt
         .enable_all()
         .build()

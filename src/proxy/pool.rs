@@ -121,7 +121,8 @@ impl ConnPool {
                 },
             }
         }
-        let mut tx = self.connect().await?;
+        // Boxed: connecting is the rare path, and its future would make every request's larger.
+        let mut tx = Box::pin(self.connect()).await?;
         let resp = tx.send_request(req).await?;
         self.put(tx);
         Ok(resp)
