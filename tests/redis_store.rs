@@ -98,8 +98,9 @@ async fn two_gateway_processes_enforce_one_limit() {
     let (_dir, path) = common::rules_file(&rules);
     let path = path.to_str().unwrap();
     let url = redis.url();
-    let a = Tollgate::spawn(&["serve", "--rules", path, "--store", &url]);
-    let b = Tollgate::spawn(&["serve", "--rules", path, "--store", &url]);
+    // A generous store timeout: the test is about one bucket shared, not about timeouts.
+    let a = Tollgate::spawn(&["serve", "--rules", path, "--store", &url, "--store-timeout", "1s"]);
+    let b = Tollgate::spawn(&["serve", "--rules", path, "--store", &url, "--store-timeout", "1s"]);
     let http = Http::new();
     for g in [&a, &b] {
         let ready = http.get(&g.admin_url("/readyz"), &[]).await;
@@ -273,6 +274,8 @@ async fn start_up_without_a_store_starts_degraded_and_recovers() {
         &url,
         "--fleet-size",
         "1",
+        "--store-timeout",
+        "1s",
     ]);
     let http = Http::new();
     let ready = http.get(&g.admin_url("/readyz"), &[]).await;
@@ -331,6 +334,8 @@ async fn a_store_that_refuses_time_in_scripts_needs_the_gateway_clock() {
         &url,
         "--clock",
         "gateway",
+        "--store-timeout",
+        "1s",
     ]);
     let r = Http::new()
         .get(

@@ -59,6 +59,9 @@ pub async fn start_gateway_on(
     let (dir, path) = rules_file(rules);
     let mut cfg = GatewayConfig::new(RulesSource::File(path));
     cfg.store = store;
+    // These tests are about what the store decides, not about its timeout: on a loaded
+    // 2-core machine a 3 ms budget would let the failure policy decide now and then.
+    cfg.store_timeout = Duration::from_secs(1);
     cfg.admin_listen = Some(SocketAddr::from(([127, 0, 0, 1], 0)));
     let running = app::start(cfg)
         .await
