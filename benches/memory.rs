@@ -26,7 +26,13 @@ fn main() {
     let before = rss_bytes();
     for k in 0..keys {
         let item = CheckItem::new(
-            format!("rl:{{ip:10.{}.{}.{}}}:unauth", k >> 16 & 255, k >> 8 & 255, k & 255).into(),
+            format!(
+                "rl:{{ip:10.{}.{}.{}}}:unauth",
+                k >> 16 & 255,
+                k >> 8 & 255,
+                k & 255
+            )
+            .into(),
             Charge {
                 params,
                 cost: 1,

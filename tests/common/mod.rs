@@ -203,11 +203,14 @@ impl RedisServer {
         RedisServer::start_with(&[])
     }
 
-    /// A server on a given port (one a test reserved and left free on purpose).
-    pub fn start_on(port: u16) -> RedisServer {
-        let bin = require_binary("redis-server");
-        let dir = tempfile::tempdir().unwrap();
-        let mut child = Command::new(&bin)
+    /// Starts redis-server on `port` and waits until it listens; `None` if it exits or
+    /// doesn't listen within 5 s (another process may have taken the port).
+    fn try_start(
+        port: u16,
+        dir: tempfile::TempDir,
+        extra: &[String],
+    ) -> Result<RedisServer, tempfile::TempDir> {
+        let mut child = Command::new(require_binary("redis-server"))
             .args([
                 "--port",
                 &port.to_string(),
@@ -219,23 +222,34 @@ impl RedisServer {
                 "no",
             ])
             .args(["--dir", dir.path().to_str().unwrap()])
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("spawn redis-server");
         let deadline = Instant::now() + Duration::from_secs(5);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            if Instant::now() > deadline || matches!(child.try_wait(), Ok(Some(_))) {
-                let _ = child.kill();
-                panic!("redis-server did not start on port {port}");
+        while Instant::now() < deadline {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return Ok(RedisServer {
+                    port,
+                    child,
+                    _dir: dir,
+                });
+            }
+            if let Ok(Some(_)) = child.try_wait() {
+                break;
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        RedisServer {
-            port,
-            child,
-            _dir: dir,
-        }
+        let _ = child.kill();
+        let _ = child.wait();
+        Err(dir)
+    }
+
+    /// A server on a given port (one a test reserved and left free on purpose).
+    pub fn start_on(port: u16) -> RedisServer {
+        RedisServer::try_start(port, tempfile::tempdir().unwrap(), &[])
+            .unwrap_or_else(|_| panic!("redis-server did not start on port {port}"))
     }
 
     pub fn start_with(extra: &[&str]) -> RedisServer {
@@ -245,43 +259,12 @@ impl RedisServer {
 
     /// Like `start_with`, with arguments made afresh for each attempt (a new free port each).
     pub fn start_with_fn(extra: impl Fn() -> Vec<String>) -> RedisServer {
-        let bin = require_binary("redis-server");
-        let dir = tempfile::tempdir().unwrap();
+        let mut dir = tempfile::tempdir().unwrap();
         for _ in 0..5 {
-            let port = free_port();
-            let mut child = Command::new(&bin)
-                .args([
-                    "--port",
-                    &port.to_string(),
-                    "--bind",
-                    "127.0.0.1",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                ])
-                .args(["--dir", dir.path().to_str().unwrap()])
-                .args(extra())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("spawn redis-server");
-            let deadline = Instant::now() + Duration::from_secs(5);
-            while Instant::now() < deadline {
-                if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                    return RedisServer {
-                        port,
-                        child,
-                        _dir: dir,
-                    };
-                }
-                if let Ok(Some(_)) = child.try_wait() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(20));
+            match RedisServer::try_start(free_port(), dir, &extra()) {
+                Ok(server) => return server,
+                Err(d) => dir = d,
             }
-            let _ = child.kill();
-            let _ = child.wait();
         }
         panic!("redis-server did not start on a free port");
     }
