@@ -256,6 +256,17 @@ async fn store_throughput(
     count.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
 }
 
+/// Redis's own time inside EVALSHA per call since the last CONFIG RESETSTAT (INFO commandstats).
+fn evalsha_usec_per_call(port: u16) -> f64 {
+    let stats = cli(port, &["INFO", "commandstats"]);
+    stats
+        .lines()
+        .find(|l| l.starts_with("cmdstat_evalsha:"))
+        .and_then(|l| l.split(',').find_map(|f| f.strip_prefix("usec_per_call=")))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
 /// CPU seconds of a process from /proc: (own user + system, waited-for children's).
 fn cpu_secs(pid: &str) -> (f64, f64) {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
@@ -376,7 +387,10 @@ fn main() {
             continue;
         }
         let (s0, c0) = (cpu_secs(&server_pid).0, cpu_secs("self").1);
+        cli(port, &["CONFIG", "RESETSTAT"]);
         let (ceiling, cmd) = redis_benchmark(port, &sha, o.keys, n);
+        let script_ceiling = evalsha_usec_per_call(port);
+        cli(port, &["CONFIG", "RESETSTAT"]);
         let (s1, c1) = (cpu_secs(&server_pid).0, cpu_secs("self").1);
         command = cmd;
         let own0 = cpu_secs("self").0;
@@ -387,10 +401,12 @@ fn main() {
         let (s2, own1) = (cpu_secs(&server_pid).0, cpu_secs("self").0);
         let (calls1, checks1) = store.calls_and_checks();
         let per_call = (checks1 - checks0) as f64 / (calls1 - calls0).max(1) as f64;
+        let script_ours = evalsha_usec_per_call(port);
         ratios.push(ours / ceiling);
         println!(
-            "round {round}: redis-benchmark EVALSHA -P 16: {ceiling:.0}/s (CPU per check: server {:.1} µs, client {:.1} µs); \
-             RedisStore, {} tasks: {ours:.0}/s (server {:.1} µs, client {:.1} µs; {per_call:.1} checks per call); ratio {:.2}",
+            "round {round}: redis-benchmark EVALSHA -P 16: {ceiling:.0}/s (CPU per check: server {:.1} µs, client {:.1} µs; \
+             script {script_ceiling:.1} µs per call); RedisStore, {} tasks: {ours:.0}/s (server {:.1} µs, client {:.1} µs; \
+             {per_call:.1} checks per call, script {script_ours:.1} µs per call); ratio {:.2}",
             (s1 - s0) * 1e6 / n as f64,
             (c1 - c0) * 1e6 / n as f64,
             o.tasks,

@@ -4,12 +4,12 @@
 //! The script is the arithmetic of `limit/bucket.rs`; the gateway sends only numbers (ARGV) and
 //! bucket names (KEYS) and reads back integers, so both sides agree to the unit.
 //!
-//! Checks go through one queue. While fewer than [`MAX_IN_FLIGHT`] calls are out, a check is
-//! sent at once, alone; when the store falls behind, the checks that queued meanwhile go
-//! together in the next call (each still all-or-nothing on its own buckets). fred writes every
-//! command with its own socket write, so one call per check cost the gateway about 12 µs of CPU
-//! per check on loopback, against 1.4 µs for `redis-benchmark -P 16`; sharing calls under load
-//! pays that once per call (benches/README.md).
+//! While fewer than [`MAX_IN_FLIGHT`] calls are out, a check is sent at once, alone, from the
+//! caller's task. When the store falls behind, checks wait in one queue, and those that queued
+//! meanwhile go together in the next call (each still all-or-nothing on its own buckets). fred
+//! writes every command with its own socket write, so one call per check cost the gateway about
+//! 12 µs of CPU per check on loopback, against 1.4 µs for `redis-benchmark -P 16`; sharing calls
+//! under load pays that once per call (benches/README.md).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -113,6 +113,8 @@ struct Shared {
     name: String,
     calls: AtomicU64,
     checks: AtomicU64,
+    /// One per call out, at most [`MAX_IN_FLIGHT`].
+    permits: Arc<Semaphore>,
 }
 
 /// One request's check, waiting in the queue: its buckets already in the script's terms.
@@ -278,6 +280,7 @@ impl RedisStore {
             name,
             calls: AtomicU64::new(0),
             checks: AtomicU64::new(0),
+            permits: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
         });
         let fail = |e: FredError, shared: &Shared| {
             let (store, reason) = (shared.name.clone(), e.details().to_string());
@@ -346,7 +349,12 @@ impl RedisStore {
             });
         }
         let (pending, rx) = Pending::new(batch, self.shared.cluster);
-        if self.queue.send(pending).is_err() {
+        // A call slot free means nothing waits in the queue (its task waits only for a slot,
+        // and a freed slot goes to a waiter first): send from here, without a hop through it.
+        if let Ok(permit) = self.shared.permits.clone().try_acquire_owned() {
+            self.shared.call(vec![pending]).await;
+            drop(permit);
+        } else if self.queue.send(pending).is_err() {
             return Err(StoreError::Unavailable(
                 "the Redis store's queue has stopped".into(),
             ));
@@ -477,11 +485,10 @@ impl Shared {
     }
 }
 
-/// The queue: sends each check at once while fewer than [`MAX_IN_FLIGHT`] calls are out, and
-/// otherwise gathers what queued meanwhile (per hash slot in a cluster) into the next calls.
-/// Ends when the store is dropped.
+/// The queue: checks that found every call slot taken wait here, and go together (per hash
+/// slot in a cluster) in the next call as soon as a slot frees. Ends when the store is dropped.
 async fn run_queue(shared: Arc<Shared>, mut rx: mpsc::UnboundedReceiver<Pending>) {
-    let permits = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
+    let permits = shared.permits.clone();
     let mut held: Option<Pending> = None;
     loop {
         let first = match held.take() {
