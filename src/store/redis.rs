@@ -47,8 +47,9 @@ const MAX_KEYS_PER_CALL: usize = 256;
 /// ARGV[1] that tells the script to read the store's TIME.
 pub const STORE_CLOCK: i64 = -1;
 
-/// Connections per node (see [`RedisStore`]'s `client`).
-pub const DEFAULT_CONNECTIONS: usize = 2;
+/// Connections per node. With at most [`MAX_IN_FLIGHT`] calls out, one is enough: 1 and 2
+/// measured the same (benches/README.md).
+pub const DEFAULT_CONNECTIONS: usize = 1;
 
 /// How long a new connection may take before start-up gives up.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
@@ -104,7 +105,7 @@ pub struct RedisStore {
 
 /// What the queue's task and the callers share.
 struct Shared {
-    /// Round-robin over a few connections per node.
+    /// [`DEFAULT_CONNECTIONS`] per node unless told otherwise, used round-robin.
     client: Pool,
     sha: Str,
     /// `None`: the script reads the store's TIME. `Some`: the gateway's clock (`--clock gateway`).
