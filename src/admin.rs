@@ -12,7 +12,7 @@ use crate::metrics::Metrics;
 use crate::respond::{Body, json_response};
 use crate::rules::Snapshot;
 use crate::server::{ConnInfo, Handler};
-use crate::store::Store;
+use crate::store::{FailurePolicy, Store};
 
 pub struct Admin {
     pub rules: Arc<ArcSwap<Snapshot>>,
@@ -40,20 +40,33 @@ impl Admin {
                 resp
             }
             "/healthz" => json_response(StatusCode::OK, json!({"status": "alive"}).to_string()),
-            "/readyz" => match self.store.ping().await {
-                Ok(_) => json_response(
-                    StatusCode::OK,
-                    json!({"status": "ready", "rules_version": self.rules.load().version, "store": self.store.kind()})
+            "/readyz" => {
+                let snap = self.rules.load();
+                match self.store.ping().await {
+                    Ok(_) => json_response(
+                        StatusCode::OK,
+                        json!({"status": "ready", "rules_version": snap.version, "store": self.store.kind()}).to_string(),
+                    ),
+                    // The store is down, but limits that may decide without it keep serving.
+                    Err(e) if snap.limits.iter().any(|l| l.policy != FailurePolicy::Closed) => json_response(
+                        StatusCode::OK,
+                        json!({"status": "degraded", "rules_version": snap.version, "store": self.store.kind(),
+                               "reason": e.to_string(), "serving": "by failure policy"})
                         .to_string(),
-                ),
-                Err(e) => json_response(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    json!({"status": "not_ready", "store": self.store.kind(), "reason": e.to_string()}).to_string(),
-                ),
-            },
+                    ),
+                    Err(e) => json_response(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        json!({"status": "not_ready", "store": self.store.kind(), "reason": e.to_string()}).to_string(),
+                    ),
+                }
+            }
             "/admin/rules" => {
                 let snap = self.rules.load();
-                let loaded = snap.loaded_at.duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+                let loaded = snap
+                    .loaded_at
+                    .duration_since(UNIX_EPOCH)
+                    .map(|d| d.as_millis() as u64)
+                    .unwrap_or(0);
                 json_response(
                     StatusCode::OK,
                     json!({

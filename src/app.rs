@@ -23,8 +23,9 @@ use crate::rules::{CompileOptions, RulesError, Snapshot};
 pub use crate::rules::{RulesLoader, RulesSource};
 use crate::server::{self, ServerLimits, tls};
 use crate::store::Store;
+use crate::store::guard::{FleetSize, Guard};
 use crate::store::memory::MemoryStore;
-use crate::store::redis::{RedisStore, Target};
+use crate::store::redis::{ConnectError, RedisStore, Target};
 
 /// A validated configuration.
 pub struct GatewayConfig {
@@ -39,6 +40,10 @@ pub struct GatewayConfig {
     pub demo: bool,
     /// The gateway's clock (the embedded store reads it; tests pass a manual one).
     pub clock: Arc<dyn Clock>,
+    /// How long a check may wait for a remote store.
+    pub store_timeout: Duration,
+    /// Gateways in the fleet; learned from the store when `None`.
+    pub fleet_size: Option<u32>,
     /// Whose clock a Redis store's check reads (the store's unless `--clock gateway`).
     pub clock_source: ClockSource,
 }
@@ -56,6 +61,8 @@ impl GatewayConfig {
             limits: ServerLimits::default(),
             demo: false,
             clock: SystemClock::shared(),
+            store_timeout: Duration::from_millis(3),
+            fleet_size: None,
             clock_source: ClockSource::Store,
         }
     }
@@ -86,6 +93,7 @@ pub struct Running {
     pub rules: Arc<ArcSwap<Snapshot>>,
     pub store: Arc<dyn Store>,
     pub memory: Option<Arc<MemoryStore>>,
+    pub guard: Option<Arc<Guard>>,
     pub metrics: Arc<Metrics>,
     pub reloader: Arc<Reloader>,
     _watch: WatchHandle,
@@ -144,10 +152,17 @@ async fn redis_store(target: Target<'_>, cfg: &GatewayConfig) -> Result<Arc<dyn 
             Some(cfg.clock.clone())
         }
     };
-    let store = RedisStore::connect(target, clock)
-        .await
-        .map_err(|e| StartError::Store(e.to_string()))?;
-    Ok(Arc::new(store))
+    match RedisStore::connect(target, clock.clone()).await {
+        Ok(store) => Ok(Arc::new(store)),
+        // Down now: start degraded under the failure policies, and connect when it is back.
+        Err(e @ ConnectError::Unreachable { .. }) => {
+            tracing::warn!(error = %e, "starting degraded: limits decide by their failure policies until the store answers");
+            let store =
+                RedisStore::connect_later(target, clock).map_err(|e| StartError::Store(e.to_string()))?;
+            Ok(Arc::new(store))
+        }
+        Err(e) => Err(StartError::Store(e.to_string())),
+    }
 }
 
 /// Starts every listener. Fails before serving anything if a part can't start.
@@ -211,6 +226,26 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         StoreUrl::RedisCluster(nodes) => (redis_store(Target::Cluster(nodes), &cfg).await?, None),
     };
 
+    // A store on the network gets a timeout, a breaker and the failure policies in front.
+    let (store, guard) = if store.remote() {
+        let fleet = Arc::new(match cfg.fleet_size {
+            Some(n) => FleetSize::fixed(n),
+            None => FleetSize::learned(),
+        });
+        let g = Arc::new(Guard::new(
+            store,
+            cfg.store_timeout,
+            fleet,
+            cfg.clock.clone(),
+            rules.clone(),
+            metrics.clone(),
+        ));
+        g.spawn_heartbeat(format!("{:032x}", rand::random::<u128>()));
+        (g.clone() as Arc<dyn Store>, Some(g))
+    } else {
+        (store, None)
+    };
+
     let listener = bind(cfg.listen).await?;
     let addr = listener.local_addr().map_err(|source| StartError::Bind {
         addr: cfg.listen,
@@ -266,6 +301,7 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         rules,
         store,
         memory,
+        guard,
         metrics,
         reloader,
         _watch: watch,

@@ -37,6 +37,8 @@ pub enum Command {
         #[arg(long, env = "TOLLGATE_LISTEN", default_value = "127.0.0.1:8081")]
         listen: SocketAddr,
     },
+    /// Replay a trace through the gateway's limiter code on a virtual clock (offline what-if).
+    Replay(crate::replay::ReplayArgs),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
@@ -86,6 +88,13 @@ pub struct CommonArgs {
     /// `memory` (embedded), `redis://HOST:PORT` or `redis-cluster://H1:P1,H2:P2`.
     #[arg(long, env = "TOLLGATE_STORE", default_value = "memory")]
     pub store: String,
+    /// How long one check may wait for a remote store before its failure policy decides.
+    #[arg(long, env = "TOLLGATE_STORE_TIMEOUT", default_value = "3ms", value_parser = parse_duration)]
+    pub store_timeout: Duration,
+    /// Gateways in the fleet, for local shares (r/N) while the store is down; learned from the
+    /// store's heartbeat when unset.
+    #[arg(long, env = "TOLLGATE_FLEET_SIZE", value_parser = clap::value_parser!(u32).range(1..))]
+    pub fleet_size: Option<u32>,
     /// Whose clock refills Redis buckets: `store` (the store's TIME, inside the check script) or
     /// `gateway` (each gateway passes its own time; only for stores that refuse TIME in scripts:
     /// gateways whose clocks differ then hand out extra tokens, see README "Redis store").
@@ -100,6 +109,9 @@ pub struct CommonArgs {
     /// Proxies whose X-Forwarded-For is believed (addresses or CIDRs, comma-separated).
     #[arg(long, env = "TOLLGATE_TRUSTED_PROXY", value_delimiter = ',')]
     pub trusted_proxy: Vec<String>,
+    /// Worker threads of the async runtime (default: one per CPU).
+    #[arg(long, env = "TOLLGATE_THREADS", value_parser = clap::value_parser!(u16).range(1..))]
+    pub threads: Option<u16>,
     /// Log format.
     #[arg(long, env = "TOLLGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Human)]
     pub log_format: LogFormat,

@@ -6,6 +6,7 @@
 //! - [`app`]: assembles rules, store and listeners into a running gateway.
 //! - [`server`]: accepts TCP/TLS connections, HTTP/1.1 and HTTP/2, drains on shutdown.
 //! - [`gateway`]: one request's path: route → identity → plan → store check → 429 or forward.
+//! - [`sanitize`]: request heads refused before anything reads them (smuggling, unclean paths).
 //! - [`rules`]: the rules file parsed, validated and compiled into an immutable `Snapshot`.
 //! - [`identity`]: API key (compared by SHA-256) and client IP (trusted proxies only).
 //! - [`limit`]: exact token-bucket math, clocks, request plans, decisions and their headers.
@@ -15,6 +16,7 @@
 //! - [`metrics`], [`logsample`]: what the operator sees: Prometheus metrics, sampled log lines.
 //! - [`admin`]: the admin listener (health, readiness, metrics, running rules).
 //! - [`demo`]: the built-in demo upstream.
+//! - [`replay`]: `tollgate replay`, traces through the same limiter code on a virtual clock.
 
 pub mod admin;
 pub mod app;
@@ -26,7 +28,9 @@ pub mod limit;
 pub mod logsample;
 pub mod metrics;
 pub mod proxy;
+pub mod replay;
 pub mod respond;
 pub mod rules;
+pub mod sanitize;
 pub mod server;
 pub mod store;

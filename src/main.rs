@@ -14,6 +14,7 @@ fn init_logging(format: LogFormat) {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Human => builder.init(),
@@ -39,6 +40,8 @@ fn config(rules: RulesSource, c: &CommonArgs, demo: bool) -> Result<GatewayConfi
         ..ServerLimits::default()
     };
     cfg.demo = demo;
+    cfg.store_timeout = c.store_timeout;
+    cfg.fleet_size = c.fleet_size;
     Ok(cfg)
 }
 
@@ -95,6 +98,15 @@ async fn run_gateway(cfg: GatewayConfig, demo: bool) -> Result<()> {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    if let Command::Replay(a) = &cli.command {
+        // Offline and single-threaded: no logging, no async runtime. The error names the
+        // file, row and column already; a backtrace would only bury it.
+        if let Err(e) = tollgate::replay::args::main(a) {
+            eprintln!("tollgate replay: {e}");
+            std::process::exit(1);
+        }
+        return Ok(());
+    }
     if let Command::CheckRules { file, cluster } = &cli.command {
         let opts = tollgate::rules::CompileOptions { cluster: *cluster };
         match tollgate::rules::load(file, opts) {
@@ -108,13 +120,25 @@ fn main() -> Result<()> {
             }
         }
     }
-    let format = match &cli.command {
-        Command::Serve(a) => a.common.log_format,
-        Command::Demo(a) => a.common.log_format,
-        Command::DemoUpstream { .. } | Command::CheckRules { .. } => LogFormat::Human,
+    let (format, threads) = match &cli.command {
+        Command::Serve(a) => (a.common.log_format, a.common.threads),
+        Command::Demo(a) => (a.common.log_format, a.common.threads),
+        Command::DemoUpstream { .. } | Command::CheckRules { .. } | Command::Replay(_) => {
+            (LogFormat::Human, None)
+        }
     };
     init_logging(format);
-    let rt = tokio::runtime::Builder::new_multi_thread()
+    // One thread: the current-thread scheduler, with no work-stealing machinery to pay for.
+    let mut rt = match threads {
+        Some(1) => tokio::runtime::Builder::new_current_thread(),
+        Some(n) => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(n as usize);
+            b
+        }
+        None => tokio::runtime::Builder::new_multi_thread(),
+    };
+    let rt = rt
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
@@ -132,7 +156,8 @@ fn main() -> Result<()> {
                 let cfg = config(rules, &a.common, true)?;
                 run_gateway(cfg, true).await
             }
-            Command::CheckRules { .. } => Ok(()),
+            // Both returned before the runtime started.
+            Command::CheckRules { .. } | Command::Replay(_) => Ok(()),
             Command::DemoUpstream { listen } => {
                 let l = tokio::net::TcpListener::bind(listen)
                     .await

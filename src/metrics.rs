@@ -1,6 +1,6 @@
 //! Prometheus metrics, one registry per gateway (no globals, so tests in one process never mix
 //! counts). Labels are low-cardinality: routes, limits, upstreams and outcomes, never API keys
-//! or client addresses.
+//! or client addresses. Label values are shared `Arc<str>`s, so counting allocates nothing.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,25 +15,25 @@ use prometheus_client::registry::Registry;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RouteStatus {
-    pub route: String,
+    pub route: Arc<str>,
     pub status: u16,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct LimitDecision {
-    pub limit: String,
+    pub limit: Arc<str>,
     /// `admitted` or `refused`.
     pub decision: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct LimitLabel {
-    pub limit: String,
+    pub limit: Arc<str>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct LimitPolicy {
-    pub limit: String,
+    pub limit: Arc<str>,
     pub policy: &'static str,
 }
 
@@ -49,7 +49,7 @@ pub struct ResultLabel {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct UpstreamLabel {
-    pub upstream: String,
+    pub upstream: Arc<str>,
 }
 
 /// Every metric the gateway keeps.
@@ -191,10 +191,10 @@ impl Metrics {
         self.rules_reloads.get_or_create(&ResultLabel { result }).inc();
     }
 
-    pub fn observe_upstream(&self, upstream: &str, took: Duration) {
+    pub fn observe_upstream(&self, upstream: &Arc<str>, took: Duration) {
         self.upstream_seconds
             .get_or_create(&UpstreamLabel {
-                upstream: upstream.to_string(),
+                upstream: upstream.clone(),
             })
             .observe(took.as_secs_f64());
     }
@@ -202,3 +202,121 @@ impl Metrics {
 
 /// The content type of [`Metrics::render`].
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Statuses with a counter handle kept per route; others go through the family lookup.
+const STATUSES: [u16; 14] = [
+    200, 201, 202, 204, 304, 400, 401, 404, 413, 429, 500, 502, 503, 504,
+];
+
+/// Counter handles resolved once per rules snapshot, so a request's counting is a few atomic
+/// adds instead of hashing label sets under a lock. Built lazily for the snapshot it was made
+/// for; a reload makes a new one.
+pub struct Handles {
+    /// The version of the snapshot these handles belong to (0: none yet).
+    pub snapshot: u64,
+    routes: Vec<RouteHandles>,
+    limits: Vec<LimitHandles>,
+    upstreams: Vec<std::sync::OnceLock<Histogram>>,
+    route_names: Vec<Arc<str>>,
+    limit_names: Vec<Arc<str>>,
+    upstream_names: Vec<Arc<str>>,
+}
+
+struct RouteHandles {
+    by_status: [std::sync::OnceLock<Counter>; STATUSES.len()],
+}
+
+#[derive(Default)]
+struct LimitHandles {
+    admitted: std::sync::OnceLock<Counter>,
+    refused: std::sync::OnceLock<Counter>,
+    shadow: std::sync::OnceLock<Counter>,
+}
+
+impl Handles {
+    pub fn new(
+        snapshot: u64,
+        routes: Vec<Arc<str>>,
+        limits: Vec<Arc<str>>,
+        upstreams: Vec<Arc<str>>,
+    ) -> Handles {
+        Handles {
+            snapshot,
+            routes: routes
+                .iter()
+                .map(|_| RouteHandles {
+                    by_status: Default::default(),
+                })
+                .collect(),
+            limits: limits.iter().map(|_| LimitHandles::default()).collect(),
+            upstreams: upstreams.iter().map(|_| std::sync::OnceLock::new()).collect(),
+            route_names: routes,
+            limit_names: limits,
+            upstream_names: upstreams,
+        }
+    }
+
+    /// Counts one answer of route `route` (`None`: no route matched).
+    pub fn request(&self, m: &Metrics, route: Option<usize>, none: &Arc<str>, status: u16) {
+        let (Some(r), Some(slot)) = (route, STATUSES.iter().position(|s| *s == status)) else {
+            let name = route.map_or_else(|| none.clone(), |r| self.route_names[r].clone());
+            m.requests
+                .get_or_create(&RouteStatus { route: name, status })
+                .inc();
+            return;
+        };
+        self.routes[r].by_status[slot]
+            .get_or_init(|| {
+                m.requests
+                    .get_or_create(&RouteStatus {
+                        route: self.route_names[r].clone(),
+                        status,
+                    })
+                    .clone()
+            })
+            .inc();
+    }
+
+    pub fn decision(&self, m: &Metrics, limit: usize, admitted: bool) {
+        let h = &self.limits[limit];
+        let (cell, decision) = if admitted {
+            (&h.admitted, "admitted")
+        } else {
+            (&h.refused, "refused")
+        };
+        cell.get_or_init(|| {
+            m.decisions
+                .get_or_create(&LimitDecision {
+                    limit: self.limit_names[limit].clone(),
+                    decision,
+                })
+                .clone()
+        })
+        .inc();
+    }
+
+    pub fn shadow(&self, m: &Metrics, limit: usize) {
+        self.limits[limit]
+            .shadow
+            .get_or_init(|| {
+                m.shadow_refusals
+                    .get_or_create(&LimitLabel {
+                        limit: self.limit_names[limit].clone(),
+                    })
+                    .clone()
+            })
+            .inc();
+    }
+
+    pub fn upstream(&self, m: &Metrics, upstream: usize, took: Duration) {
+        self.upstreams[upstream]
+            .get_or_init(|| {
+                m.upstream_seconds
+                    .get_or_create(&UpstreamLabel {
+                        upstream: self.upstream_names[upstream].clone(),
+                    })
+                    .clone()
+            })
+            .observe(took.as_secs_f64());
+    }
+}

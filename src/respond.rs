@@ -1,11 +1,11 @@
 //! Every answer the gateway makes itself, built in one place: each refusal or failure maps to
 //! its status, headers and small JSON body here.
 
+use crate::proxy::body::{IdleBody, LimitedBody};
 use bytes::Bytes;
 use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use http_body_util::{Either, Full};
-use hyper::body::Incoming;
 
 use crate::limit::decision::Decision;
 use crate::limit::headers::state_value;
@@ -13,7 +13,11 @@ use crate::rules::Snapshot;
 use crate::store::CheckItem;
 
 /// Bodies the gateway sends: an upstream's streamed through, or one of its own.
-pub type Body = Either<Incoming, Full<Bytes>>;
+pub type Body = Either<IdleBody, Full<Bytes>>;
+
+/// Bodies the gateway sends upstream: the client's streamed through under the route's size
+/// limit, or one it had to read first (to find a limit's body field).
+pub type UpBody = Either<LimitedBody, Full<Bytes>>;
 
 pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");

@@ -53,7 +53,15 @@ async fn cross_slot_rules_are_refused_and_the_demo_without_login_runs() {
     // The same file serves on one node, where a script may touch any key.
     let node = RedisServer::start();
     let (_dir, path) = common::rules_file(CROSS_SLOT_RULES);
-    let single = Tollgate::spawn(&["serve", "--rules", path.to_str().unwrap(), "--store", &node.url()]);
+    let single = Tollgate::spawn(&[
+        "serve",
+        "--rules",
+        path.to_str().unwrap(),
+        "--store",
+        &node.url(),
+        "--store-timeout",
+        "1s",
+    ]);
     drop(single);
 
     let upstream = common::start_demo_upstream().await;

@@ -98,8 +98,9 @@ async fn two_gateway_processes_enforce_one_limit() {
     let (_dir, path) = common::rules_file(&rules);
     let path = path.to_str().unwrap();
     let url = redis.url();
-    let a = Tollgate::spawn(&["serve", "--rules", path, "--store", &url]);
-    let b = Tollgate::spawn(&["serve", "--rules", path, "--store", &url]);
+    // A generous store timeout: the test is about one bucket shared, not about timeouts.
+    let a = Tollgate::spawn(&["serve", "--rules", path, "--store", &url, "--store-timeout", "1s"]);
+    let b = Tollgate::spawn(&["serve", "--rules", path, "--store", &url, "--store-timeout", "1s"]);
     let http = Http::new();
     for g in [&a, &b] {
         let ready = http.get(&g.admin_url("/readyz"), &[]).await;
@@ -140,7 +141,7 @@ fn expected_batch(
     if key.is_none() && route.key == tollgate::rules::KeyRequirement::Required {
         return plan::unauthenticated_only(snap, ip);
     }
-    plan::build(snap, route, key, ip, headers).expect("plan")
+    plan::build(snap, route, key, ip, headers, None).expect("plan")
 }
 
 /// Every bucket the gateway writes has a TTL of at least b/r, its name carries the hash tag,
@@ -189,8 +190,18 @@ async fn every_bucket_key_expires_and_names_no_version() {
                 expected.insert(i.key.to_string(), i.charge.params);
             }
         }
-        let keys: std::collections::BTreeSet<String> =
-            redis.cli(&["--scan"]).lines().map(String::from).collect();
+        // Besides the buckets, the store holds only the fleet's heartbeat set, which expires too.
+        let fleet = "tollgate:{fleet}:members";
+        let keys: std::collections::BTreeSet<String> = redis
+            .cli(&["--scan"])
+            .lines()
+            .filter(|k| *k != fleet)
+            .map(String::from)
+            .collect();
+        if redis.cli(&["EXISTS", fleet]) == "1" {
+            let pttl: i64 = redis.cli(&["PTTL", fleet]).parse().unwrap();
+            assert!(pttl > 0, "the heartbeat set has no TTL");
+        }
         assert_eq!(
             keys,
             expected.keys().cloned().collect(),
@@ -247,15 +258,56 @@ fn demo_rules() -> String {
     std::fs::read_to_string(common::repo().join("rules/demo.json")).unwrap()
 }
 
-#[test]
-fn start_up_without_a_store_fails_naming_it() {
+/// No store at start-up: the gateway starts degraded under the failure policies, says so, and
+/// takes its decisions from the store as soon as one listens there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_up_without_a_store_starts_degraded_and_recovers() {
     let port = common::free_port();
     let url = format!("redis://127.0.0.1:{port}");
-    let (ok, stderr) = common::serve_and_exit(&demo_rules(), &["--store", &url]);
-    assert!(!ok, "tollgate started without its store");
-    assert!(stderr.contains(&url), "stderr should name the store: {stderr}");
-    assert!(stderr.contains("cannot connect"), "{stderr}");
+    let upstream = common::start_demo_upstream().await;
+    let (_dir, path) = common::rules_file(&common::demo_rules_for(upstream));
+    let g = Tollgate::spawn(&[
+        "serve",
+        "--rules",
+        path.to_str().unwrap(),
+        "--store",
+        &url,
+        "--fleet-size",
+        "1",
+        "--store-timeout",
+        "1s",
+    ]);
+    let http = Http::new();
+    let ready = http.get(&g.admin_url("/readyz"), &[]).await;
+    assert_eq!(ready.status, StatusCode::OK, "{:?}", ready.body);
+    assert_eq!(ready.json()["status"], "degraded");
+    let stderr = g.stderr();
+    assert!(
+        stderr.contains(&url) && stderr.contains("starting degraded"),
+        "{stderr}"
+    );
     assert!(!stderr.contains("panicked"), "{stderr}");
+    let auth = format!("Bearer {K7}");
+    let r = http.get(&g.url("/v1/orders"), &[("authorization", &auth)]).await;
+    assert_eq!(r.status, StatusCode::OK, "the local share admits: {:?}", r.body);
+
+    let redis = RedisServer::start_on(port);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    loop {
+        let r = http.get(&g.url("/v1/orders"), &[("authorization", &auth)]).await;
+        assert_ne!(r.status, StatusCode::SERVICE_UNAVAILABLE);
+        if redis.cli(&["EXISTS", "rl:{k7}:plan"]) == "1" {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "decisions never moved to the store: {}",
+            g.stderr()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let ready = http.get(&g.admin_url("/readyz"), &[]).await;
+    assert_eq!(ready.json()["status"], "ready");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -282,6 +334,8 @@ async fn a_store_that_refuses_time_in_scripts_needs_the_gateway_clock() {
         &url,
         "--clock",
         "gateway",
+        "--store-timeout",
+        "1s",
     ]);
     let r = Http::new()
         .get(
@@ -293,8 +347,8 @@ async fn a_store_that_refuses_time_in_scripts_needs_the_gateway_clock() {
     assert_eq!(redis.cli(&["EXISTS", "rl:{k7}:plan"]), "1");
 }
 
-/// A store that goes away after start-up: checks fail as `StoreError`, the gateway answers
-/// 503 and reports not ready; nothing panics.
+/// A store that goes away after start-up: checks fail as `StoreError`, and the gateway decides
+/// by the failure policies and reports itself degraded; nothing panics.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_call_is_a_store_error() {
     let redis = RedisServer::start();
@@ -321,11 +375,20 @@ async fn a_failed_call_is_a_store_error() {
         matches!(err, StoreError::Unavailable(_) | StoreError::Timeout),
         "{err:?}"
     );
+    // The gateway still serves: the demo limits decide by their failure policy (local shares),
+    // and readiness says degraded.
     let ready = http.get(&admin, &[]).await;
-    assert_eq!(ready.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(ready.status, StatusCode::OK);
+    assert_eq!(ready.json()["status"], "degraded");
     assert_eq!(ready.json()["store"], "redis");
     let r = http.get(&orders, &[("authorization", &auth)]).await;
-    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{:?}", r.body);
+    assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+    assert!(
+        running
+            .metrics
+            .render()
+            .contains(r#"tollgate_store_bypass_total{limit="plan",policy="local"}"#)
+    );
     running.shutdown().await;
 }
 

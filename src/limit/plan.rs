@@ -17,6 +17,8 @@ pub enum PlanError {
     MissingHeader { limit: Arc<str>, header: String },
     #[error("the {header} header is not valid for limit {limit:?}")]
     BadHeader { limit: Arc<str>, header: String },
+    #[error("limit {limit:?} needs the JSON body field {field:?}")]
+    MissingField { limit: Arc<str>, field: String },
 }
 
 /// Header values longer than this are named by their hash in bucket keys.
@@ -45,17 +47,35 @@ fn push_value(out: &mut String, value: &[u8]) {
     }
 }
 
+/// A bucket per value: within the tenant for a keyed request, on its own tag without a key.
+fn tagged_value(name: &mut String, key: Option<&ApiKey>, limit: &str, value: &[u8]) {
+    match key {
+        Some(k) => {
+            let _ = write!(name, "rl:{{{}}}:{}:", k.tenant, limit);
+            push_value(name, value);
+        }
+        None => {
+            name.push_str("rl:{h:");
+            push_value(name, value);
+            name.push_str("}:");
+            name.push_str(limit);
+        }
+    }
+}
+
 fn ip_tag(out: &mut String, ip: IpAddr) {
     let _ = write!(out, "rl:{{ip:{ip}}}:");
 }
 
 /// Builds the batch for one request. `key` is the authenticated key, if any.
+/// `body_value` is the route's JSON body field, already read, for limits keyed on it.
 pub fn build(
     snap: &Snapshot,
     route: &Route,
     key: Option<usize>,
     ip: IpAddr,
     headers: &HeaderMap,
+    body_value: Option<&[u8]>,
 ) -> Result<Batch, PlanError> {
     let key: Option<&ApiKey> = key.map(|k| &snap.keys[k]);
     let mut batch = Batch::new();
@@ -66,7 +86,7 @@ pub fn build(
         if key.is_none() && Some(li) == snap.unauthenticated.map(|u| u.0) {
             has_unauth = true;
         }
-        let Some(item) = item_for(limit, idx, key, route, ip, headers, cost)? else {
+        let Some(item) = item_for(limit, idx, key, route, ip, headers, body_value, cost)? else {
             continue;
         };
         batch.push(item);
@@ -107,6 +127,7 @@ fn unauthenticated(snap: &Snapshot, li: u16, cost: u64, ip: IpAddr) -> Option<Ch
     ))
 }
 
+#[allow(clippy::too_many_arguments)]
 fn item_for(
     limit: &Limit,
     idx: usize,
@@ -114,6 +135,7 @@ fn item_for(
     route: &Route,
     ip: IpAddr,
     headers: &HeaderMap,
+    body_value: Option<&[u8]>,
     cost: u64,
 ) -> Result<Option<CheckItem>, PlanError> {
     let numbers = match key {
@@ -156,6 +178,15 @@ fn item_for(
             ip_tag(&mut name, ip);
             name.push_str(&limit.name);
         }
+        (Dimension::BodyField(f), k) => {
+            let Some(value) = body_value.filter(|v| !v.is_empty()) else {
+                return Err(PlanError::MissingField {
+                    limit: limit.name.clone(),
+                    field: f.clone(),
+                });
+            };
+            tagged_value(&mut name, k, &limit.name, value);
+        }
         (Dimension::Header(h), k) => {
             let mut values = headers.get_all(h).iter();
             let Some(value) = values.next() else {
@@ -170,18 +201,7 @@ fn item_for(
                     header: h.to_string(),
                 });
             }
-            match k {
-                Some(k) => {
-                    let _ = write!(name, "rl:{{{}}}:{}:", k.tenant, limit.name);
-                    push_value(&mut name, value.as_bytes());
-                }
-                None => {
-                    name.push_str("rl:{h:");
-                    push_value(&mut name, value.as_bytes());
-                    name.push_str("}:");
-                    name.push_str(&limit.name);
-                }
-            }
+            tagged_value(&mut name, k, &limit.name, value.as_bytes());
         }
     }
     Ok(Some(CheckItem::new(

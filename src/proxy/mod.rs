@@ -1,32 +1,30 @@
 //! Forwarding to upstreams: a pooled client, hop-by-hop stripping, `X-Forwarded-*`, and 502/504
 //! for upstreams that refuse, reset or stall.
 
-use std::net::IpAddr;
-use std::time::Duration;
+pub mod body;
+pub mod pool;
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::uri::PathAndQuery;
 use http::{Request, Response, Uri, Version};
 use hyper::body::Incoming;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 
 use crate::identity::{KeySource, X_API_KEY};
-use crate::respond::{Body, Refusal};
+use crate::respond::{Refusal, UpBody};
 use crate::rules::Upstream;
 
 /// Headers that describe one connection, not the message (RFC 9110 7.6.1), so a proxy never
 /// forwards them.
-const HOP_BY_HOP: [&str; 9] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "proxy-authenticate",
-    "proxy-authorization",
+static HOP_BY_HOP: [HeaderName; 9] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
 ];
 
 pub static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -37,7 +35,13 @@ pub static X_TOLLGATE_KEY_ID: HeaderName = HeaderName::from_static("x-tollgate-k
 pub static X_TOLLGATE_TENANT: HeaderName = HeaderName::from_static("x-tollgate-tenant");
 
 /// Removes hop-by-hop headers, including every header the `Connection` header names.
+///
+/// Runs twice per request, so it first looks for any of them in one pass over the names
+/// (comparing known names is cheap) and removes only what it found.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    if !headers.keys().any(|k| HOP_BY_HOP.contains(k)) {
+        return;
+    }
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -48,7 +52,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     for n in named {
         headers.remove(n);
     }
-    for n in HOP_BY_HOP {
+    for n in &HOP_BY_HOP {
         headers.remove(n);
     }
 }
@@ -56,38 +60,23 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 /// What the proxy needs to know about the caller.
 #[derive(Debug, Clone, Copy)]
 pub struct Caller<'a> {
-    /// The TCP peer.
-    pub peer: IpAddr,
+    /// The TCP peer, as a header value.
+    pub peer: &'a HeaderValue,
     /// Whether the peer is a trusted proxy whose `X-Forwarded-*` we keep.
     pub peer_trusted: bool,
     /// `http` or `https`, as the client reached us.
     pub proto: &'static str,
-    /// The authenticated key: (public id, tenant), and where its secret came from.
-    pub key: Option<(&'a str, &'a str, KeySource)>,
+    /// The authenticated key: its id and tenant headers, and where its secret came from.
+    pub key: Option<(&'a HeaderValue, &'a HeaderValue, KeySource)>,
 }
 
-/// The pooled upstream client.
-#[derive(Clone)]
-pub struct Proxy {
-    client: Client<HttpConnector, Body>,
-}
-
-impl Default for Proxy {
-    fn default() -> Self {
-        Proxy::new()
-    }
-}
+/// Forwards requests to upstreams, each over its own keep-alive connections.
+#[derive(Clone, Default)]
+pub struct Proxy;
 
 impl Proxy {
     pub fn new() -> Proxy {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(Duration::from_secs(5)));
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            .pool_max_idle_per_host(256)
-            .build(connector);
-        Proxy { client }
+        Proxy
     }
 
     /// Sends `req` to `up` and returns its response with hop-by-hop headers removed. The
@@ -95,7 +84,7 @@ impl Proxy {
     pub async fn forward(
         &self,
         up: &Upstream,
-        mut req: Request<Body>,
+        mut req: Request<UpBody>,
         caller: Caller<'_>,
     ) -> Result<Response<Incoming>, Refusal> {
         let original_host = req.headers().get(header::HOST).cloned().or_else(|| {
@@ -103,15 +92,21 @@ impl Proxy {
                 .authority()
                 .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
         });
-        let path_and_query = req.uri().path_and_query().map_or("/", |p| p.as_str());
-        let mut target = String::with_capacity(up.path_prefix.len() + path_and_query.len() + 32);
-        target.push_str(up.scheme.as_str());
-        target.push_str("://");
-        target.push_str(up.authority.as_str());
-        target.push_str(&up.path_prefix);
-        target.push_str(path_and_query);
-        *req.uri_mut() = target
-            .parse::<Uri>()
+        let path_and_query = match (up.path_prefix.is_empty(), req.uri().path_and_query()) {
+            (true, Some(pq)) => pq.clone(),
+            (_, pq) => {
+                let pq = pq.map_or("/", |p| p.as_str());
+                let mut joined = String::with_capacity(up.path_prefix.len() + pq.len());
+                joined.push_str(&up.path_prefix);
+                joined.push_str(pq);
+                PathAndQuery::from_maybe_shared(joined)
+                    .map_err(|e| Refusal::BadRequest(format!("request target can't be forwarded: {e}")))?
+            }
+        };
+        // Origin form: the connection already names the upstream, and `Host` says it again.
+        let mut target = http::uri::Parts::default();
+        target.path_and_query = Some(path_and_query);
+        *req.uri_mut() = Uri::from_parts(target)
             .map_err(|e| Refusal::BadRequest(format!("request target can't be forwarded: {e}")))?;
         *req.version_mut() = Version::HTTP_11;
 
@@ -133,15 +128,10 @@ impl Proxy {
                     h.remove(X_API_KEY);
                 }
             }
-            if let Ok(v) = HeaderValue::from_str(id) {
-                h.insert(X_TOLLGATE_KEY_ID.clone(), v);
-            }
-            if let Ok(v) = HeaderValue::from_str(tenant) {
-                h.insert(X_TOLLGATE_TENANT.clone(), v);
-            }
+            h.insert(X_TOLLGATE_KEY_ID.clone(), id.clone());
+            h.insert(X_TOLLGATE_TENANT.clone(), tenant.clone());
         }
-        let peer = HeaderValue::from_str(&caller.peer.to_string())
-            .unwrap_or_else(|_| HeaderValue::from_static("unknown"));
+        let peer = caller.peer.clone();
         let forwarded_for = match (caller.peer_trusted, h.get(&X_FORWARDED_FOR)) {
             (true, Some(prior)) => {
                 let mut v = prior.as_bytes().to_vec();
@@ -160,17 +150,16 @@ impl Proxy {
         {
             h.insert(X_FORWARDED_HOST.clone(), host);
         }
-        if let Ok(v) = HeaderValue::from_str(up.authority.as_str()) {
-            h.insert(header::HOST, v);
-        }
+        h.insert(header::HOST, up.host_header.clone());
 
-        let mut resp = match tokio::time::timeout(up.timeout, self.client.request(req)).await {
+        let mut resp = match tokio::time::timeout(up.timeout, up.pool.send(req)).await {
             Err(_) => return Err(Refusal::GatewayTimeout),
             Ok(Err(e)) => {
-                let what = if e.is_connect() {
-                    format!("upstream {:?} refused the connection", &*up.name)
-                } else {
-                    format!("upstream {:?} closed the connection before answering", &*up.name)
+                let what = match &e {
+                    pool::SendError::Connect(_) => format!("upstream {:?} refused the connection", &*up.name),
+                    pool::SendError::Failed(_) => {
+                        format!("upstream {:?} closed the connection before answering", &*up.name)
+                    }
                 };
                 tracing::debug!(upstream = &*up.name, error = %e, "upstream failed");
                 return Err(Refusal::BadGateway(what));

@@ -32,6 +32,8 @@ pub struct RulesError {
 
 /// The default time an upstream has to send its response headers.
 pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long opening a connection to an upstream may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// The default wait for a place under an upstream's `max_in_flight`.
 pub const DEFAULT_QUEUE_TIMEOUT: Duration = Duration::from_millis(50);
 
@@ -45,6 +47,12 @@ pub struct Upstream {
     pub timeout: Duration,
     pub max_in_flight: Option<u32>,
     pub queue_timeout: Duration,
+    /// Places under `max_in_flight`, shared with the next snapshot when it keeps the cap.
+    pub gate: Option<Arc<tokio::sync::Semaphore>>,
+    /// The `Host` header requests to it carry.
+    pub host_header: HeaderValue,
+    /// Its keep-alive connections, shared with the next snapshot when the address is the same.
+    pub pool: Arc<crate::proxy::pool::ConnPool>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,6 +61,8 @@ pub enum Dimension {
     Route,
     Ip,
     Header(HeaderName),
+    /// A top-level field of a JSON request body.
+    BodyField(String),
 }
 
 impl Dimension {
@@ -62,6 +72,7 @@ impl Dimension {
             Dimension::Route => "route".into(),
             Dimension::Ip => "ip".into(),
             Dimension::Header(h) => format!("header {h}"),
+            Dimension::BodyField(f) => format!("body field {f}"),
         }
     }
 }
@@ -126,6 +137,9 @@ pub struct ApiKey {
     pub numbers: Vec<Option<Numbers>>,
     /// Bucket names of `key` limits, per limit index.
     pub key_buckets: Vec<Option<Prepared>>,
+    /// `X-Tollgate-Key-Id` and `X-Tollgate-Tenant` for the upstream, made once.
+    pub id_header: HeaderValue,
+    pub tenant_header: HeaderValue,
 }
 
 impl ApiKey {
@@ -149,6 +163,8 @@ pub struct Route {
     /// (limit index, cost), in limit order.
     pub costs: Vec<(u16, u64)>,
     pub max_body_bytes: Option<u64>,
+    /// The JSON body field a limit of this route is keyed on, if any.
+    pub body_field: Option<String>,
 }
 
 impl Route {
@@ -181,6 +197,22 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
+    /// Keeps what outlives a reload: the in-flight places of upstreams whose cap did not
+    /// change (so a reload never lets a slow upstream receive twice its cap), and the
+    /// keep-alive connections of upstreams at the same address.
+    pub fn inherit(&mut self, running: &Snapshot) {
+        for u in &mut self.upstreams {
+            if let Some(old) = running.upstreams.iter().find(|o| o.name == u.name) {
+                if old.max_in_flight == u.max_in_flight {
+                    u.gate = old.gate.clone();
+                }
+                if old.pool.authority() == u.pool.authority() {
+                    u.pool = old.pool.clone();
+                }
+            }
+        }
+    }
+
     /// The route for a method and path: the longest matching prefix.
     pub fn route(&self, method: &Method, path: &str) -> Option<usize> {
         self.routes
@@ -249,8 +281,15 @@ impl RulesLoader {
             RulesSource::Embedded { label, bytes } => compile(bytes, label, self.opts)?,
         };
         if let Some(auth) = &self.upstream_override {
+            let host = HeaderValue::from_str(auth.as_str()).map_err(|_| RulesError {
+                file: "(demo upstream)".into(),
+                field: "upstreams".into(),
+                reason: format!("{auth} can't be a Host header"),
+            })?;
             for u in &mut snap.upstreams {
                 u.authority = auth.clone();
+                u.host_header = host.clone();
+                u.pool = Arc::new(crate::proxy::pool::ConnPool::new(auth.clone(), CONNECT_TIMEOUT));
             }
         }
         Ok(snap)
@@ -367,8 +406,15 @@ impl Compiler<'_> {
                 .queue_timeout_ms
                 .map(Duration::from_millis)
                 .unwrap_or(DEFAULT_QUEUE_TIMEOUT);
+            let host_header = HeaderValue::from_str(authority.as_str())
+                .map_err(|_| self.err(format!("{field}.url"), "the host can't be a Host header"))?;
+            let pool = Arc::new(crate::proxy::pool::ConnPool::new(
+                authority.clone(),
+                CONNECT_TIMEOUT,
+            ));
             upstream_index.insert(name.clone(), upstreams.len());
             upstreams.push(Upstream {
+                pool,
                 name: name.as_str().into(),
                 scheme,
                 authority,
@@ -376,6 +422,10 @@ impl Compiler<'_> {
                 timeout,
                 max_in_flight: u.max_in_flight,
                 queue_timeout,
+                gate: u
+                    .max_in_flight
+                    .map(|n| Arc::new(tokio::sync::Semaphore::new(n as usize))),
+                host_header,
             });
         }
 
@@ -395,6 +445,12 @@ impl Compiler<'_> {
                 RawDimension::Named(RawDimensionName::Key) => Dimension::Key,
                 RawDimension::Named(RawDimensionName::Route) => Dimension::Route,
                 RawDimension::Named(RawDimensionName::Ip) => Dimension::Ip,
+                RawDimension::BodyField(b) => {
+                    if b.body_field.is_empty() {
+                        return Err(self.err(format!("{field}.dimension.body_field"), "must not be empty"));
+                    }
+                    Dimension::BodyField(b.body_field.clone())
+                }
                 RawDimension::Header(h) => {
                     Dimension::Header(HeaderName::from_bytes(h.header.as_bytes()).map_err(|_| {
                         self.err(
@@ -542,6 +598,18 @@ impl Compiler<'_> {
                         .then(|| Prepared::new(format!("rl:{{{tenant}}}:{}", l.name)))
                 })
                 .collect();
+            let id_header = HeaderValue::from_str(&k.id).map_err(|_| {
+                self.err(
+                    format!("{field}.id"),
+                    "must be printable ASCII (it is sent upstream)",
+                )
+            })?;
+            let tenant_header = HeaderValue::from_str(&tenant).map_err(|_| {
+                self.err(
+                    format!("{field}.tenant"),
+                    "must be printable ASCII (it is sent upstream)",
+                )
+            })?;
             key_index.insert(hash, keys.len());
             key_ids.insert(k.id.as_str().into(), keys.len());
             keys.push(ApiKey {
@@ -551,6 +619,8 @@ impl Compiler<'_> {
                 hash_prefix: hex::encode(&hash[..4]),
                 numbers,
                 key_buckets,
+                id_header,
+                tenant_header,
             });
         }
 
@@ -638,8 +708,24 @@ impl Compiler<'_> {
                 }
                 costs.push((li as u16, cost));
             }
+            let mut body_fields: Vec<&String> = costs
+                .iter()
+                .filter_map(|&(li, _)| match &limits[li as usize].dimension {
+                    Dimension::BodyField(f) => Some(f),
+                    _ => None,
+                })
+                .collect();
+            body_fields.dedup();
+            if body_fields.len() > 1 {
+                return Err(self.err(
+                    format!("{field}.cost"),
+                    format!("limits keyed on different body fields {body_fields:?}; one route can read one"),
+                ));
+            }
+            let body_field = body_fields.first().map(|f| f.to_string());
             routes.push(Route {
                 name: name.into(),
+                body_field,
                 method,
                 prefix: r.path.clone(),
                 upstream,
@@ -748,6 +834,7 @@ impl Compiler<'_> {
                         Dimension::Key => continue,
                         Dimension::Route | Dimension::Ip => "the client IP".to_string(),
                         Dimension::Header(h) => format!("the {h} header"),
+                        Dimension::BodyField(f) => format!("the body field {f:?}"),
                     };
                     open.entry(tag).or_default().push(&l.name);
                 }

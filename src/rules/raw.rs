@@ -57,10 +57,19 @@ pub struct RawHeaderDimension {
 }
 
 #[derive(Debug, Deserialize, Clone, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct RawBodyFieldDimension {
+    /// One bucket per value of this top-level field of a JSON request body (read at most
+    /// 16 KiB of it), e.g. the account of a login.
+    pub body_field: String,
+}
+
+#[derive(Debug, Deserialize, Clone, PartialEq, Eq)]
 #[serde(untagged)]
 pub enum RawDimension {
     Named(RawDimensionName),
     Header(RawHeaderDimension),
+    BodyField(RawBodyFieldDimension),
 }
 
 #[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq, Default)]

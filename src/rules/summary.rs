@@ -42,6 +42,7 @@ pub fn summary(snap: &Snapshot) -> String {
             Dimension::Route => "per key and route".to_string(),
             Dimension::Ip => "per client IP".to_string(),
             Dimension::Header(h) => format!("per {h} value"),
+            Dimension::BodyField(f) => format!("per body field {f:?}"),
         };
         let _ = writeln!(
             out,

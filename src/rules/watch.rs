@@ -53,8 +53,9 @@ impl Reloader {
                 offered: snap.version,
                 running,
             },
-            Ok(snap) => {
+            Ok(mut snap) => {
                 let to = snap.version;
+                snap.inherit(&self.rules.load());
                 self.rules.store(Arc::new(snap));
                 Reload::Swapped { from: running, to }
             }

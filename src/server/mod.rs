@@ -1,6 +1,7 @@
 //! Accepting connections: TCP or TLS, HTTP/1.1 and HTTP/2 (h2c prior knowledge or ALPN) on one
 //! port, and a graceful drain on shutdown.
 
+pub mod framing;
 pub mod tls;
 
 use std::convert::Infallible;
@@ -19,13 +20,18 @@ use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
 use crate::respond::Body;
+use framing::{Framing, Watched};
 
 /// The connection a request arrived on.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct ConnInfo {
     pub peer: SocketAddr,
     /// `http` or `https`.
     pub proto: &'static str,
+    /// What the framing watcher saw of each request's raw head.
+    pub framing: Arc<Framing>,
+    /// The peer's address as a header value, made once per connection for `X-Forwarded-For`.
+    pub peer_header: http::HeaderValue,
 }
 
 /// Anything that answers requests: the gateway, the admin endpoints, the demo upstream.
@@ -102,10 +108,18 @@ pub async fn run<H: Handler>(
             },
         };
         let _ = tcp.set_nodelay(true);
-        let info = ConnInfo { peer, proto };
+        let framing = Arc::new(Framing::default());
+        let info = ConnInfo {
+            peer,
+            proto,
+            framing: framing.clone(),
+            peer_header: http::HeaderValue::from_str(&crate::identity::canonical(peer.ip()).to_string())
+                .unwrap_or_else(|_| http::HeaderValue::from_static("unknown")),
+        };
         let handler = handler.clone();
         let service = service_fn(move |req| {
             let handler = handler.clone();
+            let info = info.clone();
             async move { Ok::<_, Infallible>(handler.handle(req, info).await) }
         });
         let watcher = graceful.watcher();
@@ -113,7 +127,7 @@ pub async fn run<H: Handler>(
         match &tls {
             None => {
                 tokio::spawn(async move {
-                    let conn = builder.serve_connection(TokioIo::new(tcp), service);
+                    let conn = builder.serve_connection(TokioIo::new(Watched::new(tcp, framing)), service);
                     if let Err(e) = watcher.watch(conn.into_owned()).await {
                         tracing::debug!(%peer, error = %e, "connection ended with an error");
                     }
@@ -134,7 +148,7 @@ pub async fn run<H: Handler>(
                             return;
                         }
                     };
-                    let conn = builder.serve_connection(TokioIo::new(stream), service);
+                    let conn = builder.serve_connection(TokioIo::new(Watched::new(stream, framing)), service);
                     if let Err(e) = watcher.watch(conn.into_owned()).await {
                         tracing::debug!(%peer, error = %e, "connection ended with an error");
                     }

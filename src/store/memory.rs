@@ -142,16 +142,29 @@ impl MemoryStore {
             };
             batch.len()
         ];
-        let charges: SmallVec<[Charge; 4]> = batch.iter().map(|i| i.charge).collect();
         let allowed = if let [item] = batch {
-            let mut shard = lock(&self.shards[shard_of(item.fp)]);
+            // One bucket: one hash lookup, updated in place.
             let fp = Fp::new(item.fp);
-            let mut states = [shard.get(&fp).map(|p| p.unpack())];
-            let allowed = check_all(&charges, &mut states, now, &mut verdicts);
-            if let Some(s) = states[0] {
-                shard.insert(fp, Packed::pack(s));
+            let charges = std::slice::from_ref(&item.charge);
+            let mut shard = lock(&self.shards[shard_of(item.fp)]);
+            match shard.get_mut(&fp) {
+                Some(slot) => {
+                    let mut states = [Some(slot.unpack())];
+                    let allowed = check_all(charges, &mut states, now, &mut verdicts);
+                    if let Some(s) = states[0] {
+                        *slot = Packed::pack(s);
+                    }
+                    allowed
+                }
+                None => {
+                    let mut states = [None];
+                    let allowed = check_all(charges, &mut states, now, &mut verdicts);
+                    if let Some(s) = states[0] {
+                        shard.insert(fp, Packed::pack(s));
+                    }
+                    allowed
+                }
             }
-            allowed
         } else {
             // Lock shards in ascending order so two batches never wait on each other in a cycle.
             let mut idx: SmallVec<[usize; 4]> = batch.iter().map(|i| shard_of(i.fp)).collect();
@@ -169,6 +182,7 @@ impl MemoryStore {
                 .zip(&slots)
                 .map(|(i, &g)| guards[g].1.get(&Fp::new(i.fp)).map(|p| p.unpack()))
                 .collect();
+            let charges: SmallVec<[Charge; 4]> = batch.iter().map(|i| i.charge).collect();
             let allowed = check_all(&charges, &mut states, now, &mut verdicts);
             for ((item, &g), s) in batch.iter().zip(&slots).zip(&states) {
                 if let Some(s) = s {
@@ -195,6 +209,15 @@ impl MemoryStore {
     /// Overwrites one bucket, for tests and tools.
     pub fn put(&self, fp: u64, state: BucketState) {
         lock(&self.shards[shard_of(fp)]).insert(Fp::new(fp), Packed::pack(state));
+    }
+
+    /// Forgets every bucket.
+    pub fn clear(&self) {
+        for shard in self.shards.iter() {
+            let mut s = lock(shard);
+            s.clear();
+            s.shrink_to_fit();
+        }
     }
 
     /// Live buckets.

@@ -4,6 +4,7 @@
 //! runs the same arithmetic inside one Lua script (`lua/check.lua`) on the store's clock. Both pass one conformance suite
 //! (`tests/store_conformance.rs`).
 
+pub mod guard;
 pub mod memory;
 pub mod redis;
 
@@ -135,7 +136,21 @@ pub trait Store: Send + Sync + 'static {
             source: Source::Store,
         }))
     }
+
+    /// Marks this gateway alive in the fleet and returns how many gateways are alive, for
+    /// local shares (r/N). Stores that no other gateway shares return `None`.
+    fn heartbeat<'a>(&'a self, _instance: &'a str) -> BoxFuture<'a, Result<Option<u32>, StoreError>> {
+        Box::pin(std::future::ready(Ok(None)))
+    }
+
+    /// Whether a check can fail at all (a store on the network); only those need a guard.
+    fn remote(&self) -> bool {
+        false
+    }
 }
+
+/// A boxed, sendable future.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// Per-process random keys, so nobody outside can craft two bucket names with one fingerprint.
 static FINGERPRINT: LazyLock<std::collections::hash_map::RandomState> =

@@ -25,7 +25,7 @@ use fred::util::redis_keyslot;
 use smallvec::SmallVec;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
-use super::{CheckFuture, CheckItem, Outcome, Source, Store, StoreError};
+use super::{BoxFuture, CheckFuture, CheckItem, Outcome, Source, Store, StoreError};
 use crate::limit::bucket::BucketVerdict;
 use crate::limit::clock::Clock;
 
@@ -222,6 +222,52 @@ fn as_i64(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
+fn kind_of(target: Target<'_>) -> (&'static str, bool) {
+    match target {
+        Target::Node(_) => ("redis", false),
+        Target::Cluster(_) => ("redis-cluster", true),
+    }
+}
+
+/// The fred client: `fail_fast` makes the first connection's failure an error (start-up) rather
+/// than a reconnect loop (a store that is down at start-up).
+fn build_client(
+    target: Target<'_>,
+    name: &str,
+    fail_fast: bool,
+    connections: usize,
+) -> Result<Pool, ConnectError> {
+    let bad = |reason: String| ConnectError::BadTarget {
+        store: name.to_string(),
+        reason,
+    };
+    let mut config = fred_config(target).map_err(bad)?;
+    config.fail_fast = fail_fast;
+    let policy = if fail_fast {
+        ReconnectPolicy::new_exponential(0, 100, 2_000, 2)
+    } else {
+        ReconnectPolicy::new_constant(0, 500)
+    };
+    Builder::from_config(config)
+        .with_connection_config(|c: &mut ConnectionConfig| {
+            c.connection_timeout = CONNECT_TIMEOUT;
+            c.internal_command_timeout = CONNECT_TIMEOUT;
+            // At most once: a check whose reply was lost may have charged its buckets, so it
+            // is never sent again behind the caller's back.
+            c.max_command_attempts = 1;
+            c.tcp = TcpConfig {
+                nodelay: Some(true),
+                ..TcpConfig::default()
+            };
+        })
+        .with_performance_config(|p: &mut PerformanceConfig| {
+            p.default_command_timeout = COMMAND_TIMEOUT;
+        })
+        .set_policy(policy)
+        .build_pool(connections.max(1))
+        .map_err(|e| bad(e.details().to_string()))
+}
+
 impl RedisStore {
     /// Connects, loads the script and runs it once: start-up fails here, with a message that
     /// names the store, if the store is unreachable, refuses the script, or (on the store's
@@ -240,49 +286,13 @@ impl RedisStore {
         connections: usize,
     ) -> Result<RedisStore, ConnectError> {
         let name = target.to_string();
-        let config = fred_config(target).map_err(|reason| ConnectError::BadTarget {
-            store: name.clone(),
-            reason,
-        })?;
-        let (kind, cluster) = match target {
-            Target::Node(_) => ("redis", false),
-            Target::Cluster(_) => ("redis-cluster", true),
-        };
-        let client = Builder::from_config(config)
-            .with_connection_config(|c: &mut ConnectionConfig| {
-                c.connection_timeout = CONNECT_TIMEOUT;
-                c.internal_command_timeout = CONNECT_TIMEOUT;
-                // At most once: a check whose reply was lost may have charged its buckets, so it
-                // is never sent again behind the caller's back.
-                c.max_command_attempts = 1;
-                c.tcp = TcpConfig {
-                    nodelay: Some(true),
-                    ..TcpConfig::default()
-                };
-            })
-            .with_performance_config(|p: &mut PerformanceConfig| {
-                p.default_command_timeout = COMMAND_TIMEOUT;
-            })
-            .set_policy(ReconnectPolicy::new_exponential(0, 100, 2_000, 2))
-            .build_pool(connections.max(1))
-            .map_err(|e| ConnectError::BadTarget {
-                store: name.clone(),
-                reason: e.details().to_string(),
-            })?;
+        let (kind, cluster) = kind_of(target);
+        let client = build_client(target, &name, true, connections)?;
         client.init().await.map_err(|e| ConnectError::Unreachable {
             store: name.clone(),
             reason: e.details().to_string(),
         })?;
-        let shared = Arc::new(Shared {
-            client,
-            sha: fred::util::sha1_hash(SCRIPT).into(),
-            clock,
-            cluster,
-            name,
-            calls: AtomicU64::new(0),
-            checks: AtomicU64::new(0),
-            permits: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
-        });
+        let shared = Shared::new(client, clock, cluster, name);
         let fail = |e: FredError, shared: &Shared| {
             let (store, reason) = (shared.name.clone(), e.details().to_string());
             match e.kind() {
@@ -308,9 +318,30 @@ impl RedisStore {
             let _ = shared.client.quit().await;
             return Err(fail(e, &shared));
         }
+        Ok(RedisStore::start(shared, kind))
+    }
+
+    /// A store that is down at start-up: the client connects (and reconnects) in the background
+    /// and the script is loaded at the first NOSCRIPT. Meanwhile every call fails, and the
+    /// failure policies decide.
+    pub fn connect_later(
+        target: Target<'_>,
+        clock: Option<Arc<dyn Clock>>,
+    ) -> Result<RedisStore, ConnectError> {
+        let name = target.to_string();
+        let (kind, cluster) = kind_of(target);
+        // Keep trying the first connection as if it had dropped.
+        let client = build_client(target, &name, false, DEFAULT_CONNECTIONS)?;
+        // The connection tasks run on their own; their handle is not needed.
+        drop(client.connect());
+        Ok(RedisStore::start(Shared::new(client, clock, cluster, name), kind))
+    }
+
+    /// Starts the queue's task: needs a tokio runtime.
+    fn start(shared: Arc<Shared>, kind: &'static str) -> RedisStore {
         let (queue, rx) = mpsc::unbounded_channel();
         tokio::spawn(run_queue(shared.clone(), rx));
-        Ok(RedisStore { shared, queue, kind })
+        RedisStore { shared, queue, kind }
     }
 
     /// The script's SHA-1, as sent by `EVALSHA`.
@@ -393,6 +424,19 @@ impl RedisStore {
 }
 
 impl Shared {
+    fn new(client: Pool, clock: Option<Arc<dyn Clock>>, cluster: bool, name: String) -> Arc<Shared> {
+        Arc::new(Shared {
+            client,
+            sha: fred::util::sha1_hash(SCRIPT).into(),
+            clock,
+            cluster,
+            name,
+            calls: AtomicU64::new(0),
+            checks: AtomicU64::new(0),
+            permits: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
+        })
+    }
+
     /// `SCRIPT LOAD` on every primary.
     async fn load(&self) -> Result<(), FredError> {
         self.client.script_load_cluster::<(), _>(SCRIPT).await
@@ -599,7 +643,40 @@ impl Store for RedisStore {
     fn ping(&self) -> CheckFuture<'_> {
         CheckFuture::Boxed(Box::pin(self.check_batch(&[])))
     }
+
+    fn heartbeat<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<Option<u32>, StoreError>> {
+        Box::pin(async move {
+            let n: i64 = self
+                .shared
+                .client
+                .eval(
+                    HEARTBEAT,
+                    vec![Key::from(FLEET_KEY)],
+                    vec![Value::from(instance), Value::Integer(FLEET_WINDOW_MS)],
+                )
+                .await
+                .map_err(|e| store_error(&e))?;
+            Ok(u32::try_from(n).ok().filter(|n| *n > 0))
+        })
+    }
+
+    fn remote(&self) -> bool {
+        true
+    }
 }
+
+/// Who is alive: a sorted set of gateway instances scored by the store's clock (ms), pruned of
+/// those silent for [`FLEET_WINDOW_MS`]. One key, so it works on a cluster too.
+const FLEET_KEY: &str = "tollgate:{fleet}:members";
+const FLEET_WINDOW_MS: i64 = 5_000;
+const HEARTBEAT: &str = r#"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2]))
+redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[2]))
+return redis.call('ZCARD', KEYS[1])
+"#;
 
 #[cfg(test)]
 mod tests {

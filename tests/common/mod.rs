@@ -59,6 +59,9 @@ pub async fn start_gateway_on(
     let (dir, path) = rules_file(rules);
     let mut cfg = GatewayConfig::new(RulesSource::File(path));
     cfg.store = store;
+    // These tests are about what the store decides, not about its timeout: on a loaded
+    // 2-core machine a 3 ms budget would let the failure policy decide now and then.
+    cfg.store_timeout = Duration::from_secs(1);
     cfg.admin_listen = Some(SocketAddr::from(([127, 0, 0, 1], 0)));
     let running = app::start(cfg)
         .await
@@ -198,6 +201,41 @@ pub struct RedisServer {
 impl RedisServer {
     pub fn start() -> RedisServer {
         RedisServer::start_with(&[])
+    }
+
+    /// A server on a given port (one a test reserved and left free on purpose).
+    pub fn start_on(port: u16) -> RedisServer {
+        let bin = require_binary("redis-server");
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = Command::new(&bin)
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .args(["--dir", dir.path().to_str().unwrap()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn redis-server");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if Instant::now() > deadline || matches!(child.try_wait(), Ok(Some(_))) {
+                let _ = child.kill();
+                panic!("redis-server did not start on port {port}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        RedisServer {
+            port,
+            child,
+            _dir: dir,
+        }
     }
 
     pub fn start_with(extra: &[&str]) -> RedisServer {

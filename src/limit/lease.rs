@@ -1,0 +1,376 @@
+//! Leased blocks for hot keys: the store's grant math and the gateway's block holder, pure and
+//! time-injected, so `tollgate replay`, the gateway and its Lua twin (a `lua/lease.lua` to come)
+//! share one definition.
+//!
+//! A key too hot for one store shard (the spec's k-big: 100,000 checks a second) is not asked
+//! once per request. Each gateway leases a *block* of `B` tokens from the shared bucket, spends
+//! it in memory, and asks again only when the block runs low:
+//!
+//! - **Store side** ([`lease`], [`give_back`]): refill the bucket from the *store's* clock
+//!   exactly as a check does ([`crate::limit::bucket::refill`]), then grant a whole block or
+//!   nothing. Partial grants would bring back one store call per request. On nothing, answer
+//!   `denied_until = now + N × B / r`: one block cycle, the time the bucket needs to refill a
+//!   block for every gateway. A give-back adds unused tokens, capped at the burst.
+//! - **Gateway side** ([`Holder`]): spend held tokens (oldest block first, as it expires
+//!   first); refuse locally when they run out, with `Retry-After` from `denied_until`; ask for
+//!   the next block when at most 20% of `B` is left, with at most one lease in flight per
+//!   gateway and key, and never before `denied_until` plus a random 0–50 ms chosen by the
+//!   caller (so twenty denied gateways don't return together). A block expires
+//!   [`BLOCK_TTL_US`] after it was received, timed by the gateway's monotonic clock; its unused
+//!   tokens go back to the store.
+//!
+//! Nothing here does I/O, reads a clock or draws a random number: `now` and the jitter are
+//! arguments. The overshoot is bounded: a gateway holds at most the rest of one block below
+//! 20% plus the next block, so the fleet can spend at most `N × 1.2 × B` tokens beyond what
+//! one central bucket would have admitted. Leasing is for capacity limits above about 500 a
+//! second (rule validation enforces it), never for security limits.
+//!
+//! The Lua twin must keep the same integer arithmetic: tokens in units of `1 / scale`,
+//! microseconds, `denied_until` rounded up to the next microsecond.
+
+use smallvec::SmallVec;
+
+use super::bucket::{BucketParams, BucketState, US_PER_S, refill};
+
+/// A block expires this long after the gateway received it; its unused tokens go back.
+pub const BLOCK_TTL_US: u64 = 10 * US_PER_S;
+
+/// The largest random delay a denied gateway adds to `denied_until`.
+pub const MAX_JITTER_US: u64 = 50_000;
+
+/// The automatic block: about a quarter second of one gateway's share of the rate, and at
+/// least 10 tokens: `max(10, ⌈0.25 s × r / N⌉)`. For k-big (10,000/s, 20 gateways) it is 125.
+pub fn auto_block(p: &BucketParams, gateways: u64) -> u64 {
+    let num = p.rate.tokens as u128 * (US_PER_S as u128 / 4);
+    let den = p.rate.period_us as u128 * gateways.max(1) as u128;
+    (num.div_ceil(den).min(u64::MAX as u128) as u64).max(10)
+}
+
+/// One block cycle, `N × B / r` in microseconds rounded up: how long the bucket takes to
+/// refill one block for every gateway. For k-big it is 250 ms.
+pub fn block_cycle_us(p: &BucketParams, block: u64, gateways: u64) -> u64 {
+    let num = gateways.max(1) as u128 * block as u128 * p.rate.period_us as u128;
+    num.div_ceil(p.rate.tokens as u128).min(u64::MAX as u128) as u64
+}
+
+/// Why a lease configuration can't work.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LeaseError {
+    #[error("a lease block must be at least 1 token")]
+    ZeroBlock,
+    #[error("block {block} is above the burst {burst}: the bucket could never hold a whole block")]
+    BlockAboveBurst { block: u64, burst: u64 },
+}
+
+/// What one leased limit needs, on both sides.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LeaseConfig {
+    /// The shared bucket's numbers.
+    pub params: BucketParams,
+    /// Tokens per block, `B`.
+    pub block: u64,
+    /// Gateways sharing the bucket, `N`.
+    pub gateways: u64,
+}
+
+impl LeaseConfig {
+    pub fn new(params: BucketParams, block: u64, gateways: u64) -> Result<LeaseConfig, LeaseError> {
+        if block == 0 {
+            return Err(LeaseError::ZeroBlock);
+        }
+        if block > params.burst {
+            return Err(LeaseError::BlockAboveBurst {
+                block,
+                burst: params.burst,
+            });
+        }
+        Ok(LeaseConfig {
+            params,
+            block,
+            gateways: gateways.max(1),
+        })
+    }
+
+    /// Whether a holder with `held` tokens should ask for the next block: at or below 20% of
+    /// `B`, compared exactly (`5 × held ≤ B`).
+    #[inline]
+    pub fn is_low(&self, held: u64) -> bool {
+        held.saturating_mul(5) <= self.block
+    }
+}
+
+/// The store's answer to a lease.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Grant {
+    /// A whole block was taken from the bucket.
+    Granted { tokens: u64 },
+    /// The bucket held less than a block; don't ask again before this store time (µs).
+    Denied { until_us: u64 },
+}
+
+/// LEASE, in the store: refill from the store's clock, then take a whole block or nothing.
+/// The refilled state is written back either way, as a check does.
+pub fn lease(cfg: &LeaseConfig, state: &mut Option<BucketState>, now: u64) -> Grant {
+    let p = &cfg.params;
+    let tokens = refill(p, *state, now);
+    let need = p.units(cfg.block);
+    let (left, answer) = if tokens >= need {
+        (tokens - need, Grant::Granted { tokens: cfg.block })
+    } else {
+        let until_us = now.saturating_add(block_cycle_us(p, cfg.block, cfg.gateways));
+        (tokens, Grant::Denied { until_us })
+    };
+    *state = Some(BucketState {
+        tokens: left,
+        ts: now,
+        scale: p.scale,
+    });
+    answer
+}
+
+/// GIVE BACK, in the store: refill to `now`, add `tokens` unused tokens, cap at the burst.
+pub fn give_back(p: &BucketParams, state: &mut Option<BucketState>, tokens: u64, now: u64) {
+    let current = refill(p, *state, now);
+    *state = Some(BucketState {
+        tokens: current.saturating_add(p.units(tokens)).min(p.capacity),
+        ts: now,
+        scale: p.scale,
+    });
+}
+
+/// One block a gateway holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Block {
+    /// Whole tokens left.
+    pub left: u64,
+    /// Gateway-clock time (µs) at which the unused rest goes back.
+    pub expires_at: u64,
+}
+
+/// What [`Holder::spend`] decided.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Spend {
+    /// Paid from held tokens.
+    pub allowed: bool,
+    /// On a local refusal, microseconds until `denied_until` (0 when no denial is pending, so
+    /// `Retry-After` is its minimum of 1 s); `None` when no wait can help (cost above the burst).
+    pub wait_us: Option<u64>,
+    /// Send a LEASE now. The holder has marked it in flight; answer it with
+    /// [`Holder::granted`] or [`Holder::denied`].
+    pub ask: bool,
+}
+
+/// A gateway's tokens of one leased key: the blocks it holds, whether a lease is in flight,
+/// and until when the store said no.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Holder {
+    /// Oldest first. Rarely more than two: the low block and the next one.
+    blocks: SmallVec<[Block; 3]>,
+    in_flight: bool,
+    /// Gateway-clock time before which no LEASE is sent, jitter included.
+    denied_until: u64,
+}
+
+impl Holder {
+    pub fn new() -> Holder {
+        Holder::default()
+    }
+
+    /// Whole tokens held, in every unexpired block.
+    pub fn held(&self) -> u64 {
+        self.blocks.iter().map(|b| b.left).sum()
+    }
+
+    pub fn in_flight(&self) -> bool {
+        self.in_flight
+    }
+
+    pub fn denied_until(&self) -> u64 {
+        self.denied_until
+    }
+
+    /// Drops blocks that expired at or before `now` and returns their unused tokens, which
+    /// the caller gives back to the store (no call needed when it is 0).
+    pub fn expire(&mut self, now: u64) -> u64 {
+        let mut back = 0;
+        self.blocks.retain(|b| {
+            if b.expires_at <= now {
+                back += b.left;
+                false
+            } else {
+                true
+            }
+        });
+        back
+    }
+
+    /// The earliest time a held block expires, if any, for a caller that schedules expiry.
+    pub fn next_expiry(&self) -> Option<u64> {
+        self.blocks.iter().map(|b| b.expires_at).min()
+    }
+
+    /// SPEND: pays `cost` from held tokens or refuses locally, then says whether to ask for
+    /// the next block. Call [`Holder::expire`] first so an expired block is never spent.
+    pub fn spend(&mut self, cfg: &LeaseConfig, now: u64, cost: u64) -> Spend {
+        let held = self.held();
+        let (allowed, wait_us) = if cost > cfg.params.burst {
+            (false, None)
+        } else if held >= cost {
+            let mut due = cost;
+            for b in self.blocks.iter_mut() {
+                let take = due.min(b.left);
+                b.left -= take;
+                due -= take;
+                if due == 0 {
+                    break;
+                }
+            }
+            self.blocks.retain(|b| b.left > 0);
+            (true, Some(0))
+        } else {
+            (false, Some(self.denied_until.saturating_sub(now)))
+        };
+        let ask = !self.in_flight && now >= self.denied_until && cfg.is_low(self.held());
+        if ask {
+            self.in_flight = true;
+        }
+        Spend {
+            allowed,
+            wait_us,
+            ask,
+        }
+    }
+
+    /// The store granted `tokens`; the answer reached the gateway at `now`.
+    pub fn granted(&mut self, now: u64, tokens: u64) {
+        self.in_flight = false;
+        if tokens > 0 {
+            self.blocks.push(Block {
+                left: tokens,
+                expires_at: now.saturating_add(BLOCK_TTL_US),
+            });
+        }
+    }
+
+    /// The store said no until `until_us`; the caller adds a random `jitter_us` in
+    /// `0..=MAX_JITTER_US`. Store time is taken as gateway time: leases are short and the
+    /// jitter dwarfs any skew that matters here.
+    pub fn denied(&mut self, until_us: u64, jitter_us: u64) {
+        self.in_flight = false;
+        self.denied_until = until_us.saturating_add(jitter_us);
+    }
+
+    /// The lease call failed (store down, timeout): nothing granted, ask again on a later
+    /// request.
+    pub fn failed(&mut self) {
+        self.in_flight = false;
+    }
+
+    /// A clean shutdown: returns every unused token for the caller to give back.
+    pub fn drain(&mut self) -> u64 {
+        let back = self.held();
+        self.blocks.clear();
+        back
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limit::bucket::Rate;
+
+    fn kbig() -> LeaseConfig {
+        let p = BucketParams::new(Rate::parse("10000/1s").unwrap(), 20_000).unwrap();
+        LeaseConfig::new(p, auto_block(&p, 20), 20).unwrap()
+    }
+
+    #[test]
+    fn spec_numbers() {
+        let c = kbig();
+        assert_eq!(c.block, 125);
+        assert_eq!(block_cycle_us(&c.params, c.block, 20), 250_000);
+        let small = BucketParams::new(Rate::parse("600/60s").unwrap(), 20).unwrap();
+        assert_eq!(auto_block(&small, 20), 10);
+        assert!(LeaseConfig::new(small, 21, 20).is_err());
+        assert!(LeaseConfig::new(small, 0, 20).is_err());
+        // 20% of 125 is 25: ask at 25 left, not at 26.
+        assert!(c.is_low(25) && !c.is_low(26));
+    }
+
+    #[test]
+    fn whole_block_or_nothing_then_denied_for_one_cycle() {
+        let c = kbig();
+        let mut s = None;
+        for _ in 0..160 {
+            assert_eq!(lease(&c, &mut s, 0), Grant::Granted { tokens: 125 });
+        }
+        assert_eq!(s.unwrap().tokens, 0);
+        // 12.4 ms refill 124 tokens: one short of a block.
+        assert_eq!(lease(&c, &mut s, 12_400), Grant::Denied { until_us: 262_400 });
+        assert_eq!(lease(&c, &mut s, 12_500), Grant::Granted { tokens: 125 });
+        assert_eq!(s.unwrap().tokens, 0);
+    }
+
+    #[test]
+    fn give_back_caps_at_burst() {
+        let c = kbig();
+        let mut s = None;
+        lease(&c, &mut s, 0);
+        give_back(&c.params, &mut s, 100, 1_000);
+        // 19,875 + 10 refilled + 100 back.
+        assert_eq!(s.unwrap().tokens, 19_985 * c.params.scale);
+        give_back(&c.params, &mut s, 125, 2_000);
+        assert_eq!(s.unwrap().tokens, c.params.capacity);
+    }
+
+    #[test]
+    fn holder_spends_asks_once_and_waits_out_a_denial() {
+        let c = kbig();
+        let mut h = Holder::new();
+        // Nothing held: refuse locally, ask at once.
+        let first = h.spend(&c, 0, 1);
+        assert_eq!((first.allowed, first.wait_us, first.ask), (false, Some(0), true));
+        // One lease in flight: no second ask.
+        assert!(!h.spend(&c, 10, 1).ask);
+        h.granted(1_000, 125);
+        for i in 0..99 {
+            let s = h.spend(&c, 1_000 + i, 1);
+            assert!(s.allowed && !s.ask, "spend {i}");
+        }
+        // The 100th leaves 25 = 20%: ask.
+        let s = h.spend(&c, 2_000, 1);
+        assert!(s.allowed && s.ask);
+        h.denied(252_000, 7_000);
+        for _ in 0..25 {
+            assert!(h.spend(&c, 3_000, 1).allowed);
+        }
+        let empty = h.spend(&c, 3_000, 1);
+        assert_eq!(
+            (empty.allowed, empty.wait_us, empty.ask),
+            (false, Some(256_000), false)
+        );
+        assert!(!h.spend(&c, 258_999, 1).ask);
+        assert!(h.spend(&c, 259_000, 1).ask);
+    }
+
+    #[test]
+    fn blocks_expire_and_oldest_is_spent_first() {
+        let c = kbig();
+        let mut h = Holder::new();
+        h.spend(&c, 0, 1);
+        h.granted(0, 125);
+        for _ in 0..110 {
+            h.spend(&c, 1, 1);
+        }
+        h.granted(5, 125);
+        assert_eq!(h.held(), 140);
+        assert!(h.spend(&c, 6, 20).allowed);
+        // The old block (15 left) paid first, then 5 from the new one.
+        assert_eq!(h.held(), 120);
+        assert_eq!(h.next_expiry(), Some(5 + BLOCK_TTL_US));
+        assert_eq!(h.expire(BLOCK_TTL_US + 4), 0);
+        assert_eq!(h.expire(BLOCK_TTL_US + 5), 120);
+        assert_eq!(h.held(), 0);
+        assert_eq!(h.spend(&c, BLOCK_TTL_US + 5, 20_001).wait_us, None);
+    }
+}

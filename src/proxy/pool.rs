@@ -1,0 +1,130 @@
+//! Keep-alive connections to one upstream: HTTP/1.1 connections made with hyper's connection
+//! API and reused most-recent-first.
+//!
+//! hyper-util's pooled client does the same job generically (any scheme and authority, hashed
+//! per request, a checkout future per request); an upstream here is one known address, so its
+//! pool is a short list under a mutex that is held only to push or pop. A connection goes back
+//! on the list as soon as its response head arrives; it is taken again only once it is ready,
+//! which for HTTP/1.1 is when the previous response body has been read.
+
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use http::uri::Authority;
+use http::{Request, Response};
+use hyper::body::Incoming;
+use hyper::client::conn::http1::{self, SendRequest};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+
+use crate::respond::UpBody;
+
+/// Most connections kept per upstream; past it the oldest is closed.
+const MAX_IDLE: usize = 1024;
+
+/// Why a request got no response.
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    #[error("connect: {0}")]
+    Connect(String),
+    #[error("{0}")]
+    Failed(#[from] hyper::Error),
+}
+
+impl std::fmt::Debug for ConnPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnPool")
+            .field("authority", &self.authority)
+            .finish()
+    }
+}
+
+pub struct ConnPool {
+    authority: Authority,
+    connect_timeout: Duration,
+    idle: Mutex<Vec<SendRequest<UpBody>>>,
+}
+
+impl ConnPool {
+    pub fn new(authority: Authority, connect_timeout: Duration) -> ConnPool {
+        ConnPool {
+            authority,
+            connect_timeout,
+            idle: Mutex::new(Vec::new()),
+        }
+    }
+
+    pub fn authority(&self) -> &Authority {
+        &self.authority
+    }
+
+    /// A connection that can take a request now, most recently used first. Closed ones are
+    /// dropped; busy ones (still streaming a body) stay for later.
+    fn take_ready(&self) -> Option<SendRequest<UpBody>> {
+        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut i = idle.len();
+        while i > 0 {
+            i -= 1;
+            if idle[i].is_closed() {
+                idle.swap_remove(i);
+            } else if idle[i].is_ready() {
+                return Some(idle.swap_remove(i));
+            }
+        }
+        None
+    }
+
+    fn put(&self, tx: SendRequest<UpBody>) {
+        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        if idle.len() >= MAX_IDLE {
+            idle.remove(0);
+        }
+        idle.push(tx);
+    }
+
+    async fn connect(&self) -> Result<SendRequest<UpBody>, SendError> {
+        let host = self
+            .authority
+            .host()
+            .trim_start_matches('[')
+            .trim_end_matches(']');
+        let port = self.authority.port_u16().unwrap_or(80);
+        let tcp = tokio::time::timeout(self.connect_timeout, TcpStream::connect((host, port)))
+            .await
+            .map_err(|_| SendError::Connect(format!("no connection within {:?}", self.connect_timeout)))?
+            .map_err(|e| SendError::Connect(e.to_string()))?;
+        let _ = tcp.set_nodelay(true);
+        let (tx, conn) = http1::Builder::new()
+            .handshake(TokioIo::new(tcp))
+            .await
+            .map_err(|e| SendError::Connect(e.to_string()))?;
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "upstream connection ended");
+            }
+        });
+        Ok(tx)
+    }
+
+    /// Sends a request, on a kept connection when one is ready. A kept connection the upstream
+    /// closed meanwhile hands the unsent request back, and it goes to the next one.
+    pub async fn send(&self, mut req: Request<UpBody>) -> Result<Response<Incoming>, SendError> {
+        while let Some(mut tx) = self.take_ready() {
+            match tx.try_send_request(req).await {
+                Ok(resp) => {
+                    self.put(tx);
+                    return Ok(resp);
+                }
+                Err(mut e) => match e.take_message() {
+                    Some(unsent) => req = unsent,
+                    None => return Err(SendError::Failed(e.into_error())),
+                },
+            }
+        }
+        // Boxed: connecting is the rare path, and its future would make every request's larger.
+        let mut tx = Box::pin(self.connect()).await?;
+        let resp = tx.send_request(req).await?;
+        self.put(tx);
+        Ok(resp)
+    }
+}

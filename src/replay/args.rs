@@ -1,0 +1,254 @@
+//! The `tollgate replay` command line, and the command itself: read a trace (or generate one),
+//! replay it, print the table or `--json`, and write `--decisions`.
+
+use std::fs::File;
+use std::io::{self, BufReader, BufWriter, Write};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::{Args, ValueEnum};
+
+use super::report::DecisionWriter;
+use super::trace::{TraceReader, parse_time_us};
+use super::{Algorithm, Design, LimitSpec, Replay, ReplayError, Settings, generate, run_trace, setting};
+use crate::limit::bucket::Rate;
+use crate::rules::{self, CompileOptions};
+
+/// A trace the command can generate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Generated {
+    /// FreshBox's storm on k-7: 48,615 rows from 08:59:00 to 09:02:59.8.
+    Storm,
+    /// Replay H: k-big at 100,000 a second for one minute from 09:10:00 (6,000,000 rows).
+    Hot,
+}
+
+#[derive(Debug, Args)]
+#[command(after_help = "\
+Trace: CSV with a header row. Required columns: time (decimal seconds, up to 6 decimals), key.
+Optional: gateway (0-based; default round-robin over rows), cost (default 1), and method, path, ip
+for --rules (key is then the key id from the rules file, such as k-7, never the secret).
+
+Examples:
+  tollgate replay --generate storm -o storm.csv
+  tollgate replay storm.csv --rate 600/60s --burst 20
+  tollgate replay storm.csv --rate 600/60s --burst 20 --design local --json
+  tollgate replay storm.csv --rate 600/60s --algorithm fixed-window --decisions out.csv
+  tollgate replay exports.csv --rules rules/demo.json
+  tollgate replay --generate hot -o hot.csv
+  tollgate replay hot.csv --rate 10000/1s --burst 20000 --design lease --seed 1 --excess-from 33000.25
+
+Decisions CSV: allowed,retry_after per trace row, in trace order: 1,0 when allowed; 0,N when
+refused with Retry-After N seconds; 0, (empty) when no wait can help (cost above the burst).")]
+pub struct ReplayArgs {
+    /// The trace CSV, or - for standard input.
+    #[arg(required_unless_present = "generate")]
+    pub trace: Option<PathBuf>,
+    /// Replay against this rules file: routes, costs, several limits per request.
+    #[arg(long, conflicts_with_all = ["rate", "burst"])]
+    pub rules: Option<PathBuf>,
+    /// One limit per key: N tokens per period, such as 10/1s, 600/60s or 1/5s.
+    #[arg(long, value_parser = Rate::parse, required_unless_present_any = ["rules", "generate"])]
+    pub rate: Option<Rate>,
+    /// The bucket's burst in tokens (token-bucket and gcra; window algorithms have none).
+    #[arg(long)]
+    pub burst: Option<u64>,
+    /// How the fleet shares the limit.
+    #[arg(long, value_enum, default_value_t)]
+    pub design: Design,
+    /// How the limit counts.
+    #[arg(long, value_enum, default_value_t)]
+    pub algorithm: Algorithm,
+    /// Gateways in the fleet, N (the spec's fleet has 20).
+    #[arg(long, default_value_t = 20)]
+    pub gateways: u64,
+    /// Seed for the lease design's 0–50 ms jitter.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Lease design: the store round trip of a lease call (us, ms or s).
+    #[arg(long, default_value = "1ms", value_parser = parse_micros)]
+    pub lease_rtt: u64,
+    /// Lease design: tokens per block, or "auto" for max(10, ceil(0.25 s x r / N)).
+    #[arg(long, value_parser = parse_block)]
+    pub lease_block: Option<Block>,
+    /// worst_excess counts only intervals that start at or after this time (trace seconds).
+    #[arg(long, value_parser = parse_time)]
+    pub excess_from: Option<u64>,
+    /// Print the summary as JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Write one `allowed,retry_after` row per trace row to this CSV file.
+    #[arg(long)]
+    pub decisions: Option<PathBuf>,
+    /// Write a generated trace instead of replaying one.
+    #[arg(long, value_enum, conflicts_with_all = ["trace", "rules", "rate", "burst", "json", "decisions"])]
+    pub generate: Option<Generated>,
+    /// Where --generate writes (default: standard output).
+    #[arg(short = 'o', long, requires = "generate")]
+    pub output: Option<PathBuf>,
+}
+
+/// A lease block size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Block {
+    Auto,
+    Tokens(u64),
+}
+
+fn parse_block(text: &str) -> Result<Block, String> {
+    if text == "auto" {
+        return Ok(Block::Auto);
+    }
+    match text.parse::<u64>() {
+        Ok(0) | Err(_) => Err(format!(
+            "{text:?}: a block is \"auto\" or a whole number of tokens, 1 or more"
+        )),
+        Ok(n) => Ok(Block::Tokens(n)),
+    }
+}
+
+fn parse_time(text: &str) -> Result<u64, String> {
+    parse_time_us(text.as_bytes())
+}
+
+/// `250us`, `1ms`, `2s`, or `0`.
+pub fn parse_micros(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    if t == "0" {
+        return Ok(0);
+    }
+    let split = t
+        .find(|c: char| !c.is_ascii_digit())
+        .ok_or_else(|| format!("{text:?} needs a unit: us, ms or s"))?;
+    let (n, unit) = t.split_at(split);
+    let n: u64 = n
+        .parse()
+        .map_err(|_| format!("{text:?} must start with a whole number"))?;
+    let mult = match unit {
+        "us" | "µs" => 1,
+        "ms" => 1_000,
+        "s" => 1_000_000,
+        _ => return Err(format!("{text:?}: unknown unit {unit:?} (use us, ms or s)")),
+    };
+    n.checked_mul(mult).ok_or_else(|| format!("{text:?} is too long"))
+}
+
+fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> ReplayError {
+    let what = what.into();
+    move |e| ReplayError::Io {
+        what,
+        reason: e.to_string(),
+    }
+}
+
+/// The settings these arguments describe (the rules file is loaded and compiled here).
+pub fn settings(a: &ReplayArgs) -> Result<Settings, ReplayError> {
+    let limit = match (&a.rules, a.rate) {
+        (Some(path), _) => {
+            let snap = rules::load(path, CompileOptions::default())?;
+            LimitSpec::Rules(Arc::new(snap))
+        }
+        (None, Some(rate)) => LimitSpec::Single { rate, burst: a.burst },
+        (None, None) => {
+            return Err(setting(
+                "--rate",
+                "give --rate N/P (with --burst B), or --rules FILE",
+            ));
+        }
+    };
+    Ok(Settings {
+        limit,
+        design: a.design,
+        algorithm: a.algorithm,
+        gateways: a.gateways,
+        seed: a.seed,
+        lease_rtt_us: a.lease_rtt,
+        lease_block: match a.lease_block {
+            None | Some(Block::Auto) => None,
+            Some(Block::Tokens(n)) => Some(n),
+        },
+        excess_from_us: a.excess_from,
+    })
+}
+
+/// Runs `tollgate replay`.
+pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
+    if let Some(which) = a.generate {
+        if a.gateways == 0 {
+            return Err(setting("--gateways", "must be at least 1"));
+        }
+        let target = a
+            .output
+            .as_ref()
+            .map_or("standard output".to_string(), |p| p.display().to_string());
+        let mut out: Box<dyn Write> = match &a.output {
+            Some(p) => Box::new(BufWriter::with_capacity(
+                1 << 20,
+                File::create(p).map_err(io_err(format!("cannot create {}", p.display())))?,
+            )),
+            None => Box::new(BufWriter::with_capacity(1 << 20, io::stdout().lock())),
+        };
+        let written = match which {
+            Generated::Storm => generate::write_csv(generate::storm(a.gateways).into_iter(), &mut out),
+            Generated::Hot => generate::write_csv(generate::hot(a.gateways), &mut out),
+        };
+        written.map_err(io_err(format!("cannot write {target}")))?;
+        return Ok(());
+    }
+    let settings = settings(a)?;
+    let mut replay = Replay::new(settings)?;
+    let path = a
+        .trace
+        .as_ref()
+        .ok_or_else(|| setting("TRACE", "give a trace file, - for standard input, or --generate"))?;
+    let (input, name, size): (Box<dyn io::BufRead>, String, Option<u64>) = if path.as_os_str() == "-" {
+        (
+            Box::new(BufReader::with_capacity(1 << 20, io::stdin().lock())),
+            "standard input".into(),
+            None,
+        )
+    } else {
+        let f = File::open(path).map_err(io_err(format!("cannot open the trace {}", path.display())))?;
+        let size = f.metadata().ok().map(|m| m.len());
+        (
+            Box::new(BufReader::with_capacity(1 << 20, f)),
+            path.display().to_string(),
+            size,
+        )
+    };
+    let mut reader = TraceReader::new(input, &name)?;
+    let mut decisions = match &a.decisions {
+        Some(p) => {
+            let f = File::create(p).map_err(io_err(format!("cannot create {}", p.display())))?;
+            Some(
+                DecisionWriter::new(BufWriter::with_capacity(1 << 20, f))
+                    .map_err(io_err(format!("cannot write {}", p.display())))?,
+            )
+        }
+        None => None,
+    };
+    let dname = a
+        .decisions
+        .as_ref()
+        .map(|p| p.display().to_string())
+        .unwrap_or_default();
+    run_trace(&mut replay, &mut reader, true, size, &mut |_, v| {
+        if let Some(d) = decisions.as_mut() {
+            d.write(v.allowed, v.retry_after)
+                .map_err(io_err(format!("cannot write {dname}")))?;
+        }
+        Ok(())
+    })?;
+    if let Some(d) = decisions {
+        d.finish().map_err(io_err(format!("cannot write {dname}")))?;
+    }
+    let summary = replay.summary();
+    let mut out = io::stdout().lock();
+    let written = if a.json {
+        writeln!(out, "{}", summary.to_json())
+    } else {
+        summary.write_table(&mut out)
+    };
+    written.map_err(io_err("cannot write to standard output"))?;
+    Ok(())
+}

@@ -1,0 +1,649 @@
+//! `tollgate replay`: drives a recorded or generated trace through the gateway's own limiter
+//! code on a virtual clock, and answers "what would this limit have done?" in exact numbers.
+//!
+//! - [`trace`]: the CSV reader (exact decimal seconds → integer µs, errors naming row/column).
+//! - [`algorithms`]: the token bucket through `MemoryStore::check_at`, and GCRA, fixed window,
+//!   sliding log and sliding counter for comparison.
+//! - [`leased`]: the `lease` design, every gateway running `limit::lease` with a modelled
+//!   store round trip.
+//! - [`rules`]: a real rules file: routes, costs, several limits, all-or-nothing per request.
+//! - [`report`]: per-key statistics, the table, `--json` and `--decisions`.
+//! - [`generate`]: the spec's storm and hot-key traces.
+//! - [`args`]: the command line.
+//!
+//! Nothing here reads a clock: each row's time is the only `now`. Designs: `central` is one
+//! bucket per key for the fleet (one store call per request); `local` gives every gateway its
+//! own full bucket (the spec's L0); `shares` gives each gateway rate r/N and burst
+//! max(1, ⌊b/N⌋); `lease` leases whole blocks from one store bucket.
+
+pub mod algorithms;
+pub mod args;
+pub mod generate;
+pub mod leased;
+pub mod report;
+pub mod rules;
+pub mod trace;
+
+use std::collections::HashMap;
+use std::io::BufRead;
+use std::sync::Arc;
+
+pub use args::ReplayArgs;
+
+use self::algorithms::{Buckets, FixedWindow, Gcra, Metered, SlidingCounter, SlidingLog, Verdict, share};
+use self::leased::LeaseFleet;
+use self::report::{KeyStats, KeySummary, Summary};
+use self::rules::RulesFleet;
+use self::trace::{TraceError, TraceReader, format_time_us, parse_whole};
+use crate::limit::bucket::{BucketParams, Rate};
+use crate::limit::lease::{LeaseConfig, auto_block};
+use crate::rules::{RulesError, Snapshot};
+
+/// How the fleet shares one limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Design {
+    /// One bucket per key for the whole fleet, in the shared store.
+    #[default]
+    Central,
+    /// Each gateway its own bucket with the full rate and burst (the spec's L0).
+    Local,
+    /// Each gateway rate r/N and burst max(1, b/N).
+    Shares,
+    /// Gateways lease whole blocks of tokens from one store bucket (hot keys).
+    Lease,
+}
+
+/// How a limit counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Algorithm {
+    /// The token bucket the gateway enforces.
+    #[default]
+    TokenBucket,
+    /// GCRA: the token bucket's decisions from one stored time.
+    Gcra,
+    /// N per window of P, windows aligned on multiples of P from time 0.
+    FixedWindow,
+    /// At most N admitted in (now − P, now].
+    SlidingLog,
+    /// This window's count plus the previous window's, weighted.
+    SlidingCounter,
+}
+
+impl Design {
+    pub fn name(self) -> &'static str {
+        match self {
+            Design::Central => "central",
+            Design::Local => "local",
+            Design::Shares => "shares",
+            Design::Lease => "lease",
+        }
+    }
+}
+
+impl Algorithm {
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::TokenBucket => "token-bucket",
+            Algorithm::Gcra => "gcra",
+            Algorithm::FixedWindow => "fixed-window",
+            Algorithm::SlidingLog => "sliding-log",
+            Algorithm::SlidingCounter => "sliding-counter",
+        }
+    }
+
+    fn is_window(self) -> bool {
+        matches!(
+            self,
+            Algorithm::FixedWindow | Algorithm::SlidingLog | Algorithm::SlidingCounter
+        )
+    }
+}
+
+/// The limit being replayed.
+#[derive(Clone, Debug)]
+pub enum LimitSpec {
+    /// One limit per key: `--rate N/P` and (for bucket algorithms) `--burst B`.
+    Single { rate: Rate, burst: Option<u64> },
+    /// A compiled rules file.
+    Rules(Arc<Snapshot>),
+}
+
+/// Everything a replay needs besides the trace.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub limit: LimitSpec,
+    pub design: Design,
+    pub algorithm: Algorithm,
+    pub gateways: u64,
+    /// Seeds the lease design's jitter.
+    pub seed: u64,
+    /// Modelled store round trip for lease calls, µs.
+    pub lease_rtt_us: u64,
+    /// Lease block size; `None` for the automatic `max(10, ⌈0.25 s × r / N⌉)`.
+    pub lease_block: Option<u64>,
+    /// Only intervals starting at or after this time count for `worst_excess`.
+    pub excess_from_us: Option<u64>,
+}
+
+impl Settings {
+    /// One limit, central token bucket, 20 gateways (the spec's fleet), seed 1, 1 ms round trip.
+    pub fn single(rate: Rate, burst: Option<u64>) -> Settings {
+        Settings {
+            limit: LimitSpec::Single { rate, burst },
+            design: Design::Central,
+            algorithm: Algorithm::TokenBucket,
+            gateways: 20,
+            seed: 1,
+            lease_rtt_us: 1_000,
+            lease_block: None,
+            excess_from_us: None,
+        }
+    }
+}
+
+/// A problem with one row, before the file and line are known.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("column {column}: {reason}")]
+pub struct RowError {
+    pub column: &'static str,
+    pub reason: String,
+}
+
+impl RowError {
+    pub fn new(column: &'static str, reason: impl Into<String>) -> RowError {
+        RowError {
+            column,
+            reason: reason.into(),
+        }
+    }
+}
+
+/// Why a replay can't run.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReplayError {
+    #[error("{flag}: {reason}")]
+    Setting { flag: &'static str, reason: String },
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+    #[error(transparent)]
+    Rules(#[from] RulesError),
+    #[error("{what}: {reason}")]
+    Io { what: String, reason: String },
+}
+
+fn setting(flag: &'static str, reason: impl Into<String>) -> ReplayError {
+    ReplayError::Setting {
+        flag,
+        reason: reason.into(),
+    }
+}
+
+/// One request of a trace.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Request<'a> {
+    pub time_us: u64,
+    pub key: &'a str,
+    /// 0-based; `None` assigns gateways round-robin over all rows, starting at 0.
+    pub gateway: Option<u64>,
+    /// Tokens; `None` is 1. Must be `None` with `--rules`, whose routes set costs.
+    pub cost: Option<u64>,
+    pub method: Option<&'a [u8]>,
+    pub path: Option<&'a [u8]>,
+    pub ip: Option<&'a [u8]>,
+}
+
+enum Engine {
+    Buckets(Buckets),
+    Gcra(Metered<Gcra>),
+    Fixed(Metered<FixedWindow>),
+    Log(Metered<SlidingLog>),
+    Counter(Metered<SlidingCounter>),
+    // Boxed: one engine per replay, and the others stay small.
+    Lease(Box<LeaseFleet>),
+    Rules(Box<RulesFleet>),
+}
+
+struct KeyEntry {
+    name: Box<str>,
+    stats: KeyStats,
+    /// With `--rules`: the key's index and the limit its excess follows.
+    rules_key: Option<usize>,
+    excess_limit: Option<u16>,
+}
+
+/// A replay in progress: feed it rows in time order with [`Replay::check`].
+pub struct Replay {
+    design: Design,
+    algorithm: Algorithm,
+    gateways: u64,
+    excess_from: u64,
+    limit_text: String,
+    engine: Engine,
+    per_gateway: bool,
+    /// The single limit's rate, for the excess statistic.
+    rate: Option<Rate>,
+    key_ids: HashMap<Box<str>, u32>,
+    keys: Vec<KeyEntry>,
+    rows: u64,
+    first_time: Option<u64>,
+    last_time: Option<u64>,
+    /// Store calls of the central meters and buckets; the lease and rules engines count their own.
+    store_calls: u64,
+}
+
+impl Replay {
+    /// Validates the settings and sets up the engine.
+    pub fn new(s: Settings) -> Result<Replay, ReplayError> {
+        if s.gateways == 0 {
+            return Err(setting("--gateways", "must be at least 1"));
+        }
+        if s.gateways > u32::MAX as u64 {
+            return Err(setting("--gateways", "at most 4294967295"));
+        }
+        if s.lease_block.is_some() && s.design != Design::Lease {
+            return Err(setting(
+                "--lease-block",
+                "only means something with --design lease",
+            ));
+        }
+        let per_gateway = matches!(s.design, Design::Local | Design::Shares);
+        let (engine, rate, limit_text) = match &s.limit {
+            LimitSpec::Rules(snap) => {
+                if s.algorithm != Algorithm::TokenBucket {
+                    return Err(setting(
+                        "--algorithm",
+                        format!(
+                            "--rules replays the gateway's token buckets; {} needs --rate instead",
+                            s.algorithm.name()
+                        ),
+                    ));
+                }
+                if s.design == Design::Lease {
+                    return Err(setting(
+                        "--design",
+                        "lease with --rules is not supported yet; replay the hot key with --rate and --burst",
+                    ));
+                }
+                (
+                    Engine::Rules(Box::new(RulesFleet::new(snap.clone(), s.design, s.gateways))),
+                    None,
+                    format!("rules {}", snap.source),
+                )
+            }
+            LimitSpec::Single { rate, burst } => {
+                let rate = *rate;
+                let text = match burst {
+                    Some(b) => format!("{rate} burst {b}"),
+                    None => format!("{rate}"),
+                };
+                (Self::engine(&s, rate, *burst)?, Some(rate), text)
+            }
+        };
+        Ok(Replay {
+            design: s.design,
+            algorithm: s.algorithm,
+            gateways: s.gateways,
+            excess_from: s.excess_from_us.unwrap_or(0),
+            limit_text,
+            engine,
+            per_gateway,
+            rate,
+            key_ids: HashMap::new(),
+            keys: Vec::new(),
+            rows: 0,
+            first_time: None,
+            last_time: None,
+            store_calls: 0,
+        })
+    }
+
+    fn engine(s: &Settings, rate: Rate, burst: Option<u64>) -> Result<Engine, ReplayError> {
+        let g = s.gateways;
+        if s.algorithm.is_window() {
+            if burst.is_some() {
+                return Err(setting(
+                    "--burst",
+                    format!(
+                        "{} has no burst: its limit is the N of --rate N/P per window of P",
+                        s.algorithm.name()
+                    ),
+                ));
+            }
+            let limit = match s.design {
+                Design::Central | Design::Local => rate.tokens,
+                Design::Shares => (rate.tokens / g).max(1),
+                Design::Lease => {
+                    return Err(setting(
+                        "--design",
+                        "lease works with --algorithm token-bucket only",
+                    ));
+                }
+            };
+            let period = rate.period_us;
+            return Ok(match s.algorithm {
+                Algorithm::FixedWindow => Engine::Fixed(Metered::new(FixedWindow { limit, period })),
+                Algorithm::SlidingLog => Engine::Log(Metered::new(SlidingLog { limit, period })),
+                _ => Engine::Counter(Metered::new(SlidingCounter { limit, period })),
+            });
+        }
+        let Some(burst) = burst else {
+            return Err(setting(
+                "--burst",
+                format!("required with --algorithm {}", s.algorithm.name()),
+            ));
+        };
+        let params = BucketParams::new(rate, burst).map_err(|e| setting("--rate/--burst", e.to_string()))?;
+        let (rate, burst) = match s.design {
+            Design::Shares => share(rate, burst, g),
+            _ => (rate, burst),
+        };
+        let params = match s.design {
+            Design::Shares => BucketParams::new(rate, burst).map_err(|e| {
+                setting(
+                    "--design",
+                    format!(
+                        "a share for {g} gateways (rate {rate}, burst {burst}) can't be computed exactly: {e}"
+                    ),
+                )
+            })?,
+            _ => params,
+        };
+        Ok(match (s.algorithm, s.design) {
+            (Algorithm::Gcra, Design::Lease) => {
+                return Err(setting(
+                    "--design",
+                    "lease works with --algorithm token-bucket only",
+                ));
+            }
+            (Algorithm::Gcra, _) => Engine::Gcra(Metered::new(Gcra::new(rate, burst))),
+            (_, Design::Lease) => {
+                let block = s.lease_block.unwrap_or_else(|| auto_block(&params, g));
+                let cfg = LeaseConfig::new(params, block, g)
+                    .map_err(|e| setting("--lease-block", e.to_string()))?;
+                Engine::Lease(Box::new(LeaseFleet::new(cfg, g, s.lease_rtt_us, s.seed)))
+            }
+            _ => Engine::Buckets(Buckets::new(params)),
+        })
+    }
+
+    /// Whether rows need `method` and `path` (a `--rules` replay).
+    pub fn needs_routes(&self) -> bool {
+        matches!(self.engine, Engine::Rules(_))
+    }
+
+    fn key_index(&mut self, key: &str) -> Result<u32, RowError> {
+        if let Some(&k) = self.key_ids.get(key) {
+            return Ok(k);
+        }
+        let (rules_key, excess) = match &self.engine {
+            Engine::Rules(r) => {
+                let k = r.key(key)?;
+                (Some(k), r.excess_limit(k))
+            }
+            _ => {
+                if key.is_empty() {
+                    return Err(RowError::new("key", "empty; every row needs a key"));
+                }
+                (None, None)
+            }
+        };
+        let rate = match excess {
+            Some((_, r)) => Some(r),
+            None => self.rate,
+        };
+        let idx = self.keys.len() as u32;
+        self.keys.push(KeyEntry {
+            name: key.into(),
+            stats: KeyStats::new(rate, self.excess_from),
+            rules_key,
+            excess_limit: excess.map(|e| e.0),
+        });
+        self.key_ids.insert(key.into(), idx);
+        Ok(idx)
+    }
+
+    /// Decides one row. Rows must come in time order; rows sharing a time keep their order.
+    pub fn check(&mut self, r: &Request) -> Result<Verdict, RowError> {
+        let now = r.time_us;
+        if let Some(last) = self.last_time
+            && now < last
+        {
+            return Err(RowError::new(
+                "time",
+                format!(
+                    "{} is before the previous row's {}; sort the trace by time first (rows sharing a time keep their order)",
+                    format_time_us(now),
+                    format_time_us(last)
+                ),
+            ));
+        }
+        let gw = match r.gateway {
+            Some(g) if g >= self.gateways => {
+                return Err(RowError::new(
+                    "gateway",
+                    format!(
+                        "{g} is not a gateway of this fleet: indexes are 0 to {} with --gateways {}",
+                        self.gateways - 1,
+                        self.gateways
+                    ),
+                ));
+            }
+            Some(g) => g,
+            None => self.rows % self.gateways,
+        };
+        let k = self.key_index(r.key)?;
+        let cost = match (r.cost, &self.engine) {
+            (Some(_), Engine::Rules(_)) => {
+                return Err(RowError::new(
+                    "cost",
+                    "with --rules the routes set every cost; drop the cost column",
+                ));
+            }
+            (Some(0), _) => return Err(RowError::new("cost", "must be at least 1")),
+            (Some(c), _) => c,
+            (None, _) => 1,
+        };
+        let instance = if self.per_gateway {
+            k as usize * self.gateways as usize + gw as usize
+        } else {
+            k as usize
+        };
+        let central = self.design == Design::Central;
+        let entry = &self.keys[k as usize];
+        let (verdict, tokens) = match &mut self.engine {
+            Engine::Buckets(b) => {
+                let name = &entry.name;
+                let per_gateway = self.per_gateway;
+                let v = b.check(
+                    instance,
+                    || {
+                        if per_gateway {
+                            format!("rl:{{{name}}}:g{gw}")
+                        } else {
+                            format!("rl:{{{name}}}")
+                        }
+                    },
+                    now,
+                    cost,
+                );
+                (v, cost)
+            }
+            Engine::Gcra(m) => (m.check(instance, now, cost), cost),
+            Engine::Fixed(m) => (m.check(instance, now, cost), cost),
+            Engine::Log(m) => (m.check(instance, now, cost), cost),
+            Engine::Counter(m) => (m.check(instance, now, cost), cost),
+            Engine::Lease(l) => (l.check(k, gw as u32, now, cost), cost),
+            Engine::Rules(f) => {
+                let (Some(method), Some(path)) = (r.method, r.path) else {
+                    return Err(RowError::new(
+                        "method",
+                        "a --rules replay needs method and path on every row",
+                    ));
+                };
+                let key = entry.rules_key.unwrap_or(0);
+                let paid = f.check(key, method, path, r.ip, gw, now, entry.excess_limit)?;
+                (paid.verdict, paid.tokens)
+            }
+        };
+        if central && !matches!(self.engine, Engine::Rules(_) | Engine::Lease(_)) {
+            self.store_calls += 1;
+        }
+        self.rows += 1;
+        self.first_time.get_or_insert(now);
+        self.last_time = Some(now);
+        self.keys[k as usize].stats.record(now, verdict.allowed, tokens);
+        Ok(verdict)
+    }
+
+    /// The summary so far.
+    pub fn summary(&self) -> Summary {
+        let mut keys = std::collections::BTreeMap::new();
+        let (mut admitted, mut refused) = (0, 0);
+        for (i, e) in self.keys.iter().enumerate() {
+            admitted += e.stats.admitted;
+            refused += e.stats.refused;
+            let (held, bucket) = match &self.engine {
+                Engine::Lease(l) => (
+                    Some(l.held(i as u32)),
+                    Some(l.bucket_tokens(i as u32, self.last_time.unwrap_or(0))),
+                ),
+                _ => (None, None),
+            };
+            keys.insert(
+                e.name.to_string(),
+                KeySummary {
+                    requests: e.stats.requests,
+                    admitted: e.stats.admitted,
+                    refused: e.stats.refused,
+                    max_admitted_1s: e.stats.one_s.max(),
+                    max_admitted_60s: e.stats.sixty_s.max(),
+                    worst_excess: e.stats.excess.as_ref().and_then(|x| x.value()),
+                    held_at_end: held,
+                    bucket_at_end: bucket,
+                },
+            );
+        }
+        let (store_calls, grants, denials) = match &self.engine {
+            Engine::Lease(l) => (l.store_calls, Some(l.grants), Some(l.denials)),
+            Engine::Rules(r) => (r.store_calls, None, None),
+            _ => (self.store_calls, None, None),
+        };
+        Summary {
+            requests: self.rows,
+            admitted,
+            refused,
+            store_calls,
+            keys,
+            design: self.design.name().into(),
+            algorithm: self.algorithm.name().into(),
+            limit: self.limit_text.clone(),
+            gateways: self.gateways,
+            first_us: self.first_time,
+            last_us: self.last_time,
+            lease_grants: grants,
+            lease_denials: denials,
+        }
+    }
+
+    /// Lease design: the fleet, for tools and tests that look inside.
+    pub fn lease_fleet(&self) -> Option<&LeaseFleet> {
+        match &self.engine {
+            Engine::Lease(l) => Some(l),
+            _ => None,
+        }
+    }
+
+    /// Central sliding log: what the key's log holds at `now`, without changing it.
+    pub fn sliding_log_len(&self, key: &str, now: u64) -> Option<u64> {
+        let k = *self.key_ids.get(key)? as usize;
+        match &self.engine {
+            Engine::Log(m) if !self.per_gateway => m.state(k).map(|s| s.len_at(now, m.meter.period)),
+            _ => None,
+        }
+    }
+}
+
+/// How often a long replay reports progress on stderr.
+pub const PROGRESS_EVERY: u64 = 1_000_000;
+
+/// Replays every row of a trace; `on_row` gets each row's time and verdict in trace order.
+/// With `total_bytes` known, progress lines on stderr show a percentage; they start after a
+/// million rows, and only when `progress` is set.
+pub fn run_trace<R: BufRead>(
+    replay: &mut Replay,
+    reader: &mut TraceReader<R>,
+    progress: bool,
+    total_bytes: Option<u64>,
+    on_row: &mut dyn FnMut(u64, Verdict) -> Result<(), ReplayError>,
+) -> Result<u64, ReplayError> {
+    let cols = reader.columns().clone();
+    if replay.needs_routes() {
+        for (name, c) in [("method", cols.method), ("path", cols.path)] {
+            if c.is_none() {
+                return Err(TraceError::Header {
+                    file: reader.file().to_string(),
+                    reason: format!(
+                        "a --rules replay needs a {name:?} column (and method, path, optionally ip)"
+                    ),
+                }
+                .into());
+            }
+        }
+        if cols.cost.is_some() {
+            return Err(TraceError::Header {
+                file: reader.file().to_string(),
+                reason: "with --rules the routes set every cost; drop the cost column".into(),
+            }
+            .into());
+        }
+    }
+    let mut rows = 0u64;
+    loop {
+        let parsed: Result<Option<(u64, Verdict)>, RowError> = {
+            let Some(row) = reader.next_row()? else { break };
+            (|| {
+                let time_us = trace::parse_time_us(row.time).map_err(|e| RowError::new("time", e))?;
+                let key = std::str::from_utf8(row.key).map_err(|_| RowError::new("key", "not UTF-8"))?;
+                let gateway = row
+                    .gateway
+                    .map(|g| parse_whole(g, "a 0-based gateway index"))
+                    .transpose()
+                    .map_err(|e| RowError::new("gateway", e))?;
+                let cost = row
+                    .cost
+                    .map(|c| parse_whole(c, "the tokens this request costs"))
+                    .transpose()
+                    .map_err(|e| RowError::new("cost", e))?;
+                let req = Request {
+                    time_us,
+                    key,
+                    gateway,
+                    cost,
+                    method: row.method,
+                    path: row.path,
+                    ip: row.ip,
+                };
+                let v = replay.check(&req)?;
+                Ok(Some((time_us, v)))
+            })()
+        };
+        let (time_us, verdict) = match parsed {
+            Ok(Some(x)) => x,
+            Ok(None) => break,
+            Err(e) => return Err(reader.field_error(e).into()),
+        };
+        on_row(time_us, verdict)?;
+        rows += 1;
+        if progress && rows % PROGRESS_EVERY == 0 {
+            match total_bytes {
+                Some(t) if t > 0 => eprintln!(
+                    "replay: {} rows ({:.0}%)",
+                    report::group(rows),
+                    reader.bytes_read() as f64 * 100.0 / t as f64
+                ),
+                _ => eprintln!("replay: {} rows", report::group(rows)),
+            }
+        }
+    }
+    Ok(rows)
+}

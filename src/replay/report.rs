@@ -1,0 +1,343 @@
+//! What a replay reports: per-key counts, the busiest 1 s and 60 s, the worst excess over the
+//! rate, and the outputs built from them (the human table, `--json`, `--decisions` CSV).
+//!
+//! Busiest windows are sliding and half-open, `[s, s + w)`, over every start `s`; the worst
+//! excess is the supremum of `admitted − r·t` over every interval, computed exactly in units
+//! of `1 / P` token and in one pass.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::io::{self, Write};
+
+use serde::Serialize;
+
+use crate::limit::bucket::{Rate, US_PER_S};
+
+/// The most requests admitted in any window `[s, s + w)`, kept online with the admission
+/// times of the last `w`.
+#[derive(Clone, Debug)]
+pub struct BusiestWindow {
+    width: u64,
+    times: VecDeque<u64>,
+    max: u64,
+}
+
+impl BusiestWindow {
+    pub fn new(width: u64) -> BusiestWindow {
+        BusiestWindow {
+            width,
+            times: VecDeque::new(),
+            max: 0,
+        }
+    }
+
+    /// Every set of admissions in `(t − w, t]` fits one half-open window of width `w`, and
+    /// every window's admissions are such a set for its last admission `t`.
+    #[inline]
+    pub fn admit(&mut self, t: u64) {
+        while self.times.front().is_some_and(|&f| f + self.width <= t) {
+            self.times.pop_front();
+        }
+        self.times.push_back(t);
+        self.max = self.max.max(self.times.len() as u64);
+    }
+
+    pub fn max(&self) -> u64 {
+        self.max
+    }
+}
+
+/// The supremum over intervals `[s, e)` of tokens admitted minus `r·(e − s)`, for intervals
+/// starting at or after `from`. The supremum is approached by intervals from one admission
+/// `t_i` to just past another `t_j`: `(C_j − C_{i−1}) − r·(t_j − t_i)`. Scaled by the rate's
+/// period `P` (µs), with `r = N / P`, every term is an integer.
+#[derive(Clone, Debug)]
+pub struct Excess {
+    tokens: i128,
+    period: i128,
+    from: u64,
+    /// Tokens admitted so far.
+    cum: i128,
+    /// max over admissions i (at or after `from`) of `N·t_i − P·C_{i−1}`.
+    best_start: Option<i128>,
+    best: Option<i128>,
+}
+
+impl Excess {
+    pub fn new(rate: Rate, from: u64) -> Excess {
+        Excess {
+            tokens: rate.tokens as i128,
+            period: rate.period_us as i128,
+            from,
+            cum: 0,
+            best_start: None,
+            best: None,
+        }
+    }
+
+    #[inline]
+    pub fn admit(&mut self, t: u64, tokens: u64) {
+        if tokens == 0 {
+            return;
+        }
+        let nt = self.tokens * t as i128;
+        if t >= self.from {
+            let start = nt - self.period * self.cum;
+            self.best_start = Some(self.best_start.map_or(start, |b| b.max(start)));
+        }
+        self.cum += tokens as i128;
+        if let Some(s) = self.best_start {
+            let e = self.period * self.cum - nt + s;
+            self.best = Some(self.best.map_or(e, |b| b.max(e)));
+        }
+    }
+
+    /// In tokens; `None` when no interval qualified.
+    pub fn value(&self) -> Option<f64> {
+        self.best.map(|b| b as f64 / self.period as f64)
+    }
+}
+
+/// Everything counted for one key.
+#[derive(Clone, Debug)]
+pub struct KeyStats {
+    pub requests: u64,
+    pub admitted: u64,
+    pub refused: u64,
+    pub one_s: BusiestWindow,
+    pub sixty_s: BusiestWindow,
+    pub excess: Option<Excess>,
+}
+
+impl KeyStats {
+    pub fn new(rate: Option<Rate>, excess_from: u64) -> KeyStats {
+        KeyStats {
+            requests: 0,
+            admitted: 0,
+            refused: 0,
+            one_s: BusiestWindow::new(US_PER_S),
+            sixty_s: BusiestWindow::new(60 * US_PER_S),
+            excess: rate.map(|r| Excess::new(r, excess_from)),
+        }
+    }
+
+    #[inline]
+    pub fn record(&mut self, t: u64, allowed: bool, tokens: u64) {
+        self.requests += 1;
+        if allowed {
+            self.admitted += 1;
+            self.one_s.admit(t);
+            self.sixty_s.admit(t);
+            if let Some(e) = &mut self.excess {
+                e.admit(t, tokens);
+            }
+        } else {
+            self.refused += 1;
+        }
+    }
+}
+
+/// One key in the summary.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct KeySummary {
+    pub requests: u64,
+    pub admitted: u64,
+    pub refused: u64,
+    pub max_admitted_1s: u64,
+    pub max_admitted_60s: u64,
+    /// Tokens; `null` when the key has no rate to compare with or admitted nothing.
+    pub worst_excess: Option<f64>,
+    /// Lease design: tokens the gateways hold at the last row's time.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub held_at_end: Option<u64>,
+    /// Lease design: tokens in the store's bucket at the last row's time.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bucket_at_end: Option<u64>,
+}
+
+/// The whole replay, as `--json` prints it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Summary {
+    pub requests: u64,
+    pub admitted: u64,
+    pub refused: u64,
+    /// Calls to the shared store: one per checked request for `central`, none for `local`
+    /// and `shares` (in-process buckets), leases and give-backs for `lease`.
+    pub store_calls: u64,
+    pub keys: BTreeMap<String, KeySummary>,
+    pub design: String,
+    pub algorithm: String,
+    pub limit: String,
+    pub gateways: u64,
+    /// Time of the first and last row, µs.
+    pub first_us: Option<u64>,
+    pub last_us: Option<u64>,
+    /// Lease design: LEASE answers that granted a block, and that granted nothing.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lease_grants: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lease_denials: Option<u64>,
+}
+
+impl Summary {
+    /// Store calls per second of trace time.
+    pub fn store_calls_per_s(&self) -> Option<f64> {
+        let (a, b) = (self.first_us?, self.last_us?);
+        (b > a).then(|| self.store_calls as f64 * US_PER_S as f64 / (b - a) as f64)
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
+    }
+
+    /// The human table.
+    pub fn write_table(&self, out: &mut impl Write) -> io::Result<()> {
+        writeln!(
+            out,
+            "replay: design {}, algorithm {}, limit {}, {} gateways",
+            self.design, self.algorithm, self.limit, self.gateways
+        )?;
+        write!(
+            out,
+            "rows {}  admitted {}  refused {}  store calls {}",
+            group(self.requests),
+            group(self.admitted),
+            group(self.refused),
+            group(self.store_calls)
+        )?;
+        if let Some(per_s) = self.store_calls_per_s() {
+            write!(out, " ({per_s:.1}/s")?;
+            if self.admitted > 0 {
+                write!(
+                    out,
+                    ", {:.4} per admitted",
+                    self.store_calls as f64 / self.admitted as f64
+                )?;
+            }
+            write!(out, ")")?;
+        }
+        writeln!(out)?;
+        if let (Some(g), Some(d)) = (self.lease_grants, self.lease_denials) {
+            writeln!(out, "leases granted {}  denied {}", group(g), group(d))?;
+        }
+        writeln!(out)?;
+        let width = self.keys.keys().map(|k| k.len()).max().unwrap_or(3).max(3);
+        let leased = self.keys.values().any(|k| k.held_at_end.is_some());
+        write!(
+            out,
+            "{:<width$}  {:>12}  {:>12}  {:>12}  {:>8}  {:>9}  {:>12}",
+            "key", "requests", "admitted", "refused", "max 1s", "max 60s", "worst excess"
+        )?;
+        if leased {
+            write!(out, "  {:>13}  {:>13}", "held at end", "bucket at end")?;
+        }
+        writeln!(out)?;
+        for (name, k) in &self.keys {
+            let excess = k.worst_excess.map_or("-".to_string(), |e| format!("{e:.3}"));
+            write!(
+                out,
+                "{:<width$}  {:>12}  {:>12}  {:>12}  {:>8}  {:>9}  {:>12}",
+                name,
+                group(k.requests),
+                group(k.admitted),
+                group(k.refused),
+                group(k.max_admitted_1s),
+                group(k.max_admitted_60s),
+                excess
+            )?;
+            if leased {
+                write!(
+                    out,
+                    "  {:>13}  {:>13}",
+                    k.held_at_end.map_or("-".into(), group),
+                    k.bucket_at_end.map_or("-".into(), group)
+                )?;
+            }
+            writeln!(out)?;
+        }
+        Ok(())
+    }
+}
+
+/// `48615` → `48,615`.
+pub fn group(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::with_capacity(s.len() + s.len() / 3);
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// Writes `allowed,retry_after` rows: `1,0` when allowed, `0,N` when refused, `0,` when no
+/// wait can help.
+pub struct DecisionWriter<W: Write> {
+    out: W,
+}
+
+impl<W: Write> DecisionWriter<W> {
+    pub fn new(mut out: W) -> io::Result<DecisionWriter<W>> {
+        out.write_all(b"allowed,retry_after\n")?;
+        Ok(DecisionWriter { out })
+    }
+
+    #[inline]
+    pub fn write(&mut self, allowed: bool, retry_after: Option<u64>) -> io::Result<()> {
+        if allowed {
+            return self.out.write_all(b"1,0\n");
+        }
+        match retry_after {
+            None => self.out.write_all(b"0,\n"),
+            Some(s) => {
+                let mut buf = itoa::Buffer::new();
+                self.out.write_all(b"0,")?;
+                self.out.write_all(buf.format(s).as_bytes())?;
+                self.out.write_all(b"\n")
+            }
+        }
+    }
+
+    pub fn finish(mut self) -> io::Result<W> {
+        self.out.flush()?;
+        Ok(self.out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn busiest_window_is_half_open() {
+        let mut w = BusiestWindow::new(1_000_000);
+        for t in [0, 500_000, 999_999, 1_000_000] {
+            w.admit(t);
+        }
+        // [0, 1 s) holds three; the one at exactly 1 s starts the next window.
+        assert_eq!(w.max(), 3);
+    }
+
+    #[test]
+    fn excess_is_exact() {
+        // 10/s: 20 at once then one every 100 ms: the worst is the burst, 20 − 0.
+        let rate = Rate::parse("10/1s").unwrap();
+        let mut e = Excess::new(rate, 0);
+        for _ in 0..20 {
+            e.admit(1_000_000, 1);
+        }
+        for i in 1..=50 {
+            e.admit(1_000_000 + i * 100_000, 1);
+        }
+        assert_eq!(e.value(), Some(20.0));
+        // Intervals starting after the burst: one token, no interval longer gains.
+        let mut late = Excess::new(rate, 1_000_001);
+        for i in 0..=50 {
+            late.admit(1_000_000 + i * 100_000, 1);
+        }
+        assert_eq!(late.value(), Some(1.0));
+        assert_eq!(group(1_234_567), "1,234,567");
+        assert_eq!(group(12), "12");
+    }
+}

@@ -1,0 +1,226 @@
+//! Replays a trace against a real rules file: route match, the key's limits, `limit::plan`'s
+//! batch and one all-or-nothing `MemoryStore::check_at` per row, read by `limit::decision`,
+//! the same path a request takes through the gateway.
+//!
+//! Under `local` and `shares` every bucket of the batch is renamed per gateway (and, for
+//! shares, given rate r/N and burst max(1, b/N)), so each gateway keeps its own copy of every
+//! limit, as a fleet without a shared store would.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::Arc;
+
+use http::{HeaderMap, Method};
+
+use super::algorithms::{Verdict, share};
+use super::{Design, RowError};
+use crate::limit::bucket::{BucketParams, Rate};
+use crate::limit::clock::ManualClock;
+use crate::limit::decision::decide;
+use crate::limit::plan;
+use crate::rules::{Dimension, Snapshot};
+use crate::store::fingerprint;
+use crate::store::memory::MemoryStore;
+
+pub struct RulesFleet {
+    snap: Arc<Snapshot>,
+    store: MemoryStore,
+    design: Design,
+    gateways: u64,
+    headers: HeaderMap,
+    /// Per-gateway bucket names: (fingerprint, gateway) → (name, fingerprint).
+    renamed: HashMap<(u64, u64), (Arc<str>, u64)>,
+    shares: HashMap<BucketParams, BucketParams>,
+    pub store_calls: u64,
+}
+
+/// What one row paid: the verdict, and the tokens it paid into its key's rate limit (for
+/// the excess statistic; 0 when refused or when the route doesn't charge that limit).
+pub struct Paid {
+    pub verdict: Verdict,
+    pub tokens: u64,
+}
+
+impl RulesFleet {
+    pub fn new(snap: Arc<Snapshot>, design: Design, gateways: u64) -> RulesFleet {
+        RulesFleet {
+            snap,
+            store: MemoryStore::new(ManualClock::new(0)),
+            design,
+            gateways,
+            headers: HeaderMap::new(),
+            renamed: HashMap::new(),
+            shares: HashMap::new(),
+            store_calls: 0,
+        }
+    }
+
+    pub fn snapshot(&self) -> &Arc<Snapshot> {
+        &self.snap
+    }
+
+    /// The key's id to its index in the rules, or an error listing the known ids.
+    pub fn key(&self, id: &str) -> Result<usize, RowError> {
+        if id.is_empty() {
+            return Err(RowError::new(
+                "key",
+                "empty; with --rules every row needs the key id from the rules file (rows without a key are not replayed)",
+            ));
+        }
+        self.snap.key_by_id(id).ok_or_else(|| {
+            let known: Vec<&str> = self.snap.keys.iter().map(|k| &*k.id).collect();
+            RowError::new(
+                "key",
+                format!(
+                    "unknown key id {id:?}; the rules file {} knows {} (use the id, never the secret)",
+                    self.snap.source,
+                    known.join(", ")
+                ),
+            )
+        })
+    }
+
+    /// The limit and rate that the excess statistic of a key follows: its first enforced
+    /// key-dimension limit (the plan, in the demo rules).
+    pub fn excess_limit(&self, key: usize) -> Option<(u16, Rate)> {
+        let k = &self.snap.keys[key];
+        self.snap.limits.iter().enumerate().find_map(|(i, l)| {
+            if l.dimension != Dimension::Key || l.shadow() {
+                return None;
+            }
+            k.numbers(l, i).map(|n| (i as u16, n.params.rate))
+        })
+    }
+
+    fn shared(&mut self, p: BucketParams) -> Result<BucketParams, RowError> {
+        if let Some(s) = self.shares.get(&p) {
+            return Ok(*s);
+        }
+        let (rate, burst) = share(p.rate, p.burst, self.gateways);
+        let s = BucketParams::new(rate, burst).map_err(|e| {
+            RowError::new(
+                "key",
+                format!(
+                    "a share of {} burst {} for {} gateways can't be computed exactly: {e}",
+                    p.rate, p.burst, self.gateways
+                ),
+            )
+        })?;
+        self.shares.insert(p, s);
+        Ok(s)
+    }
+
+    /// Checks one row. `excess_limit` is the limit whose tokens are reported back.
+    #[allow(clippy::too_many_arguments)]
+    pub fn check(
+        &mut self,
+        key: usize,
+        method: &[u8],
+        path: &[u8],
+        ip: Option<&[u8]>,
+        gw: u64,
+        now: u64,
+        excess_limit: Option<u16>,
+    ) -> Result<Paid, RowError> {
+        let method = Method::from_bytes(method).map_err(|_| {
+            RowError::new(
+                "method",
+                format!("{:?} is not an HTTP method", String::from_utf8_lossy(method)),
+            )
+        })?;
+        let path = std::str::from_utf8(path).map_err(|_| RowError::new("path", "not UTF-8"))?;
+        if !path.starts_with('/') {
+            return Err(RowError::new("path", format!("{path:?} must start with '/'")));
+        }
+        let snap = self.snap.clone();
+        let Some(ri) = snap.route(&method, path) else {
+            return Err(RowError::new(
+                "path",
+                format!(
+                    "no route of {} matches {method} {path}; the gateway would answer 404 without a limit check, so drop such rows",
+                    snap.source
+                ),
+            ));
+        };
+        let route = &snap.routes[ri];
+        let ip: IpAddr = match ip {
+            Some(text) => {
+                let t = std::str::from_utf8(text).unwrap_or("");
+                t.parse().map_err(|_| {
+                    RowError::new(
+                        "ip",
+                        format!("{:?} is not an IP address", String::from_utf8_lossy(text)),
+                    )
+                })?
+            }
+            None => {
+                if let Some(&(li, _)) = route
+                    .costs
+                    .iter()
+                    .find(|(li, _)| snap.limits[*li as usize].dimension == Dimension::Ip)
+                {
+                    return Err(RowError::new(
+                        "ip",
+                        format!(
+                            "route {:?} charges the per-IP limit {:?}, but the trace has no ip column",
+                            route.name, snap.limits[li as usize].name
+                        ),
+                    ));
+                }
+                // Never read: with a key, only per-IP limits use the address.
+                IpAddr::V4(Ipv4Addr::UNSPECIFIED)
+            }
+        };
+        let mut batch = plan::build(&snap, route, Some(key), ip, &self.headers, None).map_err(|e| {
+            RowError::new(
+                "path",
+                format!("route {:?}: {e} (traces carry no headers)", route.name),
+            )
+        })?;
+        if batch.is_empty() {
+            return Ok(Paid {
+                verdict: Verdict::ALLOW,
+                tokens: 0,
+            });
+        }
+        match self.design {
+            Design::Central => self.store_calls += 1,
+            Design::Local | Design::Shares => {
+                for item in batch.iter_mut() {
+                    let (name, fp) = self
+                        .renamed
+                        .entry((item.fp, gw))
+                        .or_insert_with(|| {
+                            let name: Arc<str> = format!("{}:g{gw}", item.key).into();
+                            let fp = fingerprint(&name);
+                            (name, fp)
+                        })
+                        .clone();
+                    item.key = name;
+                    item.fp = fp;
+                    if self.design == Design::Shares {
+                        item.charge.params = self.shared(item.charge.params)?;
+                    }
+                }
+            }
+            Design::Lease => unreachable!("rejected when the replay is set up"),
+        }
+        let outcome = self.store.check_at(&batch, now);
+        let tokens = if outcome.allowed {
+            excess_limit
+                .and_then(|li| batch.iter().find(|i| i.limit == li))
+                .map_or(0, |i| i.charge.cost)
+        } else {
+            0
+        };
+        let verdict = if outcome.allowed {
+            Verdict::ALLOW
+        } else {
+            Verdict {
+                allowed: false,
+                retry_after: decide(&batch, &outcome).retry_after,
+            }
+        };
+        Ok(Paid { verdict, tokens })
+    }
+}

@@ -1,0 +1,351 @@
+//! A watch on the raw HTTP/1 bytes of a connection, for the two smuggling shapes the HTTP
+//! parser resolves silently: a request with both `Content-Length` and `Transfer-Encoding`
+//! (the parser drops the length and uses the encoding) and a repeated, equal `Content-Length`
+//! (the parser keeps one). Both mean a front proxy may have framed the request differently, so
+//! the gateway refuses them with 400 instead of forwarding.
+//!
+//! The watcher follows message boundaries as the bytes stream past (heads, fixed-length and
+//! chunked bodies) without copying bodies, and stops watching at anything it can't follow
+//! (HTTP/2, a malformed head): the parser refuses those itself.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use crate::sanitize::HeadError;
+
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+/// Past this a head is refused by the parser anyway (431); stop watching.
+const MAX_HEAD: usize = 256 * 1024;
+
+/// What the watcher found, read by the request handler.
+#[derive(Debug, Default)]
+pub struct Framing {
+    /// Requests the handler has started on this connection.
+    served: AtomicU64,
+    /// (request index, why) for every head the watcher flagged.
+    flagged: Mutex<Vec<(u64, HeadError)>>,
+}
+
+impl Framing {
+    /// Called once per request, in order: the watcher's verdict on this request's head.
+    pub fn next_request(&self) -> Option<HeadError> {
+        let index = self.served.fetch_add(1, Ordering::AcqRel);
+        let mut flagged = self.flagged.lock().unwrap_or_else(PoisonError::into_inner);
+        let at = flagged.iter().position(|(i, _)| *i == index)?;
+        Some(flagged.swap_remove(at).1)
+    }
+
+    fn flag(&self, index: u64, why: HeadError) {
+        self.flagged
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push((index, why));
+    }
+}
+
+#[derive(Debug)]
+enum State {
+    /// The first bytes: HTTP/2 prior knowledge or an HTTP/1 head.
+    Preface(Vec<u8>),
+    Head(Vec<u8>),
+    Fixed(u64),
+    ChunkSize(Vec<u8>),
+    ChunkData(u64),
+    /// The CRLF after a chunk's data.
+    ChunkEnd,
+    Trailers(Vec<u8>),
+    Off,
+}
+
+struct Watcher {
+    state: State,
+    heads: u64,
+    framing: Arc<Framing>,
+}
+
+fn head_end(buf: &[u8]) -> Option<usize> {
+    // The parser accepts bare LF line ends too.
+    for i in 0..buf.len() {
+        if buf[i] == b'\n' {
+            if buf.get(i + 1) == Some(&b'\n') {
+                return Some(i + 2);
+            }
+            if buf.get(i + 1) == Some(&b'\r') && buf.get(i + 2) == Some(&b'\n') {
+                return Some(i + 3);
+            }
+        }
+    }
+    None
+}
+
+impl Watcher {
+    /// Reads one complete head and returns the state for its body.
+    fn on_head(&mut self, head: &[u8]) -> State {
+        let mut headers = [httparse::EMPTY_HEADER; 128];
+        let mut req = httparse::Request::new(&mut headers);
+        if !matches!(req.parse(head), Ok(httparse::Status::Complete(_))) {
+            return State::Off;
+        }
+        let index = self.heads;
+        self.heads += 1;
+        let mut lengths = vec![];
+        let mut encodings = 0;
+        let mut chunked = false;
+        for h in req.headers.iter() {
+            if h.name.eq_ignore_ascii_case("content-length") {
+                lengths.push(h.value);
+            } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
+                encodings += 1;
+                chunked = h
+                    .value
+                    .rsplit(|b| *b == b',')
+                    .next()
+                    .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+            }
+        }
+        if !lengths.is_empty() && encodings > 0 {
+            self.framing.flag(index, HeadError::LengthAndEncoding);
+        } else if lengths.len() > 1 {
+            self.framing.flag(index, HeadError::DuplicateLength);
+        }
+        if encodings > 0 {
+            return if chunked {
+                State::ChunkSize(vec![])
+            } else {
+                State::Off
+            };
+        }
+        match lengths.first() {
+            None => State::Head(vec![]),
+            Some(v) => match std::str::from_utf8(v)
+                .ok()
+                .and_then(|s| s.trim().parse::<u64>().ok())
+            {
+                Some(0) => State::Head(vec![]),
+                Some(n) => State::Fixed(n),
+                None => State::Off,
+            },
+        }
+    }
+
+    fn feed(&mut self, mut input: &[u8]) {
+        while !input.is_empty() {
+            match &mut self.state {
+                State::Off => return,
+                State::Preface(buf) => {
+                    let take = (H2_PREFACE.len() - buf.len()).min(input.len());
+                    buf.extend_from_slice(&input[..take]);
+                    if !H2_PREFACE.starts_with(buf) {
+                        let buf = std::mem::take(buf);
+                        input = &input[take..];
+                        self.state = State::Head(vec![]);
+                        self.feed(&buf);
+                        continue;
+                    }
+                    if buf.len() == H2_PREFACE.len() {
+                        self.state = State::Off;
+                        return;
+                    }
+                    input = &input[take..];
+                }
+                State::Head(buf) => {
+                    let start = buf.len().saturating_sub(3);
+                    buf.extend_from_slice(input);
+                    let Some(end) = head_end(&buf[start..]).map(|e| e + start) else {
+                        if buf.len() > MAX_HEAD {
+                            self.state = State::Off;
+                        }
+                        return;
+                    };
+                    let head = std::mem::take(buf);
+                    let rest = head.len() - end;
+                    self.state = self.on_head(&head[..end]);
+                    input = &input[input.len() - rest..];
+                }
+                State::Fixed(n) => {
+                    let take = (*n).min(input.len() as u64);
+                    *n -= take;
+                    input = &input[take as usize..];
+                    if *n == 0 {
+                        self.state = State::Head(vec![]);
+                    }
+                }
+                State::ChunkSize(line) => match input.iter().position(|b| *b == b'\n') {
+                    None => {
+                        line.extend_from_slice(input);
+                        if line.len() > 1024 {
+                            self.state = State::Off;
+                        }
+                        return;
+                    }
+                    Some(i) => {
+                        line.extend_from_slice(&input[..i]);
+                        input = &input[i + 1..];
+                        let text = String::from_utf8_lossy(line);
+                        let hex = text.split([';', '\r']).next().unwrap_or("").trim();
+                        self.state = match u64::from_str_radix(hex, 16) {
+                            Ok(0) => State::Trailers(vec![]),
+                            Ok(n) => State::ChunkData(n),
+                            Err(_) => State::Off,
+                        };
+                    }
+                },
+                State::ChunkData(n) => {
+                    let take = (*n).min(input.len() as u64);
+                    *n -= take;
+                    input = &input[take as usize..];
+                    if *n == 0 {
+                        self.state = State::ChunkEnd;
+                    }
+                }
+                State::ChunkEnd => match input.iter().position(|b| *b == b'\n') {
+                    None => return,
+                    Some(i) => {
+                        input = &input[i + 1..];
+                        self.state = State::ChunkSize(vec![]);
+                    }
+                },
+                State::Trailers(buf) => {
+                    // The trailer section ends with an empty line; with no trailers that is
+                    // the very next line.
+                    buf.extend_from_slice(input);
+                    let end = if buf.starts_with(b"\r\n") {
+                        Some(2)
+                    } else if buf.starts_with(b"\n") {
+                        Some(1)
+                    } else {
+                        head_end(buf)
+                    };
+                    let Some(end) = end else {
+                        if buf.len() > MAX_HEAD {
+                            self.state = State::Off;
+                        }
+                        return;
+                    };
+                    let rest = buf.len() - end;
+                    input = &input[input.len() - rest..];
+                    self.state = State::Head(vec![]);
+                }
+            }
+        }
+    }
+}
+
+/// A connection whose reads pass through the watcher.
+pub struct Watched<IO> {
+    io: IO,
+    watcher: Watcher,
+}
+
+impl<IO> Watched<IO> {
+    pub fn new(io: IO, framing: Arc<Framing>) -> Watched<IO> {
+        Watched {
+            io,
+            watcher: Watcher {
+                state: State::Preface(Vec::with_capacity(H2_PREFACE.len())),
+                heads: 0,
+                framing,
+            },
+        }
+    }
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for Watched<IO> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.io).poll_read(cx, buf);
+        if let Poll::Ready(Ok(())) = &r
+            && !matches!(self.watcher.state, State::Off)
+        {
+            let new = &buf.filled()[before..];
+            self.watcher.feed(new);
+        }
+        r
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for Watched<IO> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(chunks: &[&[u8]]) -> (Arc<Framing>, u64) {
+        let framing = Arc::new(Framing::default());
+        let mut w = Watcher {
+            state: State::Preface(vec![]),
+            heads: 0,
+            framing: framing.clone(),
+        };
+        for c in chunks {
+            w.feed(c);
+        }
+        (framing, w.heads)
+    }
+
+    #[test]
+    fn follows_pipelined_messages_and_flags_only_the_bad_one() {
+        let stream: &[u8] = b"POST /a HTTP/1.1\r\nContent-Length: 5\r\n\r\nhelloPOST /b HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\nGET /c HTTP/1.1\r\nContent-Length: 0\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\nGET /d HTTP/1.1\r\n\r\n";
+        // Byte by byte and whole must agree.
+        let (f1, h1) = run(&[stream]);
+        let bytes: Vec<&[u8]> = stream.chunks(1).collect();
+        let (f2, h2) = run(&bytes);
+        for (f, h) in [(f1, h1), (f2, h2)] {
+            assert_eq!(h, 4);
+            assert_eq!(f.next_request(), None);
+            assert_eq!(f.next_request(), None);
+            assert_eq!(f.next_request(), Some(HeadError::LengthAndEncoding));
+            assert_eq!(f.next_request(), None);
+        }
+    }
+
+    #[test]
+    fn duplicate_equal_lengths_are_flagged() {
+        let (f, _) = run(&[b"POST / HTTP/1.1\r\nContent-Length: 3\r\ncontent-length: 3\r\n\r\nabc"]);
+        assert_eq!(f.next_request(), Some(HeadError::DuplicateLength));
+    }
+
+    #[test]
+    fn h2_prior_knowledge_is_not_watched() {
+        let (_, heads) = run(&[H2_PREFACE, b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"]);
+        assert_eq!(heads, 0);
+    }
+
+    #[test]
+    fn a_body_that_looks_like_a_head_is_not_read_as_one() {
+        let body = b"GET /x HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n";
+        let head = format!("POST /up HTTP/1.1\r\nContent-Length: {}\r\n\r\n", body.len());
+        let (f, heads) = run(&[head.as_bytes(), body]);
+        assert_eq!(heads, 1);
+        assert_eq!(f.next_request(), None);
+    }
+}

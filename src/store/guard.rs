@@ -1,0 +1,574 @@
+//! The guard in front of a remote store: a check timeout, a circuit breaker, and each limit's
+//! failure policy for the requests the store can't decide. It is a `Store` itself.
+//!
+//! When the store fails (an error, or no answer within the timeout) the request is decided
+//! without it, limit by limit, and the strictest answer wins: any `closed` limit refuses the
+//! request with 503; otherwise every `local` limit must admit it from this gateway's own share of
+//! the limit (rate r/N, burst max(1, b/N), full at the first failure); `open` limits admit. After
+//! five failures in a row the breaker opens: no request waits on the store, and one probe a
+//! second finds out when it is back; the first success closes it and forgets the local shares.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use arc_swap::ArcSwap;
+use smallvec::SmallVec;
+
+use super::memory::MemoryStore;
+use super::{CheckFuture, CheckItem, FailurePolicy, Outcome, Source, Store, StoreError};
+use crate::limit::bucket::{BucketParams, BucketVerdict, Rate, rescale};
+use crate::limit::clock::Clock;
+use crate::logsample::Sampler;
+use crate::metrics::{Kind, LimitPolicy, Metrics};
+use crate::rules::Snapshot;
+
+/// Failures in a row that open the breaker.
+pub const FAILURES_TO_OPEN: u32 = 5;
+/// How often an open breaker lets one check through to the store.
+pub const PROBE_EVERY: Duration = Duration::from_secs(1);
+
+/// Whether a check may go to the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Admit {
+    /// Closed breaker: go.
+    Pass,
+    /// Open breaker, and this check is the probe of this second.
+    Probe,
+    /// Open breaker: decide without the store.
+    Skip,
+}
+
+/// Lock-free so the hot path never waits on a mutex: a failure count, an open flag, and the
+/// time the next probe may go (microseconds since the guard started).
+struct Breaker {
+    failures: AtomicU32,
+    open: AtomicBool,
+    next_probe_us: AtomicU64,
+    origin: Instant,
+}
+
+impl Breaker {
+    fn new() -> Breaker {
+        Breaker {
+            failures: AtomicU32::new(0),
+            open: AtomicBool::new(false),
+            next_probe_us: AtomicU64::new(0),
+            origin: Instant::now(),
+        }
+    }
+
+    fn now_us(&self) -> u64 {
+        self.origin.elapsed().as_micros() as u64
+    }
+
+    fn admit(&self) -> Admit {
+        if !self.open.load(Ordering::Acquire) {
+            return Admit::Pass;
+        }
+        let now = self.now_us();
+        let due = self.next_probe_us.load(Ordering::Acquire);
+        if now >= due
+            && self
+                .next_probe_us
+                .compare_exchange(
+                    due,
+                    now + PROBE_EVERY.as_micros() as u64,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                )
+                .is_ok()
+        {
+            Admit::Probe
+        } else {
+            Admit::Skip
+        }
+    }
+
+    /// Returns true when this success closed an open breaker.
+    fn success(&self) -> bool {
+        self.failures.store(0, Ordering::Release);
+        self.open.swap(false, Ordering::AcqRel)
+    }
+
+    /// Returns true when this failure opened the breaker.
+    fn failure(&self) -> bool {
+        let n = self.failures.fetch_add(1, Ordering::AcqRel) + 1;
+        if n >= FAILURES_TO_OPEN && !self.open.load(Ordering::Acquire) {
+            self.next_probe_us
+                .store(self.now_us() + PROBE_EVERY.as_micros() as u64, Ordering::Release);
+            return !self.open.swap(true, Ordering::AcqRel);
+        }
+        false
+    }
+}
+
+/// How many gateways share the limits: fixed by `--fleet-size`, or learned from the store's
+/// heartbeat while it is up (the last known number is kept through an outage).
+pub struct FleetSize {
+    n: AtomicU32,
+    fixed: bool,
+}
+
+impl FleetSize {
+    pub fn fixed(n: u32) -> FleetSize {
+        FleetSize {
+            n: AtomicU32::new(n.max(1)),
+            fixed: true,
+        }
+    }
+
+    pub fn learned() -> FleetSize {
+        FleetSize {
+            n: AtomicU32::new(1),
+            fixed: false,
+        }
+    }
+
+    pub fn get(&self) -> u32 {
+        self.n.load(Ordering::Relaxed).max(1)
+    }
+
+    pub fn learn(&self, n: u32) {
+        if !self.fixed && n >= 1 {
+            self.n.store(n, Ordering::Relaxed);
+        }
+    }
+}
+
+/// One gateway's share of a limit: rate r/N and burst max(1, b/N).
+pub fn share(p: &BucketParams, n: u32) -> Option<BucketParams> {
+    let n = u64::from(n.max(1));
+    let rate = Rate {
+        tokens: p.rate.tokens,
+        period_us: p.rate.period_us.checked_mul(n)?,
+    };
+    BucketParams::new(rate, (p.burst / n).max(1)).ok()
+}
+
+pub struct Guard {
+    inner: Arc<dyn Store>,
+    timeout: Duration,
+    breaker: Breaker,
+    local: MemoryStore,
+    pub fleet: Arc<FleetSize>,
+    rules: Arc<ArcSwap<Snapshot>>,
+    metrics: Arc<Metrics>,
+    warn: Sampler,
+}
+
+impl Guard {
+    pub fn new(
+        inner: Arc<dyn Store>,
+        timeout: Duration,
+        fleet: Arc<FleetSize>,
+        clock: Arc<dyn Clock>,
+        rules: Arc<ArcSwap<Snapshot>>,
+        metrics: Arc<Metrics>,
+    ) -> Guard {
+        Guard {
+            inner,
+            timeout,
+            breaker: Breaker::new(),
+            local: MemoryStore::new(clock),
+            fleet,
+            rules,
+            metrics,
+            warn: Sampler::new(Duration::from_secs(5)),
+        }
+    }
+
+    pub fn breaker_open(&self) -> bool {
+        self.breaker.open.load(Ordering::Acquire)
+    }
+
+    fn on_success(&self) {
+        if self.breaker.success() {
+            self.metrics.breaker_open.set(0);
+            // The next outage starts from full local shares again.
+            self.local.clear();
+            tracing::info!(
+                store = self.inner.kind(),
+                "limiter store answers again; breaker closed"
+            );
+        }
+    }
+
+    fn on_failure(&self, e: &StoreError) {
+        let kind = if *e == StoreError::Timeout {
+            "timeout"
+        } else {
+            "error"
+        };
+        self.metrics.store_errors.get_or_create(&Kind { kind }).inc();
+        if self.breaker.failure() {
+            self.metrics.breaker_open.set(1);
+            tracing::warn!(
+                store = self.inner.kind(),
+                error = %e,
+                "limiter store failed {FAILURES_TO_OPEN} times in a row; breaker open, deciding by failure policy"
+            );
+        }
+    }
+
+    /// Decides a batch without the store: the strictest policy among its enforced limits wins.
+    fn fallback(&self, batch: &[CheckItem]) -> Outcome {
+        let snap = self.rules.load();
+        let name = |li: u16| {
+            snap.limits
+                .get(li as usize)
+                .map_or_else(|| Arc::from("?"), |l| l.name.clone())
+        };
+        let mut verdicts: SmallVec<[BucketVerdict; 4]> = batch
+            .iter()
+            .map(|i| BucketVerdict {
+                sufficient: true,
+                tokens: i.charge.params.capacity,
+                wait_us: Some(0),
+            })
+            .collect();
+        let enforced = || batch.iter().enumerate().filter(|(_, i)| !i.charge.shadow);
+        let strictest = enforced().map(|(_, i)| i.policy).max_by_key(|p| match p {
+            FailurePolicy::Open => 0,
+            FailurePolicy::Local => 1,
+            FailurePolicy::Closed => 2,
+        });
+        for (_, item) in enforced() {
+            let policy = match item.policy {
+                FailurePolicy::Open => "open",
+                FailurePolicy::Local => "local",
+                FailurePolicy::Closed => "closed",
+            };
+            self.metrics
+                .store_bypass
+                .get_or_create(&LimitPolicy {
+                    limit: name(item.limit),
+                    policy,
+                })
+                .inc();
+            if let Some(suppressed) = self.warn.allow(item.limit as usize) {
+                tracing::warn!(
+                    limit = &*name(item.limit),
+                    policy,
+                    suppressed,
+                    "deciding without the limiter store"
+                );
+            }
+        }
+        let now = self.local.clock().now_us();
+        let allowed = match strictest {
+            None => true,
+            Some(FailurePolicy::Closed) => {
+                for (i, item) in enforced() {
+                    if item.policy == FailurePolicy::Closed {
+                        verdicts[i] = BucketVerdict {
+                            sufficient: false,
+                            tokens: 0,
+                            wait_us: None,
+                        };
+                    }
+                }
+                false
+            }
+            Some(_) => {
+                let n = self.fleet.get();
+                let mut local: SmallVec<[(usize, CheckItem); 4]> = SmallVec::new();
+                for (i, item) in enforced() {
+                    if item.policy != FailurePolicy::Local {
+                        continue;
+                    }
+                    // A share that can't be represented exactly falls back to one token a period.
+                    let params = share(&item.charge.params, n).unwrap_or(item.charge.params);
+                    let mut it = item.clone();
+                    it.charge.params = params;
+                    local.push((i, it));
+                }
+                let items: SmallVec<[CheckItem; 4]> = local.iter().map(|(_, it)| it.clone()).collect();
+                let out = self.local.check_at(&items, now);
+                for ((i, it), v) in local.iter().zip(out.buckets) {
+                    // Report in the limit's own units, so headers read the same as from the store.
+                    let orig = &batch[*i].charge.params;
+                    verdicts[*i] = BucketVerdict {
+                        sufficient: v.sufficient,
+                        tokens: rescale(v.tokens, it.charge.params.scale, orig.scale),
+                        wait_us: v.wait_us,
+                    };
+                }
+                out.allowed
+            }
+        };
+        Outcome {
+            allowed,
+            now_us: now,
+            buckets: verdicts,
+            source: Source::Bypass(strictest.unwrap_or(FailurePolicy::Open)),
+        }
+    }
+
+    /// Keeps the fleet size learned from the store's heartbeat, every second, until the guard
+    /// is dropped.
+    pub fn spawn_heartbeat(self: &Arc<Self>, instance: String) {
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tick.tick().await;
+                let Some(g) = weak.upgrade() else { break };
+                if g.breaker_open() {
+                    continue;
+                }
+                let beat =
+                    tokio::time::timeout(Duration::from_millis(250), g.inner.heartbeat(&instance)).await;
+                if let Ok(Ok(Some(n))) = beat {
+                    g.fleet.learn(n);
+                }
+            }
+        });
+    }
+}
+
+impl Store for Guard {
+    fn check<'a>(&'a self, batch: &'a [CheckItem]) -> CheckFuture<'a> {
+        if self.breaker.admit() == Admit::Skip {
+            return CheckFuture::ready(Ok(self.fallback(batch)));
+        }
+        CheckFuture::Boxed(Box::pin(async move {
+            match tokio::time::timeout(self.timeout, self.inner.check(batch)).await {
+                Ok(Ok(outcome)) => {
+                    self.on_success();
+                    Ok(outcome)
+                }
+                Ok(Err(e)) => {
+                    self.on_failure(&e);
+                    Ok(self.fallback(batch))
+                }
+                Err(_) => {
+                    self.on_failure(&StoreError::Timeout);
+                    Ok(self.fallback(batch))
+                }
+            }
+        }))
+    }
+
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+
+    fn ping(&self) -> CheckFuture<'_> {
+        CheckFuture::Boxed(Box::pin(async move {
+            match tokio::time::timeout(Duration::from_millis(250), self.inner.ping()).await {
+                Ok(r) => r,
+                Err(_) => Err(StoreError::Timeout),
+            }
+        }))
+    }
+
+    fn remote(&self) -> bool {
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limit::bucket::Charge;
+    use crate::limit::clock::ManualClock;
+    use crate::rules::{CompileOptions, compile};
+    use std::sync::atomic::AtomicU8;
+
+    /// A store that answers from memory, fails, or never answers, as told.
+    struct Faulty {
+        mode: AtomicU8,
+        calls: AtomicU64,
+        mem: MemoryStore,
+    }
+
+    const OK: u8 = 0;
+    const FAIL: u8 = 1;
+    const HANG: u8 = 2;
+
+    impl Store for Faulty {
+        fn check<'a>(&'a self, batch: &'a [CheckItem]) -> CheckFuture<'a> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            match self.mode.load(Ordering::SeqCst) {
+                OK => CheckFuture::ready(Ok(self.mem.check_now(batch))),
+                FAIL => CheckFuture::ready(Err(StoreError::Unavailable("connection refused".into()))),
+                _ => CheckFuture::Boxed(Box::pin(std::future::pending())),
+            }
+        }
+        fn kind(&self) -> &'static str {
+            "faulty"
+        }
+    }
+
+    fn rules() -> Arc<ArcSwap<Snapshot>> {
+        let json = r#"{"version": 1, "upstreams": {"u": {"url": "http://127.0.0.1:9"}},
+            "limits": {"plan": {"dimension": "key", "rate": "10/1s", "burst": 20},
+                       "login": {"dimension": "ip", "rate": "5/60s", "burst": 5, "class": "security", "on_store_failure": "closed"},
+                       "free": {"dimension": "ip", "rate": "1/1s", "burst": 1, "on_store_failure": "open"}},
+            "routes": [{"method": "GET", "path": "/", "upstream": "u"}]}"#;
+        Arc::new(ArcSwap::from_pointee(
+            compile(json.as_bytes(), "test.json", CompileOptions::default()).unwrap(),
+        ))
+    }
+
+    fn item(name: &str, limit: u16, rate: &str, burst: u64, policy: FailurePolicy) -> CheckItem {
+        let params = BucketParams::new(Rate::parse(rate).unwrap(), burst).unwrap();
+        CheckItem::new(
+            name.into(),
+            Charge {
+                params,
+                cost: 1,
+                shadow: false,
+            },
+            limit,
+            policy,
+        )
+    }
+
+    fn guard(mode: u8, n: u32) -> (Arc<Guard>, Arc<Faulty>, Arc<Metrics>) {
+        let clock = ManualClock::new(1_000_000);
+        let faulty = Arc::new(Faulty {
+            mode: AtomicU8::new(mode),
+            calls: AtomicU64::new(0),
+            mem: MemoryStore::new(clock.clone()),
+        });
+        let metrics = Metrics::new();
+        let g = Guard::new(
+            faulty.clone(),
+            Duration::from_millis(3),
+            Arc::new(FleetSize::fixed(n)),
+            clock,
+            rules(),
+            metrics.clone(),
+        );
+        (Arc::new(g), faulty, metrics)
+    }
+
+    fn plan() -> CheckItem {
+        // Limits compile in name order: free, login, plan.
+        item("rl:{k7}:plan", 2, "10/1s", 20, FailurePolicy::Local)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn failures_fall_back_to_a_local_share_then_open_the_breaker() {
+        let (g, faulty, metrics) = guard(FAIL, 2);
+        let batch = [plan()];
+        // Share of 2 gateways: burst 10, rate 5/s. It starts full at the first failure.
+        let mut admitted = 0;
+        for _ in 0..12 {
+            if g.check(&batch).await.unwrap().allowed {
+                admitted += 1;
+            }
+        }
+        assert_eq!(admitted, 10);
+        // Five failures opened the breaker; the other seven never reached the store.
+        assert_eq!(faulty.calls.load(Ordering::SeqCst), FAILURES_TO_OPEN as u64);
+        assert!(g.breaker_open());
+        assert!(
+            metrics
+                .render()
+                .contains(r#"tollgate_store_bypass_total{limit="plan",policy="local"} 12"#)
+        );
+        assert!(metrics.render().contains("tollgate_store_breaker_open 1"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn one_probe_a_second_and_the_first_success_closes() {
+        let (g, faulty, metrics) = guard(FAIL, 1);
+        let batch = [plan()];
+        for _ in 0..5 {
+            g.check(&batch).await.unwrap();
+        }
+        assert!(g.breaker_open());
+        for _ in 0..50 {
+            g.check(&batch).await.unwrap();
+        }
+        assert_eq!(
+            faulty.calls.load(Ordering::SeqCst),
+            5,
+            "an open breaker sends nothing before the probe"
+        );
+        tokio::time::advance(PROBE_EVERY).await;
+        for _ in 0..10 {
+            g.check(&batch).await.unwrap();
+        }
+        assert_eq!(
+            faulty.calls.load(Ordering::SeqCst),
+            6,
+            "exactly one probe after a second"
+        );
+        faulty.mode.store(OK, Ordering::SeqCst);
+        tokio::time::advance(PROBE_EVERY).await;
+        let out = g.check(&batch).await.unwrap();
+        assert_eq!(out.source, Source::Store);
+        assert!(!g.breaker_open());
+        let bypass = |m: &Metrics| {
+            m.render()
+                .lines()
+                .find(|l| l.starts_with("tollgate_store_bypass_total"))
+                .map(str::to_string)
+        };
+        let before = bypass(&metrics);
+        for _ in 0..10 {
+            assert_eq!(g.check(&batch).await.unwrap().source, Source::Store);
+        }
+        assert_eq!(
+            before,
+            bypass(&metrics),
+            "the bypass counter moved after the store came back"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hung_store_costs_at_most_the_timeout() {
+        let (g, _faulty, metrics) = guard(HANG, 1);
+        let batch = [plan()];
+        let started = Instant::now();
+        let out = g.check(&batch).await.unwrap();
+        assert_eq!(started.elapsed(), Duration::from_millis(3));
+        assert!(out.allowed);
+        assert_eq!(out.source, Source::Bypass(FailurePolicy::Local));
+        assert!(
+            metrics
+                .render()
+                .contains(r#"tollgate_store_errors_total{kind="timeout"} 1"#)
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_strictest_policy_decides() {
+        let (g, _f, _m) = guard(FAIL, 1);
+        let closed = item("rl:{ip:1.2.3.4}:login", 1, "5/60s", 5, FailurePolicy::Closed);
+        let open = item("rl:{ip:1.2.3.4}:free", 0, "1/1s", 1, FailurePolicy::Open);
+        let out = g.check(&[plan(), closed.clone(), open.clone()]).await.unwrap();
+        assert!(!out.allowed);
+        assert_eq!(out.source, Source::Bypass(FailurePolicy::Closed));
+        // Open alone admits everything, even past its burst.
+        for _ in 0..10 {
+            let out = g.check(std::slice::from_ref(&open)).await.unwrap();
+            assert!(out.allowed);
+            assert_eq!(out.source, Source::Bypass(FailurePolicy::Open));
+        }
+        // Local and open together: the local share decides.
+        let mut allowed = 0;
+        for _ in 0..25 {
+            if g.check(&[plan(), open.clone()]).await.unwrap().allowed {
+                allowed += 1;
+            }
+        }
+        assert_eq!(allowed, 20);
+    }
+
+    #[test]
+    fn shares_divide_rate_and_burst() {
+        let p = BucketParams::new(Rate::parse("600/60s").unwrap(), 20).unwrap();
+        let s = share(&p, 20).unwrap();
+        assert_eq!(s.burst, 1);
+        assert_eq!(s.rate.per_second(), 0.5);
+        let login = BucketParams::new(Rate::parse("5/60s").unwrap(), 5).unwrap();
+        assert_eq!(share(&login, 20).unwrap().burst, 1, "never less than one");
+    }
+}

@@ -1,0 +1,252 @@
+//! Operating the gateway: metrics that count exactly, request ids, JSON logs without secrets, and
+//! a graceful shutdown that finishes what is in flight and refuses what is new.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{DEMO_KEYS, Http, K7, K8, Tollgate};
+use http::StatusCode;
+
+fn value(metrics: &str, series: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')))
+        .map(|v| v.trim().parse().unwrap())
+}
+
+/// Checks the exposition line by line: comments, or `name{labels} value`.
+fn assert_parses_as_prometheus_text(text: &str) {
+    assert!(text.ends_with("# EOF\n"), "no EOF marker");
+    for line in text.lines() {
+        if line.starts_with('#') {
+            assert!(
+                line.starts_with("# HELP ")
+                    || line.starts_with("# TYPE ")
+                    || line.starts_with("# UNIT ")
+                    || line == "# EOF",
+                "bad comment line: {line}"
+            );
+            continue;
+        }
+        let (series, v) = line
+            .rsplit_once(' ')
+            .unwrap_or_else(|| panic!("no value: {line}"));
+        assert!(
+            v.parse::<f64>().is_ok() || v == "+Inf" || v == "NaN",
+            "bad value in {line}"
+        );
+        let name_end = series.find('{').unwrap_or(series.len());
+        let name = &series[..name_end];
+        assert!(
+            !name.is_empty()
+                && name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':'),
+            "bad metric name in {line}"
+        );
+        if name_end < series.len() {
+            assert!(series.ends_with('}'), "unclosed labels in {line}");
+            for pair in series[name_end + 1..series.len() - 1].split("\",") {
+                let (k, v) = pair
+                    .split_once("=\"")
+                    .unwrap_or_else(|| panic!("bad label {pair:?} in {line}"));
+                assert!(
+                    k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'),
+                    "bad label name in {line}"
+                );
+                assert!(!v.contains('\n'));
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn counters_show_exactly_what_happened_and_no_secrets() {
+    let (gw, _clock, _dir) = common::demo_gateway().await;
+    let http = Http::new();
+    let url = format!("http://{}/v1/orders", gw.addr);
+    let (n, m, k) = (20, 3, 2);
+    for _ in 0..n + m {
+        http.get(&url, &[("x-api-key", K7)]).await;
+    }
+    for _ in 0..k {
+        assert_eq!(
+            http.get(&url, &[("x-api-key", "k7-demo-key-but-wrong")])
+                .await
+                .status,
+            StatusCode::UNAUTHORIZED
+        );
+    }
+    let scrape = http
+        .get(&format!("http://{}/metrics", gw.admin_addr.unwrap()), &[])
+        .await;
+    assert_eq!(scrape.status, StatusCode::OK);
+    assert!(
+        scrape
+            .header("content-type")
+            .unwrap()
+            .starts_with("application/openmetrics-text")
+    );
+    let text = String::from_utf8(scrape.body.to_vec()).unwrap();
+    assert_parses_as_prometheus_text(&text);
+
+    let get = |s: &str| value(&text, s).unwrap_or_else(|| panic!("{s} missing from:\n{text}"));
+    assert_eq!(
+        get(r#"tollgate_limit_decisions_total{limit="plan",decision="admitted"}"#),
+        n as f64
+    );
+    assert_eq!(
+        get(r#"tollgate_limit_decisions_total{limit="plan",decision="refused"}"#),
+        m as f64
+    );
+    assert_eq!(
+        get(r#"tollgate_requests_total{route="orders",status="200"}"#),
+        n as f64
+    );
+    assert_eq!(
+        get(r#"tollgate_requests_total{route="orders",status="429"}"#),
+        m as f64
+    );
+    assert_eq!(
+        get(r#"tollgate_requests_total{route="orders",status="401"}"#),
+        k as f64
+    );
+    assert_eq!(
+        get(r#"tollgate_limit_decisions_total{limit="unauth",decision="admitted"}"#),
+        k as f64
+    );
+    assert_eq!(get("tollgate_rules_version"), 1.0);
+    assert_eq!(get("tollgate_in_flight_requests"), 0.0);
+    assert!(get("tollgate_store_check_seconds_count") >= (n + m + k) as f64);
+    assert!(get(r#"tollgate_upstream_seconds_count{upstream="orders"}"#) >= n as f64);
+    for secret in DEMO_KEYS {
+        assert!(!text.contains(secret), "the scrape holds an API key");
+    }
+    assert!(!text.contains("127.0.0.1"), "the scrape holds a client address");
+}
+
+#[tokio::test]
+async fn request_ids_are_generated_or_passed_through() {
+    let (gw, _clock, _dir) = common::demo_gateway().await;
+    let http = Http::new();
+    let url = format!("http://{}/v1/orders", gw.addr);
+
+    let a = http.get(&url, &[("x-api-key", K8)]).await;
+    let id = a.header("x-request-id").expect("an id is generated").to_string();
+    assert_eq!(id.len(), 32);
+    assert!(id.chars().all(|c| c.is_ascii_hexdigit()));
+    assert_eq!(
+        a.json()["headers"]["x-request-id"],
+        id.as_str(),
+        "the upstream got the same id"
+    );
+
+    let b = http.get(&url, &[("x-api-key", K8)]).await;
+    assert_ne!(b.header("x-request-id").unwrap(), id, "ids are unique");
+
+    let mine = "client-trace.42:abc";
+    let c = http.get(&url, &[("x-api-key", K8), ("x-request-id", mine)]).await;
+    assert_eq!(c.header("x-request-id"), Some(mine));
+    assert_eq!(c.json()["headers"]["x-request-id"], mine);
+
+    // An invalid id (spaces, too long) is replaced, on refusals too.
+    let d = http.get(&url, &[("x-request-id", "has spaces in it")]).await;
+    assert_eq!(d.status, StatusCode::UNAUTHORIZED);
+    let replaced = d.header("x-request-id").unwrap();
+    assert_ne!(replaced, "has spaces in it");
+    assert_eq!(replaced.len(), 32);
+}
+
+#[tokio::test]
+async fn json_logs_parse_and_never_hold_a_key() {
+    let gw = Tollgate::spawn(&["demo", "--log-format", "json"]);
+    let http = Http::new();
+    for key in DEMO_KEYS {
+        http.get(
+            &gw.url("/v1/orders"),
+            &[("authorization", &format!("Bearer {key}"))],
+        )
+        .await;
+        http.get(&gw.url("/v1/orders"), &[("x-api-key", key)]).await;
+    }
+    // A wrong key that contains a real one, a conflicting pair, and a refused export.
+    http.get(&gw.url("/v1/orders"), &[("x-api-key", &format!("{K7}x"))])
+        .await;
+    http.get(
+        &gw.url("/v1/orders"),
+        &[("x-api-key", K7), ("authorization", &format!("Bearer {K8}"))],
+    )
+    .await;
+    for _ in 0..2 {
+        http.send(
+            http::Method::POST,
+            &gw.url("/v1/exports"),
+            &[("x-api-key", K7)],
+            b"{}",
+        )
+        .await;
+    }
+    gw.signal("TERM");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !gw.stderr().contains("draining") {
+        assert!(Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let log = gw.stderr();
+    let mut access = 0;
+    for line in log.lines() {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        if v["target"] == "tollgate::access" {
+            access += 1;
+            for field in ["method", "route", "status", "limit", "latency_us", "request_id"] {
+                assert!(v.get(field).is_some(), "access line without {field}: {line}");
+            }
+        }
+        for key in DEMO_KEYS {
+            assert!(!line.contains(key), "a log line holds an API key: {line}");
+        }
+    }
+    assert_eq!(access, 10, "one access line per request:\n{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_finishes_in_flight_requests_and_refuses_new_ones() {
+    let mut gw = Tollgate::spawn(&["demo", "--drain-timeout", "10s"]);
+    let url = gw.url("/v1/slow?ms=800");
+    let slow = tokio::spawn(async move { Http::new().get(&url, &[("x-api-key", K8)]).await });
+    // Signal only once the slow request is in flight.
+    let http = Http::new();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let m = http.get(&gw.admin_url("/metrics"), &[]).await;
+        if value(&String::from_utf8_lossy(&m.body), "tollgate_in_flight_requests") == Some(1.0) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the slow request never got in flight");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    gw.signal("TERM");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !gw.stderr().contains("stopped accepting") {
+        assert!(Instant::now() < deadline, "{}", gw.stderr());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(
+        std::net::TcpStream::connect(gw.addr).is_err(),
+        "a new connection was accepted after SIGTERM"
+    );
+    let a = slow.await.unwrap();
+    assert_eq!(a.status, StatusCode::OK, "the in-flight request did not complete");
+    assert_eq!(a.json()["path"], "/v1/slow");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(s) = gw.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "the process did not exit");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(status.success(), "exit status {status:?}: {}", gw.stderr());
+}

@@ -1,0 +1,562 @@
+//! `tollgate replay` reproduces the spec's own figures on its generated traces: the storm under
+//! every algorithm and design, replay M's two exports under the demo rules, and replay H's hot
+//! key under leased blocks; and it refuses bad input with errors that name the row and column.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use tollgate::limit::bucket::{Rate, US_PER_S};
+use tollgate::replay::algorithms::Verdict;
+use tollgate::replay::generate::{self, GenRow, HOT_START_US, STORM_END_US, STORM_START_US};
+use tollgate::replay::report::Summary;
+use tollgate::replay::{Algorithm, Design, Replay, Request, Settings};
+
+mod common;
+
+fn settings(rate: &str, burst: Option<u64>, algorithm: Algorithm, design: Design) -> Settings {
+    let mut s = Settings::single(Rate::parse(rate).unwrap(), burst);
+    s.algorithm = algorithm;
+    s.design = design;
+    s.gateways = 20;
+    s
+}
+
+/// Replays generated rows through the library; returns (time, verdict) per row and the summary.
+fn run(s: Settings, rows: impl IntoIterator<Item = GenRow>) -> (Vec<(u64, Verdict)>, Summary, Replay) {
+    let mut replay = Replay::new(s).expect("valid settings");
+    let mut out = Vec::new();
+    for r in rows {
+        let v = replay
+            .check(&Request {
+                time_us: r.time_us,
+                key: r.key,
+                gateway: Some(r.gateway),
+                ..Request::default()
+            })
+            .expect("valid row");
+        out.push((r.time_us, v));
+    }
+    let summary = replay.summary();
+    (out, summary, replay)
+}
+
+fn in_storm(t: u64) -> bool {
+    (STORM_START_US..STORM_END_US).contains(&t)
+}
+
+fn admitted_between(d: &[(u64, Verdict)], from: u64, to_excl: u64) -> usize {
+    d.iter()
+        .filter(|(t, v)| (from..to_excl).contains(t) && v.allowed)
+        .count()
+}
+
+fn storm(algorithm: Algorithm, design: Design) -> (Vec<(u64, Verdict)>, Summary, Replay) {
+    let burst = matches!(algorithm, Algorithm::TokenBucket | Algorithm::Gcra).then_some(20);
+    run(settings("600/60s", burst, algorithm, design), generate::storm(20))
+}
+
+#[test]
+fn central_token_bucket_admits_1219_in_the_storm_and_refuses_the_rest_with_retry_after_1() {
+    let (d, summary, _) = storm(Algorithm::TokenBucket, Design::Central);
+    assert_eq!(d.len(), 48_615);
+    assert_eq!(admitted_between(&d, STORM_START_US, STORM_END_US), 1_219);
+    let refused: Vec<_> = d.iter().filter(|(t, v)| in_storm(*t) && !v.allowed).collect();
+    assert_eq!(refused.len(), 46_781);
+    assert!(refused.iter().all(|(_, v)| v.retry_after == Some(1)));
+    let k7 = &summary.keys["k-7"];
+    // b + r·t is 30 and 620; intervals don't include their end, so one fewer each.
+    assert_eq!((k7.max_admitted_1s, k7.max_admitted_60s), (29, 619));
+    // The first 29: the burst of 20 spent in 47.5 ms, then one token every 100 ms.
+    assert_eq!(
+        admitted_between(&d, STORM_START_US, STORM_START_US + US_PER_S),
+        29
+    );
+    assert_eq!(summary.store_calls, 48_615);
+    // Event 2: the page load leaves the bucket exactly full at the 08:59:33.000 arrival,
+    // and the normal traffic before the storm is never refused.
+    assert!(
+        d.iter()
+            .filter(|(t, _)| *t < STORM_START_US)
+            .all(|(_, v)| v.allowed)
+    );
+}
+
+#[test]
+fn page_load_refills_to_exactly_full_at_08_59_33() {
+    // Stop the trace at 08:59:33.000 and look at the bucket through a 21st-token probe: 20
+    // requests at that instant pass, the 21st does not.
+    let cut = (8 * 3600 + 59 * 60 + 33) * US_PER_S;
+    let mut rows: Vec<GenRow> = generate::storm(20)
+        .into_iter()
+        .filter(|r| r.time_us < cut)
+        .collect();
+    rows.extend((0..21).map(|i| GenRow {
+        time_us: cut,
+        key: "k-7",
+        gateway: i % 20,
+    }));
+    let (d, _, _) = run(
+        settings("600/60s", Some(20), Algorithm::TokenBucket, Design::Central),
+        rows,
+    );
+    let at_cut: Vec<bool> = d
+        .iter()
+        .filter(|(t, _)| *t == cut)
+        .map(|(_, v)| v.allowed)
+        .collect();
+    assert_eq!(at_cut.iter().filter(|a| **a).count(), 20);
+    assert!(!at_cut[20]);
+    // One microsecond earlier the bucket is not yet full.
+    let mut early: Vec<GenRow> = generate::storm(20)
+        .into_iter()
+        .filter(|r| r.time_us < cut)
+        .collect();
+    early.extend((0..20).map(|i| GenRow {
+        time_us: cut - 1,
+        key: "k-7",
+        gateway: i,
+    }));
+    let (d, _, _) = run(
+        settings("600/60s", Some(20), Algorithm::TokenBucket, Design::Central),
+        early,
+    );
+    assert_eq!(d.iter().filter(|(t, v)| *t == cut - 1 && v.allowed).count(), 19);
+}
+
+#[test]
+fn local_buckets_admit_24380_in_the_storm() {
+    let (d, summary, _) = storm(Algorithm::TokenBucket, Design::Local);
+    assert_eq!(admitted_between(&d, STORM_START_US, STORM_END_US), 24_380);
+    // Every gateway spends its burst in the same second.
+    assert_eq!(summary.keys["k-7"].max_admitted_1s, 400);
+    assert_eq!(summary.store_calls, 0);
+}
+
+#[test]
+fn exact_shares_never_admit_too_much() {
+    let (d, summary, _) = storm(Algorithm::TokenBucket, Design::Shares);
+    // Each gateway sees k-7 every 50 ms and its share (0.5/s, burst 1) refills one token every
+    // 2 s, exactly 40 of its arrivals: one admission per 2 s, 60 in the two minutes, 1,200 for
+    // the fleet, inside the bound 20 × (1 + 0.5 × 120) = 1,220.
+    assert_eq!(admitted_between(&d, STORM_START_US, STORM_END_US), 1_200);
+    assert!(summary.keys["k-7"].max_admitted_60s <= 20 * (1 + 30));
+    // A burst of 1 per gateway costs the page load: gateways that served a normal call less
+    // than 2 s before refuse it.
+    let page = (8 * 3600 + 59 * 60 + 30) * US_PER_S + 100_000;
+    let page_refused = d.iter().filter(|(t, v)| *t == page && !v.allowed).count();
+    assert!(page_refused > 0 && page_refused < 15, "{page_refused}");
+}
+
+#[test]
+fn gateway_column_absent_means_round_robin_from_zero() {
+    let rows = generate::storm(20);
+    let (with, _, _) = run(
+        settings("600/60s", Some(20), Algorithm::TokenBucket, Design::Local),
+        rows.clone(),
+    );
+    let mut replay = Replay::new(settings(
+        "600/60s",
+        Some(20),
+        Algorithm::TokenBucket,
+        Design::Local,
+    ))
+    .unwrap();
+    let without: Vec<(u64, Verdict)> = rows
+        .iter()
+        .map(|r| {
+            let req = Request {
+                time_us: r.time_us,
+                key: r.key,
+                ..Request::default()
+            };
+            (r.time_us, replay.check(&req).unwrap())
+        })
+        .collect();
+    assert_eq!(with, without);
+}
+
+#[test]
+fn fixed_window_spends_the_minute_in_one_and_a_half_seconds() {
+    let (d, summary, _) = storm(Algorithm::FixedWindow, Design::Central);
+    assert_eq!(admitted_between(&d, STORM_START_US, STORM_END_US), 1_200);
+    // 600 by 09:00:01.4975, the last of them exactly then, and nothing until 09:01:00.
+    let by = STORM_START_US + 1_497_500;
+    assert_eq!(admitted_between(&d, STORM_START_US, by + 1), 600);
+    assert!(d.iter().any(|(t, v)| *t == by && v.allowed));
+    assert_eq!(admitted_between(&d, by + 1, STORM_START_US + 60 * US_PER_S), 0);
+    assert_eq!(
+        admitted_between(&d, STORM_START_US, STORM_START_US + US_PER_S),
+        400
+    );
+    assert_eq!(summary.keys["k-7"].max_admitted_60s, 907);
+}
+
+#[test]
+fn gcra_decides_every_row_exactly_as_the_token_bucket() {
+    let (bucket, _, _) = storm(Algorithm::TokenBucket, Design::Central);
+    let (gcra, _, _) = storm(Algorithm::Gcra, Design::Central);
+    assert_eq!(bucket.len(), 48_615);
+    let differ = bucket.iter().zip(&gcra).filter(|(a, b)| a != b).count();
+    assert_eq!(differ, 0, "gcra and the token bucket differ on {differ} rows");
+}
+
+#[test]
+fn sliding_log_holds_314_when_the_storm_begins_and_admits_290_in_its_first_second() {
+    let mut replay = Replay::new(settings("600/60s", None, Algorithm::SlidingLog, Design::Central)).unwrap();
+    let mut d = Vec::new();
+    for r in generate::storm(20) {
+        if r.time_us == STORM_START_US && d.last().is_some_and(|(t, _)| *t < STORM_START_US) {
+            assert_eq!(replay.sliding_log_len("k-7", STORM_START_US), Some(314));
+        }
+        let req = Request {
+            time_us: r.time_us,
+            key: r.key,
+            gateway: Some(r.gateway),
+            ..Request::default()
+        };
+        d.push((r.time_us, replay.check(&req).unwrap()));
+    }
+    assert_eq!(
+        admitted_between(&d, STORM_START_US, STORM_START_US + US_PER_S),
+        290
+    );
+    assert_eq!(
+        admitted_between(&d, STORM_START_US, STORM_START_US + 1_500_000),
+        293
+    );
+    assert_eq!(admitted_between(&d, STORM_START_US, STORM_END_US), 1_200);
+    assert_eq!(replay.summary().keys["k-7"].max_admitted_60s, 600);
+}
+
+#[test]
+fn sliding_counter_admits_1198_in_the_storm() {
+    let (d, _, _) = storm(Algorithm::SlidingCounter, Design::Central);
+    assert_eq!(admitted_between(&d, STORM_START_US, STORM_END_US), 1_198);
+    let minute = 60 * US_PER_S;
+    assert_eq!(admitted_between(&d, STORM_START_US, STORM_START_US + minute), 599);
+    assert_eq!(admitted_between(&d, STORM_START_US + minute, STORM_END_US), 599);
+    assert_eq!(
+        admitted_between(&d, STORM_START_US, STORM_START_US + US_PER_S),
+        290
+    );
+}
+
+#[test]
+fn leased_blocks_keep_the_hot_key_off_the_store_within_their_bound() {
+    let mut s = settings("10000/1s", Some(20_000), Algorithm::TokenBucket, Design::Lease);
+    // The burst of 20,000 is an excess over r·t by design; the spec measures the lease's
+    // overshoot on intervals that start once it is spent (20,000 at 90,000 a second net).
+    s.excess_from_us = Some(HOT_START_US + 250_000);
+    for seed in [1, 2] {
+        s.seed = seed;
+        let (_, summary, replay) = run(s.clone(), generate::hot(20));
+        let kbig = &summary.keys["k-big"];
+        let fleet = replay.lease_fleet().unwrap();
+        assert_eq!(fleet.config().block, 125);
+        let per_s = summary.store_calls_per_s().unwrap();
+        let per_admitted = summary.store_calls as f64 / summary.admitted as f64;
+        let excess = kbig.worst_excess.unwrap();
+        eprintln!(
+            "seed {seed}: {} store calls ({per_s:.1}/s, {per_admitted:.4} per admitted), {} grants, admitted {}, max 1 s {}, worst excess {excess}, held at end {:?}",
+            summary.store_calls,
+            summary.lease_grants.unwrap(),
+            summary.admitted,
+            kbig.max_admitted_1s,
+            kbig.held_at_end
+        );
+        assert!(per_admitted <= 0.02, "{per_admitted}");
+        // The spec's run: about 148 calls a second, about 83 of them grants.
+        assert!((130.0..170.0).contains(&per_s), "{per_s}");
+        assert!(excess <= 3_000.0, "worst excess {excess} above N × 1.2 × B");
+        // b + r·t over the minute, and over any second.
+        assert!(summary.admitted <= 20_000 + 10_000 * 60);
+        assert!(kbig.max_admitted_1s <= 30_000);
+        // Leasing admits nearly everything the bucket can give.
+        assert!(summary.admitted >= 615_000, "{}", summary.admitted);
+        assert!(kbig.held_at_end.unwrap() <= 3_000);
+    }
+}
+
+// ---- the binary, end to end ----
+
+fn tollgate(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(args)
+        .output()
+        .expect("run tollgate")
+}
+
+fn ok(o: &Output) -> String {
+    assert!(
+        o.status.success(),
+        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8(o.stdout.clone()).unwrap()
+}
+
+fn fails(o: &Output) -> String {
+    assert!(
+        !o.status.success(),
+        "expected failure, got success:\n{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn p(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+#[test]
+fn the_binary_generates_the_storm_and_replays_it_to_json_and_decisions() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("storm.csv");
+    let decisions = dir.path().join("decisions.csv");
+    ok(&tollgate(&[
+        "replay",
+        "--generate",
+        "storm",
+        "--gateways",
+        "20",
+        "-o",
+        p(&trace),
+    ]));
+    let text = std::fs::read_to_string(&trace).unwrap();
+    assert_eq!(text.lines().count(), 48_616);
+    assert!(text.starts_with("time,key,gateway\n32340.000000,k-7,0\n"));
+    let out = ok(&tollgate(&[
+        "replay",
+        p(&trace),
+        "--rate",
+        "600/60s",
+        "--burst",
+        "20",
+        "--json",
+        "--decisions",
+        p(&decisions),
+    ]));
+    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(json["requests"], 48_615);
+    assert_eq!(json["refused"], 46_781);
+    assert_eq!(json["admitted"], 48_615 - 46_781);
+    assert_eq!(json["store_calls"], 48_615);
+    let k7 = &json["keys"]["k-7"];
+    for field in [
+        "requests",
+        "admitted",
+        "refused",
+        "max_admitted_1s",
+        "max_admitted_60s",
+        "worst_excess",
+    ] {
+        assert!(!k7[field].is_null(), "keys.k-7.{field} missing in {out}");
+    }
+    assert_eq!(k7["max_admitted_1s"], 29);
+    assert_eq!(k7["max_admitted_60s"], 619);
+    // The burst is the worst excess over r·t: 20 at once, then exactly the rate.
+    assert_eq!(k7["worst_excess"], 20.0);
+    let d = std::fs::read_to_string(&decisions).unwrap();
+    let mut lines = d.lines();
+    assert_eq!(lines.next(), Some("allowed,retry_after"));
+    let rows: Vec<&str> = lines.collect();
+    assert_eq!(rows.len(), 48_615);
+    assert!(rows.iter().all(|r| *r == "1,0" || *r == "0,1"));
+    // In trace order: the 21st storm request (row 315 + 21) is the first refused.
+    assert_eq!(rows[315 + 19], "1,0");
+    assert_eq!(rows[315 + 20], "0,1");
+    // The human table names the key and the totals.
+    let table = ok(&tollgate(&[
+        "replay",
+        p(&trace),
+        "--rate",
+        "600/60s",
+        "--burst",
+        "20",
+    ]));
+    assert!(table.contains("k-7") && table.contains("46,781"), "{table}");
+}
+
+#[test]
+fn replay_m_second_export_waits_5_s_and_leaves_the_plan_untouched() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("exports.csv");
+    let decisions = dir.path().join("d.csv");
+    // 09:03:00.100 and .101: two exports after the plan bucket is full; then eleven reads.
+    let mut csv = String::from("time,key,method,path,ip\n");
+    csv.push_str("32580.100000,k-7,POST,/v1/exports,203.0.113.9\n");
+    csv.push_str("32580.101000,k-7,POST,/v1/exports,203.0.113.9\n");
+    for _ in 0..11 {
+        csv.push_str("32580.102000,k-7,GET,/v1/orders,203.0.113.9\n");
+    }
+    std::fs::write(&trace, csv).unwrap();
+    let rules = common::repo().join("rules/demo.json");
+    let out = ok(&tollgate(&[
+        "replay",
+        p(&trace),
+        "--rules",
+        p(&rules),
+        "--json",
+        "--decisions",
+        p(&decisions),
+    ]));
+    let d = std::fs::read_to_string(&decisions).unwrap();
+    let rows: Vec<&str> = d.lines().skip(1).collect();
+    assert_eq!(rows[0], "1,0", "the first export passes");
+    assert_eq!(
+        rows[1], "0,5",
+        "the second waits for the export bucket: (1 − 0.0002) / 0.2 s"
+    );
+    // The plan held 10.01 and was not charged: ten reads of 1 pass at .102, the eleventh
+    // finds 0.02. Had the refused export been charged 10, the first read would fail.
+    assert!(rows[2..12].iter().all(|r| *r == "1,0"), "{rows:?}");
+    assert_eq!(rows[12], "0,1");
+    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(json["keys"]["k-7"]["admitted"], 11);
+    assert_eq!(json["store_calls"], 13);
+    // The excess follows the plan in tokens: 10 for the export, then 10 reads.
+    assert_eq!(json["keys"]["k-7"]["worst_excess"], 19.98);
+}
+
+#[test]
+fn cost_above_the_burst_gets_an_empty_retry_after() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("t.csv");
+    let decisions = dir.path().join("d.csv");
+    std::fs::write(&trace, "time,key,cost\n1,a,5\n1,a,25\n1,a,16\n").unwrap();
+    ok(&tollgate(&[
+        "replay",
+        p(&trace),
+        "--rate",
+        "10/1s",
+        "--burst",
+        "20",
+        "--decisions",
+        p(&decisions),
+    ]));
+    assert_eq!(
+        std::fs::read_to_string(&decisions).unwrap(),
+        "allowed,retry_after\n1,0\n0,\n0,1\n"
+    );
+}
+
+#[test]
+fn bad_input_is_refused_naming_the_row_and_column() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let rate = ["--rate", "10/1s", "--burst", "20"];
+
+    let bad_time = write("time.csv", "time,key\n1.5,k-7\n1.5x,k-7\n");
+    let err = fails(&tollgate(&[&["replay", p(&bad_time)][..], &rate].concat()));
+    assert!(
+        err.contains("time.csv: line 3 (row 2), column time")
+            && err.contains("\"1.5x\" is not decimal seconds"),
+        "{err}"
+    );
+
+    let many_decimals = write("dec.csv", "time,key\n1.1234567,k-7\n");
+    let err = fails(&tollgate(&[&["replay", p(&many_decimals)][..], &rate].concat()));
+    assert!(
+        err.contains("column time") && err.contains("at most 6 decimals"),
+        "{err}"
+    );
+
+    let no_key = write("nokey.csv", "time,gateway\n1,0\n");
+    let err = fails(&tollgate(&[&["replay", p(&no_key)][..], &rate].concat()));
+    assert!(
+        err.contains("nokey.csv: header") && err.contains("no \"key\" column"),
+        "{err}"
+    );
+
+    let backwards = write("order.csv", "time,key\n2,a\n1,a\n");
+    let err = fails(&tollgate(&[&["replay", p(&backwards)][..], &rate].concat()));
+    assert!(
+        err.contains("line 3 (row 2), column time") && err.contains("sort the trace"),
+        "{err}"
+    );
+
+    let gateway = write("gw.csv", "time,key,gateway\n1,a,20\n");
+    let err = fails(&tollgate(&[&["replay", p(&gateway)][..], &rate].concat()));
+    assert!(
+        err.contains("column gateway") && err.contains("--gateways 20"),
+        "{err}"
+    );
+
+    let rules = common::repo().join("rules/demo.json");
+    let unknown = write(
+        "unknown.csv",
+        "time,key,method,path\n1,k-7,GET,/v1/orders\n2,k-99,GET,/v1/orders\n",
+    );
+    let err = fails(&tollgate(&["replay", p(&unknown), "--rules", p(&rules)]));
+    assert!(
+        err.contains("line 3 (row 2), column key")
+            && err.contains("unknown key id \"k-99\"")
+            && err.contains("k-7"),
+        "{err}"
+    );
+    let secret = write(
+        "secret.csv",
+        "time,key,method,path\n1,k7-demo-key,GET,/v1/orders\n",
+    );
+    let err = fails(&tollgate(&["replay", p(&secret), "--rules", p(&rules)]));
+    assert!(err.contains("unknown key id \"k7-demo-key\""), "{err}");
+
+    let ok_trace = write("ok.csv", "time,key\n1,a\n");
+    let err = fails(&tollgate(&[
+        "replay",
+        p(&ok_trace),
+        "--rate",
+        "10/1x",
+        "--burst",
+        "20",
+    ]));
+    assert!(
+        err.contains("--rate") && err.contains("unknown unit \"x\""),
+        "{err}"
+    );
+    let err = fails(&tollgate(&[
+        "replay",
+        p(&ok_trace),
+        "--rate",
+        "0/1s",
+        "--burst",
+        "20",
+    ]));
+    assert!(err.contains("--rate") && err.contains("above zero"), "{err}");
+    let err = fails(&tollgate(&["replay", p(&ok_trace), "--rate", "10/1s"]));
+    assert!(err.contains("--burst") && err.contains("required"), "{err}");
+    let err = fails(&tollgate(&[
+        "replay",
+        p(&ok_trace),
+        "--rate",
+        "10/1s",
+        "--burst",
+        "5",
+        "--design",
+        "lease",
+        "--lease-block",
+        "6",
+    ]));
+    assert!(
+        err.contains("--lease-block") && err.contains("above the burst"),
+        "{err}"
+    );
+    let err = fails(&tollgate(&[
+        "replay",
+        p(&dir.path().join("missing.csv")),
+        "--rate",
+        "10/1s",
+        "--burst",
+        "1",
+    ]));
+    assert!(
+        err.contains("cannot open the trace") && err.contains("missing.csv"),
+        "{err}"
+    );
+}
