@@ -339,7 +339,8 @@ impl Gateway {
                     .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
                 r
             }
-            None => self.route(&snap, req, conn, &h, &mut trace).await,
+            // Boxed so the future hyper keeps for every request stays small.
+            None => Box::pin(self.route(&snap, req, conn, &h, &mut trace)).await,
         };
         resp.headers_mut()
             .insert(X_REQUEST_ID.clone(), request_id.clone());

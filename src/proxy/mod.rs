@@ -39,20 +39,27 @@ pub static X_TOLLGATE_TENANT: HeaderName = HeaderName::from_static("x-tollgate-t
 /// Runs twice per request, so it first looks for any of them in one pass over the names
 /// (comparing known names is cheap) and removes only what it found.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    if !headers.keys().any(|k| HOP_BY_HOP.contains(k)) {
+    let mut found: smallvec::SmallVec<[HeaderName; 4]> = headers
+        .keys()
+        .filter(|k| HOP_BY_HOP.contains(k))
+        .cloned()
+        .collect();
+    if found.is_empty() {
         return;
     }
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
-        .collect();
-    for n in named {
-        headers.remove(n);
+    for v in headers.get_all(header::CONNECTION) {
+        for n in v.to_str().unwrap_or("").split(',') {
+            let n = n.trim();
+            // `keep-alive` and `close` are the usual values, and name nothing else to drop.
+            if n.eq_ignore_ascii_case("keep-alive") || n.eq_ignore_ascii_case("close") || n.is_empty() {
+                continue;
+            }
+            if let Ok(name) = HeaderName::from_bytes(n.as_bytes()) {
+                found.push(name);
+            }
+        }
     }
-    for n in &HOP_BY_HOP {
+    for n in found {
         headers.remove(n);
     }
 }

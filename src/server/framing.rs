@@ -68,6 +68,15 @@ struct Watcher {
     framing: Arc<Framing>,
 }
 
+/// The trimmed value of a header line named `name` (compared case-insensitively), if it is one.
+fn value_of<'a>(line: &'a [u8], name: &[u8]) -> Option<&'a [u8]> {
+    let rest = line.get(name.len()..)?;
+    if !line[..name.len()].eq_ignore_ascii_case(name) || rest.first() != Some(&b':') {
+        return None;
+    }
+    Some(rest[1..].trim_ascii())
+}
+
 fn head_end(buf: &[u8]) -> Option<usize> {
     // The parser accepts bare LF line ends too.
     for i in 0..buf.len() {
@@ -84,33 +93,38 @@ fn head_end(buf: &[u8]) -> Option<usize> {
 }
 
 impl Watcher {
-    /// Reads one complete head and returns the state for its body.
+    /// Reads one complete head and returns the state for its body. Only the two framing
+    /// headers matter here, so this is a line scan, not a parse: malformed heads are the HTTP
+    /// parser's to refuse, and then the connection ends.
     fn on_head(&mut self, head: &[u8]) -> State {
-        let mut headers = [httparse::EMPTY_HEADER; 128];
-        let mut req = httparse::Request::new(&mut headers);
-        if !matches!(req.parse(head), Ok(httparse::Status::Complete(_))) {
+        let mut lines = head
+            .split(|b| *b == b'\n')
+            .map(|l| l.strip_suffix(b"\r").unwrap_or(l))
+            .skip_while(|l| l.is_empty());
+        if lines.next().is_none() {
             return State::Off;
         }
         let index = self.heads;
         self.heads += 1;
-        let mut lengths = vec![];
-        let mut encodings = 0;
+        let mut lengths = 0usize;
+        let mut length: Option<u64> = None;
+        let mut encodings = 0usize;
         let mut chunked = false;
-        for h in req.headers.iter() {
-            if h.name.eq_ignore_ascii_case("content-length") {
-                lengths.push(h.value);
-            } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
+        for line in lines.take_while(|l| !l.is_empty()) {
+            if let Some(v) = value_of(line, b"content-length") {
+                lengths += 1;
+                length = std::str::from_utf8(v).ok().and_then(|s| s.parse().ok());
+            } else if let Some(v) = value_of(line, b"transfer-encoding") {
                 encodings += 1;
-                chunked = h
-                    .value
+                chunked = v
                     .rsplit(|b| *b == b',')
                     .next()
                     .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
             }
         }
-        if !lengths.is_empty() && encodings > 0 {
+        if lengths > 0 && encodings > 0 {
             self.framing.flag(index, HeadError::LengthAndEncoding);
-        } else if lengths.len() > 1 {
+        } else if lengths > 1 {
             self.framing.flag(index, HeadError::DuplicateLength);
         }
         if encodings > 0 {
@@ -120,16 +134,10 @@ impl Watcher {
                 State::Off
             };
         }
-        match lengths.first() {
-            None => State::Head(vec![]),
-            Some(v) => match std::str::from_utf8(v)
-                .ok()
-                .and_then(|s| s.trim().parse::<u64>().ok())
-            {
-                Some(0) => State::Head(vec![]),
-                Some(n) => State::Fixed(n),
-                None => State::Off,
-            },
+        match (lengths, length) {
+            (0, _) | (_, Some(0)) => State::Head(vec![]),
+            (_, Some(n)) => State::Fixed(n),
+            (_, None) => State::Off,
         }
     }
 
