@@ -4,7 +4,7 @@
 //! latency of one check, and Redis memory per bucket key over 1,000,000 keys.
 //!
 //! Run: `cargo bench --bench redis_store` (options after `--`: `--rounds 3 --seconds 5
-//! --tasks 128 --keys 10000 --memory-keys 1000000 --workers 0`). Under `cargo test --all-targets` it only
+//! --tasks 128 --keys 10000 --memory-keys 1000000 --workers 0 --connections 0`). Under `cargo test --all-targets` it only
 //! says how to run it.
 
 use std::process::{Child, Command, Stdio};
@@ -24,6 +24,10 @@ struct Opts {
     memory_keys: usize,
     /// Tokio worker threads; 0 is the runtime's default (one per core), as in `tollgate serve`.
     workers: usize,
+    /// Connections per node in RedisStore; 0 is its default.
+    connections: usize,
+    /// Only the RedisStore throughput rounds (for profiling the client).
+    only_store: bool,
 }
 
 fn opts() -> Opts {
@@ -34,6 +38,8 @@ fn opts() -> Opts {
         keys: 10_000,
         memory_keys: 1_000_000,
         workers: 0,
+        connections: 0,
+        only_store: false,
     };
     let args: Vec<String> = std::env::args().collect();
     let mut i = 1;
@@ -50,6 +56,12 @@ fn opts() -> Opts {
             "--keys" => o.keys = value(),
             "--memory-keys" => o.memory_keys = value(),
             "--workers" => o.workers = value(),
+            "--connections" => o.connections = value(),
+            "--only-store" => {
+                o.only_store = true;
+                i += 1;
+                continue;
+            }
             _ => {
                 i += 1;
                 continue;
@@ -159,9 +171,26 @@ fn bench_key(i: usize) -> String {
 /// redis-benchmark, EVALSHA of lua/check.lua with the ARGV RedisStore sends for k-7: the
 /// ceiling for one node on this machine. Returns checks per second.
 fn redis_benchmark(port: u16, sha: &str, keys: usize, n: u64) -> (f64, String) {
+    let (rps, _, _, command) = redis_benchmark_with(port, sha, keys, n, 50, 16);
+    (rps, command)
+}
+
+/// redis-benchmark with `clients` connections and `-P pipeline`: (checks/s, p50 ms, p99 ms,
+/// command).
+fn redis_benchmark_with(
+    port: u16,
+    sha: &str,
+    keys: usize,
+    n: u64,
+    clients: u32,
+    pipeline: u32,
+) -> (f64, f64, f64, String) {
     let p = k7();
+    // The clock (-1: TIME), one request, of one bucket, then the bucket's six numbers.
     let argv = [
         "-1".to_string(),
+        "1".to_string(),
+        "1".to_string(),
         p.scale.to_string(),
         p.refill.to_string(),
         p.capacity.to_string(),
@@ -173,9 +202,9 @@ fn redis_benchmark(port: u16, sha: &str, keys: usize, n: u64) -> (f64, String) {
         "-p",
         &port.to_string(),
         "-c",
-        "50",
+        &clients.to_string(),
         "-P",
-        "16",
+        &pipeline.to_string(),
         "-n",
         &n.to_string(),
         "-r",
@@ -201,9 +230,13 @@ fn redis_benchmark(port: u16, sha: &str, keys: usize, n: u64) -> (f64, String) {
         .rev()
         .find(|l| l.starts_with("\"EVALSHA"))
         .unwrap_or_else(|| panic!("no result from redis-benchmark: {text}"));
-    let fields: Vec<&str> = line.rsplitn(8, ',').collect();
-    let rps: f64 = fields[6].trim_matches('"').parse().unwrap();
-    (rps, command)
+    // "test","rps","avg","min","p50","p95","p99","max"; the test name has no commas.
+    let fields: Vec<f64> = line
+        .split(',')
+        .skip(1)
+        .map(|f| f.trim_matches('"').parse().unwrap())
+        .collect();
+    (fields[0], fields[3], fields[5], command)
 }
 
 /// Checks per second through RedisStore from `tasks` tasks for `seconds`.
@@ -239,6 +272,17 @@ async fn store_throughput(
         h.await.unwrap();
     }
     count.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
+}
+
+/// Redis's own time inside EVALSHA per call since the last CONFIG RESETSTAT (INFO commandstats).
+fn evalsha_usec_per_call(port: u16) -> f64 {
+    let stats = cli(port, &["INFO", "commandstats"]);
+    stats
+        .lines()
+        .find(|l| l.starts_with("cmdstat_evalsha:"))
+        .and_then(|l| l.split(',').find_map(|f| f.strip_prefix("usec_per_call=")))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN)
 }
 
 /// CPU seconds of a process from /proc: (own user + system, waited-for children's).
@@ -326,8 +370,14 @@ fn main() {
             .unwrap_or("")
     );
 
+    let connections = if o.connections == 0 {
+        tollgate::store::redis::DEFAULT_CONNECTIONS
+    } else {
+        o.connections
+    };
+    println!("RedisStore: {connections} connection(s)");
     let store = Arc::new(
-        rt.block_on(RedisStore::connect(Target::Node(&url), None))
+        rt.block_on(RedisStore::connect_with(Target::Node(&url), None, connections))
             .expect("connect"),
     );
     let sha = store.script_sha().to_string();
@@ -343,19 +393,38 @@ fn main() {
     let server_pid = server.child.id().to_string();
     for round in 1..=o.rounds {
         let n = 80_000 * o.seconds;
+        if o.only_store {
+            let (calls0, checks0) = store.calls_and_checks();
+            let ours = rt.block_on(store_throughput(store.clone(), items.clone(), o.tasks, o.seconds));
+            let (calls1, checks1) = store.calls_and_checks();
+            let per_call = (checks1 - checks0) as f64 / (calls1 - calls0).max(1) as f64;
+            println!(
+                "round {round}: RedisStore, {} tasks: {ours:.0}/s, {per_call:.1} checks per call",
+                o.tasks
+            );
+            continue;
+        }
         let (s0, c0) = (cpu_secs(&server_pid).0, cpu_secs("self").1);
+        cli(port, &["CONFIG", "RESETSTAT"]);
         let (ceiling, cmd) = redis_benchmark(port, &sha, o.keys, n);
+        let script_ceiling = evalsha_usec_per_call(port);
+        cli(port, &["CONFIG", "RESETSTAT"]);
         let (s1, c1) = (cpu_secs(&server_pid).0, cpu_secs("self").1);
         command = cmd;
         let own0 = cpu_secs("self").0;
+        let (calls0, checks0) = store.calls_and_checks();
         let t = Instant::now();
         let ours = rt.block_on(store_throughput(store.clone(), items.clone(), o.tasks, o.seconds));
         let checks = ours * t.elapsed().as_secs_f64();
         let (s2, own1) = (cpu_secs(&server_pid).0, cpu_secs("self").0);
+        let (calls1, checks1) = store.calls_and_checks();
+        let per_call = (checks1 - checks0) as f64 / (calls1 - calls0).max(1) as f64;
+        let script_ours = evalsha_usec_per_call(port);
         ratios.push(ours / ceiling);
         println!(
-            "round {round}: redis-benchmark EVALSHA -P 16: {ceiling:.0}/s (CPU per check: server {:.1} µs, client {:.1} µs); \
-             RedisStore, {} tasks: {ours:.0}/s (server {:.1} µs, client {:.1} µs); ratio {:.2}",
+            "round {round}: redis-benchmark EVALSHA -P 16: {ceiling:.0}/s (CPU per check: server {:.1} µs, client {:.1} µs; \
+             script {script_ceiling:.1} µs per call); RedisStore, {} tasks: {ours:.0}/s (server {:.1} µs, client {:.1} µs; \
+             {per_call:.1} checks per call, script {script_ours:.1} µs per call); ratio {:.2}",
             (s1 - s0) * 1e6 / n as f64,
             (c1 - c0) * 1e6 / n as f64,
             o.tasks,
@@ -363,6 +432,9 @@ fn main() {
             (own1 - own0) * 1e6 / checks,
             ours / ceiling
         );
+    }
+    if o.only_store {
+        return;
     }
     ratios.sort_by(f64::total_cmp);
     println!("median ratio {:.2} (goal >= 0.8)", ratios[ratios.len() / 2]);
@@ -384,8 +456,14 @@ fn main() {
         lat.sort();
         lat
     });
+    let (_, b50, b99, bcmd) = redis_benchmark_with(port, &sha, 1, 20_000, 1, 1);
     println!(
-        "p50 {}  p90 {}  p99 {}  p99.9 {}  max {} over {} checks (goal p99 < 1 ms)",
+        "same machine, same moment, redis-benchmark with one client and no pipeline: p50 {:.0} µs  p99 {:.0} µs\n  ({bcmd})",
+        b50 * 1e3,
+        b99 * 1e3
+    );
+    println!(
+        "RedisStore: p50 {}  p90 {}  p99 {}  p99.9 {}  max {} over {} checks (goal p99 < 1 ms)",
         micros(percentile(&lat, 0.50)),
         micros(percentile(&lat, 0.90)),
         micros(percentile(&lat, 0.99)),

@@ -1,33 +1,43 @@
--- lua/check.lua: one all-or-nothing token-bucket check of every bucket of one request, run by
--- the store as one atomic step. It is the arithmetic of src/limit/bucket.rs (`rescale`,
--- `refill`, `wait_us`, `check_all`) line for line, so both give the same decisions, the same
--- units left and the same waits; tests/redis_equivalence.rs holds them to it.
+-- lua/check.lua: the token-bucket check of one or more requests, each all-or-nothing over its
+-- buckets, run by the store as one atomic step. It is the arithmetic of src/limit/bucket.rs
+-- (`rescale`, `refill`, `wait_us`, `check_all`) line for line, so both give the same decisions,
+-- the same units left and the same waits; tests/redis_equivalence.rs holds them to it.
 --
--- KEYS[i]           bucket i, e.g. rl:{k7}:plan. Every bucket of one call shares one hash tag,
---                   and no name holds a rule version.
+-- A gateway sends one request per call when the store keeps up, and the requests that queued
+-- meanwhile together in one call when it doesn't: one call per request would cost the gateway a
+-- socket write and the store a command dispatch per request. The requests of one call are
+-- checked one after another, in order, at the same `now`, as if they had arrived in that order
+-- within one microsecond.
+--
+-- KEYS              every bucket of request 1, then of request 2, ..., e.g. rl:{k7}:plan. In a
+--                   cluster all keys of one call share one hash slot; no name holds a rule version.
 -- ARGV[1]           the clock: -1 reads the store's TIME (the default); any other value is the
 --                   gateway's now in microseconds (`--clock gateway`, for stores that refuse TIME).
--- ARGV[2 + 6(i-1) ... 7 + 6(i-1)], bucket i's rule, in integers:
+-- ARGV[2]           G, the number of requests in this call.
+-- ARGV[2 + g]       n_g, the number of buckets of request g (g = 1..G); the n_g add up to #KEYS.
+-- ARGV[3 + G + 6(i-1) ... 8 + G + 6(i-1)], the rule of bucket i (KEYS[i]), in integers:
 --   scale           units per whole token
 --   refill          units added per microsecond
 --   capacity        burst x scale, the most units the bucket holds
---   need            units this request costs (cost x scale; the gateway caps it at capacity + 1,
---                   which is "more than the bucket can ever hold" and keeps every number exact)
+--   need            units the request costs here (cost x scale; the gateway caps it at
+--                   capacity + 1, "more than the bucket can ever hold", keeping every number exact)
 --   ttl             key expiry in milliseconds, at least b / r
 --   shadow          1 if the bucket only observes (never blocks, charged on its own), else 0
 --
 -- Returns an array of integers:
---   [1] allowed     1 if every enforced bucket held its need (and all of them were charged)
---   [2] now         the microseconds this check used (TIME, or ARGV[1])
---   [1 + 2i]        tokens_i: units left in bucket i after the check
---   [2 + 2i]        wait_i: microseconds until bucket i could pay its need; 0 when it can now,
---                   -1 when it never can (need above capacity)
--- With no KEYS the script touches nothing and returns {1, now}: the start-up probe that the
--- store lets a script read TIME.
+--   [1]             now: the microseconds this call used (TIME, or ARGV[1])
+--   then for each request g, 1 + 2 n_g values:
+--     allowed       1 if every enforced bucket held its need (and all of them were charged),
+--                   0 if not, -1 if one of its buckets holds a value this script did not write
+--                   (the request then charges and writes nothing)
+--     tokens, wait  per bucket: units left after the check; microseconds until the bucket could
+--                   pay its need, 0 when it can now, -1 when it never can (need above capacity)
+-- With G = 0 (no KEYS) the script touches nothing and returns {now}: the start-up and /readyz
+-- probe that the store lets a script read TIME.
 --
 -- Each bucket is one string of 18 bytes, struct '<I7I7I4': tokens (units), ts (microseconds),
 -- scale (the units per token the tokens are counted in, so a changed rule can convert them).
--- It is written back on every call, allowed or refused, with SET ... PX ttl.
+-- It is written back on every check, allowed or refused, with SET ... PX ttl.
 --
 -- Numbers are Lua 5.1 doubles. Rule validation keeps every integer here below 2^53, where
 -- doubles are exact for +, - and *, but `/` rounds: every integer division goes through
@@ -42,9 +52,11 @@ local fmod, floor = math.fmod, math.floor
 local pack, unpack = struct.pack, struct.unpack
 local STATE = '<I7I7I4'
 
-local n = #KEYS
-if #ARGV ~= 1 + 6 * n then
-  return redis.error_reply('check.lua: expected ' .. (1 + 6 * n) .. ' ARGV for ' .. n .. ' keys, got ' .. #ARGV)
+local nkeys = #KEYS
+local groups = tonumber(ARGV[2])
+if groups == nil or #ARGV ~= 2 + groups + 6 * nkeys then
+  return redis.error_reply('check.lua: ARGV must be clock, G, G bucket counts and 6 numbers per key; got '
+    .. #ARGV .. ' ARGV for ' .. nkeys .. ' keys')
 end
 
 local now = tonumber(ARGV[1])
@@ -54,9 +66,6 @@ end
 if now < 0 then
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-if n == 0 then
-  return { 1, now }
 end
 
 -- ceil(a / b) for integers a >= 0, b > 0, exactly.
@@ -80,68 +89,91 @@ local function rescale(tokens, from, to)
   return whole * to + floor((frac / from) * to)
 end
 
-local allowed = true
-local tokens, waits, sufficient = {}, {}, {}
-for i = 1, n do
-  local a = 1 + 6 * (i - 1)
-  local scale = tonumber(ARGV[a + 1])
-  local refill = tonumber(ARGV[a + 2])
-  local cap = tonumber(ARGV[a + 3])
-  local need = tonumber(ARGV[a + 4])
+local out = { now }
+local first = 1
+for g = 1, groups do
+  local n = tonumber(ARGV[2 + g])
+  local last = first + n - 1
+  if n < 0 or last > nkeys then
+    return redis.error_reply('check.lua: the bucket counts add up to more than #KEYS')
+  end
 
-  -- bucket.rs `refill`: a missing bucket starts full; a stored one is converted to this rule's
-  -- scale, clamped to its capacity, then refilled for the time since ts (never negative).
-  local t = cap
-  local stored = redis.call('GET', KEYS[i])
-  if stored then
-    if #stored ~= 18 then
-      return redis.error_reply('check.lua: ' .. KEYS[i] .. ' does not hold an 18-byte bucket')
-    end
-    local s_tokens, s_ts, s_scale = unpack(STATE, stored)
-    t = rescale(s_tokens, s_scale, scale)
-    if t >= cap then
-      t = cap
-    else
-      local elapsed = now - s_ts
-      if elapsed < 0 then
-        elapsed = 0
-      end
-      local room = cap - t
-      if elapsed >= div_ceil(room, refill) then
-        t = cap
+  -- bucket.rs `check_all`, first pass: every bucket refilled to now and measured.
+  local allowed, corrupt = true, false
+  local tokens, waits = {}, {}
+  for i = first, last do
+    local a = 2 + groups + 6 * (i - 1)
+    local scale = tonumber(ARGV[a + 1])
+    local refill = tonumber(ARGV[a + 2])
+    local cap = tonumber(ARGV[a + 3])
+    local need = tonumber(ARGV[a + 4])
+
+    -- bucket.rs `refill`: a missing bucket starts full; a stored one is converted to this
+    -- rule's scale, clamped to its capacity, then refilled for the time since ts (never
+    -- negative).
+    local t = cap
+    local stored = redis.call('GET', KEYS[i])
+    if stored then
+      if #stored ~= 18 then
+        corrupt = true
       else
-        t = t + elapsed * refill
+        local s_tokens, s_ts, s_scale = unpack(STATE, stored)
+        t = rescale(s_tokens, s_scale, scale)
+        if t >= cap then
+          t = cap
+        else
+          local elapsed = now - s_ts
+          if elapsed < 0 then
+            elapsed = 0
+          end
+          if elapsed >= div_ceil(cap - t, refill) then
+            t = cap
+          else
+            t = t + elapsed * refill
+          end
+        end
       end
+    end
+
+    -- bucket.rs `wait_us`.
+    local w
+    if need > cap then
+      w = -1
+    elseif t >= need then
+      w = 0
+    else
+      w = div_ceil(need - t, refill)
+    end
+    tokens[i], waits[i] = t, w
+    if w ~= 0 and ARGV[a + 6] ~= '1' then
+      allowed = false
     end
   end
 
-  -- bucket.rs `wait_us`.
-  local w
-  if need > cap then
-    w = -1
-  elseif t >= need then
-    w = 0
+  if corrupt then
+    out[#out + 1] = -1
+    for _ = first, last do
+      out[#out + 1] = 0
+      out[#out + 1] = 0
+    end
   else
-    w = div_ceil(need - t, refill)
+    -- Second pass: enforced buckets are charged only together, shadow ones on their own; every
+    -- bucket is written back either way.
+    out[#out + 1] = allowed and 1 or 0
+    for i = first, last do
+      local a = 2 + groups + 6 * (i - 1)
+      local t = tokens[i]
+      if waits[i] == 0 and (allowed or ARGV[a + 6] == '1') then
+        t = t - tonumber(ARGV[a + 4])
+      end
+      redis.call('SET', KEYS[i], pack(STATE, t, now, tonumber(ARGV[a + 1])), 'PX', ARGV[a + 5])
+      out[#out + 1] = t
+      out[#out + 1] = waits[i]
+    end
   end
-  tokens[i], waits[i], sufficient[i] = t, w, (w == 0)
-  if w ~= 0 and ARGV[a + 6] ~= '1' then
-    allowed = false
-  end
+  first = last + 1
 end
-
--- bucket.rs `check_all`, second pass: enforced buckets are charged only together, shadow ones
--- on their own; every bucket is written back either way.
-local out = { allowed and 1 or 0, now }
-for i = 1, n do
-  local a = 1 + 6 * (i - 1)
-  local shadow = ARGV[a + 6] == '1'
-  local t = tokens[i]
-  if sufficient[i] and (allowed or shadow) then
-    t = t - tonumber(ARGV[a + 4])
-  end
-  redis.call('SET', KEYS[i], pack(STATE, t, now, tonumber(ARGV[a + 1])), 'PX', ARGV[a + 5])
-  out[1 + 2 * i] = t
-  out[2 + 2 * i] = waits[i]
+if first ~= nkeys + 1 then
+  return redis.error_reply('check.lua: the bucket counts add up to less than #KEYS')
 end
 return out

@@ -1,6 +1,6 @@
 //! `lua/check.lua` and `limit/bucket.rs` are one algorithm in two homes: thousands of random
 //! checks (random rates and bursts, rule changes, costs up to far above the burst, batches of
-//! several buckets, shadow flags) give the same decision, the same units left and the same
+//! several buckets, shadow flags, several requests in one script call) give the same decision, the same units left and the same
 //! wait on every step. The Rust side keeps its own copy of every bucket and is fed the `now`
 //! the script reports.
 //!
@@ -16,7 +16,7 @@ use rand::{Rng, SeedableRng};
 use tollgate::limit::bucket::{BucketParams, BucketState, BucketVerdict, Charge, MAX_EXACT, Rate, check_all};
 use tollgate::limit::clock::ManualClock;
 use tollgate::store::redis::{RedisStore, Target};
-use tollgate::store::{CheckItem, FailurePolicy, Store};
+use tollgate::store::{CheckItem, FailurePolicy, Outcome, Store};
 
 const STEPS: usize = 4_000;
 const BUCKETS: usize = 12;
@@ -90,12 +90,34 @@ fn move_clock(rng: &mut StdRng, clock: &ManualClock) {
     clock.set_us(next);
 }
 
+/// One request: 1 to 4 distinct buckets of the pool, each with a random cost and shadow flag.
+fn random_batch(rng: &mut StdRng, keys: &[String], rules: &[BucketParams]) -> Vec<CheckItem> {
+    let n = rng.random_range(1..=4);
+    let mut picked: Vec<usize> = (0..BUCKETS).collect();
+    for i in 0..n {
+        let j = rng.random_range(i..BUCKETS);
+        picked.swap(i, j);
+    }
+    picked[..n]
+        .iter()
+        .map(|&i| {
+            let params = rules[i];
+            let charge = Charge {
+                params,
+                cost: random_cost(rng, &params),
+                shadow: rng.random_range(0..5) == 0,
+            };
+            CheckItem::new(keys[i].as_str().into(), charge, i as u16, FailurePolicy::Local)
+        })
+        .collect()
+}
+
 async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u64) {
     let mut rng = StdRng::seed_from_u64(seed);
     let keys: Vec<String> = (0..BUCKETS).map(|i| format!("rl:{{{tag}}}:b{i}")).collect();
     let mut rules: Vec<BucketParams> = (0..BUCKETS).map(|_| random_params(&mut rng)).collect();
     let mut states: HashMap<String, BucketState> = HashMap::new();
-    let (mut allowed, mut refused, mut changes) = (0, 0, 0);
+    let (mut allowed, mut refused, mut changes, mut multi) = (0, 0, 0, 0);
     for step in 0..STEPS {
         // A rule changes under a live bucket now and then.
         if rng.random_range(0..5) == 0 {
@@ -103,72 +125,86 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u
             rules[i] = random_params(&mut rng);
             changes += 1;
         }
-        let n = rng.random_range(1..=4);
-        let mut picked: Vec<usize> = (0..BUCKETS).collect();
-        for i in 0..n {
-            let j = rng.random_range(i..BUCKETS);
-            picked.swap(i, j);
-        }
-        let batch: Vec<CheckItem> = picked[..n]
-            .iter()
-            .map(|&i| {
-                let params = rules[i];
-                let charge = Charge {
-                    params,
-                    cost: random_cost(&mut rng, &params),
-                    shadow: rng.random_range(0..5) == 0,
-                };
-                CheckItem::new(keys[i].as_str().into(), charge, i as u16, FailurePolicy::Local)
-            })
+        // Mostly one request per call; sometimes several in one call, as the store's queue
+        // sends them when the store falls behind: checked in order at one `now`, and they
+        // may share buckets.
+        let requests = if rng.random_range(0..3) == 0 {
+            rng.random_range(2..=4)
+        } else {
+            1
+        };
+        let batches: Vec<Vec<CheckItem>> = (0..requests)
+            .map(|_| random_batch(&mut rng, &keys, &rules))
             .collect();
         if let Some(c) = clock {
             move_clock(&mut rng, c);
         }
-        let outcome = store
-            .check(&batch)
-            .await
-            .unwrap_or_else(|e| panic!("seed {seed} step {step}: {e}"));
-
-        let charges: Vec<Charge> = batch.iter().map(|i| i.charge).collect();
-        let mut expected_states: Vec<Option<BucketState>> =
-            batch.iter().map(|i| states.get(&*i.key).copied()).collect();
-        let before = expected_states.clone();
-        let mut verdicts = vec![
-            BucketVerdict {
-                sufficient: false,
-                tokens: 0,
-                wait_us: None,
-            };
-            batch.len()
-        ];
-        let expected_allowed = check_all(&charges, &mut expected_states, outcome.now_us, &mut verdicts);
-        let context = || {
-            format!(
-                "seed {seed} step {step} (replay with TOLLGATE_EQ_SEED={seed}), now {}:\n  charges {charges:#?}\n  states before {before:?}",
-                outcome.now_us
-            )
-        };
-        assert_eq!(
-            outcome.allowed,
-            expected_allowed,
-            "decision differs; {}",
-            context()
-        );
-        assert_eq!(
-            outcome.buckets.as_slice(),
-            verdicts.as_slice(),
-            "units left or waits differ; {}",
-            context()
-        );
-        for (item, s) in batch.iter().zip(expected_states) {
-            states.insert(item.key.to_string(), s.expect("check_all writes every state"));
-        }
-        if outcome.allowed {
-            allowed += 1;
+        let outcomes: Vec<Outcome> = if requests == 1 {
+            vec![
+                store
+                    .check(&batches[0])
+                    .await
+                    .unwrap_or_else(|e| panic!("seed {seed} step {step}: {e}")),
+            ]
         } else {
-            refused += 1;
+            let refs: Vec<&[CheckItem]> = batches.iter().map(Vec::as_slice).collect();
+            let out = store
+                .check_together(&refs)
+                .await
+                .unwrap_or_else(|e| panic!("seed {seed} step {step}: {e}"));
+            out.into_iter()
+                .map(|o| o.unwrap_or_else(|e| panic!("seed {seed} step {step}: {e}")))
+                .collect()
+        };
+        multi += usize::from(requests > 1);
+
+        for (r, (batch, outcome)) in batches.iter().zip(&outcomes).enumerate() {
+            assert_eq!(outcome.now_us, outcomes[0].now_us, "one call, one now");
+            let charges: Vec<Charge> = batch.iter().map(|i| i.charge).collect();
+            let mut expected_states: Vec<Option<BucketState>> =
+                batch.iter().map(|i| states.get(&*i.key).copied()).collect();
+            let before = expected_states.clone();
+            let mut verdicts = vec![
+                BucketVerdict {
+                    sufficient: false,
+                    tokens: 0,
+                    wait_us: None,
+                };
+                batch.len()
+            ];
+            let expected_allowed = check_all(&charges, &mut expected_states, outcome.now_us, &mut verdicts);
+            let context = || {
+                format!(
+                    "seed {seed} step {step} request {r} of {requests} (replay with TOLLGATE_EQ_SEED={seed}), now {}:\n  charges {charges:#?}\n  states before {before:?}",
+                    outcome.now_us
+                )
+            };
+            assert_eq!(
+                outcome.allowed,
+                expected_allowed,
+                "decision differs; {}",
+                context()
+            );
+            assert_eq!(
+                outcome.buckets.as_slice(),
+                verdicts.as_slice(),
+                "units left or waits differ; {}",
+                context()
+            );
+            for (item, s) in batch.iter().zip(expected_states) {
+                states.insert(item.key.to_string(), s.expect("check_all writes every state"));
+            }
+            if outcome.allowed {
+                allowed += 1;
+            } else {
+                refused += 1;
+            }
         }
     }
+    assert!(
+        multi > STEPS / 5,
+        "seed {seed}: only {multi} calls held several requests"
+    );
     // The run must have exercised both answers and rule changes, or it proves little.
     assert!(
         allowed > STEPS / 20 && refused > STEPS / 20,

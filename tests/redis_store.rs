@@ -391,3 +391,66 @@ async fn a_failed_call_is_a_store_error() {
     );
     running.shutdown().await;
 }
+
+/// While the store is behind, queued checks share calls, each still checked on its own; a check
+/// whose caller gave up while it waited is never sent, so it charges nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checks_queued_behind_a_busy_store_share_calls_and_abandoned_ones_charge_nothing() {
+    let redis = RedisServer::start();
+    let store = connect(&redis).await;
+    let items: Vec<CheckItem> = (0..24)
+        .map(|i| item(&format!("rl:{{q}}:b{i}"), "1/60s", 2, 1))
+        .collect();
+    let abandoned = item("rl:{q}:abandoned", "1/60s", 2, 1);
+    let (calls0, checks0) = store.calls_and_checks();
+
+    // Scripts that write wait while clients are paused for writes.
+    assert_eq!(redis.cli(&["CLIENT", "PAUSE", "60000", "WRITE"]), "OK");
+    // One at a time, so each takes a call slot of its own, until every slot is taken.
+    let mut first = Vec::new();
+    for i in &items[..tollgate::store::redis::MAX_IN_FLIGHT] {
+        first.push(Box::pin(store.check(std::slice::from_ref(i))));
+        let last = first.len() - 1;
+        common::queue_all(&mut first[last..]).await;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while store.calls_and_checks().0 - calls0 < first.len() as u64 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the queue did not send check {}",
+                first.len()
+            );
+            tokio::task::yield_now().await;
+        }
+    }
+    let mut gone = [Box::pin(store.check(std::slice::from_ref(&abandoned)))];
+    common::queue_all(&mut gone).await;
+    drop(gone);
+    let mut rest: Vec<_> = items[first.len()..]
+        .iter()
+        .map(|i| Box::pin(store.check(std::slice::from_ref(i))))
+        .collect();
+    common::queue_all(&mut rest).await;
+    assert_eq!(redis.cli(&["CLIENT", "UNPAUSE"]), "OK");
+
+    let scale = items[0].charge.params.scale;
+    for f in first.into_iter().chain(rest) {
+        let o = f.await.expect("a queued check succeeds");
+        assert!(o.allowed);
+        assert_eq!(
+            o.buckets[0].tokens, scale,
+            "each request charged its own bucket once"
+        );
+    }
+    assert_eq!(
+        redis.cli(&["EXISTS", "rl:{q}:abandoned"]),
+        "0",
+        "an abandoned check was sent"
+    );
+    let (calls, checks) = store.calls_and_checks();
+    assert_eq!(checks - checks0, 24);
+    assert!(
+        calls - calls0 < 24 / 2,
+        "{} calls for 24 checks: queued checks should share calls",
+        calls - calls0
+    );
+}

@@ -385,6 +385,33 @@ async fn redis_cluster_conforms() {
             .expect("a check after SCRIPT FLUSH succeeds");
         assert_eq!(o.buckets[0].tokens, params.scale);
     }
+    // Checks of three slots queued at once, interleaved: the queue shares calls only within a
+    // slot, so every one of them succeeds.
+    let params = params("1/60s", 100);
+    let mixed: Vec<CheckItem> = (0..60)
+        .map(|i| {
+            let tag = ["conf", "k8", "a"][i % 3];
+            CheckItem::new(
+                format!("rl:{{{tag}}}:mixed").into(),
+                Charge {
+                    params,
+                    cost: 1,
+                    shadow: false,
+                },
+                0,
+                FailurePolicy::Local,
+            )
+        })
+        .collect();
+    let mut futures: Vec<_> = mixed
+        .iter()
+        .map(|i| Box::pin(store.check(std::slice::from_ref(i))))
+        .collect();
+    common::queue_all(&mut futures).await;
+    for f in futures {
+        let o = f.await.expect("a queued check on the cluster succeeds");
+        assert!(o.allowed);
+    }
     let sizes: Vec<String> = cluster.nodes.iter().map(|n| n.cli(&["DBSIZE"])).collect();
     assert!(
         sizes.iter().all(|n| n != "0"),

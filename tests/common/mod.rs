@@ -410,6 +410,21 @@ pub fn serve_and_exit(rules: &str, args: &[&str]) -> (bool, String) {
     }
 }
 
+/// Polls every future once, so each check is queued in the order given, without waiting.
+pub async fn queue_all(futures: &mut [std::pin::Pin<Box<tollgate::store::CheckFuture<'_>>>]) {
+    use std::future::Future;
+    std::future::poll_fn(|cx| {
+        for f in futures.iter_mut() {
+            assert!(
+                f.as_mut().poll(cx).is_pending(),
+                "a check finished on its first poll, before it could queue"
+            );
+        }
+        std::task::Poll::Ready(())
+    })
+    .await;
+}
+
 /// A `tollgate` process; killed on drop unless it already exited.
 pub struct Tollgate {
     pub child: Child,
