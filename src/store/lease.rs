@@ -593,3 +593,280 @@ impl Store for Leases {
         self.inner.remote()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limit::bucket::{BucketState, Charge, Rate};
+    use crate::limit::lease::{give_back, lease};
+    use crate::store::FailurePolicy;
+    use std::sync::atomic::{AtomicBool, AtomicU64};
+
+    /// A store in memory on tokio's (paused) clock: leases by `limit::lease`, checks answered
+    /// as told, and a switch that makes every lease call fail.
+    struct Fake {
+        origin: Instant,
+        bucket: Mutex<Option<BucketState>>,
+        fail: AtomicBool,
+        /// Lease answers take this long (virtual ms).
+        delay_ms: AtomicU64,
+        leases: AtomicU64,
+        given: Mutex<Vec<u64>>,
+        checks: AtomicU64,
+        refuse_checks: AtomicBool,
+    }
+
+    impl Fake {
+        fn new() -> Arc<Fake> {
+            Arc::new(Fake {
+                origin: Instant::now(),
+                bucket: Mutex::new(None),
+                fail: AtomicBool::new(false),
+                delay_ms: AtomicU64::new(0),
+                leases: AtomicU64::new(0),
+                given: Mutex::new(Vec::new()),
+                checks: AtomicU64::new(0),
+                refuse_checks: AtomicBool::new(false),
+            })
+        }
+
+        fn now(&self) -> u64 {
+            // A store clock far from the gateway's, as Redis TIME is.
+            1_700_000_000_000_000 + self.origin.elapsed().as_micros() as u64
+        }
+    }
+
+    impl Lessor for Fake {
+        fn lease<'a>(
+            &'a self,
+            _key: &'a str,
+            p: &'a BucketParams,
+            block: u64,
+            cycle_us: u64,
+        ) -> BoxFuture<'a, Result<LeaseReply, StoreError>> {
+            Box::pin(async move {
+                self.leases.fetch_add(1, Ordering::SeqCst);
+                let delay = self.delay_ms.load(Ordering::SeqCst);
+                if delay > 0 {
+                    tokio::time::sleep(Duration::from_millis(delay)).await;
+                }
+                if self.fail.load(Ordering::SeqCst) {
+                    return Err(StoreError::Unavailable("connection refused".into()));
+                }
+                let now = self.now();
+                let cfg = LeaseConfig::new(*p, block, 1).unwrap();
+                let mut b = self.bucket.lock().unwrap();
+                let grant = match lease(&cfg, &mut b, now) {
+                    Grant::Denied { .. } => Grant::Denied {
+                        until_us: now + cycle_us,
+                    },
+                    g => g,
+                };
+                Ok(LeaseReply {
+                    grant,
+                    now_us: now,
+                    units_left: b.unwrap().tokens,
+                })
+            })
+        }
+
+        fn give_back<'a>(
+            &'a self,
+            _key: &'a str,
+            p: &'a BucketParams,
+            tokens: u64,
+        ) -> BoxFuture<'a, Result<GiveBackReply, StoreError>> {
+            Box::pin(async move {
+                let now = self.now();
+                let mut b = self.bucket.lock().unwrap();
+                give_back(p, &mut b, tokens, now);
+                self.given.lock().unwrap().push(tokens);
+                Ok(GiveBackReply {
+                    now_us: now,
+                    units_left: b.unwrap().tokens,
+                })
+            })
+        }
+    }
+
+    impl Store for Fake {
+        fn check<'a>(&'a self, batch: &'a [CheckItem]) -> CheckFuture<'a> {
+            self.checks.fetch_add(1, Ordering::SeqCst);
+            let allowed = !self.refuse_checks.load(Ordering::SeqCst);
+            CheckFuture::ready(Ok(Outcome {
+                allowed,
+                now_us: self.now(),
+                buckets: batch
+                    .iter()
+                    .map(|i| BucketVerdict {
+                        sufficient: allowed,
+                        tokens: 0,
+                        wait_us: Some(if allowed { 0 } else { 5_000_000 }),
+                    })
+                    .collect(),
+                source: Source::Store,
+            }))
+        }
+
+        fn kind(&self) -> &'static str {
+            "fake"
+        }
+    }
+
+    fn leases(fake: &Arc<Fake>) -> (Arc<Leases>, Arc<Metrics>) {
+        let m = Metrics::new();
+        let l = Leases::new(
+            fake.clone(),
+            fake.clone(),
+            Arc::new(FleetSize::fixed(1)),
+            m.clone(),
+            Duration::from_millis(3),
+        );
+        (l, m)
+    }
+
+    fn item(rate: &str, burst: u64, block: u64, cost: u64) -> CheckItem {
+        let params = BucketParams::new(Rate::parse(rate).unwrap(), burst).unwrap();
+        let mut i = CheckItem::new(
+            "rl:{kbig}:plan".into(),
+            Charge {
+                params,
+                cost,
+                shadow: false,
+            },
+            0,
+            FailurePolicy::Local,
+        );
+        i.lease = Some(LeaseBlock::Fixed(block));
+        i
+    }
+
+    async fn settle(l: &Leases) {
+        while l.calls_in_flight() > 0 {
+            tokio::time::sleep(Duration::from_micros(10)).await;
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_cold_key_waits_for_its_block_which_goes_back_ten_seconds_after_it_arrived() {
+        let fake = Fake::new();
+        let (l, m) = leases(&fake);
+        let hot = [item("10000/1s", 20_000, 100, 1)];
+        assert!(l.check(&hot).await.unwrap().allowed);
+        assert_eq!(l.held(), 99);
+        assert_eq!(
+            fake.checks.load(Ordering::SeqCst),
+            0,
+            "the first request waited for the lease"
+        );
+        tokio::time::sleep(Duration::from_micros(BLOCK_TTL_US) - Duration::from_millis(1)).await;
+        assert_eq!(l.held(), 99, "expired early");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        settle(&l).await;
+        assert_eq!(l.held(), 0);
+        assert_eq!(*fake.given.lock().unwrap(), vec![99]);
+        assert_eq!(m.lease_tokens_returned.get(), 99);
+        assert_eq!(m.lease_tokens_held.get(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_denied_key_is_refused_locally_until_denied_until_without_a_store_call() {
+        let fake = Fake::new();
+        let (l, m) = leases(&fake);
+        // Burst = block: the first block empties the bucket, so the next lease is denied for
+        // one cycle, 100 / 1,000 s = 100 ms (plus up to 50 ms of jitter).
+        let hot = [item("1000/1s", 100, 100, 1)];
+        for i in 0..100 {
+            assert!(l.check(&hot).await.unwrap().allowed, "request {i}");
+            settle(&l).await;
+        }
+        assert_eq!((m.lease_grants.get(), m.lease_denials.get()), (1, 1));
+        let out = l.check(&hot).await.unwrap();
+        assert!(!out.allowed);
+        let wait = out.buckets[0].wait_us.unwrap();
+        assert!((1..=150_000).contains(&wait), "{wait}");
+        // Refusals cost nothing until then.
+        for _ in 0..50 {
+            assert!(!l.check(&hot).await.unwrap().allowed);
+        }
+        assert_eq!(fake.leases.load(Ordering::SeqCst), 2);
+        assert_eq!(fake.checks.load(Ordering::SeqCst), 0);
+        // After the denial the bucket has refilled a block.
+        tokio::time::sleep(Duration::from_micros(wait)).await;
+        assert!(l.check(&hot).await.unwrap().allowed);
+        assert_eq!(m.lease_grants.get(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn failed_leases_send_the_key_through_the_inner_store_then_leasing_resumes() {
+        let fake = Fake::new();
+        let (l, m) = leases(&fake);
+        let hot = [item("10000/1s", 20_000, 100, 1)];
+        fake.fail.store(true, Ordering::SeqCst);
+        // The inner store (the guard, with its failure policy) decides meanwhile.
+        for _ in 0..20 {
+            assert!(l.check(&hot).await.unwrap().allowed);
+        }
+        assert_eq!(fake.checks.load(Ordering::SeqCst), 20);
+        assert_eq!(
+            fake.leases.load(Ordering::SeqCst),
+            1,
+            "one lease a second per key"
+        );
+        assert_eq!(m.lease_failures.get_or_create(&Kind { kind: "lease" }).get(), 1);
+        fake.refuse_checks.store(true, Ordering::SeqCst);
+        assert!(
+            !l.check(&hot).await.unwrap().allowed,
+            "the inner store's refusal stands"
+        );
+        fake.fail.store(false, Ordering::SeqCst);
+        fake.refuse_checks.store(false, Ordering::SeqCst);
+        tokio::time::sleep(RETRY_AFTER_FAILURE).await;
+        assert!(l.check(&hot).await.unwrap().allowed);
+        assert_eq!(l.held(), 99);
+        assert_eq!(fake.checks.load(Ordering::SeqCst), 21);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refusal_elsewhere_puts_the_reserved_tokens_back() {
+        let fake = Fake::new();
+        let (l, _m) = leases(&fake);
+        let mut other = item("1/1s", 1, 1, 1);
+        other.lease = None;
+        other.key = "rl:{kbig}:exports".into();
+        let hot = item("10000/1s", 20_000, 100, 10);
+        assert!(l.check(&[hot.clone(), other.clone()]).await.unwrap().allowed);
+        assert_eq!(l.held(), 90);
+        fake.refuse_checks.store(true, Ordering::SeqCst);
+        let out = l.check(&[hot.clone(), other]).await.unwrap();
+        assert!(!out.allowed);
+        assert!(out.buckets[0].sufficient && !out.buckets[1].sufficient);
+        assert_eq!(l.held(), 90, "the 10 reserved tokens went back to the block");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn drain_gives_back_what_is_held_and_grants_still_on_their_way() {
+        let fake = Fake::new();
+        let (l, m) = leases(&fake);
+        let a = item("10000/1s", 20_000, 100, 1);
+        let mut b = item("10000/1s", 20_000, 100, 1);
+        b.key = "rl:{other}:plan".into();
+        b.fp = crate::store::fingerprint(&b.key);
+        assert!(l.check(std::slice::from_ref(&a)).await.unwrap().allowed);
+        // The next lease answers after 50 ms: the request is checked in the store meanwhile,
+        // and the grant arrives after the drain began.
+        fake.delay_ms.store(50, Ordering::SeqCst);
+        assert!(l.check(std::slice::from_ref(&b)).await.unwrap().allowed);
+        assert_eq!(fake.checks.load(Ordering::SeqCst), 1);
+        assert_eq!(l.drain(Duration::from_secs(1)).await, 99);
+        assert_eq!(l.held(), 0);
+        assert_eq!(l.calls_in_flight(), 0);
+        let mut given = fake.given.lock().unwrap().clone();
+        given.sort_unstable();
+        assert_eq!(given, vec![99, 100]);
+        assert_eq!(m.lease_tokens_returned.get(), 199);
+        // Drained: later requests go to the store, nothing more is leased.
+        assert!(l.check(&[a]).await.unwrap().allowed);
+        assert_eq!(fake.leases.load(Ordering::SeqCst), 2);
+    }
+}

@@ -192,7 +192,8 @@ pub struct Run {
     /// When the clients stopped sending, µs since the start.
     pub stop_us: u64,
     pub start: Instant,
-    /// EVALSHA calls the server ran while the load ran.
+    /// EVALSHA calls the server ran before the load (start-up probes), and while it ran.
+    pub calls_before_load: u64,
     pub calls_during_load: u64,
     /// Tokens the clients held when the load stopped.
     pub held_at_stop: u64,
@@ -438,7 +439,6 @@ pub async fn run(redis_port: u16, load: &Load) -> Run {
     );
     item.lease = Some(load.block);
 
-    let calls_before = evalsha_calls(redis_port);
     let total_us = (load.seconds * 1e6) as u64;
     let per_client = load.offered_per_s as f64 / load.clients as f64;
     let start = Instant::now();
@@ -453,6 +453,7 @@ pub async fn run(redis_port: u16, load: &Load) -> Run {
             offset_us = store_now as i64 - back as i64;
         }
     }
+    let calls_before = evalsha_calls(redis_port);
     let mut tasks = Vec::new();
     for (k, c) in clients.iter().enumerate() {
         let c = c.clone();
@@ -529,6 +530,7 @@ pub async fn run(redis_port: u16, load: &Load) -> Run {
         first_refusal_us,
         stop_us,
         start,
+        calls_before_load: calls_before,
         calls_during_load,
         held_at_stop,
         clients,
