@@ -79,16 +79,18 @@ fn main() {
         );
         println!(
             "  worst admitted − r·t for intervals starting from the first refusal ({:.3} s) on: {steady:.0} \
-             ({:.3} s .. {:.3} s); from any start, the opening burst included: {any:.0}",
+             ({:.3} s .. {:.3} s, shared bucket at its start {}); from any start, the opening burst included: {any:.0}",
             first as f64 / 1e6,
             s_from as f64 / 1e6,
-            s_to as f64 / 1e6
+            s_to as f64 / 1e6,
+            run.bucket_tokens_at(s_from)
         );
         println!(
             "  worst beyond one central bucket (admitted − C(s) − r·t): {beyond:.0} (from {:.3} s, C(s) = {c_at}); \
-             longest client stall {:.1} ms",
+             longest client stall {:.1} ms, ending at {:.3} s",
             b_from as f64 / 1e6,
-            run.longest_stall_us as f64 / 1e3
+            run.longest_stall_us as f64 / 1e3,
+            run.stall_end_us as f64 / 1e6
         );
         println!(
             "  held when the load stopped: {} tokens; all back {} after it; {} give-back calls after the load",

@@ -698,7 +698,7 @@ mod tests {
                 now_us: self.now(),
                 buckets: batch
                     .iter()
-                    .map(|i| BucketVerdict {
+                    .map(|_| BucketVerdict {
                         sufficient: allowed,
                         tokens: 0,
                         wait_us: Some(if allowed { 0 } else { 5_000_000 }),

@@ -208,6 +208,8 @@ pub struct Run {
     /// The longest a client went between two of its requests, µs: about 1 ms (the clients'
     /// tick) unless the process was descheduled on a busy machine.
     pub longest_stall_us: u64,
+    /// When that stall ended, µs since the start.
+    pub stall_end_us: u64,
     checks: Arc<(AtomicU64, AtomicU64)>,
 }
 
@@ -227,6 +229,11 @@ impl Run {
         let mut log = self.log.lock().unwrap().clone();
         log.sort_unstable();
         log
+    }
+
+    /// Whole tokens in the shared bucket at `t_us` (our time since `start`).
+    pub fn bucket_tokens_at(&self, t_us: u64) -> u64 {
+        self.bucket_at(&self.sorted_log(), t_us)
     }
 
     /// Whole tokens in the shared bucket at `t_us` (our time since `start`), from the store's
@@ -463,14 +470,15 @@ pub async fn run(redis_port: u16, load: &Load) -> Run {
             let mut sent = 0u64;
             let mut admitted = Vec::with_capacity((per_client * load_seconds(total_us) / 4.0) as usize);
             let mut first_refusal = None;
-            let (mut last_us, mut stall_us) = (0u64, 0u64);
+            let (mut last_us, mut stall_us, mut stall_end) = (0u64, 0u64, 0u64);
             'load: loop {
                 let now = start.elapsed().as_micros() as f64;
                 if now >= total_us as f64 {
                     break;
                 }
-                if sent > 0 {
-                    stall_us = stall_us.max(now as u64 - last_us);
+                if sent > 0 && now as u64 - last_us > stall_us {
+                    stall_us = now as u64 - last_us;
+                    stall_end = now as u64;
                 }
                 let due = if now < offset_us {
                     0
@@ -496,16 +504,18 @@ pub async fn run(redis_port: u16, load: &Load) -> Run {
                 }
                 tokio::time::sleep(Duration::from_micros(500)).await;
             }
-            (sent, admitted, first_refusal, stall_us)
+            (sent, admitted, first_refusal, stall_us, stall_end)
         }));
     }
     let mut admitted_us = Vec::new();
     let mut offered = 0;
     let mut first_refusal_us: Option<u64> = None;
-    let mut longest_stall_us = 0;
+    let (mut longest_stall_us, mut stall_end_us) = (0, 0);
     for t in tasks {
-        let (sent, adm, first, stall) = t.await.expect("client task");
-        longest_stall_us = longest_stall_us.max(stall);
+        let (sent, adm, first, stall, stall_end) = t.await.expect("client task");
+        if stall > longest_stall_us {
+            (longest_stall_us, stall_end_us) = (stall, stall_end);
+        }
         offered += sent;
         admitted_us.extend(adm);
         first_refusal_us = match (first_refusal_us, first) {
@@ -523,6 +533,7 @@ pub async fn run(redis_port: u16, load: &Load) -> Run {
         offset_us,
         align_us,
         longest_stall_us,
+        stall_end_us,
         params,
         block,
         admitted_us,
