@@ -24,6 +24,7 @@ pub use crate::rules::{RulesLoader, RulesSource};
 use crate::server::{self, ServerLimits, tls};
 use crate::store::Store;
 use crate::store::guard::{FleetSize, Guard};
+use crate::store::lease::Leases;
 use crate::store::memory::MemoryStore;
 use crate::store::redis::{ConnectError, RedisStore, Target};
 
@@ -94,6 +95,8 @@ pub struct Running {
     pub store: Arc<dyn Store>,
     pub memory: Option<Arc<MemoryStore>>,
     pub guard: Option<Arc<Guard>>,
+    /// Hot keys' leased blocks (a Redis store); drained on shutdown.
+    pub leases: Option<Arc<Leases>>,
     pub metrics: Arc<Metrics>,
     pub reloader: Arc<Reloader>,
     _watch: WatchHandle,
@@ -102,14 +105,11 @@ pub struct Running {
 }
 
 impl Running {
-    /// Stops accepting and drains; resolves when every listener has finished.
+    /// Stops accepting and drains; resolves when every listener has finished and every
+    /// leased token this gateway held is back in the store.
     pub async fn shutdown(self) -> usize {
         let _ = self.stop.send(true);
-        let mut open = 0;
-        for t in self.tasks {
-            open += t.await.unwrap_or(1);
-        }
-        open
+        self.wait().await
     }
 
     /// Signals shutdown without waiting.
@@ -117,15 +117,22 @@ impl Running {
         let _ = self.stop.send(true);
     }
 
-    /// Resolves when every listener has finished.
+    /// Resolves when every listener has finished, then gives leased tokens back.
     pub async fn wait(self) -> usize {
         let mut open = 0;
         for t in self.tasks {
             open += t.await.unwrap_or(1);
         }
+        if let Some(l) = &self.leases {
+            let back = l.drain(LEASE_DRAIN).await;
+            tracing::info!(tokens = back, "leased tokens given back");
+        }
         open
     }
 }
+
+/// How long shutdown waits for lease and give-back calls to finish.
+const LEASE_DRAIN: Duration = Duration::from_secs(3);
 
 async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
     TcpListener::bind(addr)
@@ -142,7 +149,7 @@ async fn stopped(mut rx: watch::Receiver<bool>) {
 }
 
 /// Connects the shared store; start-up fails with the store's name and the reason.
-async fn redis_store(target: Target<'_>, cfg: &GatewayConfig) -> Result<Arc<dyn Store>, StartError> {
+async fn redis_store(target: Target<'_>, cfg: &GatewayConfig) -> Result<Arc<RedisStore>, StartError> {
     let clock = match cfg.clock_source {
         ClockSource::Store => None,
         ClockSource::Gateway => {
@@ -216,14 +223,20 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         .watch(Duration::from_millis(100))
         .map_err(StartError::Watch)?;
 
-    let (store, memory): (Arc<dyn Store>, Option<Arc<MemoryStore>>) = match &cfg.store {
+    let (store, memory, redis): (Arc<dyn Store>, _, _) = match &cfg.store {
         StoreUrl::Memory => {
             let m = Arc::new(MemoryStore::new(cfg.clock.clone()));
             m.spawn_sweeper(Duration::from_secs(5));
-            (m.clone(), Some(m))
+            (m.clone(), Some(m), None)
         }
-        StoreUrl::Redis(url) => (redis_store(Target::Node(url), &cfg).await?, None),
-        StoreUrl::RedisCluster(nodes) => (redis_store(Target::Cluster(nodes), &cfg).await?, None),
+        StoreUrl::Redis(url) => {
+            let r = redis_store(Target::Node(url), &cfg).await?;
+            (r.clone(), None, Some(r))
+        }
+        StoreUrl::RedisCluster(nodes) => {
+            let r = redis_store(Target::Cluster(nodes), &cfg).await?;
+            (r.clone(), None, Some(r))
+        }
     };
 
     // A store on the network gets a timeout, a breaker and the failure policies in front.
@@ -244,6 +257,15 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         (g.clone() as Arc<dyn Store>, Some(g))
     } else {
         (store, None)
+    };
+    // Leased limits spend blocks in memory in front of the guard; the embedded store has no
+    // shard to spare, so there they are checked like any other.
+    let (store, leases) = match (redis, &guard) {
+        (Some(r), Some(g)) => {
+            let l = Leases::new(store, r, g.fleet.clone(), metrics.clone(), cfg.store_timeout);
+            (l.clone() as Arc<dyn Store>, Some(l))
+        }
+        _ => (store, None),
     };
 
     let listener = bind(cfg.listen).await?;
@@ -302,6 +324,7 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         store,
         memory,
         guard,
+        leases,
         metrics,
         reloader,
         _watch: watch,

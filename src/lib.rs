@@ -10,7 +10,8 @@
 //! - [`rules`]: the rules file parsed, validated and compiled into an immutable `Snapshot`.
 //! - [`identity`]: API key (compared by SHA-256) and client IP (trusted proxies only).
 //! - [`limit`]: exact token-bucket math, clocks, request plans, decisions and their headers.
-//! - [`store`]: the `Store` trait, the embedded `MemoryStore` and the shared `RedisStore`.
+//! - [`store`]: the `Store` trait, the embedded `MemoryStore`, the shared `RedisStore`, its guard,
+//!   and `Leases` (hot keys spent from leased blocks in memory).
 //! - [`respond`]: every response the gateway makes itself, in one place.
 //! - [`proxy`]: the pooled upstream client, hop-by-hop stripping, `X-Forwarded-*`, 502/504.
 //! - [`metrics`], [`logsample`]: what the operator sees: Prometheus metrics, sampled log lines.

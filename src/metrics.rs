@@ -66,7 +66,13 @@ pub struct Metrics {
     pub rules_reloads: Family<ResultLabel, Counter>,
     pub upstream_seconds: Family<UpstreamLabel, Histogram>,
     pub in_flight: Gauge,
-    pub leases: Family<Kind, Counter>,
+    /// Lease-script calls, `kind` = `lease` or `give_back`, answered or not.
+    pub lease_calls: Family<Kind, Counter>,
+    pub lease_grants: Counter,
+    pub lease_denials: Counter,
+    /// Lease-script calls that failed or timed out, by `kind`.
+    pub lease_failures: Family<Kind, Counter>,
+    pub lease_tokens_granted: Counter,
     pub lease_tokens_returned: Counter,
     pub lease_tokens_held: Gauge,
 }
@@ -142,16 +148,40 @@ impl Metrics {
         );
         let in_flight = Gauge::default();
         registry.register("in_flight_requests", "Requests being served", in_flight.clone());
-        let leases = Family::<Kind, Counter>::default();
+        let lease_calls = Family::<Kind, Counter>::default();
         registry.register(
             "lease_calls",
-            "Lease calls to the store, by result (granted, denied, failed)",
-            leases.clone(),
+            "Calls to the store's lease script, by kind (lease, give_back)",
+            lease_calls.clone(),
+        );
+        let lease_grants = Counter::default();
+        registry.register(
+            "lease_grants",
+            "Leases that granted a whole block",
+            lease_grants.clone(),
+        );
+        let lease_denials = Counter::default();
+        registry.register(
+            "lease_denials",
+            "Leases that granted nothing (the bucket held less than a block)",
+            lease_denials.clone(),
+        );
+        let lease_failures = Family::<Kind, Counter>::default();
+        registry.register(
+            "lease_failures",
+            "Lease-script calls that failed or timed out, by kind (lease, give_back)",
+            lease_failures.clone(),
+        );
+        let lease_tokens_granted = Counter::default();
+        registry.register(
+            "lease_tokens_granted",
+            "Tokens received in leased blocks",
+            lease_tokens_granted.clone(),
         );
         let lease_tokens_returned = Counter::default();
         registry.register(
             "lease_tokens_returned",
-            "Leased tokens given back unused",
+            "Leased tokens given back to the store unused (expiry, shutdown, refunds)",
             lease_tokens_returned.clone(),
         );
         let lease_tokens_held = Gauge::default();
@@ -173,7 +203,11 @@ impl Metrics {
             rules_reloads,
             upstream_seconds,
             in_flight,
-            leases,
+            lease_calls,
+            lease_grants,
+            lease_denials,
+            lease_failures,
+            lease_tokens_granted,
             lease_tokens_returned,
             lease_tokens_held,
         })

@@ -1,6 +1,6 @@
 //! Leased blocks for hot keys: the store's grant math and the gateway's block holder, pure and
-//! time-injected, so `tollgate replay`, the gateway and its Lua twin (a `lua/lease.lua` to come)
-//! share one definition.
+//! time-injected, so `tollgate replay`, the gateway (`store::lease`) and its Lua twin
+//! (`lua/lease.lua`) share one definition.
 //!
 //! A key too hot for one store shard (the spec's k-big: 100,000 checks a second) is not asked
 //! once per request. Each gateway leases a *block* of `B` tokens from the shared bucket, spends
@@ -230,7 +230,11 @@ impl Holder {
         } else {
             (false, Some(self.denied_until.saturating_sub(now)))
         };
-        let ask = !self.in_flight && now >= self.denied_until && cfg.is_low(self.held());
+        // Low, or short of this request's cost (a cost above 20% of B can leave more than the
+        // low-water mark and still too little): either way only a new block helps.
+        let ask = !self.in_flight
+            && now >= self.denied_until
+            && ((!allowed && wait_us.is_some()) || cfg.is_low(self.held()));
         if ask {
             self.in_flight = true;
         }
@@ -238,6 +242,19 @@ impl Holder {
             allowed,
             wait_us,
             ask,
+        }
+    }
+
+    /// Puts back `tokens` that [`Holder::spend`] paid for a request that was then refused
+    /// elsewhere (all-or-nothing). They go into the newest block still held at `now`; with no
+    /// block left, they are returned for the caller to give back to the store.
+    pub fn refund(&mut self, now: u64, tokens: u64) -> u64 {
+        match self.blocks.iter_mut().rev().find(|b| b.expires_at > now) {
+            Some(b) => {
+                b.left += tokens;
+                0
+            }
+            None => tokens,
         }
     }
 
@@ -351,6 +368,36 @@ mod tests {
         );
         assert!(!h.spend(&c, 258_999, 1).ask);
         assert!(h.spend(&c, 259_000, 1).ask);
+    }
+
+    #[test]
+    fn a_request_short_of_its_cost_asks_even_above_the_low_water_mark() {
+        let c = kbig();
+        let mut h = Holder::new();
+        h.spend(&c, 0, 1);
+        h.granted(0, 125);
+        assert!(h.spend(&c, 1, 80).allowed);
+        // 45 left: above 25, yet a cost of 50 can't be paid. Ask once.
+        let s = h.spend(&c, 2, 50);
+        assert_eq!((s.allowed, s.ask), (false, true));
+        assert!(!h.spend(&c, 3, 50).ask);
+    }
+
+    #[test]
+    fn refunds_go_to_the_newest_block_or_back_to_the_store() {
+        let c = kbig();
+        let mut h = Holder::new();
+        h.spend(&c, 0, 1);
+        h.granted(0, 125);
+        assert!(h.spend(&c, 1, 125).allowed);
+        h.granted(10, 125);
+        assert!(h.spend(&c, 11, 5).allowed);
+        assert_eq!(h.refund(12, 5), 0);
+        assert_eq!(h.held(), 125);
+        assert_eq!(h.expire(10 + BLOCK_TTL_US), 125);
+        // Nothing held any more: the refund is the store's.
+        assert_eq!(h.refund(10 + BLOCK_TTL_US, 3), 3);
+        assert_eq!(h.held(), 0);
     }
 
     #[test]

@@ -157,6 +157,7 @@ fn item_for(
         charge,
         limit: idx as u16,
         policy: limit.policy,
+        lease: limit.lease,
     };
     let mut name = String::with_capacity(64);
     match (&limit.dimension, key) {

@@ -509,10 +509,8 @@ impl Compiler<'_> {
                     }
                 }
             };
-            if lease.is_some()
-                && let Some(n) = &numbers
-            {
-                self.check_leasable(&field, &n.params)?;
+            if let (Some(block), Some(n)) = (lease, &numbers) {
+                self.check_leasable(&field, &n.params, block)?;
             }
             limit_index.insert(name.as_str(), limits.len());
             limits.push(Limit {
@@ -569,8 +567,8 @@ impl Compiler<'_> {
                     return Err(self.err(&lfield, "ip limits are per address and can't be set per key"));
                 }
                 let n = self.numbers(&lfield, lname, rate, *burst)?;
-                if limits[li].lease.is_some() {
-                    self.check_leasable(&lfield, &n.params)?;
+                if let Some(block) = limits[li].lease {
+                    self.check_leasable(&lfield, &n.params, block)?;
                 }
                 numbers[li] = Some(n);
                 seen.insert(lname.clone(), (rate.clone(), *burst));
@@ -791,12 +789,24 @@ impl Compiler<'_> {
         })
     }
 
-    /// Leasing pays only for hot capacity limits: at least 500 tokens a second.
-    fn check_leasable(&self, field: &str, p: &BucketParams) -> Result<(), RulesError> {
+    /// Leasing pays only for hot capacity limits: at least 500 tokens a second. A fixed block
+    /// must fit in the bucket, or no lease could ever be granted.
+    fn check_leasable(&self, field: &str, p: &BucketParams, block: LeaseBlock) -> Result<(), RulesError> {
         if (p.rate.tokens as u128) * 1_000_000 < 500 * p.rate.period_us as u128 {
             return Err(self.err(
                 format!("{field}.lease"),
                 format!("rate {} is under 500/s; leasing is for hot keys only", p.rate),
+            ));
+        }
+        if let LeaseBlock::Fixed(b) = block
+            && b > p.burst
+        {
+            return Err(self.err(
+                format!("{field}.lease.block"),
+                format!(
+                    "block {b} is above the burst {}: the bucket could never hold a whole block",
+                    p.burst
+                ),
             ));
         }
         Ok(())

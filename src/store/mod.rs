@@ -5,6 +5,7 @@
 //! (`tests/store_conformance.rs`).
 
 pub mod guard;
+pub mod lease;
 pub mod memory;
 pub mod redis;
 
@@ -17,6 +18,7 @@ use std::task::{Context, Poll};
 use smallvec::SmallVec;
 
 use crate::limit::bucket::{BucketVerdict, Charge};
+use crate::rules::LeaseBlock;
 
 /// What a limit does when its store can't answer. Chosen per limit, in the rules.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -41,6 +43,9 @@ pub struct CheckItem {
     /// Index of the limit in the rules snapshot that produced this item.
     pub limit: u16,
     pub policy: FailurePolicy,
+    /// Spent from leased blocks in the gateway's memory when the store is remote (hot keys,
+    /// `store::lease`); the embedded store checks it like any other bucket.
+    pub lease: Option<LeaseBlock>,
 }
 
 impl CheckItem {
@@ -51,6 +56,7 @@ impl CheckItem {
             charge,
             limit,
             policy,
+            lease: None,
         }
     }
 }

@@ -25,12 +25,17 @@ use fred::util::redis_keyslot;
 use smallvec::SmallVec;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
+use super::lease::{GiveBackReply, LeaseReply, Lessor};
 use super::{BoxFuture, CheckFuture, CheckItem, Outcome, Source, Store, StoreError};
-use crate::limit::bucket::BucketVerdict;
+use crate::limit::bucket::{BucketParams, BucketVerdict};
 use crate::limit::clock::Clock;
+use crate::limit::lease::Grant;
 
 /// The check script. Its SHA-1 is what every call sends.
 pub const SCRIPT: &str = include_str!("../../lua/check.lua");
+
+/// The lease script (hot keys): LEASE and GIVE BACK on the same buckets, same encoding.
+pub const LEASE_SCRIPT: &str = include_str!("../../lua/lease.lua");
 
 /// ARGV per bucket: scale, refill, capacity, need, ttl, shadow.
 pub const ARGS_PER_BUCKET: usize = 6;
@@ -108,6 +113,7 @@ struct Shared {
     /// [`DEFAULT_CONNECTIONS`] per node unless told otherwise, used round-robin.
     client: Pool,
     sha: Str,
+    lease_sha: Str,
     /// `None`: the script reads the store's TIME. `Some`: the gateway's clock (`--clock gateway`).
     clock: Option<Arc<dyn Clock>>,
     cluster: bool,
@@ -428,6 +434,7 @@ impl Shared {
         Arc::new(Shared {
             client,
             sha: fred::util::sha1_hash(SCRIPT).into(),
+            lease_sha: fred::util::sha1_hash(LEASE_SCRIPT).into(),
             clock,
             cluster,
             name,
@@ -437,9 +444,10 @@ impl Shared {
         })
     }
 
-    /// `SCRIPT LOAD` on every primary.
+    /// `SCRIPT LOAD` of both scripts on every primary.
     async fn load(&self) -> Result<(), FredError> {
-        self.client.script_load_cluster::<(), _>(SCRIPT).await
+        self.client.script_load_cluster::<(), _>(SCRIPT).await?;
+        self.client.script_load_cluster::<(), _>(LEASE_SCRIPT).await
     }
 
     fn clock_arg(&self) -> i64 {
@@ -452,17 +460,26 @@ impl Shared {
     /// EVALSHA, and on NOSCRIPT (a failover or SCRIPT FLUSH emptied the cache) load the script
     /// again and retry once. `request` builds the call, so nothing is cloned for the retry.
     async fn eval(&self, request: impl Fn() -> (Vec<Key>, Vec<Value>)) -> Result<Value, FredError> {
+        self.eval_script(&self.sha, request).await
+    }
+
+    /// [`Shared::eval`] for either script.
+    async fn eval_script(
+        &self,
+        sha: &Str,
+        request: impl Fn() -> (Vec<Key>, Vec<Value>),
+    ) -> Result<Value, FredError> {
         let (keys, args) = request();
         match self
             .client
-            .evalsha::<Value, _, _, _>(self.sha.clone(), keys, args)
+            .evalsha::<Value, _, _, _>(sha.clone(), keys, args)
             .await
         {
             Err(e) if is_noscript(&e) => {
-                tracing::info!(store = %self.name, "the store lost lua/check.lua (NOSCRIPT); loading it again");
+                tracing::info!(store = %self.name, "the store lost its scripts (NOSCRIPT); loading them again");
                 self.load().await?;
                 let (keys, args) = request();
-                self.client.evalsha(self.sha.clone(), keys, args).await
+                self.client.evalsha(sha.clone(), keys, args).await
             }
             other => other,
         }
@@ -627,6 +644,132 @@ fn parse_reply(sizes: &[usize], reply: Value) -> Result<Vec<Result<Outcome, Stor
         }));
     }
     Ok(out)
+}
+
+/// ARGV of one `lua/lease.lua` call: the clock, the operation, the bucket's numbers, the units
+/// and, for a lease, one block cycle.
+fn lease_args(clock: i64, op: &'static str, p: &BucketParams, units: u64, cycle_us: u64) -> Vec<Value> {
+    vec![
+        Value::Integer(clock),
+        Value::from(op),
+        Value::Integer(as_i64(p.scale)),
+        Value::Integer(as_i64(p.refill)),
+        Value::Integer(as_i64(p.capacity)),
+        // Never more than the capacity: a block is at most the burst, and a give-back of more
+        // than the capacity fills the bucket all the same.
+        Value::Integer(as_i64(units.min(p.capacity))),
+        Value::Integer(as_i64(p.ttl_ms())),
+        Value::Integer(as_i64(cycle_us)),
+    ]
+}
+
+/// Reads `{granted, now, tokens, until}`.
+fn parse_lease_reply(reply: Value) -> Result<(bool, u64, u64, u64), StoreError> {
+    let bad = |what: String| StoreError::Protocol(format!("lua/lease.lua answered {what}"));
+    let Value::Array(items) = reply else {
+        return Err(bad(format!("{reply:?}, not an array")));
+    };
+    if items.len() != 4 {
+        return Err(bad(format!("{} values, not 4", items.len())));
+    }
+    let mut n = [0u64; 4];
+    for (i, v) in items.iter().enumerate() {
+        n[i] = int(v)
+            .and_then(|x| u64::try_from(x).ok())
+            .ok_or_else(|| bad(format!("{v:?} at {}, not a non-negative integer", i + 1)))?;
+    }
+    let granted = match n[0] {
+        0 => false,
+        1 => true,
+        other => return Err(bad(format!("granted = {other}"))),
+    };
+    Ok((granted, n[1], n[2], n[3]))
+}
+
+impl RedisStore {
+    /// LEASE: a whole block of `block` tokens from the bucket `key`, or nothing and the store
+    /// time before which to ask again (`now + cycle_us`).
+    pub async fn lease(
+        &self,
+        key: &str,
+        p: &BucketParams,
+        block: u64,
+        cycle_us: u64,
+    ) -> Result<LeaseReply, StoreError> {
+        let reply = self
+            .shared
+            .eval_script(&self.shared.lease_sha, || {
+                (
+                    vec![Key::from(key)],
+                    lease_args(self.shared.clock_arg(), "lease", p, p.units(block), cycle_us),
+                )
+            })
+            .await
+            .map_err(|e| store_error(&e))?;
+        let (granted, now_us, units_left, until_us) = parse_lease_reply(reply)?;
+        let grant = if granted {
+            Grant::Granted { tokens: block }
+        } else {
+            if until_us < now_us {
+                return Err(StoreError::Protocol(format!(
+                    "lua/lease.lua refused with until {until_us} before now {now_us}"
+                )));
+            }
+            Grant::Denied { until_us }
+        };
+        Ok(LeaseReply {
+            grant,
+            now_us,
+            units_left,
+        })
+    }
+
+    /// GIVE BACK: `tokens` unused tokens added to the bucket `key`, capped at its burst.
+    pub async fn give_back(
+        &self,
+        key: &str,
+        p: &BucketParams,
+        tokens: u64,
+    ) -> Result<GiveBackReply, StoreError> {
+        let reply = self
+            .shared
+            .eval_script(&self.shared.lease_sha, || {
+                (
+                    vec![Key::from(key)],
+                    lease_args(self.shared.clock_arg(), "give", p, p.units(tokens), 0),
+                )
+            })
+            .await
+            .map_err(|e| store_error(&e))?;
+        let (_, now_us, units_left, _) = parse_lease_reply(reply)?;
+        Ok(GiveBackReply { now_us, units_left })
+    }
+
+    /// The lease script's SHA-1.
+    pub fn lease_script_sha(&self) -> &str {
+        &self.shared.lease_sha
+    }
+}
+
+impl Lessor for RedisStore {
+    fn lease<'a>(
+        &'a self,
+        key: &'a str,
+        p: &'a BucketParams,
+        block: u64,
+        cycle_us: u64,
+    ) -> BoxFuture<'a, Result<LeaseReply, StoreError>> {
+        Box::pin(RedisStore::lease(self, key, p, block, cycle_us))
+    }
+
+    fn give_back<'a>(
+        &'a self,
+        key: &'a str,
+        p: &'a BucketParams,
+        tokens: u64,
+    ) -> BoxFuture<'a, Result<GiveBackReply, StoreError>> {
+        Box::pin(RedisStore::give_back(self, key, p, tokens))
+    }
 }
 
 impl Store for RedisStore {

@@ -2,6 +2,8 @@
 //! `redis-server` on a free port. Every fixture stops what it started when dropped.
 #![allow(dead_code)]
 
+pub mod lease_load;
+
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

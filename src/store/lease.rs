@@ -1,0 +1,872 @@
+//! Leased blocks in the gateway: a hot key's bucket spent from this gateway's memory, with the
+//! store asked once a block (`lua/lease.lua`) instead of once a request. A [`Store`] in front
+//! of the guard.
+//!
+//! For every batch item whose limit is leased, [`Leases`] runs the pure holder of
+//! [`crate::limit::lease`] per bucket (per key): spend a held token, or refuse locally with
+//! `Retry-After` from `denied_until`; at 20% of the block ask for the next one in the
+//! background (one lease in flight per key, never before `denied_until` plus 0–50 ms of
+//! jitter); a block expires 10 s after it arrived, on this gateway's monotonic clock, and its
+//! unused tokens go back to the store, as every held token does on [`Leases::drain`] (graceful
+//! shutdown). Items that are not leased go to the inner store (the guard) in one call, so a
+//! request is still all-or-nothing: its leased tokens are reserved first, and given back to
+//! the holder when the store refuses the rest.
+//!
+//! Two departures from the spec's SPEND, both to keep leasing invisible to a key that is
+//! leased but not hot at the moment:
+//! - A holder with nothing left and a lease in flight (not denied) makes the request wait for
+//!   the answer, up to the store timeout, instead of refusing it: otherwise the first request
+//!   after an idle spell would get a 429 from a full bucket. No answer in time: the item is
+//!   checked in the store like an unleased one.
+//! - A request that costs more than a block is checked in the store directly (the same bucket,
+//!   the same encoding): a holder could never pay it.
+//!
+//! When a lease call fails (error or no answer within [`LEASE_CALL_TIMEOUT`]) the key's items
+//! are checked through the guard for [`RETRY_AFTER_FAILURE`]: while the store is down the
+//! guard's breaker and the limit's failure policy decide, exactly as for unleased limits, and
+//! tokens already held are still spent. The one lease a second per key that then finds the store
+//! back turns leasing on again.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use smallvec::SmallVec;
+use tokio::sync::{Notify, watch};
+use tokio::time::Instant;
+
+use super::guard::FleetSize;
+use super::{BoxFuture, CheckFuture, CheckItem, Outcome, Source, Store, StoreError};
+use crate::limit::bucket::{BucketParams, BucketVerdict};
+use crate::limit::lease::{
+    BLOCK_TTL_US, Grant, Holder, LeaseConfig, MAX_JITTER_US, auto_block, block_cycle_us,
+};
+use crate::logsample::Sampler;
+use crate::metrics::{Kind, Metrics};
+use crate::rules::LeaseBlock;
+
+/// A lease call that has not answered in this long counts as failed. Longer than a check's
+/// budget: it runs off the request path, and a late grant is still tokens to spend.
+pub const LEASE_CALL_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// After a failed lease call, the key is checked through the guard, and no lease is sent for
+/// it, for this long.
+pub const RETRY_AFTER_FAILURE: Duration = Duration::from_secs(1);
+
+/// The store's answer to a LEASE.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LeaseReply {
+    /// A whole block, or nothing until a store time.
+    pub grant: Grant,
+    /// The store time the script used (µs).
+    pub now_us: u64,
+    /// Units left in the bucket after the call.
+    pub units_left: u64,
+}
+
+/// The store's answer to a GIVE BACK.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GiveBackReply {
+    pub now_us: u64,
+    pub units_left: u64,
+}
+
+/// A store that can lease blocks: `lua/lease.lua` in Redis.
+pub trait Lessor: Send + Sync + 'static {
+    /// A whole block of `block` tokens, or nothing and `now + cycle_us`.
+    fn lease<'a>(
+        &'a self,
+        key: &'a str,
+        p: &'a BucketParams,
+        block: u64,
+        cycle_us: u64,
+    ) -> BoxFuture<'a, Result<LeaseReply, StoreError>>;
+
+    /// Adds `tokens` unused tokens back, capped at the burst.
+    fn give_back<'a>(
+        &'a self,
+        key: &'a str,
+        p: &'a BucketParams,
+        tokens: u64,
+    ) -> BoxFuture<'a, Result<GiveBackReply, StoreError>>;
+}
+
+/// One leased bucket in this gateway.
+struct Entry {
+    key: Arc<str>,
+    /// The numbers last seen for it, for give-backs (a reload may change them).
+    params: BucketParams,
+    holder: Holder,
+    /// Gateway time before which the key goes through the guard unless it holds tokens.
+    failing_until: u64,
+    /// Bumped on every lease answer, for requests waiting on one.
+    answered: watch::Sender<u64>,
+}
+
+struct State {
+    keys: HashMap<u64, Entry>,
+    /// Draining for shutdown: nothing more is leased, grants that still arrive go back.
+    closed: bool,
+}
+
+/// What one leased item of a request got from its holder.
+enum Try {
+    /// Paid from held tokens; `held` whole tokens are left.
+    Paid { held: u64 },
+    /// Refused locally: not enough held, a denial pending for `wait_us`.
+    Short { wait_us: u64, held: u64 },
+    /// Nothing held and a lease in flight: wait for its answer.
+    Wait(watch::Receiver<u64>),
+    /// Check it in the store, through the guard.
+    Store,
+}
+
+/// Where each item of a batch was decided.
+#[derive(Clone, Copy)]
+enum Local {
+    /// In the store, or not at all when a leased item refused first.
+    Store,
+    Paid {
+        held: u64,
+    },
+    Short {
+        wait_us: u64,
+        held: u64,
+    },
+}
+
+/// Every leased bucket of this gateway, in front of the guarded store.
+pub struct Leases {
+    inner: Arc<dyn Store>,
+    lessor: Arc<dyn Lessor>,
+    fleet: Arc<FleetSize>,
+    metrics: Arc<Metrics>,
+    /// How long a request waits for a lease in flight.
+    wait: Duration,
+    origin: Instant,
+    state: Mutex<State>,
+    /// Lease and give-back calls not yet finished, for the drain.
+    calls: AtomicUsize,
+    idle: Notify,
+    warn: Sampler,
+    me: Weak<Leases>,
+}
+
+fn verdict(p: &BucketParams, sufficient: bool, held: u64, wait_us: Option<u64>) -> BucketVerdict {
+    BucketVerdict {
+        sufficient,
+        tokens: held.saturating_mul(p.scale),
+        wait_us,
+    }
+}
+
+impl Leases {
+    /// `inner` checks everything that is not spent from a block (the guard); `lessor` leases
+    /// (the Redis store behind it); `wait` is how long a request may wait for a lease answer
+    /// (the store timeout).
+    pub fn new(
+        inner: Arc<dyn Store>,
+        lessor: Arc<dyn Lessor>,
+        fleet: Arc<FleetSize>,
+        metrics: Arc<Metrics>,
+        wait: Duration,
+    ) -> Arc<Leases> {
+        Arc::new_cyclic(|me| Leases {
+            inner,
+            lessor,
+            fleet,
+            metrics,
+            wait,
+            origin: Instant::now(),
+            state: Mutex::new(State {
+                keys: HashMap::new(),
+                closed: false,
+            }),
+            calls: AtomicUsize::new(0),
+            idle: Notify::new(),
+            warn: Sampler::new(Duration::from_secs(5)),
+            me: me.clone(),
+        })
+    }
+
+    /// Microseconds on this gateway's monotonic clock.
+    fn now_us(&self) -> u64 {
+        self.origin.elapsed().as_micros() as u64
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // Nothing under this lock can leave the state half-changed, so a panic elsewhere
+        // while holding it does not make it unusable.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whole tokens this gateway holds now, every key.
+    pub fn held(&self) -> u64 {
+        self.lock().keys.values().map(|e| e.holder.held()).sum()
+    }
+
+    /// Whole tokens this gateway holds for one bucket.
+    pub fn held_for(&self, key: &str) -> u64 {
+        self.lock()
+            .keys
+            .values()
+            .filter(|e| &*e.key == key)
+            .map(|e| e.holder.held())
+            .sum()
+    }
+
+    /// Lease and give-back calls still running.
+    pub fn calls_in_flight(&self) -> usize {
+        self.calls.load(Ordering::Acquire)
+    }
+
+    /// The block size for these numbers now: fixed, or `max(10, ⌈0.25 s × r / N⌉)` with the
+    /// current fleet size; never above the burst, which a bucket could not hold.
+    pub fn block_for(&self, spec: LeaseBlock, p: &BucketParams) -> u64 {
+        match spec {
+            LeaseBlock::Auto => auto_block(p, u64::from(self.fleet.get())),
+            LeaseBlock::Fixed(b) => b,
+        }
+        .min(p.burst)
+    }
+
+    fn try_spend(&self, st: &mut State, item: &CheckItem, spec: LeaseBlock, now: u64, waited: bool) -> Try {
+        if st.closed {
+            return Try::Store;
+        }
+        let p = item.charge.params;
+        let cost = item.charge.cost;
+        let block = self.block_for(spec, &p);
+        let Ok(cfg) = LeaseConfig::new(p, block, u64::from(self.fleet.get())) else {
+            return Try::Store;
+        };
+        if cost > block {
+            return Try::Store;
+        }
+        let entry = st.keys.entry(item.fp).or_insert_with(|| Entry {
+            key: item.key.clone(),
+            params: p,
+            holder: Holder::new(),
+            failing_until: 0,
+            answered: watch::Sender::new(0),
+        });
+        entry.params = p;
+        let back = entry.holder.expire(now);
+        if back > 0 {
+            self.metrics.lease_tokens_held.dec_by(back as i64);
+            self.give_back_later(entry.key.clone(), p, back);
+        }
+        if now < entry.failing_until && entry.holder.held() < cost {
+            return Try::Store;
+        }
+        let s = entry.holder.spend(&cfg, now, cost);
+        if s.ask {
+            self.send_lease(item.fp, entry.key.clone(), cfg);
+        }
+        let held = entry.holder.held();
+        if s.allowed {
+            self.metrics.lease_tokens_held.dec_by(cost as i64);
+            return Try::Paid { held };
+        }
+        match s.wait_us {
+            // No denial pending, so a lease is in flight (spend just sent one if none was).
+            Some(0) if waited => Try::Store,
+            Some(0) => Try::Wait(entry.answered.subscribe()),
+            Some(wait_us) => Try::Short { wait_us, held },
+            // A cost above the burst never reaches here (cost <= block <= burst).
+            None => Try::Store,
+        }
+    }
+
+    /// Gives the enforced tokens paid by a request that was refused back to their holders.
+    fn refund(&self, batch: &[CheckItem], local: &[Local]) {
+        let now = self.now_us();
+        let mut st = self.lock();
+        for (item, l) in batch.iter().zip(local) {
+            if !matches!(l, Local::Paid { .. }) || item.charge.shadow {
+                continue;
+            }
+            let Some(e) = st.keys.get_mut(&item.fp) else {
+                continue;
+            };
+            let cost = item.charge.cost;
+            let back = e.holder.refund(now, cost);
+            self.metrics.lease_tokens_held.inc_by((cost - back) as i64);
+            if back > 0 {
+                self.give_back_later(e.key.clone(), e.params, back);
+            }
+        }
+    }
+
+    async fn check_leased(&self, batch: &[CheckItem]) -> Result<Outcome, StoreError> {
+        let mut local: SmallVec<[Local; 4]> = SmallVec::from_elem(Local::Store, batch.len());
+        let mut refused = false;
+        for (i, item) in batch.iter().enumerate() {
+            let Some(spec) = item.lease else { continue };
+            // A shadow limit never makes a request wait.
+            let mut waited = item.charge.shadow;
+            loop {
+                let t = {
+                    let mut st = self.lock();
+                    self.try_spend(&mut st, item, spec, self.now_us(), waited)
+                };
+                local[i] = match t {
+                    Try::Wait(mut rx) => {
+                        waited = true;
+                        let _ = tokio::time::timeout(self.wait, rx.changed()).await;
+                        continue;
+                    }
+                    Try::Paid { held } => Local::Paid { held },
+                    Try::Short { wait_us, held } => {
+                        refused |= !item.charge.shadow;
+                        Local::Short { wait_us, held }
+                    }
+                    Try::Store => Local::Store,
+                };
+                break;
+            }
+            if refused {
+                break;
+            }
+        }
+
+        let mut verdicts: SmallVec<[BucketVerdict; 4]> = batch
+            .iter()
+            .zip(&local)
+            .map(|(item, l)| {
+                let p = &item.charge.params;
+                match *l {
+                    Local::Paid { held } => verdict(p, true, held, Some(0)),
+                    Local::Short { wait_us, held } => verdict(p, false, held, Some(wait_us)),
+                    // Not asked: only insufficient buckets decide a refusal.
+                    Local::Store => BucketVerdict {
+                        sufficient: true,
+                        tokens: p.capacity,
+                        wait_us: Some(0),
+                    },
+                }
+            })
+            .collect();
+        if refused {
+            // The store is not asked at all: a local refusal costs the shard nothing.
+            self.refund(batch, &local);
+            return Ok(Outcome {
+                allowed: false,
+                now_us: self.now_us(),
+                buckets: verdicts,
+                source: Source::Store,
+            });
+        }
+        let rest: SmallVec<[CheckItem; 4]> = batch
+            .iter()
+            .zip(&local)
+            .filter(|(_, l)| matches!(l, Local::Store))
+            .map(|(item, _)| item.clone())
+            .collect();
+        if rest.is_empty() {
+            return Ok(Outcome {
+                allowed: true,
+                now_us: self.now_us(),
+                buckets: verdicts,
+                source: Source::Store,
+            });
+        }
+        let out = match self.inner.check(&rest).await {
+            Ok(o) => o,
+            Err(e) => {
+                self.refund(batch, &local);
+                return Err(e);
+            }
+        };
+        if !out.allowed {
+            self.refund(batch, &local);
+        }
+        let mut from_store = out.buckets.into_iter();
+        for (v, l) in verdicts.iter_mut().zip(&local) {
+            if matches!(l, Local::Store)
+                && let Some(s) = from_store.next()
+            {
+                *v = s;
+            }
+        }
+        Ok(Outcome {
+            allowed: out.allowed,
+            now_us: out.now_us,
+            buckets: verdicts,
+            source: out.source,
+        })
+    }
+
+    fn call_started(&self) {
+        self.calls.fetch_add(1, Ordering::AcqRel);
+    }
+
+    fn call_done(&self) {
+        if self.calls.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.idle.notify_waiters();
+        }
+    }
+
+    fn send_lease(&self, fp: u64, key: Arc<str>, cfg: LeaseConfig) {
+        let Some(me) = self.me.upgrade() else { return };
+        self.call_started();
+        self.metrics
+            .lease_calls
+            .get_or_create(&Kind { kind: "lease" })
+            .inc();
+        tokio::spawn(async move {
+            let cycle = block_cycle_us(&cfg.params, cfg.block, cfg.gateways);
+            let answer = tokio::time::timeout(
+                LEASE_CALL_TIMEOUT,
+                me.lessor.lease(&key, &cfg.params, cfg.block, cycle),
+            )
+            .await
+            .unwrap_or(Err(StoreError::Timeout));
+            me.answered(fp, key, cfg.params, answer);
+            me.call_done();
+        });
+    }
+
+    fn answered(&self, fp: u64, key: Arc<str>, p: BucketParams, answer: Result<LeaseReply, StoreError>) {
+        let now = self.now_us();
+        let mut st = self.lock();
+        let closed = st.closed;
+        let Some(e) = st.keys.get_mut(&fp) else {
+            // Entries are never removed; still, granted tokens must not be lost.
+            if let Ok(LeaseReply {
+                grant: Grant::Granted { tokens },
+                ..
+            }) = answer
+            {
+                self.give_back_later(key, p, tokens);
+            }
+            return;
+        };
+        match answer {
+            Ok(LeaseReply {
+                grant: Grant::Granted { tokens },
+                ..
+            }) => {
+                self.metrics.lease_grants.inc();
+                self.metrics.lease_tokens_granted.inc_by(tokens);
+                if closed {
+                    e.holder.failed();
+                    self.give_back_later(key, p, tokens);
+                } else {
+                    e.holder.granted(now, tokens);
+                    e.failing_until = 0;
+                    self.metrics.lease_tokens_held.inc_by(tokens as i64);
+                    self.expire_at(fp, now + BLOCK_TTL_US);
+                }
+            }
+            Ok(LeaseReply {
+                grant: Grant::Denied { until_us },
+                now_us,
+                ..
+            }) => {
+                self.metrics.lease_denials.inc();
+                e.failing_until = 0;
+                // The store's time and ours differ: carry over the wait, not the instant.
+                let until = now.saturating_add(until_us.saturating_sub(now_us));
+                e.holder.denied(until, rand::random_range(0..=MAX_JITTER_US));
+            }
+            Err(err) => {
+                self.metrics
+                    .lease_failures
+                    .get_or_create(&Kind { kind: "lease" })
+                    .inc();
+                let retry = now + RETRY_AFTER_FAILURE.as_micros() as u64;
+                e.failing_until = retry;
+                e.holder.denied(retry, 0);
+                if let Some(suppressed) = self.warn.allow(0) {
+                    tracing::warn!(error = %err, suppressed, "lease call failed; leased limits are checked through the store guard for 1 s");
+                }
+            }
+        }
+        e.answered.send_modify(|n| *n += 1);
+    }
+
+    /// Expires the key's blocks once `at_us` has passed, and sends their rest back.
+    fn expire_at(&self, fp: u64, at_us: u64) {
+        let weak = self.me.clone();
+        let deadline = self.origin + Duration::from_micros(at_us);
+        tokio::spawn(async move {
+            tokio::time::sleep_until(deadline).await;
+            let Some(me) = weak.upgrade() else { return };
+            let now = me.now_us();
+            let mut st = me.lock();
+            if let Some(e) = st.keys.get_mut(&fp) {
+                let back = e.holder.expire(now);
+                if back > 0 {
+                    me.metrics.lease_tokens_held.dec_by(back as i64);
+                    me.give_back_later(e.key.clone(), e.params, back);
+                }
+            }
+        });
+    }
+
+    fn give_back_later(&self, key: Arc<str>, p: BucketParams, tokens: u64) {
+        let Some(me) = self.me.upgrade() else { return };
+        self.call_started();
+        self.metrics
+            .lease_calls
+            .get_or_create(&Kind { kind: "give_back" })
+            .inc();
+        tokio::spawn(async move {
+            let r = tokio::time::timeout(LEASE_CALL_TIMEOUT, me.lessor.give_back(&key, &p, tokens)).await;
+            match r {
+                Ok(Ok(_)) => {
+                    me.metrics.lease_tokens_returned.inc_by(tokens);
+                }
+                Ok(Err(_)) | Err(_) => {
+                    // Lost to this bucket until it refills: an undershoot, never an overshoot.
+                    me.metrics
+                        .lease_failures
+                        .get_or_create(&Kind { kind: "give_back" })
+                        .inc();
+                }
+            }
+            me.call_done();
+        });
+    }
+
+    /// Graceful shutdown: stops leasing, gives every held token back, and waits (at most
+    /// `within`) for every lease and give-back call to finish, so grants still on their way
+    /// go back too. Returns the tokens it gave back from the holders.
+    pub async fn drain(&self, within: Duration) -> u64 {
+        let deadline = Instant::now() + within;
+        let mut given = 0;
+        {
+            let mut st = self.lock();
+            st.closed = true;
+            for e in st.keys.values_mut() {
+                let t = e.holder.drain();
+                if t > 0 {
+                    given += t;
+                    self.metrics.lease_tokens_held.dec_by(t as i64);
+                    self.give_back_later(e.key.clone(), e.params, t);
+                }
+            }
+        }
+        loop {
+            let idle = self.idle.notified();
+            tokio::pin!(idle);
+            idle.as_mut().enable();
+            let left = self.calls.load(Ordering::Acquire);
+            if left == 0 {
+                break;
+            }
+            if tokio::time::timeout_at(deadline, idle).await.is_err() {
+                tracing::warn!(
+                    calls = left,
+                    "shutdown: lease calls still unanswered; their tokens come back as the bucket refills"
+                );
+                break;
+            }
+        }
+        given
+    }
+}
+
+impl Store for Leases {
+    fn check<'a>(&'a self, batch: &'a [CheckItem]) -> CheckFuture<'a> {
+        if batch.iter().all(|i| i.lease.is_none()) {
+            return self.inner.check(batch);
+        }
+        CheckFuture::Boxed(Box::pin(self.check_leased(batch)))
+    }
+
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+
+    fn ping(&self) -> CheckFuture<'_> {
+        self.inner.ping()
+    }
+
+    fn heartbeat<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<Option<u32>, StoreError>> {
+        self.inner.heartbeat(instance)
+    }
+
+    fn remote(&self) -> bool {
+        self.inner.remote()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limit::bucket::{BucketState, Charge, Rate};
+    use crate::limit::lease::{give_back, lease};
+    use crate::store::FailurePolicy;
+    use std::sync::atomic::{AtomicBool, AtomicU64};
+
+    /// A store in memory on tokio's (paused) clock: leases by `limit::lease`, checks answered
+    /// as told, and a switch that makes every lease call fail.
+    struct Fake {
+        origin: Instant,
+        bucket: Mutex<Option<BucketState>>,
+        fail: AtomicBool,
+        /// Lease answers take this long (virtual ms).
+        delay_ms: AtomicU64,
+        leases: AtomicU64,
+        given: Mutex<Vec<u64>>,
+        checks: AtomicU64,
+        refuse_checks: AtomicBool,
+    }
+
+    impl Fake {
+        fn new() -> Arc<Fake> {
+            Arc::new(Fake {
+                origin: Instant::now(),
+                bucket: Mutex::new(None),
+                fail: AtomicBool::new(false),
+                delay_ms: AtomicU64::new(0),
+                leases: AtomicU64::new(0),
+                given: Mutex::new(Vec::new()),
+                checks: AtomicU64::new(0),
+                refuse_checks: AtomicBool::new(false),
+            })
+        }
+
+        fn now(&self) -> u64 {
+            // A store clock far from the gateway's, as Redis TIME is.
+            1_700_000_000_000_000 + self.origin.elapsed().as_micros() as u64
+        }
+    }
+
+    impl Lessor for Fake {
+        fn lease<'a>(
+            &'a self,
+            _key: &'a str,
+            p: &'a BucketParams,
+            block: u64,
+            cycle_us: u64,
+        ) -> BoxFuture<'a, Result<LeaseReply, StoreError>> {
+            Box::pin(async move {
+                self.leases.fetch_add(1, Ordering::SeqCst);
+                let delay = self.delay_ms.load(Ordering::SeqCst);
+                if delay > 0 {
+                    tokio::time::sleep(Duration::from_millis(delay)).await;
+                }
+                if self.fail.load(Ordering::SeqCst) {
+                    return Err(StoreError::Unavailable("connection refused".into()));
+                }
+                let now = self.now();
+                let cfg = LeaseConfig::new(*p, block, 1).unwrap();
+                let mut b = self.bucket.lock().unwrap();
+                let grant = match lease(&cfg, &mut b, now) {
+                    Grant::Denied { .. } => Grant::Denied {
+                        until_us: now + cycle_us,
+                    },
+                    g => g,
+                };
+                Ok(LeaseReply {
+                    grant,
+                    now_us: now,
+                    units_left: b.unwrap().tokens,
+                })
+            })
+        }
+
+        fn give_back<'a>(
+            &'a self,
+            _key: &'a str,
+            p: &'a BucketParams,
+            tokens: u64,
+        ) -> BoxFuture<'a, Result<GiveBackReply, StoreError>> {
+            Box::pin(async move {
+                let now = self.now();
+                let mut b = self.bucket.lock().unwrap();
+                give_back(p, &mut b, tokens, now);
+                self.given.lock().unwrap().push(tokens);
+                Ok(GiveBackReply {
+                    now_us: now,
+                    units_left: b.unwrap().tokens,
+                })
+            })
+        }
+    }
+
+    impl Store for Fake {
+        fn check<'a>(&'a self, batch: &'a [CheckItem]) -> CheckFuture<'a> {
+            self.checks.fetch_add(1, Ordering::SeqCst);
+            let allowed = !self.refuse_checks.load(Ordering::SeqCst);
+            CheckFuture::ready(Ok(Outcome {
+                allowed,
+                now_us: self.now(),
+                buckets: batch
+                    .iter()
+                    .map(|_| BucketVerdict {
+                        sufficient: allowed,
+                        tokens: 0,
+                        wait_us: Some(if allowed { 0 } else { 5_000_000 }),
+                    })
+                    .collect(),
+                source: Source::Store,
+            }))
+        }
+
+        fn kind(&self) -> &'static str {
+            "fake"
+        }
+    }
+
+    fn leases(fake: &Arc<Fake>) -> (Arc<Leases>, Arc<Metrics>) {
+        let m = Metrics::new();
+        let l = Leases::new(
+            fake.clone(),
+            fake.clone(),
+            Arc::new(FleetSize::fixed(1)),
+            m.clone(),
+            Duration::from_millis(3),
+        );
+        (l, m)
+    }
+
+    fn item(rate: &str, burst: u64, block: u64, cost: u64) -> CheckItem {
+        let params = BucketParams::new(Rate::parse(rate).unwrap(), burst).unwrap();
+        let mut i = CheckItem::new(
+            "rl:{kbig}:plan".into(),
+            Charge {
+                params,
+                cost,
+                shadow: false,
+            },
+            0,
+            FailurePolicy::Local,
+        );
+        i.lease = Some(LeaseBlock::Fixed(block));
+        i
+    }
+
+    async fn settle(l: &Leases) {
+        while l.calls_in_flight() > 0 {
+            tokio::time::sleep(Duration::from_micros(10)).await;
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_cold_key_waits_for_its_block_which_goes_back_ten_seconds_after_it_arrived() {
+        let fake = Fake::new();
+        let (l, m) = leases(&fake);
+        let hot = [item("10000/1s", 20_000, 100, 1)];
+        assert!(l.check(&hot).await.unwrap().allowed);
+        assert_eq!(l.held(), 99);
+        assert_eq!(
+            fake.checks.load(Ordering::SeqCst),
+            0,
+            "the first request waited for the lease"
+        );
+        tokio::time::sleep(Duration::from_micros(BLOCK_TTL_US) - Duration::from_millis(1)).await;
+        assert_eq!(l.held(), 99, "expired early");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        settle(&l).await;
+        assert_eq!(l.held(), 0);
+        assert_eq!(*fake.given.lock().unwrap(), vec![99]);
+        assert_eq!(m.lease_tokens_returned.get(), 99);
+        assert_eq!(m.lease_tokens_held.get(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_denied_key_is_refused_locally_until_denied_until_without_a_store_call() {
+        let fake = Fake::new();
+        let (l, m) = leases(&fake);
+        // Burst = block: the first block empties the bucket, so the next lease is denied for
+        // one cycle, 100 / 1,000 s = 100 ms (plus up to 50 ms of jitter).
+        let hot = [item("1000/1s", 100, 100, 1)];
+        for i in 0..100 {
+            assert!(l.check(&hot).await.unwrap().allowed, "request {i}");
+            settle(&l).await;
+        }
+        assert_eq!((m.lease_grants.get(), m.lease_denials.get()), (1, 1));
+        let out = l.check(&hot).await.unwrap();
+        assert!(!out.allowed);
+        let wait = out.buckets[0].wait_us.unwrap();
+        assert!((1..=150_000).contains(&wait), "{wait}");
+        // Refusals cost nothing until then.
+        for _ in 0..50 {
+            assert!(!l.check(&hot).await.unwrap().allowed);
+        }
+        assert_eq!(fake.leases.load(Ordering::SeqCst), 2);
+        assert_eq!(fake.checks.load(Ordering::SeqCst), 0);
+        // After the denial the bucket has refilled a block.
+        tokio::time::sleep(Duration::from_micros(wait)).await;
+        assert!(l.check(&hot).await.unwrap().allowed);
+        assert_eq!(m.lease_grants.get(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn failed_leases_send_the_key_through_the_inner_store_then_leasing_resumes() {
+        let fake = Fake::new();
+        let (l, m) = leases(&fake);
+        let hot = [item("10000/1s", 20_000, 100, 1)];
+        fake.fail.store(true, Ordering::SeqCst);
+        // The inner store (the guard, with its failure policy) decides meanwhile.
+        for _ in 0..20 {
+            assert!(l.check(&hot).await.unwrap().allowed);
+        }
+        assert_eq!(fake.checks.load(Ordering::SeqCst), 20);
+        assert_eq!(
+            fake.leases.load(Ordering::SeqCst),
+            1,
+            "one lease a second per key"
+        );
+        assert_eq!(m.lease_failures.get_or_create(&Kind { kind: "lease" }).get(), 1);
+        fake.refuse_checks.store(true, Ordering::SeqCst);
+        assert!(
+            !l.check(&hot).await.unwrap().allowed,
+            "the inner store's refusal stands"
+        );
+        fake.fail.store(false, Ordering::SeqCst);
+        fake.refuse_checks.store(false, Ordering::SeqCst);
+        tokio::time::sleep(RETRY_AFTER_FAILURE).await;
+        assert!(l.check(&hot).await.unwrap().allowed);
+        assert_eq!(l.held(), 99);
+        assert_eq!(fake.checks.load(Ordering::SeqCst), 21);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refusal_elsewhere_puts_the_reserved_tokens_back() {
+        let fake = Fake::new();
+        let (l, _m) = leases(&fake);
+        let mut other = item("1/1s", 1, 1, 1);
+        other.lease = None;
+        other.key = "rl:{kbig}:exports".into();
+        let hot = item("10000/1s", 20_000, 100, 10);
+        assert!(l.check(&[hot.clone(), other.clone()]).await.unwrap().allowed);
+        assert_eq!(l.held(), 90);
+        fake.refuse_checks.store(true, Ordering::SeqCst);
+        let out = l.check(&[hot.clone(), other]).await.unwrap();
+        assert!(!out.allowed);
+        assert!(out.buckets[0].sufficient && !out.buckets[1].sufficient);
+        assert_eq!(l.held(), 90, "the 10 reserved tokens went back to the block");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn drain_gives_back_what_is_held_and_grants_still_on_their_way() {
+        let fake = Fake::new();
+        let (l, m) = leases(&fake);
+        let a = item("10000/1s", 20_000, 100, 1);
+        let mut b = item("10000/1s", 20_000, 100, 1);
+        b.key = "rl:{other}:plan".into();
+        b.fp = crate::store::fingerprint(&b.key);
+        assert!(l.check(std::slice::from_ref(&a)).await.unwrap().allowed);
+        // The next lease answers after 50 ms: the request is checked in the store meanwhile,
+        // and the grant arrives after the drain began.
+        fake.delay_ms.store(50, Ordering::SeqCst);
+        assert!(l.check(std::slice::from_ref(&b)).await.unwrap().allowed);
+        assert_eq!(fake.checks.load(Ordering::SeqCst), 1);
+        assert_eq!(l.drain(Duration::from_secs(1)).await, 99);
+        assert_eq!(l.held(), 0);
+        assert_eq!(l.calls_in_flight(), 0);
+        let mut given = fake.given.lock().unwrap().clone();
+        given.sort_unstable();
+        assert_eq!(given, vec![99, 100]);
+        assert_eq!(m.lease_tokens_returned.get(), 199);
+        // Drained: later requests go to the store, nothing more is leased.
+        assert!(l.check(&[a]).await.unwrap().allowed);
+        assert_eq!(fake.leases.load(Ordering::SeqCst), 2);
+    }
+}

@@ -1,0 +1,236 @@
+//! `lua/lease.lua` and `limit/lease.rs` are one algorithm in two homes: thousands of random
+//! leases and give-backs, mixed with `lua/check.lua` checks of the same buckets (one bucket,
+//! one encoding) and with rule changes under live buckets, give the same grant, the same
+//! `denied_until` and the same units left on every step. The Rust side keeps its own copy of
+//! every bucket and is fed the `now` the script reports.
+//!
+//! Set `TOLLGATE_EQ_SEED` to replay a failing seed; every failure prints its seed and step.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tollgate::limit::bucket::{BucketParams, BucketState, BucketVerdict, Charge, Rate, check_all};
+use tollgate::limit::clock::{Clock, ManualClock};
+use tollgate::limit::lease::{Grant, LeaseConfig, block_cycle_us, give_back, lease};
+use tollgate::store::redis::{RedisStore, Target};
+use tollgate::store::{CheckItem, FailurePolicy, Store};
+
+const STEPS: usize = 3_000;
+const BUCKETS: usize = 6;
+
+/// Hot-key rates (what leasing is for) and a few slow ones, so rule changes convert units
+/// between very different scales.
+const RATES: [&str; 10] = [
+    "500/1s",
+    "10000/1s",
+    "600/1s",
+    "1000/1s",
+    "7000/3s",
+    "100000/60s",
+    "999/1s",
+    "10/1s",
+    "600/60s",
+    "9/7s",
+];
+
+fn random_params(rng: &mut StdRng) -> BucketParams {
+    let rate = Rate::parse(RATES[rng.random_range(0..RATES.len())]).unwrap();
+    let burst = match rng.random_range(0..3) {
+        0 => rng.random_range(1..=20),
+        1 => rng.random_range(1..=2_000),
+        _ => rng.random_range(1..=200_000),
+    };
+    BucketParams::new(rate, burst).unwrap()
+}
+
+fn move_clock(rng: &mut StdRng, clock: &ManualClock) {
+    let now = clock.now_us();
+    let next = match rng.random_range(0..20) {
+        0 => now.saturating_sub(rng.random_range(1..=2_000_000)),
+        1 => now,
+        2 => now + rng.random_range(1..=100_000_000),
+        3..=10 => now + rng.random_range(1..=2_000),
+        _ => now + rng.random_range(1..=300_000),
+    };
+    clock.set_us(next);
+}
+
+async fn run(store: &RedisStore, clock: Option<&ManualClock>, seed: u64) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let keys: Vec<String> = (0..BUCKETS).map(|i| format!("rl:{{eq}}:lease{i}")).collect();
+    let mut rules: Vec<BucketParams> = (0..BUCKETS).map(|_| random_params(&mut rng)).collect();
+    let mut states: HashMap<usize, BucketState> = HashMap::new();
+    let (mut grants, mut denials, mut gives, mut checks, mut changes) = (0, 0, 0, 0, 0);
+    for step in 0..STEPS {
+        if rng.random_range(0..12) == 0 {
+            let i = rng.random_range(0..BUCKETS);
+            rules[i] = random_params(&mut rng);
+            changes += 1;
+        }
+        let i = rng.random_range(0..BUCKETS);
+        let p = rules[i];
+        if let Some(c) = clock {
+            move_clock(&mut rng, c);
+        }
+        let mut state = states.get(&i).copied();
+        let before = state;
+        let context = |now: u64, what: &str| {
+            format!(
+                "seed {seed} step {step} (replay with TOLLGATE_EQ_SEED={seed}), now {now}, {what}:\n  params {p:?}\n  state before {before:?}"
+            )
+        };
+        match rng.random_range(0..10) {
+            // LEASE: a block from 1 token to the whole burst, for 1 to 50 gateways.
+            0..=4 => {
+                let block = match rng.random_range(0..4) {
+                    0 => p.burst,
+                    1 => rng.random_range(1..=p.burst),
+                    _ => rng.random_range(1..=p.burst.min(200)),
+                };
+                let gateways = rng.random_range(1..=50);
+                let cfg = LeaseConfig::new(p, block, gateways).unwrap();
+                let cycle = block_cycle_us(&p, block, gateways);
+                let reply = store
+                    .lease(&keys[i], &p, block, cycle)
+                    .await
+                    .unwrap_or_else(|e| panic!("seed {seed} step {step}: {e}"));
+                let expected = lease(&cfg, &mut state, reply.now_us);
+                let what = format!("lease of {block} for {gateways} gateways");
+                assert_eq!(
+                    reply.grant,
+                    expected,
+                    "grant differs; {}",
+                    context(reply.now_us, &what)
+                );
+                assert_eq!(
+                    Some(reply.units_left),
+                    state.map(|s| s.tokens),
+                    "units left differ; {}",
+                    context(reply.now_us, &what)
+                );
+                match expected {
+                    Grant::Granted { .. } => grants += 1,
+                    Grant::Denied { .. } => denials += 1,
+                }
+            }
+            // GIVE BACK: nothing, a few tokens, or more than the bucket can hold.
+            5..=6 => {
+                let tokens = match rng.random_range(0..4) {
+                    0 => 0,
+                    1 => p.burst + rng.random_range(0..=p.burst),
+                    _ => rng.random_range(1..=p.burst),
+                };
+                let reply = store
+                    .give_back(&keys[i], &p, tokens)
+                    .await
+                    .unwrap_or_else(|e| panic!("seed {seed} step {step}: {e}"));
+                give_back(&p, &mut state, tokens, reply.now_us);
+                assert_eq!(
+                    Some(reply.units_left),
+                    state.map(|s| s.tokens),
+                    "units left differ; {}",
+                    context(reply.now_us, &format!("give-back of {tokens}"))
+                );
+                assert!(reply.units_left <= p.capacity, "a give-back went above the burst");
+                gives += 1;
+            }
+            // CHECK through lua/check.lua: the same bucket, read and written in one encoding.
+            _ => {
+                let cost = rng.random_range(1..=p.burst.min(50));
+                let charge = Charge {
+                    params: p,
+                    cost,
+                    shadow: false,
+                };
+                let item = CheckItem::new(keys[i].as_str().into(), charge, 0, FailurePolicy::Local);
+                let out = store
+                    .check(std::slice::from_ref(&item))
+                    .await
+                    .unwrap_or_else(|e| panic!("seed {seed} step {step}: {e}"));
+                let mut states_one = [state];
+                let mut v = [BucketVerdict {
+                    sufficient: false,
+                    tokens: 0,
+                    wait_us: None,
+                }];
+                let allowed = check_all(&[charge], &mut states_one, out.now_us, &mut v);
+                state = states_one[0];
+                let what = format!("check of cost {cost}");
+                assert_eq!(
+                    out.allowed,
+                    allowed,
+                    "decision differs; {}",
+                    context(out.now_us, &what)
+                );
+                assert_eq!(
+                    out.buckets[0],
+                    v[0],
+                    "verdict differs; {}",
+                    context(out.now_us, &what)
+                );
+                checks += 1;
+            }
+        }
+        states.insert(i, state.expect("every call writes its bucket"));
+    }
+    // The run must have granted, denied, given back, checked and changed rules, or it proves
+    // little.
+    assert!(
+        grants > 100 && denials > 100 && gives > 300 && checks > 300 && changes > 50,
+        "seed {seed}: {grants} grants, {denials} denials, {gives} give-backs, {checks} checks, {changes} rule changes"
+    );
+}
+
+fn seed() -> u64 {
+    match std::env::var("TOLLGATE_EQ_SEED") {
+        Ok(s) => s.parse().expect("TOLLGATE_EQ_SEED must be a number"),
+        Err(_) => rand::rng().random(),
+    }
+}
+
+#[tokio::test]
+async fn lease_script_and_lease_rs_agree_on_the_store_clock() {
+    let redis = common::RedisServer::start();
+    let store = RedisStore::connect(Target::Node(&redis.url()), None)
+        .await
+        .unwrap();
+    let seed = seed();
+    eprintln!("TOLLGATE_EQ_SEED={seed}");
+    run(&store, None, seed).await;
+}
+
+#[tokio::test]
+async fn lease_script_and_lease_rs_agree_on_a_jumping_gateway_clock() {
+    let redis = common::RedisServer::start();
+    let clock = ManualClock::new(1_700_000_000_000_000);
+    let store = RedisStore::connect(Target::Node(&redis.url()), Some(clock.clone() as Arc<_>))
+        .await
+        .unwrap();
+    let seed = seed();
+    eprintln!("TOLLGATE_EQ_SEED={seed}");
+    run(&store, Some(&clock), seed).await;
+}
+
+#[tokio::test]
+async fn the_lease_script_comes_back_after_a_script_flush() {
+    let redis = common::RedisServer::start();
+    let store = RedisStore::connect(Target::Node(&redis.url()), None)
+        .await
+        .unwrap();
+    let p = BucketParams::new(Rate::parse("10000/1s").unwrap(), 20_000).unwrap();
+    assert_eq!(redis.cli(&["SCRIPT", "EXISTS", store.lease_script_sha()]), "1");
+    redis.cli(&["SCRIPT", "FLUSH"]);
+    assert_eq!(redis.cli(&["SCRIPT", "EXISTS", store.lease_script_sha()]), "0");
+    let reply = store.lease("rl:{kbig}:plan", &p, 125, 250_000).await.unwrap();
+    assert_eq!(reply.grant, Grant::Granted { tokens: 125 });
+    assert_eq!(reply.units_left, (20_000 - 125) * p.scale);
+    assert_eq!(redis.cli(&["SCRIPT", "EXISTS", store.lease_script_sha()]), "1");
+    // The script refuses what it can't read rather than guess.
+    redis.cli(&["SET", "rl:{kbig}:plan", "not a bucket"]);
+    let err = store.lease("rl:{kbig}:plan", &p, 125, 250_000).await.unwrap_err();
+    assert!(err.to_string().contains("18-byte bucket"), "{err}");
+}
