@@ -131,6 +131,10 @@ pub struct FleetArgs {
     /// TOLLGATE_LOG for the gateways (info logs one access line per request).
     #[arg(long, default_value = "warn")]
     pub gateway_log: String,
+    /// Keep every process's log and the rules of each run in this directory (default: a
+    /// temporary directory, removed at the end).
+    #[arg(long)]
+    pub log_dir: Option<PathBuf>,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
@@ -170,6 +174,7 @@ pub struct Plan {
     pub store_timeout: Duration,
     pub gateway_threads: u16,
     pub gateway_log: String,
+    pub log_dir: Option<PathBuf>,
     pub json: bool,
 }
 
@@ -263,6 +268,7 @@ impl Plan {
             store_timeout: a.store_timeout,
             gateway_threads: a.gateway_threads,
             gateway_log: a.gateway_log.clone(),
+            log_dir: a.log_dir.clone(),
             json: a.json,
         })
     }

@@ -1,7 +1,8 @@
 //! The load driver: the storm's closed-loop workers on one key, round-robin over the gateways,
 //! and the other partners' paced traffic beside it. Every answer is recorded with its send and
-//! answer times, its gateway and its status.
+//! answer times, its gateway and its status, and one example of each unexpected answer is kept.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -58,23 +59,41 @@ fn bearer(secret: &str) -> Result<HeaderValue, String> {
         .map_err(|_| format!("API key {secret:?} can't be sent in a header"))
 }
 
-async fn send(t: &Target, auth: &HeaderValue) -> u16 {
+/// The status, and for an unexpected answer (neither 2xx nor 429, or none) what it said.
+async fn send(t: &Target, auth: &HeaderValue) -> (u16, Option<String>) {
     let req = Request::get(t.uri.clone())
         .header(AUTHORIZATION, auth.clone())
         .body(Empty::<Bytes>::new())
         .expect("a GET with a valid URI and header");
     let answer = async {
-        let resp = t.client.request(req).await.ok()?;
+        let resp = t.client.request(req).await.map_err(|e| format!("{e:?}"))?;
         let status = resp.status().as_u16();
         // Read the body whole so the connection goes back to the pool.
-        resp.into_body().collect().await.ok()?;
-        Some(status)
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| format!("{status}, then the body failed: {e:?}"))?
+            .to_bytes();
+        let odd = !(200..300).contains(&status) && status != 429;
+        Ok::<_, String>((
+            status,
+            odd.then(|| String::from_utf8_lossy(&body[..body.len().min(300)]).into_owned()),
+        ))
     };
-    timeout(REQUEST_TIMEOUT, answer)
-        .await
-        .ok()
-        .flatten()
-        .unwrap_or(NO_ANSWER)
+    match timeout(REQUEST_TIMEOUT, answer).await {
+        Ok(Ok(a)) => a,
+        Ok(Err(e)) => (NO_ANSWER, Some(e)),
+        Err(_) => (NO_ANSWER, Some(format!("no answer within {REQUEST_TIMEOUT:?}"))),
+    }
+}
+
+/// What the load produced: every answer, and one example of each unexpected answer.
+#[derive(Default)]
+pub struct Outcome {
+    pub records: Vec<Record>,
+    /// The first body (or transport error) seen for each status other than 2xx and 429.
+    pub samples: BTreeMap<u16, String>,
 }
 
 /// How a worker picks its gateway.
@@ -93,8 +112,11 @@ struct Worker {
     spread: Spread,
 }
 
-async fn work(w: Worker, t0: Instant, deadline: Instant, targets: Arc<Vec<Target>>) -> Vec<Record> {
-    let mut out = Vec::with_capacity(256);
+async fn work(w: Worker, t0: Instant, deadline: Instant, targets: Arc<Vec<Target>>) -> Outcome {
+    let mut out = Outcome {
+        records: Vec::with_capacity(256),
+        samples: BTreeMap::new(),
+    };
     let n = targets.len();
     let mut own = match w.spread {
         Spread::Own(start) => start,
@@ -118,9 +140,12 @@ async fn work(w: Worker, t0: Instant, deadline: Instant, targets: Arc<Vec<Target
                 own
             }
         };
-        let status = send(&targets[g], &w.auth).await;
+        let (status, odd) = send(&targets[g], &w.auth).await;
         let end = Instant::now();
-        out.push(Record {
+        if let Some(text) = odd {
+            out.samples.entry(status).or_insert(text);
+        }
+        out.records.push(Record {
             send_us: (start - t0).as_micros() as u64,
             recv_us: (end - t0).as_micros() as u64,
             gateway: g as u16,
@@ -136,7 +161,7 @@ async fn work(w: Worker, t0: Instant, deadline: Instant, targets: Arc<Vec<Target
 }
 
 /// Runs the load from `t0` for the spec's duration; returns every answer, in no order.
-pub async fn drive(spec: &LoadSpec, targets: Arc<Vec<Target>>, t0: Instant) -> Result<Vec<Record>, String> {
+pub async fn drive(spec: &LoadSpec, targets: Arc<Vec<Target>>, t0: Instant) -> Result<Outcome, String> {
     let deadline = t0 + spec.duration;
     let storm_auth = bearer(&spec.storm_key)?;
     let partner_auth: Vec<HeaderValue> = spec
@@ -176,9 +201,13 @@ pub async fn drive(spec: &LoadSpec, targets: Arc<Vec<Target>>, t0: Instant) -> R
             tasks.push(tokio::spawn(work(w, t0, deadline, targets.clone())));
         }
     }
-    let mut all = Vec::new();
+    let mut all = Outcome::default();
     for t in tasks {
-        all.extend(t.await.map_err(|e| format!("a load worker failed: {e}"))?);
+        let o = t.await.map_err(|e| format!("a load worker failed: {e}"))?;
+        all.records.extend(o.records);
+        for (k, v) in o.samples {
+            all.samples.entry(k).or_insert(v);
+        }
     }
     Ok(all)
 }

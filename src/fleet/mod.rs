@@ -181,7 +181,7 @@ async fn run_all(plan: &Plan) -> Result<Output, String> {
     }
     let refill = refill_time(&snap);
     let bin = std::env::current_exe().map_err(|e| format!("cannot find the tollgate binary: {e}"))?;
-    let dir = WorkDir::new()?;
+    let dir = WorkDir::new(plan.log_dir.as_deref())?;
 
     let redis = if plan.needs_store() && plan.redis_url.is_none() {
         progress(plan.json, "starting redis-server");
@@ -288,6 +288,7 @@ async fn one_run(
         &format!("{label}: starting {} gateways on {store}", plan.gateways),
     );
     let spec = Arc::new(GatewaySpec {
+        run: label.clone(),
         bin: bin.to_path_buf(),
         rules: rules_path,
         store: store.clone(),
@@ -346,8 +347,8 @@ async fn one_run(
         resumed?;
         Ok::<_, String>(Some((stop.as_micros() as u64, resume.as_micros() as u64)))
     };
-    let (records, outage) = tokio::join!(load::drive(&spec, Arc::new(targets), t0), outage);
-    let (records, outage_us) = (records?, outage?);
+    let (outcome, outage) = tokio::join!(load::drive(&spec, Arc::new(targets), t0), outage);
+    let (outcome, outage_us) = (outcome?, outage?);
 
     let mut counters = StoreCounters::default();
     for g in &gws {
@@ -360,7 +361,7 @@ async fn one_run(
     let load_after = load_average();
     stop_all(gws.into_iter().map(|g| g.proc).collect()).await;
     Ok(report::analyse(
-        &records,
+        &outcome.records,
         RunFacts {
             run: label,
             mode: run.mode.name(),
@@ -374,6 +375,7 @@ async fn one_run(
             load_before,
             load_after,
             store: counters,
+            samples: outcome.samples,
         },
     ))
 }

@@ -19,26 +19,37 @@ use tokio::time::{Instant, timeout};
 /// How long a process may take to print its address or become ready.
 const START_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// A directory under the system temp dir, removed on drop.
+/// A directory under the system temp dir, removed on drop; or one the user named, kept.
 pub struct WorkDir {
     pub path: PathBuf,
+    keep: bool,
 }
 
 impl WorkDir {
-    pub fn new() -> Result<WorkDir, String> {
+    /// `keep`: a directory to keep (created if missing) instead of a temporary one.
+    pub fn new(keep: Option<&Path>) -> Result<WorkDir, String> {
+        if let Some(p) = keep {
+            std::fs::create_dir_all(p).map_err(|e| format!("--log-dir {}: {e}", p.display()))?;
+            return Ok(WorkDir {
+                path: p.to_path_buf(),
+                keep: true,
+            });
+        }
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.subsec_nanos())
             .unwrap_or(0);
         let path = std::env::temp_dir().join(format!("tollgate-fleet-{}-{nanos}", std::process::id()));
         std::fs::create_dir_all(&path).map_err(|e| format!("cannot create {}: {e}", path.display()))?;
-        Ok(WorkDir { path })
+        Ok(WorkDir { path, keep: false })
     }
 }
 
 impl Drop for WorkDir {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.path);
+        if !self.keep {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
     }
 }
 
@@ -251,6 +262,8 @@ pub struct Gateway {
 
 /// How every gateway of a run is started.
 pub struct GatewaySpec {
+    /// The run's label, which names the log files.
+    pub run: String,
     pub bin: PathBuf,
     pub rules: PathBuf,
     pub store: String,
@@ -290,7 +303,16 @@ impl Gateway {
             .env_remove("TOLLGATE_TRUSTED_PROXY")
             .env_remove("TOLLGATE_CLOCK");
         let name = format!("gateway {}", index + 1);
-        let (proc, out) = Proc::spawn(name, cmd, dir.join(format!("gateway-{:02}.log", index + 1)), true)?;
+        let (proc, out) = Proc::spawn(
+            name,
+            cmd,
+            dir.join(format!(
+                "{}-gateway-{:02}.log",
+                spec.run.replace('/', "-"),
+                index + 1
+            )),
+            true,
+        )?;
         let addrs = read_addrs(
             &proc,
             out.expect("piped"),

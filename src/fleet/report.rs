@@ -116,6 +116,8 @@ pub struct RunReport {
     pub others: Others,
     pub store: StoreCounters,
     pub outage: Option<Outage>,
+    /// One body (or transport error) for each status other than 2xx and 429 (0: no answer).
+    pub unexpected_answers: BTreeMap<u16, String>,
 }
 
 /// What the analysis needs besides the records.
@@ -132,6 +134,7 @@ pub struct RunFacts<'a> {
     pub load_before: String,
     pub load_after: String,
     pub store: StoreCounters,
+    pub samples: BTreeMap<u16, String>,
 }
 
 fn ok(status: u16) -> bool {
@@ -270,6 +273,7 @@ pub fn analyse(records: &[Record], f: RunFacts<'_>) -> RunReport {
         others: others_report,
         store: f.store,
         outage,
+        unexpected_answers: f.samples,
     }
 }
 
@@ -434,6 +438,16 @@ pub fn text(header: &str, runs: &[RunReport]) -> String {
         }
     }
     for r in runs {
+        for (status, text) in &r.unexpected_answers {
+            let what = if *status == NO_ANSWER {
+                "no answer".to_string()
+            } else {
+                format!("an answer {status}")
+            };
+            let _ = writeln!(out, "{}: {what}: {text}", r.run);
+        }
+    }
+    for r in runs {
         if !r.storm.reached_target {
             let _ = writeln!(
                 out,
@@ -508,6 +522,7 @@ mod tests {
                 load_before: String::new(),
                 load_after: String::new(),
                 store: StoreCounters::default(),
+                samples: BTreeMap::new(),
             },
         );
         let s = &r.storm;
@@ -551,6 +566,7 @@ mod tests {
                 load_before: String::new(),
                 load_after: String::new(),
                 store: StoreCounters::default(),
+                samples: BTreeMap::new(),
             },
         );
         assert!(!r.storm.reached_target);
