@@ -135,6 +135,10 @@ pub struct FleetArgs {
     /// temporary directory, removed at the end).
     #[arg(long)]
     pub log_dir: Option<PathBuf>,
+    /// Write each run's storm requests to DIR/<run>.csv as a `tollgate replay` trace (time,
+    /// key, gateway), to replay the same arrivals through each design offline.
+    #[arg(long)]
+    pub trace_dir: Option<PathBuf>,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
@@ -175,6 +179,7 @@ pub struct Plan {
     pub gateway_threads: u16,
     pub gateway_log: String,
     pub log_dir: Option<PathBuf>,
+    pub trace_dir: Option<PathBuf>,
     pub json: bool,
 }
 
@@ -269,6 +274,7 @@ impl Plan {
             gateway_threads: a.gateway_threads,
             gateway_log: a.gateway_log.clone(),
             log_dir: a.log_dir.clone(),
+            trace_dir: a.trace_dir.clone(),
             json: a.json,
         })
     }

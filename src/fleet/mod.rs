@@ -176,6 +176,12 @@ async fn run_all(plan: &Plan) -> Result<Output, String> {
     let base = BaseRules::load(plan.rules.as_deref())?;
     let snap = base.compiled()?;
     let contract = rules::contract(&snap, &plan.storm_key)?;
+    let storm_id = snap.keys[rules::key_index(&snap, &plan.storm_key, "--storm-key")?]
+        .id
+        .to_string();
+    if let Some(d) = &plan.trace_dir {
+        std::fs::create_dir_all(d).map_err(|e| format!("--trace-dir {}: {e}", d.display()))?;
+    }
     for k in &plan.partner_keys {
         rules::key_index(&snap, k, "--partner-keys")?;
     }
@@ -218,19 +224,17 @@ async fn run_all(plan: &Plan) -> Result<Output, String> {
     let mut runs = Vec::new();
     let mut store_used_at: Option<Instant> = None;
     for &run in &plan.runs {
-        let report = one_run(
-            plan,
-            run,
-            &base,
-            &contract,
-            &bin,
-            &dir,
-            store_url.as_deref(),
-            redis.as_ref(),
-            upstream_addr,
-            store_used_at.map(|t| t + refill),
-        )
-        .await?;
+        let fleet = Fleet {
+            base: &base,
+            contract: &contract,
+            storm_id: &storm_id,
+            bin: &bin,
+            dir: &dir,
+            store_url: store_url.as_deref(),
+            redis: redis.as_ref(),
+            upstream: upstream_addr,
+        };
+        let report = one_run(plan, run, &fleet, store_used_at.map(|t| t + refill)).await?;
         if run.mode == Mode::Central {
             store_used_at = Some(Instant::now());
         }
@@ -260,19 +264,59 @@ async fn run_all(plan: &Plan) -> Result<Output, String> {
     })
 }
 
-#[allow(clippy::too_many_arguments)]
+/// What every run of one invocation shares.
+struct Fleet<'a> {
+    base: &'a BaseRules,
+    contract: &'a Contract,
+    /// The storm key's public id (`k-7`), for the trace files.
+    storm_id: &'a str,
+    bin: &'a std::path::Path,
+    dir: &'a WorkDir,
+    store_url: Option<&'a str>,
+    redis: Option<&'a Redis>,
+    upstream: std::net::SocketAddr,
+}
+
+/// Writes the storm's requests as a `tollgate replay` trace: time (send time, seconds from the
+/// start of the run), key id, gateway.
+fn write_trace(path: &std::path::Path, storm_id: &str, records: &[load::Record]) -> Result<(), String> {
+    use std::io::Write;
+    let mut rows: Vec<&load::Record> = records.iter().filter(|r| r.who == load::STORM).collect();
+    rows.sort_by_key(|r| r.send_us);
+    let file = std::fs::File::create(path).map_err(|e| format!("--trace-dir: {}: {e}", path.display()))?;
+    let mut w = std::io::BufWriter::new(file);
+    let write = || -> std::io::Result<()> {
+        writeln!(w, "time,key,gateway")?;
+        for r in rows {
+            writeln!(
+                w,
+                "{}.{:06},{storm_id},{}",
+                r.send_us / 1_000_000,
+                r.send_us % 1_000_000,
+                r.gateway
+            )?;
+        }
+        w.flush()
+    };
+    write().map_err(|e| format!("--trace-dir: {}: {e}", path.display()))
+}
+
 async fn one_run(
     plan: &Plan,
     run: RunSpec,
-    base: &BaseRules,
-    contract: &Contract,
-    bin: &std::path::Path,
-    dir: &WorkDir,
-    store_url: Option<&str>,
-    redis: Option<&Redis>,
-    upstream: std::net::SocketAddr,
+    fleet: &Fleet<'_>,
     store_full_at: Option<Instant>,
 ) -> Result<RunReport, String> {
+    let Fleet {
+        base,
+        contract,
+        storm_id,
+        bin,
+        dir,
+        store_url,
+        redis,
+        upstream,
+    } = *fleet;
     let label = run.label();
     let text = base.variant(upstream, run, plan.gateways)?;
     let rules_path = dir.path.join(format!("rules-{}.json", label.replace('/', "-")));
@@ -360,6 +404,13 @@ async fn one_run(
     }
     let load_after = load_average();
     stop_all(gws.into_iter().map(|g| g.proc).collect()).await;
+    if let Some(d) = &plan.trace_dir {
+        write_trace(
+            &d.join(format!("{}.csv", label.replace('/', "-"))),
+            storm_id,
+            &outcome.records,
+        )?;
+    }
     Ok(report::analyse(
         &outcome.records,
         RunFacts {
