@@ -112,10 +112,15 @@ fn central_store_admits_the_contract_and_no_more() {
         admitted >= 0.9 * bound,
         "central admitted {admitted}, under 90% of b + r*t = {bound:.1}: the store refused what the contract allows"
     );
+    // Windows are counted by answer time, and an answer comes up to the slowest answer's
+    // latency after its decision: that much more refill can fall into one second of answers.
+    let rate = f(&report["contract"], "per_second");
+    let slack = (rate * f(r, "storm.latency.max_ms") / 1000.0).ceil() + 1.0;
     assert!(
-        f(r, "storm.max_admitted_1s") <= f(r, "storm.bound_1s") + 1.0,
-        "{}",
-        r["storm"]
+        f(r, "storm.max_admitted_1s") <= f(r, "storm.bound_1s") + slack,
+        "central admitted {} in one second, above b + r = {} (+{slack} for answer latency)",
+        r["storm"]["max_admitted_1s"],
+        r["storm"]["bound_1s"]
     );
 }
 

@@ -474,6 +474,7 @@ mod tests {
             rate: "600/60s".into(),
             burst: 20,
             cost: 1,
+            per_second: 10.0,
             parsed: Rate::parse("600/60s").unwrap(),
         }
     }

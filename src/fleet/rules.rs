@@ -29,6 +29,8 @@ pub struct Contract {
     pub rate: String,
     pub burst: u64,
     pub cost: u64,
+    /// Requests a second the contract allows on the harness's route: r / cost.
+    pub per_second: f64,
     #[serde(skip)]
     pub parsed: Rate,
 }
@@ -192,6 +194,7 @@ pub fn contract(snap: &Snapshot, secret: &str) -> Result<Contract, String> {
             rate: p.rate.to_string(),
             burst: p.burst,
             cost,
+            per_second: p.rate.per_second() / cost as f64,
             parsed: p.rate,
         };
         if best.as_ref().is_none_or(|b| c.per_second() < b.per_second()) {
