@@ -95,9 +95,8 @@ async fn interrupted() -> &'static str {
     }
 }
 
-fn progress(json: bool, msg: &str) {
-    // Progress goes to stderr either way, so stdout stays the report alone.
-    let _ = json;
+/// Progress goes to stderr, so stdout is the report alone (text or JSON).
+fn progress(msg: &str) {
     eprintln!("fleet: {msg}");
 }
 
@@ -190,7 +189,7 @@ async fn run_all(plan: &Plan) -> Result<Output, String> {
     let dir = WorkDir::new(plan.log_dir.as_deref())?;
 
     let redis = if plan.needs_store() && plan.redis_url.is_none() {
-        progress(plan.json, "starting redis-server");
+        progress("starting redis-server");
         Some(Redis::start(&dir.path).await?)
     } else {
         None
@@ -238,18 +237,15 @@ async fn run_all(plan: &Plan) -> Result<Output, String> {
         if run.mode == Mode::Central {
             store_used_at = Some(Instant::now());
         }
-        progress(
-            plan.json,
-            &format!(
-                "{}: storm {} admitted of {} (contract {:.0}), offered {:.1}/s; others {} errors",
-                report.run,
-                report.storm.admitted,
-                report.storm.requests,
-                report.storm.contract_bound,
-                report.storm.offered_per_s,
-                report.others.errors
-            ),
-        );
+        progress(&format!(
+            "{}: storm {} admitted of {} (contract {:.0}), offered {:.1}/s; others {} errors",
+            report.run,
+            report.storm.admitted,
+            report.storm.requests,
+            report.storm.contract_bound,
+            report.storm.offered_per_s,
+            report.others.errors
+        ));
         runs.push(report);
     }
     upstream.stop(STOP_GRACE).await;
@@ -327,10 +323,10 @@ async fn one_run(
             .to_string(),
         Mode::Local | Mode::Shares => "memory".to_string(),
     };
-    progress(
-        plan.json,
-        &format!("{label}: starting {} gateways on {store}", plan.gateways),
-    );
+    progress(&format!(
+        "{label}: starting {} gateways on {store}",
+        plan.gateways
+    ));
     let spec = Arc::new(GatewaySpec {
         run: label.clone(),
         bin: bin.to_path_buf(),
@@ -367,14 +363,11 @@ async fn one_run(
         partner_keys: plan.partner_keys.clone(),
         others_rate: plan.others_rate,
     };
-    progress(
-        plan.json,
-        &format!(
-            "{label}: storm for {} s (load average {})",
-            plan.duration.as_secs_f64(),
-            load_average()
-        ),
-    );
+    progress(&format!(
+        "{label}: storm for {} s (load average {})",
+        plan.duration.as_secs_f64(),
+        load_average()
+    ));
     let load_before = load_average();
     let t0 = Instant::now() + Duration::from_millis(50);
     let outage = async {
