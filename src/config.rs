@@ -39,6 +39,9 @@ pub enum Command {
     },
     /// Replay a trace through the gateway's limiter code on a virtual clock (offline what-if).
     Replay(crate::replay::ReplayArgs),
+    /// Start redis-server, the demo upstream and N gateways, run the spec's storm on each
+    /// design (central, local, shares) or replay F, report side by side, stop everything.
+    Fleet(crate::fleet::FleetArgs),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]

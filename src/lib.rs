@@ -18,11 +18,13 @@
 //! - [`admin`]: the admin listener (health, readiness, metrics, running rules).
 //! - [`demo`]: the built-in demo upstream.
 //! - [`replay`]: `tollgate replay`, traces through the same limiter code on a virtual clock.
+//! - [`fleet`]: `tollgate fleet`, N gateway processes on one store under the spec's storm.
 
 pub mod admin;
 pub mod app;
 pub mod config;
 pub mod demo;
+pub mod fleet;
 pub mod gateway;
 pub mod identity;
 pub mod limit;

@@ -107,6 +107,14 @@ fn main() -> Result<()> {
         }
         return Ok(());
     }
+    if let Command::Fleet(a) = &cli.command {
+        // Runs its own runtime and child processes, and reports on stdout.
+        if let Err(e) = tollgate::fleet::main(a) {
+            eprintln!("tollgate fleet: {e}");
+            std::process::exit(1);
+        }
+        return Ok(());
+    }
     if let Command::CheckRules { file, cluster } = &cli.command {
         let opts = tollgate::rules::CompileOptions { cluster: *cluster };
         match tollgate::rules::load(file, opts) {
@@ -123,9 +131,10 @@ fn main() -> Result<()> {
     let (format, threads) = match &cli.command {
         Command::Serve(a) => (a.common.log_format, a.common.threads),
         Command::Demo(a) => (a.common.log_format, a.common.threads),
-        Command::DemoUpstream { .. } | Command::CheckRules { .. } | Command::Replay(_) => {
-            (LogFormat::Human, None)
-        }
+        Command::DemoUpstream { .. }
+        | Command::CheckRules { .. }
+        | Command::Replay(_)
+        | Command::Fleet(_) => (LogFormat::Human, None),
     };
     init_logging(format);
     // One thread: the current-thread scheduler, with no work-stealing machinery to pay for.
@@ -156,8 +165,8 @@ fn main() -> Result<()> {
                 let cfg = config(rules, &a.common, true)?;
                 run_gateway(cfg, true).await
             }
-            // Both returned before the runtime started.
-            Command::CheckRules { .. } | Command::Replay(_) => Ok(()),
+            // These returned before the runtime started.
+            Command::CheckRules { .. } | Command::Replay(_) | Command::Fleet(_) => Ok(()),
             Command::DemoUpstream { listen } => {
                 let l = tokio::net::TcpListener::bind(listen)
                     .await
