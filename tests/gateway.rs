@@ -262,6 +262,15 @@ async fn raw_upstream(behaviour: &'static str) -> std::net::SocketAddr {
                     "hang" => {
                         tokio::time::sleep(Duration::from_secs(60)).await;
                     }
+                    "answer-once" => {
+                        // Answer the first request with keep-alive, then drop the connection
+                        // as the next request arrives: a kept connection closed under a request.
+                        let _ = s
+                            .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                            .await;
+                        let _ = s.read(&mut buf).await;
+                        drop(s);
+                    }
                     "hop" => {
                         let _ = s
                             .write_all(
@@ -323,4 +332,28 @@ async fn refused_and_reset_upstreams_give_502_and_a_stalled_one_504() {
     let a = orders(&Http::new(), &format!("http://{}", gw.addr), K7).await;
     assert_eq!(a.status, StatusCode::GATEWAY_TIMEOUT);
     assert_eq!(a.json()["error"], "gateway_timeout");
+}
+
+#[tokio::test]
+async fn a_kept_connection_closed_under_a_request_is_retried_only_when_safe() {
+    let up = raw_upstream("answer-once").await;
+    let (gw, _dir) = gateway_for(up.to_string(), 30_000).await;
+    let http = Http::new();
+    let base = format!("http://{}", gw.addr);
+    // Two GETs: the second goes out on the kept connection, which the upstream closes; a GET
+    // without a body is sent again on a new connection.
+    for i in 0..2 {
+        let a = orders(&http, &base, common::K8).await;
+        assert_eq!(a.status, StatusCode::OK, "GET {i}: {:?}", a.body);
+    }
+    // A POST with a body is not sent twice: the failure is the answer.
+    let a = http
+        .send(
+            Method::POST,
+            &format!("{base}/v1/things"),
+            &[("x-api-key", common::K8)],
+            b"{}",
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::BAD_GATEWAY, "{:?}", a.body);
 }

@@ -107,17 +107,26 @@ impl ConnPool {
     }
 
     /// Sends a request, on a kept connection when one is ready. A kept connection the upstream
-    /// closed meanwhile hands the unsent request back, and it goes to the next one.
+    /// closed meanwhile hands the unsent request back, and it goes to the next one. If a kept
+    /// connection fails after the request went out (the upstream closed it at that very moment),
+    /// an idempotent request without a body is sent once more on a new connection: nothing of it
+    /// can have been lost or done twice that a retry would repeat wrongly.
     pub async fn send(&self, mut req: Request<UpBody>) -> Result<Response<Incoming>, SendError> {
+        let replay = replayable(&req);
         while let Some(mut tx) = self.take_ready() {
             match tx.try_send_request(req).await {
                 Ok(resp) => {
                     self.put(tx);
                     return Ok(resp);
                 }
-                Err(mut e) => match e.take_message() {
-                    Some(unsent) => req = unsent,
-                    None => return Err(SendError::Failed(e.into_error())),
+                Err(mut e) => match (e.take_message(), &replay) {
+                    (Some(unsent), _) => req = unsent,
+                    (None, Some(head)) => {
+                        tracing::debug!(error = %e.into_error(), "kept upstream connection failed; sending again on a new one");
+                        req = rebuild(head);
+                        break;
+                    }
+                    (None, None) => return Err(SendError::Failed(e.into_error())),
                 },
             }
         }
@@ -127,4 +136,37 @@ impl ConnPool {
         self.put(tx);
         Ok(resp)
     }
+}
+
+/// The head of a request that may be sent again: idempotent and without a body.
+fn replayable(req: &Request<UpBody>) -> Option<http::request::Parts> {
+    use http_body::Body as _;
+    let idempotent = matches!(
+        *req.method(),
+        http::Method::GET
+            | http::Method::HEAD
+            | http::Method::OPTIONS
+            | http::Method::DELETE
+            | http::Method::PUT
+    );
+    if !idempotent || !req.body().is_end_stream() {
+        return None;
+    }
+    let mut head = Request::new(());
+    *head.method_mut() = req.method().clone();
+    *head.uri_mut() = req.uri().clone();
+    *head.version_mut() = req.version();
+    *head.headers_mut() = req.headers().clone();
+    Some(head.into_parts().0)
+}
+
+fn rebuild(head: &http::request::Parts) -> Request<UpBody> {
+    let mut req = Request::new(http_body_util::Either::Right(http_body_util::Full::new(
+        bytes::Bytes::new(),
+    )));
+    *req.method_mut() = head.method.clone();
+    *req.uri_mut() = head.uri.clone();
+    *req.version_mut() = head.version;
+    *req.headers_mut() = head.headers.clone();
+    req
 }
