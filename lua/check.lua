@@ -35,22 +35,8 @@
 -- With G = 0 (no KEYS) the script touches nothing and returns {now}: the start-up and /readyz
 -- probe that the store lets a script read TIME.
 --
--- Each bucket is one string of 18 bytes, struct '<I7I7I4': tokens (units), ts (microseconds),
--- scale (the units per token the tokens are counted in, so a changed rule can convert them).
--- It is written back on every check, allowed or refused, with SET ... PX ttl.
---
--- Numbers are Lua 5.1 doubles. Rule validation keeps every integer here below 2^53, where
--- doubles are exact for +, - and *, but `/` rounds: every integer division goes through
--- math.fmod, which is exact, so the quotient's division has an exact result.
-
--- Redis before 5 replicates scripts verbatim unless told otherwise; TIME needs effects.
-if redis.replicate_commands then
-  redis.replicate_commands()
-end
-
-local fmod, floor = math.fmod, math.floor
-local pack, unpack = struct.pack, struct.unpack
-local STATE = '<I7I7I4'
+-- The bucket encoding and arithmetic come from lua/bucket.lua, loaded in front of this script.
+-- Every bucket is written back on every check, allowed or refused.
 
 local nkeys = #KEYS
 local groups = tonumber(ARGV[2])
@@ -59,34 +45,9 @@ if groups == nil or #ARGV ~= 2 + groups + 6 * nkeys then
     .. #ARGV .. ' ARGV for ' .. nkeys .. ' keys')
 end
 
-local now = tonumber(ARGV[1])
+local now = clock_now(ARGV[1])
 if now == nil then
   return redis.error_reply('check.lua: ARGV[1] must be -1 or microseconds')
-end
-if now < 0 then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-
--- ceil(a / b) for integers a >= 0, b > 0, exactly.
-local function div_ceil(a, b)
-  local r = fmod(a, b)
-  local q = (a - r) / b
-  if r > 0 then
-    return q + 1
-  end
-  return q
-end
-
--- bucket.rs `rescale`: whole tokens exactly, the fraction through one double division and one
--- multiplication, rounded down.
-local function rescale(tokens, from, to)
-  if from == to or from == 0 then
-    return tokens
-  end
-  local frac = fmod(tokens, from)
-  local whole = (tokens - frac) / from
-  return whole * to + floor((frac / from) * to)
 end
 
 local out = { now }
@@ -108,31 +69,9 @@ for g = 1, groups do
     local cap = tonumber(ARGV[a + 3])
     local need = tonumber(ARGV[a + 4])
 
-    -- bucket.rs `refill`: a missing bucket starts full; a stored one is converted to this
-    -- rule's scale, clamped to its capacity, then refilled for the time since ts (never
-    -- negative).
-    local t = cap
-    local stored = redis.call('GET', KEYS[i])
-    if stored then
-      if #stored ~= 18 then
-        corrupt = true
-      else
-        local s_tokens, s_ts, s_scale = unpack(STATE, stored)
-        t = rescale(s_tokens, s_scale, scale)
-        if t >= cap then
-          t = cap
-        else
-          local elapsed = now - s_ts
-          if elapsed < 0 then
-            elapsed = 0
-          end
-          if elapsed >= div_ceil(cap - t, refill) then
-            t = cap
-          else
-            t = t + elapsed * refill
-          end
-        end
-      end
+    local t = refilled(redis.call('GET', KEYS[i]), scale, cap, refill, now)
+    if t == nil then
+      corrupt, t = true, cap
     end
 
     -- bucket.rs `wait_us`.
@@ -166,7 +105,7 @@ for g = 1, groups do
       if waits[i] == 0 and (allowed or ARGV[a + 6] == '1') then
         t = t - tonumber(ARGV[a + 4])
       end
-      redis.call('SET', KEYS[i], pack(STATE, t, now, tonumber(ARGV[a + 1])), 'PX', ARGV[a + 5])
+      save(KEYS[i], t, now, tonumber(ARGV[a + 1]), ARGV[a + 5])
       out[#out + 1] = t
       out[#out + 1] = waits[i]
     end

@@ -2,7 +2,7 @@
 -- atomic step. It is the arithmetic of src/limit/lease.rs (`lease`, `give_back`) on the bucket
 -- of src/limit/bucket.rs (`rescale`, `refill`), and it reads and writes the very bucket that
 -- lua/check.lua does, in the same encoding: a leased limit keeps its one bucket, and a request
--- that can't use a lease is checked against it directly. tests/redis_lease.rs holds it to the
+-- that can't use a lease is checked against it directly. tests/lease_equivalence.rs holds it to the
 -- Rust side, check.lua calls included.
 --
 -- KEYS[1]           the bucket, e.g. rl:{kbig}:plan.
@@ -31,28 +31,15 @@
 -- takes it above its capacity. Both write the refilled state back with SET ... PX ttl, as a
 -- check does: 18 bytes, struct '<I7I7I4' (tokens in units, ts in microseconds, scale).
 --
--- Numbers are Lua 5.1 doubles, exact below 2^53 (rule validation keeps every integer there);
--- every integer division goes through math.fmod, as in check.lua.
-
-if redis.replicate_commands then
-  redis.replicate_commands()
-end
-
-local fmod, floor = math.fmod, math.floor
-local pack, unpack = struct.pack, struct.unpack
-local STATE = '<I7I7I4'
+-- The bucket encoding and arithmetic come from lua/bucket.lua, loaded in front of this script.
 
 if #KEYS ~= 1 or #ARGV ~= 8 then
   return redis.error_reply('lease.lua: expected 1 key and 8 ARGV, got ' .. #KEYS .. ' and ' .. #ARGV)
 end
 
-local now = tonumber(ARGV[1])
+local now = clock_now(ARGV[1])
 if now == nil then
   return redis.error_reply('lease.lua: ARGV[1] must be -1 or microseconds')
-end
-if now < 0 then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 
 local op = ARGV[2]
@@ -68,48 +55,9 @@ if scale == nil or refill == nil or cap == nil or units == nil or cycle == nil o
   return redis.error_reply('lease.lua: ARGV[3..8] must be integers, refill above 0')
 end
 
--- ceil(a / b) for integers a >= 0, b > 0, exactly.
-local function div_ceil(a, b)
-  local r = fmod(a, b)
-  local q = (a - r) / b
-  if r > 0 then
-    return q + 1
-  end
-  return q
-end
-
--- bucket.rs `rescale`, as in check.lua.
-local function rescale(tokens, from, to)
-  if from == to or from == 0 then
-    return tokens
-  end
-  local frac = fmod(tokens, from)
-  local whole = (tokens - frac) / from
-  return whole * to + floor((frac / from) * to)
-end
-
--- bucket.rs `refill`, as in check.lua: a missing bucket starts full.
-local t = cap
-local stored = redis.call('GET', KEYS[1])
-if stored then
-  if #stored ~= 18 then
-    return redis.error_reply('lease.lua: ' .. KEYS[1] .. ' does not hold an 18-byte bucket')
-  end
-  local s_tokens, s_ts, s_scale = unpack(STATE, stored)
-  t = rescale(s_tokens, s_scale, scale)
-  if t >= cap then
-    t = cap
-  else
-    local elapsed = now - s_ts
-    if elapsed < 0 then
-      elapsed = 0
-    end
-    if elapsed >= div_ceil(cap - t, refill) then
-      t = cap
-    else
-      t = t + elapsed * refill
-    end
-  end
+local t = refilled(redis.call('GET', KEYS[1]), scale, cap, refill, now)
+if t == nil then
+  return redis.error_reply('lease.lua: ' .. KEYS[1] .. ' does not hold an 18-byte bucket')
 end
 
 local granted, untl = 0, 0
@@ -127,5 +75,5 @@ else
   end
 end
 
-redis.call('SET', KEYS[1], pack(STATE, t, now, scale), 'PX', ARGV[7])
+save(KEYS[1], t, now, scale, ARGV[7])
 return { granted, now, t, untl }

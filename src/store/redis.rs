@@ -32,10 +32,16 @@ use crate::limit::clock::Clock;
 use crate::limit::lease::Grant;
 
 /// The check script. Its SHA-1 is what every call sends.
-pub const SCRIPT: &str = include_str!("../../lua/check.lua");
+pub const SCRIPT: &str = concat!(
+    include_str!("../../lua/bucket.lua"),
+    include_str!("../../lua/check.lua")
+);
 
 /// The lease script (hot keys): LEASE and GIVE BACK on the same buckets, same encoding.
-pub const LEASE_SCRIPT: &str = include_str!("../../lua/lease.lua");
+pub const LEASE_SCRIPT: &str = concat!(
+    include_str!("../../lua/bucket.lua"),
+    include_str!("../../lua/lease.lua")
+);
 
 /// ARGV per bucket: scale, refill, capacity, need, ttl, shadow.
 pub const ARGS_PER_BUCKET: usize = 6;
