@@ -87,11 +87,7 @@ impl Drop for Server {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    tollgate::fleet::procs::free_port().expect("a free loopback port")
 }
 
 fn start_redis() -> Server {
@@ -99,17 +95,7 @@ fn start_redis() -> Server {
     let dir = std::env::temp_dir().join(format!("tollgate-bench-redis-{port}"));
     std::fs::create_dir_all(&dir).unwrap();
     let child = Command::new("redis-server")
-        .args([
-            "--port",
-            &port.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ])
-        .args(["--dir", dir.to_str().unwrap()])
+        .args(tollgate::fleet::procs::redis_server_args(port, &dir))
         .stdout(Stdio::null())
         .spawn()
         .unwrap_or_else(|e| panic!("redis-server is needed for this benchmark: {e}"));

@@ -149,6 +149,16 @@ async fn setup(extra: &[&str]) -> Setup {
 }
 
 impl Setup {
+    /// None of the refused requests reached the upstream.
+    fn assert_upstream_untouched(&self) {
+        assert_eq!(
+            self.up.count(),
+            0,
+            "the upstream saw {:?}",
+            self.up.seen.lock().unwrap()
+        );
+    }
+
     /// Every test ends by checking that no log line holds a key.
     fn assert_logs_clean(&self) {
         let log = self.gw.stderr();
@@ -230,12 +240,7 @@ async fn smuggling_shapes_are_refused_before_the_upstream() {
             assert_eq!(json_error(&body), e, "{what}");
         }
     }
-    assert_eq!(
-        s.up.count(),
-        0,
-        "the upstream saw {:?}",
-        s.up.seen.lock().unwrap()
-    );
+    s.assert_upstream_untouched();
     s.assert_logs_clean();
 }
 
@@ -279,12 +284,7 @@ async fn unclean_paths_and_unknown_routes() {
             assert_eq!(json_error(&body), "not_found", "{what}");
         }
     }
-    assert_eq!(
-        s.up.count(),
-        0,
-        "the upstream saw {:?}",
-        s.up.seen.lock().unwrap()
-    );
+    s.assert_upstream_untouched();
     s.assert_logs_clean();
 }
 

@@ -185,20 +185,13 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, seed: u64) {
     );
 }
 
-fn seed() -> u64 {
-    match std::env::var("TOLLGATE_EQ_SEED") {
-        Ok(s) => s.parse().expect("TOLLGATE_EQ_SEED must be a number"),
-        Err(_) => rand::rng().random(),
-    }
-}
-
 #[tokio::test]
 async fn lease_script_and_lease_rs_agree_on_the_store_clock() {
     let redis = common::RedisServer::start();
     let store = RedisStore::connect(Target::Node(&redis.url()), None)
         .await
         .unwrap();
-    let seed = seed();
+    let seed = common::eq_seed();
     eprintln!("TOLLGATE_EQ_SEED={seed}");
     run(&store, None, seed).await;
 }
@@ -210,7 +203,7 @@ async fn lease_script_and_lease_rs_agree_on_a_jumping_gateway_clock() {
     let store = RedisStore::connect(Target::Node(&redis.url()), Some(clock.clone() as Arc<_>))
         .await
         .unwrap();
-    let seed = seed();
+    let seed = common::eq_seed();
     eprintln!("TOLLGATE_EQ_SEED={seed}");
     run(&store, Some(&clock), seed).await;
 }

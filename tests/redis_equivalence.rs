@@ -213,20 +213,13 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u
     assert!(changes > 100, "seed {seed}: only {changes} rule changes");
 }
 
-fn seed() -> u64 {
-    match std::env::var("TOLLGATE_EQ_SEED") {
-        Ok(s) => s.parse().expect("TOLLGATE_EQ_SEED must be a number"),
-        Err(_) => rand::rng().random(),
-    }
-}
-
 #[tokio::test]
 async fn script_and_bucket_rs_agree_on_the_store_clock() {
     let redis = common::RedisServer::start();
     let store = RedisStore::connect(Target::Node(&redis.url()), None)
         .await
         .unwrap();
-    let seed = seed();
+    let seed = common::eq_seed();
     eprintln!("TOLLGATE_EQ_SEED={seed}");
     run(&store, None, "eq", seed).await;
 }
@@ -238,7 +231,7 @@ async fn script_and_bucket_rs_agree_on_a_jumping_gateway_clock() {
     let store = RedisStore::connect(Target::Node(&redis.url()), Some(clock.clone() as Arc<_>))
         .await
         .unwrap();
-    let seed = seed();
+    let seed = common::eq_seed();
     eprintln!("TOLLGATE_EQ_SEED={seed}");
     run(&store, Some(&clock), "eq", seed).await;
 }

@@ -452,41 +452,44 @@ fn bad_input_is_refused_naming_the_row_and_column() {
     };
     let rate = ["--rate", "10/1s", "--burst", "20"];
 
-    let bad_time = write("time.csv", "time,key\n1.5,k-7\n1.5x,k-7\n");
-    let err = fails(&tollgate(&[&["replay", p(&bad_time)][..], &rate].concat()));
-    assert!(
-        err.contains("time.csv: line 3 (row 2), column time")
-            && err.contains("\"1.5x\" is not decimal seconds"),
-        "{err}"
-    );
-
-    let many_decimals = write("dec.csv", "time,key\n1.1234567,k-7\n");
-    let err = fails(&tollgate(&[&["replay", p(&many_decimals)][..], &rate].concat()));
-    assert!(
-        err.contains("column time") && err.contains("at most 6 decimals"),
-        "{err}"
-    );
-
-    let no_key = write("nokey.csv", "time,gateway\n1,0\n");
-    let err = fails(&tollgate(&[&["replay", p(&no_key)][..], &rate].concat()));
-    assert!(
-        err.contains("nokey.csv: header") && err.contains("no \"key\" column"),
-        "{err}"
-    );
-
-    let backwards = write("order.csv", "time,key\n2,a\n1,a\n");
-    let err = fails(&tollgate(&[&["replay", p(&backwards)][..], &rate].concat()));
-    assert!(
-        err.contains("line 3 (row 2), column time") && err.contains("sort the trace"),
-        "{err}"
-    );
-
-    let gateway = write("gw.csv", "time,key,gateway\n1,a,20\n");
-    let err = fails(&tollgate(&[&["replay", p(&gateway)][..], &rate].concat()));
-    assert!(
-        err.contains("column gateway") && err.contains("--gateways 20"),
-        "{err}"
-    );
+    // Traces with one fault each, and what the error must say about it.
+    let cases: [(&str, &str, &[&str]); 5] = [
+        (
+            "time.csv",
+            "time,key\n1.5,k-7\n1.5x,k-7\n",
+            &[
+                "time.csv: line 3 (row 2), column time",
+                "\"1.5x\" is not decimal seconds",
+            ],
+        ),
+        (
+            "dec.csv",
+            "time,key\n1.1234567,k-7\n",
+            &["column time", "at most 6 decimals"],
+        ),
+        (
+            "nokey.csv",
+            "time,gateway\n1,0\n",
+            &["nokey.csv: header", "no \"key\" column"],
+        ),
+        (
+            "order.csv",
+            "time,key\n2,a\n1,a\n",
+            &["line 3 (row 2), column time", "sort the trace"],
+        ),
+        (
+            "gw.csv",
+            "time,key,gateway\n1,a,20\n",
+            &["column gateway", "--gateways 20"],
+        ),
+    ];
+    for (name, text, expected) in cases {
+        let trace = write(name, text);
+        let err = fails(&tollgate(&[&["replay", p(&trace)][..], &rate].concat()));
+        for e in expected {
+            assert!(err.contains(e), "{name}: {err}");
+        }
+    }
 
     let rules = common::repo().join("rules/demo.json");
     let unknown = write(

@@ -184,23 +184,9 @@ impl Redis {
         )?;
         let mut last = String::new();
         for attempt in 0..5 {
-            let port = std::net::TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .map_err(|e| format!("no free port: {e}"))?
-                .port();
+            let port = free_port().map_err(|e| format!("no free port: {e}"))?;
             let mut cmd = Command::new(&bin);
-            cmd.args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .arg("--dir")
-            .arg(dir);
+            cmd.args(redis_server_args(port, dir));
             let (mut proc, _) = Proc::spawn(
                 "redis-server".into(),
                 cmd,
@@ -225,6 +211,30 @@ impl Redis {
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
     }
+}
+
+/// The arguments of a throw-away `redis-server`: loopback only, on `port`, no persistence, its
+/// files in `dir`. The fleet harness, the tests and the benches all start Redis this way.
+pub fn redis_server_args(port: u16, dir: &Path) -> Vec<String> {
+    [
+        "--port",
+        &port.to_string(),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        &dir.to_string_lossy(),
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// A port free on loopback now (bind :0, read it, release it).
+pub fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 /// Where `name` is on PATH (or in the usual system directories).

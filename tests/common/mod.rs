@@ -6,7 +6,7 @@ pub mod lease_load;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -167,30 +167,26 @@ impl Http {
 
 /// Finds a binary on PATH or fails the test with a message that says how to get it.
 pub fn require_binary(name: &str) -> PathBuf {
-    for dir in std::env::var("PATH").unwrap_or_default().split(':') {
-        let p = Path::new(dir).join(name);
-        if p.is_file() {
-            return p;
-        }
-    }
-    for dir in ["/usr/bin", "/usr/sbin", "/usr/local/bin"] {
-        let p = Path::new(dir).join(name);
-        if p.is_file() {
-            return p;
-        }
-    }
-    panic!(
-        "{name} is not installed: this test needs a real {name}. Run tests/run.sh, which installs it with apt-get."
-    );
+    tollgate::fleet::procs::find_binary(name).unwrap_or_else(|| {
+        panic!(
+            "{name} is not installed: this test needs a real {name}. Run tests/run.sh, which installs it with apt-get."
+        )
+    })
 }
 
 /// A free TCP port on loopback (bind :0, read, release).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    tollgate::fleet::procs::free_port().expect("a free loopback port")
+}
+
+/// The seed of a randomized equivalence run: `TOLLGATE_EQ_SEED` replays one, else a new one.
+/// The caller prints it, so a failure can be replayed.
+pub fn eq_seed() -> u64 {
+    use rand::Rng;
+    match std::env::var("TOLLGATE_EQ_SEED") {
+        Ok(s) => s.parse().expect("TOLLGATE_EQ_SEED must be a number"),
+        Err(_) => rand::rng().random(),
+    }
 }
 
 /// A real `redis-server` on a free loopback port, with no persistence; killed on drop.
@@ -213,17 +209,7 @@ impl RedisServer {
         extra: &[String],
     ) -> Result<RedisServer, tempfile::TempDir> {
         let mut child = Command::new(require_binary("redis-server"))
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .args(["--dir", dir.path().to_str().unwrap()])
+            .args(tollgate::fleet::procs::redis_server_args(port, dir.path()))
             .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
