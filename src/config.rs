@@ -127,6 +127,10 @@ pub struct CommonArgs {
     /// Largest request head, in bytes; larger gets 431.
     #[arg(long, env = "TOLLGATE_MAX_HEADER_BYTES", default_value_t = 32 * 1024)]
     pub max_header_bytes: usize,
+    /// Serve every request through hyper's general path, without the express lane for plain
+    /// HTTP/1.1 requests without a body (README "The express lane"); for comparison.
+    #[arg(long, env = "TOLLGATE_NO_EXPRESS")]
+    pub no_express: bool,
 }
 
 /// Parses `250ms`, `3s`, `2m` or `1h`.

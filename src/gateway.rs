@@ -38,10 +38,17 @@ pub struct Gateway {
     handles: ArcSwap<Handles>,
 }
 
-/// What the limiter said, with the batch it said it about, for headers and logs.
-struct Checked {
-    batch: Batch,
-    decision: Decision,
+/// The values of `RateLimit-Policy` (when the deciding limit has numbers) and `RateLimit` for
+/// an admitted request, made right after the check so the batch need not travel further.
+pub type Budget = (Option<HeaderValue>, HeaderValue);
+
+fn apply_budget(headers: &mut http::HeaderMap, budget: Option<Budget>) {
+    if let Some((policy, state)) = budget {
+        if let Some(p) = policy {
+            headers.insert(crate::respond::RATELIMIT_POLICY.clone(), p);
+        }
+        headers.insert(crate::respond::RATELIMIT.clone(), state);
+    }
 }
 
 /// What the access line and the metrics need to know about one request.
@@ -104,9 +111,11 @@ impl Gateway {
         fresh
     }
 
-    async fn check(&self, snap: &Snapshot, h: &Handles, batch: Batch) -> Result<Checked, StoreError> {
+    /// One store call for a batch. The batch is borrowed, not moved: it is a few hundred bytes,
+    /// and every move through an async call is a copy.
+    async fn check(&self, snap: &Snapshot, h: &Handles, batch: &Batch) -> Result<Decision, StoreError> {
         let started = Instant::now();
-        let result = self.store.check(&batch).await;
+        let result = self.store.check(batch).await;
         self.metrics
             .store_check_seconds
             .observe(started.elapsed().as_secs_f64());
@@ -125,9 +134,9 @@ impl Gateway {
                 return Err(e);
             }
         };
-        let decision = decide(&batch, &outcome);
-        self.count(snap, h, &batch, &decision);
-        Ok(Checked { batch, decision })
+        let decision = decide(batch, &outcome);
+        self.count(snap, h, batch, &decision);
+        Ok(decision)
     }
 
     /// Admissions count once per enforced limit paid; a refusal counts for the limit that
@@ -168,21 +177,93 @@ impl Gateway {
         if batch.is_empty() {
             return Refusal::Unauthorized(why).into_response();
         }
-        match self.check(snap, h, batch).await {
+        match self.check(snap, h, &batch).await {
             Err(_) => Refusal::LimiterUnavailable.into_response(),
-            Ok(c) if !c.decision.allowed && c.decision.source == Source::Bypass(FailurePolicy::Closed) => {
+            Ok(d) if !d.allowed && d.source == Source::Bypass(FailurePolicy::Closed) => {
                 Refusal::LimiterUnavailable.into_response()
             }
-            Ok(c) => {
-                let mut resp = if c.decision.allowed {
+            Ok(d) => {
+                let mut resp = if d.allowed {
                     Refusal::Unauthorized(why).into_response()
                 } else {
-                    trace.limit = deciding_name(snap, &c);
-                    rate_limited(snap, &c)
+                    trace.limit = deciding_name(snap, &batch, &d);
+                    rate_limited(snap, &batch, &d)
                 };
-                budget_headers(resp.headers_mut(), snap, &c.batch, None, &c.decision);
+                budget_headers(resp.headers_mut(), snap, &batch, None, &d);
                 resp
             }
+        }
+    }
+
+    /// The limiter's part of a request whose head (and body field, if its route keys on one) is
+    /// known: the check to report in headers, or the answer that ends the request.
+    #[allow(clippy::too_many_arguments)]
+    async fn limit(
+        &self,
+        snap: &Snapshot,
+        route: &crate::rules::Route,
+        c: &Classified,
+        headers: &http::HeaderMap,
+        body_value: Option<&[u8]>,
+        h: &Handles,
+        trace: &mut Trace,
+    ) -> Result<Option<Budget>, Response<Body>> {
+        let key_idx = c.key.map(|k| k.0);
+        let batch = match plan::build(snap, route, key_idx, c.ip, headers, body_value) {
+            Ok(b) => b,
+            Err(e) => return Err(Refusal::BadRequest(e.to_string()).into_response()),
+        };
+        if batch.is_empty() {
+            return Ok(None);
+        }
+        let d = match self.check(snap, h, &batch).await {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::warn!(error = %e, "limiter store failed");
+                return Err(Refusal::LimiterUnavailable.into_response());
+            }
+        };
+        trace.limit = deciding_name(snap, &batch, &d);
+        if !d.allowed && d.source == Source::Bypass(FailurePolicy::Closed) {
+            // The client did nothing wrong: the limiter can't decide, and this limit
+            // would rather refuse than guess.
+            return Err(Refusal::LimiterUnavailable.into_response());
+        }
+        if !d.allowed {
+            let mut resp = rate_limited(snap, &batch, &d);
+            budget_headers(resp.headers_mut(), snap, &batch, key_idx, &d);
+            return Err(resp);
+        }
+        Ok(crate::respond::budget_values(snap, &batch, key_idx, &d))
+    }
+
+    /// Load shedding by the upstream's own health, apart from every client's limits: a place
+    /// under its `max_in_flight`, held until the response body is done.
+    async fn gate(
+        &self,
+        upstream: &crate::rules::Upstream,
+        trace: &mut Trace,
+    ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, Response<Body>> {
+        let Some(gate) = &upstream.gate else {
+            return Ok(None);
+        };
+        match tokio::time::timeout(upstream.queue_timeout, gate.clone().acquire_owned()).await {
+            Ok(Ok(p)) => Ok(Some(p)),
+            _ => {
+                trace.limit = Some(OVERLOADED.clone());
+                Err(Refusal::UpstreamOverloaded { retry_after: 1 }.into_response())
+            }
+        }
+    }
+
+    fn caller<'a>(&self, snap: &'a Snapshot, c: &Classified, conn: &'a ConnInfo) -> Caller<'a> {
+        Caller {
+            peer: &conn.peer_header,
+            peer_trusted: !self.trusted.is_empty() && self.trusted.contains(c.peer),
+            proto: conn.proto,
+            key: c
+                .key
+                .map(|(k, src)| (&snap.keys[k].id_header, &snap.keys[k].tenant_header, src)),
         }
     }
 
@@ -241,57 +322,19 @@ impl Gateway {
                 (Either::Right(Full::new(bytes)), None, Some(value))
             }
         };
-        let batch = match plan::build(snap, route, key_idx, c.ip, &parts.headers, body_value.as_deref()) {
-            Ok(b) => b,
-            Err(e) => return Refusal::BadRequest(e.to_string()).into_response(),
+        let budget = match self
+            .limit(snap, route, &c, &parts.headers, body_value.as_deref(), h, trace)
+            .await
+        {
+            Ok(c) => c,
+            Err(answer) => return answer,
         };
-        let checked = if batch.is_empty() {
-            None
-        } else {
-            match self.check(snap, h, batch).await {
-                Ok(c) => Some(c),
-                Err(e) => {
-                    tracing::warn!(error = %e, "limiter store failed");
-                    return Refusal::LimiterUnavailable.into_response();
-                }
-            }
-        };
-        if let Some(c) = &checked {
-            trace.limit = deciding_name(snap, c);
-            if !c.decision.allowed && c.decision.source == Source::Bypass(FailurePolicy::Closed) {
-                // The client did nothing wrong: the limiter can't decide, and this limit
-                // would rather refuse than guess.
-                return Refusal::LimiterUnavailable.into_response();
-            }
-            if !c.decision.allowed {
-                let mut resp = rate_limited(snap, c);
-                budget_headers(resp.headers_mut(), snap, &c.batch, key_idx, &c.decision);
-                return resp;
-            }
-        }
-
         let upstream = &snap.upstreams[route.upstream];
-        // Load shedding by the upstream's own health, apart from every client's limits.
-        let permit = match &upstream.gate {
-            None => None,
-            Some(gate) => {
-                match tokio::time::timeout(upstream.queue_timeout, gate.clone().acquire_owned()).await {
-                    Ok(Ok(p)) => Some(p),
-                    _ => {
-                        trace.limit = Some(OVERLOADED.clone());
-                        return Refusal::UpstreamOverloaded { retry_after: 1 }.into_response();
-                    }
-                }
-            }
+        let permit = match self.gate(upstream, trace).await {
+            Ok(p) => p,
+            Err(answer) => return answer,
         };
-        let caller = Caller {
-            peer: &conn.peer_header,
-            peer_trusted: !self.trusted.is_empty() && self.trusted.contains(c.peer),
-            proto: conn.proto,
-            key: c
-                .key
-                .map(|(k, src)| (&snap.keys[k].id_header, &snap.keys[k].tenant_header, src)),
-        };
+        let caller = self.caller(snap, &c, &conn);
         let started = Instant::now();
         // Boxed: this future is the largest part of a request's, and boxing it once is cheaper
         // than copying it through every enclosing future.
@@ -309,28 +352,57 @@ impl Gateway {
             }
             Err(refusal) => refusal.into_response(),
         };
-        if let Some(c) = &checked {
-            budget_headers(resp.headers_mut(), snap, &c.batch, key_idx, &c.decision);
-        }
+        apply_budget(resp.headers_mut(), budget);
         resp
+    }
+
+    /// Starts a request: its snapshot (kept to the end, whatever reloads meanwhile), its
+    /// request id (the client's when valid, else a new one, also sent upstream) and its clock.
+    pub fn begin(&self, method: http::Method, headers: &mut http::HeaderMap) -> Begun<'_> {
+        let started = Instant::now();
+        let in_flight = InFlight::new(&self.metrics.in_flight);
+        let snap = self.rules.load_full();
+        let h = self.handles(&snap);
+        let request_id = match headers.get(&X_REQUEST_ID) {
+            Some(v) if valid_request_id(v) => v.clone(),
+            _ => {
+                let id = new_request_id();
+                headers.insert(X_REQUEST_ID.clone(), id.clone());
+                id
+            }
+        };
+        Begun {
+            snap,
+            h,
+            started,
+            request_id,
+            method,
+            trace: Trace::default(),
+            _in_flight: in_flight,
+        }
+    }
+
+    /// Ends a request: its metrics and its access line.
+    pub fn finish(&self, b: Begun<'_>, status: u16) {
+        b.h.request(&self.metrics, b.trace.route, &NO_ROUTE, status);
+        let route = b.trace.route.map_or("(none)", |r| &*b.snap.routes[r].name);
+        tracing::info!(
+            target: "tollgate::access",
+            method = b.method.as_str(),
+            route,
+            status,
+            limit = b.trace.limit.as_deref().unwrap_or("-"),
+            key = b.trace.key_id.as_deref().unwrap_or("-"),
+            latency_us = b.started.elapsed().as_micros() as u64,
+            request_id = b.request_id.to_str().unwrap_or("-"),
+            "request"
+        );
     }
 
     /// Serves one request with one rules snapshot from start to end, whatever reloads meanwhile.
     pub async fn serve(&self, mut req: Request<Incoming>, conn: ConnInfo) -> Response<Body> {
-        let started = Instant::now();
-        let _in_flight = InFlight::new(&self.metrics.in_flight);
-        let snap = self.rules.load_full();
-        let h = self.handles(&snap);
-        let request_id = match req.headers().get(&X_REQUEST_ID) {
-            Some(v) if valid_request_id(v) => v.clone(),
-            _ => {
-                let id = new_request_id();
-                req.headers_mut().insert(X_REQUEST_ID.clone(), id.clone());
-                id
-            }
-        };
         let method = req.method().clone();
-        let mut trace = Trace::default();
+        let mut b = self.begin(method, req.headers_mut());
         let mut resp = match conn.framing.next_request() {
             // Framed two ways: refuse, and close the connection, whose next bytes can't be trusted.
             Some(why) => {
@@ -340,26 +412,128 @@ impl Gateway {
                 r
             }
             // Boxed so the future hyper keeps for every request stays small.
-            None => Box::pin(self.route(&snap, req, conn, &h, &mut trace)).await,
+            None => {
+                let snap = b.snap.clone();
+                let h = b.h.clone();
+                Box::pin(self.route(&snap, req, conn, &h, &mut b.trace)).await
+            }
         };
         resp.headers_mut()
-            .insert(X_REQUEST_ID.clone(), request_id.clone());
+            .insert(X_REQUEST_ID.clone(), b.request_id.clone());
         let status = resp.status().as_u16();
-        h.request(&self.metrics, trace.route, &NO_ROUTE, status);
-        let route = trace.route.map_or("(none)", |r| &*snap.routes[r].name);
-        tracing::info!(
-            target: "tollgate::access",
-            method = method.as_str(),
-            route,
-            status,
-            limit = trace.limit.as_deref().unwrap_or("-"),
-            key = trace.key_id.as_deref().unwrap_or("-"),
-            latency_us = started.elapsed().as_micros() as u64,
-            request_id = request_id.to_str().unwrap_or("-"),
-            "request"
-        );
+        self.finish(b, status);
         resp
     }
+
+    /// The express lane's part: everything up to forwarding for a request without a body.
+    /// On `Forward`, `parts` has the upstream's target, and the header edits come with it.
+    pub async fn admit(
+        &self,
+        b: &mut Begun<'_>,
+        parts: &mut http::request::Parts,
+        conn: &ConnInfo,
+    ) -> Admission {
+        let snap = b.snap.clone();
+        let h = b.h.clone();
+        let trace = &mut b.trace;
+        let peer = identity::canonical(conn.peer.ip());
+        let c = match classify(
+            &snap,
+            &parts.method,
+            &parts.uri,
+            &parts.headers,
+            peer,
+            &self.trusted,
+        ) {
+            Ok(c) => c,
+            Err(Early::Refuse(r)) => return Admission::Answer(r.into_response()),
+            Err(Early::Unauthorized { route, ip, why }) => {
+                trace.route = route;
+                return Admission::Answer(Box::pin(self.unauthorized(&snap, ip, why, &h, trace)).await);
+            }
+        };
+        let route = &snap.routes[c.route];
+        if route.body_field.is_some() {
+            // Its limit keys on a body this lane doesn't read: the general path answers it.
+            return Admission::HandOff;
+        }
+        trace.route = Some(c.route);
+        let key_idx = c.key.map(|k| k.0);
+        trace.key_id = key_idx.map(|k| snap.keys[k].id.clone());
+        let budget = match self
+            .limit(&snap, route, &c, &parts.headers, None, &h, trace)
+            .await
+        {
+            Ok(b) => b,
+            Err(answer) => return Admission::Answer(answer),
+        };
+        let upstream = &snap.upstreams[route.upstream];
+        let permit = match self.gate(upstream, trace).await {
+            Ok(p) => p,
+            Err(answer) => return Admission::Answer(answer),
+        };
+        if let Err(r) = crate::proxy::retarget(upstream, parts) {
+            return Admission::Answer(r.into_response());
+        }
+        Admission::Forward(Forward {
+            upstream: route.upstream,
+            budget,
+            classified: c,
+            _permit: permit,
+        })
+    }
+
+    /// `RateLimit-Policy` and `RateLimit` for a forwarded request's response.
+    pub fn forward_headers(&self, f: &Forward, headers: &mut http::HeaderMap) {
+        apply_budget(headers, f.budget.clone());
+    }
+
+    /// How the client's headers become the upstream's for a forwarded request.
+    pub fn edits(
+        &self,
+        b: &Begun<'_>,
+        f: &Forward,
+        parts: &http::request::Parts,
+        conn: &ConnInfo,
+    ) -> crate::proxy::HeaderEdits {
+        let up = &b.snap.upstreams[f.upstream];
+        crate::proxy::HeaderEdits::new(up, parts, self.caller(&b.snap, &f.classified, conn))
+    }
+
+    /// Records how long an upstream took to answer the head.
+    pub fn upstream_answered(&self, b: &Begun<'_>, f: &Forward, took: std::time::Duration) {
+        b.h.upstream(&self.metrics, f.upstream, took);
+    }
+}
+
+/// A request in progress: what its metrics and access line need at the end.
+pub struct Begun<'g> {
+    pub snap: Arc<Snapshot>,
+    h: Arc<Handles>,
+    started: Instant,
+    pub request_id: HeaderValue,
+    method: http::Method,
+    trace: Trace,
+    _in_flight: InFlight<'g>,
+}
+
+/// What the express lane does with a request head.
+pub enum Admission {
+    /// The gateway's own answer (a refusal, 401, 429 …).
+    Answer(Response<Body>),
+    /// Send it to `snap.upstreams[upstream]`.
+    Forward(Forward),
+    /// The request needs the general path.
+    HandOff,
+}
+
+/// An admitted request on its way upstream.
+pub struct Forward {
+    pub upstream: usize,
+    pub budget: Option<Budget>,
+    classified: Classified,
+    /// The upstream's in-flight place, held until the response body is done.
+    _permit: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 /// The most of a body read to find a limit's JSON field.
@@ -466,17 +640,18 @@ impl Drop for InFlight<'_> {
     }
 }
 
-fn deciding_name(snap: &Snapshot, c: &Checked) -> Option<Arc<str>> {
-    c.decision
-        .deciding
-        .map(|i| snap.limits[c.batch[i].limit as usize].name.clone())
+fn deciding_name(snap: &Snapshot, batch: &Batch, d: &Decision) -> Option<Arc<str>> {
+    d.deciding
+        .map(|i| snap.limits[batch[i].limit as usize].name.clone())
 }
 
-fn rate_limited(snap: &Snapshot, c: &Checked) -> Response<Body> {
-    let limit = deciding_name(snap, c).map(|n| n.to_string()).unwrap_or_default();
+fn rate_limited(snap: &Snapshot, batch: &Batch, d: &Decision) -> Response<Body> {
+    let limit = deciding_name(snap, batch, d)
+        .map(|n| n.to_string())
+        .unwrap_or_default();
     Refusal::RateLimited {
         limit,
-        retry_after: c.decision.retry_after,
+        retry_after: d.retry_after,
     }
     .into_response()
 }
@@ -484,5 +659,9 @@ fn rate_limited(snap: &Snapshot, c: &Checked) -> Response<Body> {
 impl Handler for Gateway {
     async fn handle(self: Arc<Self>, req: Request<Incoming>, conn: ConnInfo) -> Response<Body> {
         self.serve(req, conn).await
+    }
+
+    fn express(self: &Arc<Self>) -> Option<Arc<Gateway>> {
+        Some(self.clone())
     }
 }

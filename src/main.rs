@@ -37,6 +37,7 @@ fn config(rules: RulesSource, c: &CommonArgs, demo: bool) -> Result<GatewayConfi
         header_read_timeout: c.header_timeout,
         drain_timeout: c.drain_timeout,
         max_header_bytes: c.max_header_bytes,
+        express: !c.no_express,
         ..ServerLimits::default()
     };
     cfg.demo = demo;

@@ -128,18 +128,32 @@ pub fn budget_headers(
     key: Option<usize>,
     d: &Decision,
 ) {
-    let Some(i) = d.deciding else { return };
+    let Some((policy, state)) = budget_values(snap, batch, key, d) else {
+        return;
+    };
+    if let Some(p) = policy {
+        headers.insert(RATELIMIT_POLICY.clone(), p);
+    }
+    headers.insert(RATELIMIT.clone(), state);
+}
+
+/// The values of `RateLimit-Policy` (when the limit has numbers) and `RateLimit` for the
+/// deciding bucket of a decision; `None` when no bucket decided.
+pub fn budget_values(
+    snap: &Snapshot,
+    batch: &[CheckItem],
+    key: Option<usize>,
+    d: &Decision,
+) -> Option<(Option<HeaderValue>, HeaderValue)> {
+    let i = d.deciding?;
     let li = batch[i].limit as usize;
     let limit = &snap.limits[li];
     let numbers = match key {
         Some(k) => snap.keys[k].numbers(limit, li),
         None => limit.numbers.as_ref(),
     };
-    if let Some(n) = numbers {
-        headers.insert(RATELIMIT_POLICY.clone(), n.policy.clone());
-    }
-    headers.insert(
-        RATELIMIT.clone(),
+    Some((
+        numbers.map(|n| n.policy.clone()),
         state_value(&limit.name, d.remaining, d.reset_secs),
-    );
+    ))
 }

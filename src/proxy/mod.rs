@@ -91,74 +91,12 @@ impl Proxy {
     pub async fn forward(
         &self,
         up: &Upstream,
-        mut req: Request<UpBody>,
+        req: Request<UpBody>,
         caller: Caller<'_>,
     ) -> Result<Response<Incoming>, Refusal> {
-        let original_host = req.headers().get(header::HOST).cloned().or_else(|| {
-            req.uri()
-                .authority()
-                .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
-        });
-        let path_and_query = match (up.path_prefix.is_empty(), req.uri().path_and_query()) {
-            (true, Some(pq)) => pq.clone(),
-            (_, pq) => {
-                let pq = pq.map_or("/", |p| p.as_str());
-                let mut joined = String::with_capacity(up.path_prefix.len() + pq.len());
-                joined.push_str(&up.path_prefix);
-                joined.push_str(pq);
-                PathAndQuery::from_maybe_shared(joined)
-                    .map_err(|e| Refusal::BadRequest(format!("request target can't be forwarded: {e}")))?
-            }
-        };
-        // Origin form: the connection already names the upstream, and `Host` says it again.
-        let mut target = http::uri::Parts::default();
-        target.path_and_query = Some(path_and_query);
-        *req.uri_mut() = Uri::from_parts(target)
-            .map_err(|e| Refusal::BadRequest(format!("request target can't be forwarded: {e}")))?;
-        *req.version_mut() = Version::HTTP_11;
-
-        let h = req.headers_mut();
-        strip_hop_by_hop(h);
-        h.remove(&X_TOLLGATE_KEY_ID);
-        h.remove(&X_TOLLGATE_TENANT);
-        if let Some((id, tenant, source)) = caller.key {
-            // The upstream learns who called from us, not from the secret.
-            match source {
-                KeySource::Bearer => {
-                    h.remove(header::AUTHORIZATION);
-                }
-                KeySource::ApiKeyHeader => {
-                    h.remove(X_API_KEY);
-                }
-                KeySource::Both => {
-                    h.remove(header::AUTHORIZATION);
-                    h.remove(X_API_KEY);
-                }
-            }
-            h.insert(X_TOLLGATE_KEY_ID.clone(), id.clone());
-            h.insert(X_TOLLGATE_TENANT.clone(), tenant.clone());
-        }
-        let peer = caller.peer.clone();
-        let forwarded_for = match (caller.peer_trusted, h.get(&X_FORWARDED_FOR)) {
-            (true, Some(prior)) => {
-                let mut v = prior.as_bytes().to_vec();
-                v.extend_from_slice(b", ");
-                v.extend_from_slice(peer.as_bytes());
-                HeaderValue::from_bytes(&v).unwrap_or(peer)
-            }
-            _ => peer,
-        };
-        h.insert(X_FORWARDED_FOR.clone(), forwarded_for);
-        if !caller.peer_trusted || !h.contains_key(&X_FORWARDED_PROTO) {
-            h.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static(caller.proto));
-        }
-        if (!caller.peer_trusted || !h.contains_key(&X_FORWARDED_HOST))
-            && let Some(host) = original_host
-        {
-            h.insert(X_FORWARDED_HOST.clone(), host);
-        }
-        h.insert(header::HOST, up.host_header.clone());
-
+        let (mut parts, body) = req.into_parts();
+        prepare(up, &mut parts, caller)?;
+        let req = Request::from_parts(parts, body);
         let mut resp = match tokio::time::timeout(up.timeout, up.pool.send(req)).await {
             Err(_) => return Err(Refusal::GatewayTimeout),
             Ok(Err(e)) => {
@@ -175,6 +113,136 @@ impl Proxy {
         };
         strip_hop_by_hop(resp.headers_mut());
         Ok(resp)
+    }
+}
+
+/// Rewrites a client's request head into the one an upstream gets: origin-form target under
+/// the upstream's path prefix, and the header edits of [`HeaderEdits`].
+pub fn prepare(up: &Upstream, parts: &mut http::request::Parts, caller: Caller<'_>) -> Result<(), Refusal> {
+    let edits = HeaderEdits::new(up, parts, caller);
+    retarget(up, parts)?;
+    let h = &mut parts.headers;
+    let dropped: smallvec::SmallVec<[HeaderName; 8]> =
+        h.keys().filter(|n| !edits.keeps(n)).cloned().collect();
+    for name in dropped {
+        h.remove(name);
+    }
+    for (name, value) in edits.set {
+        h.insert(name, value);
+    }
+    Ok(())
+}
+
+/// Points the request target at the upstream: origin form (the connection already names the
+/// upstream, and `Host` says it again), under its path prefix.
+pub fn retarget(up: &Upstream, parts: &mut http::request::Parts) -> Result<(), Refusal> {
+    parts.version = Version::HTTP_11;
+    let u = &parts.uri;
+    if up.path_prefix.is_empty()
+        && u.scheme().is_none()
+        && u.authority().is_none()
+        && u.path_and_query().is_some()
+    {
+        return Ok(());
+    }
+    let path_and_query = match (up.path_prefix.is_empty(), parts.uri.path_and_query()) {
+        (true, Some(pq)) => pq.clone(),
+        (_, pq) => {
+            let pq = pq.map_or("/", |p| p.as_str());
+            let mut joined = String::with_capacity(up.path_prefix.len() + pq.len());
+            joined.push_str(&up.path_prefix);
+            joined.push_str(pq);
+            PathAndQuery::from_maybe_shared(joined)
+                .map_err(|e| Refusal::BadRequest(format!("request target can't be forwarded: {e}")))?
+        }
+    };
+    let mut target = http::uri::Parts::default();
+    target.path_and_query = Some(path_and_query);
+    parts.uri = Uri::from_parts(target)
+        .map_err(|e| Refusal::BadRequest(format!("request target can't be forwarded: {e}")))?;
+    Ok(())
+}
+
+/// How the client's headers become the upstream's: hop-by-hop headers (and those `Connection`
+/// names), the secret and any client-sent `X-Tollgate-*` are dropped; the caller's identity,
+/// `X-Forwarded-*` and `Host` are set. One description for both paths: hyper's edits a header
+/// map with it, the express lane writes the upstream's head from it directly.
+pub struct HeaderEdits {
+    connection_named: smallvec::SmallVec<[HeaderName; 2]>,
+    credential: Option<KeySource>,
+    /// Headers set, replacing any the client sent under the same names.
+    pub set: smallvec::SmallVec<[(HeaderName, HeaderValue); 8]>,
+}
+
+impl HeaderEdits {
+    pub fn new(up: &Upstream, parts: &http::request::Parts, caller: Caller<'_>) -> HeaderEdits {
+        let h = &parts.headers;
+        let mut connection_named = smallvec::SmallVec::new();
+        for v in h.get_all(header::CONNECTION) {
+            for n in v.to_str().unwrap_or("").split(',') {
+                let n = n.trim();
+                // `keep-alive` and `close` are the usual values, and name nothing else to drop.
+                if n.eq_ignore_ascii_case("keep-alive") || n.eq_ignore_ascii_case("close") || n.is_empty() {
+                    continue;
+                }
+                if let Ok(name) = HeaderName::from_bytes(n.as_bytes()) {
+                    connection_named.push(name);
+                }
+            }
+        }
+        let mut set = smallvec::SmallVec::new();
+        if let Some((id, tenant, _)) = caller.key {
+            // The upstream learns who called from us, not from the secret.
+            set.push((X_TOLLGATE_KEY_ID.clone(), id.clone()));
+            set.push((X_TOLLGATE_TENANT.clone(), tenant.clone()));
+        }
+        let peer = caller.peer.clone();
+        let forwarded_for = match (caller.peer_trusted, h.get(&X_FORWARDED_FOR)) {
+            (true, Some(prior)) => {
+                let mut v = prior.as_bytes().to_vec();
+                v.extend_from_slice(b", ");
+                v.extend_from_slice(peer.as_bytes());
+                HeaderValue::from_bytes(&v).unwrap_or(peer)
+            }
+            _ => peer,
+        };
+        set.push((X_FORWARDED_FOR.clone(), forwarded_for));
+        if !caller.peer_trusted || !h.contains_key(&X_FORWARDED_PROTO) {
+            set.push((X_FORWARDED_PROTO.clone(), HeaderValue::from_static(caller.proto)));
+        }
+        if !caller.peer_trusted || !h.contains_key(&X_FORWARDED_HOST) {
+            let original_host = h.get(header::HOST).cloned().or_else(|| {
+                parts
+                    .uri
+                    .authority()
+                    .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+            });
+            if let Some(host) = original_host {
+                set.push((X_FORWARDED_HOST.clone(), host));
+            }
+        }
+        set.push((header::HOST, up.host_header.clone()));
+        HeaderEdits {
+            connection_named,
+            credential: caller.key.map(|k| k.2),
+            set,
+        }
+    }
+
+    /// Whether a client header of this name goes upstream unchanged.
+    pub fn keeps(&self, name: &HeaderName) -> bool {
+        let secret = match self.credential {
+            None => false,
+            Some(KeySource::Bearer) => name == header::AUTHORIZATION,
+            Some(KeySource::ApiKeyHeader) => name == X_API_KEY,
+            Some(KeySource::Both) => name == header::AUTHORIZATION || name == X_API_KEY,
+        };
+        !(secret
+            || HOP_BY_HOP.contains(name)
+            || name == X_TOLLGATE_KEY_ID
+            || name == X_TOLLGATE_TENANT
+            || self.connection_named.contains(name)
+            || self.set.iter().any(|(n, _)| n == name))
     }
 }
 

@@ -43,6 +43,17 @@ pub struct ConnPool {
     authority: Authority,
     connect_timeout: Duration,
     idle: Mutex<Vec<SendRequest<UpBody>>>,
+    /// The express lane's connections: plain sockets it speaks HTTP/1.1 on itself.
+    raw: Mutex<Vec<RawConn>>,
+}
+
+/// An upstream connection the express lane drives itself, with the bytes it read past the
+/// last response (none, when the connection is idle).
+pub struct RawConn {
+    pub tcp: TcpStream,
+    pub buf: bytes::BytesMut,
+    /// Whether it came from the idle list (and so may have been closed by the upstream).
+    pub reused: bool,
 }
 
 impl ConnPool {
@@ -51,6 +62,7 @@ impl ConnPool {
             authority,
             connect_timeout,
             idle: Mutex::new(Vec::new()),
+            raw: Mutex::new(Vec::new()),
         }
     }
 
@@ -82,7 +94,32 @@ impl ConnPool {
         idle.push(tx);
     }
 
-    async fn connect(&self) -> Result<SendRequest<UpBody>, SendError> {
+    /// An idle express-lane connection, most recently used first.
+    pub fn take_raw(&self) -> Option<RawConn> {
+        let mut c = self.raw.lock().unwrap_or_else(PoisonError::into_inner).pop()?;
+        c.reused = true;
+        Some(c)
+    }
+
+    /// Keeps an express-lane connection whose last response was read to its end.
+    pub fn put_raw(&self, c: RawConn) {
+        let mut raw = self.raw.lock().unwrap_or_else(PoisonError::into_inner);
+        if raw.len() >= MAX_IDLE {
+            raw.remove(0);
+        }
+        raw.push(c);
+    }
+
+    /// A new express-lane connection.
+    pub async fn connect_raw(&self) -> Result<RawConn, SendError> {
+        Ok(RawConn {
+            tcp: self.dial().await?,
+            buf: bytes::BytesMut::with_capacity(8192),
+            reused: false,
+        })
+    }
+
+    async fn dial(&self) -> Result<TcpStream, SendError> {
         let host = self
             .authority
             .host()
@@ -94,6 +131,11 @@ impl ConnPool {
             .map_err(|_| SendError::Connect(format!("no connection within {:?}", self.connect_timeout)))?
             .map_err(|e| SendError::Connect(e.to_string()))?;
         let _ = tcp.set_nodelay(true);
+        Ok(tcp)
+    }
+
+    async fn connect(&self) -> Result<SendRequest<UpBody>, SendError> {
+        let tcp = self.dial().await?;
         let (tx, conn) = http1::Builder::new()
             .handshake(TokioIo::new(tcp))
             .await

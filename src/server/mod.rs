@@ -1,6 +1,7 @@
 //! Accepting connections: TCP or TLS, HTTP/1.1 and HTTP/2 (h2c prior knowledge or ALPN) on one
 //! port, and a graceful drain on shutdown.
 
+pub mod express;
 pub mod framing;
 pub mod tls;
 
@@ -41,6 +42,11 @@ pub trait Handler: Send + Sync + 'static {
         req: Request<Incoming>,
         conn: ConnInfo,
     ) -> impl Future<Output = Response<Body>> + Send;
+
+    /// The gateway whose express lane serves this handler's plain HTTP/1.1 requests, if any.
+    fn express(self: &Arc<Self>) -> Option<Arc<crate::gateway::Gateway>> {
+        None
+    }
 }
 
 /// Connection limits that protect the server itself.
@@ -54,6 +60,8 @@ pub struct ServerLimits {
     pub drain_timeout: Duration,
     /// Largest request head accepted; larger gets 431.
     pub max_header_bytes: usize,
+    /// Whether plain HTTP/1.1 connections start on the express lane (when the handler has one).
+    pub express: bool,
 }
 
 impl Default for ServerLimits {
@@ -63,6 +71,7 @@ impl Default for ServerLimits {
             handshake_timeout: Duration::from_secs(10),
             drain_timeout: Duration::from_secs(30),
             max_header_bytes: 32 * 1024,
+            express: true,
         }
     }
 }
@@ -90,6 +99,9 @@ pub async fn run<H: Handler>(
     shutdown: impl Future<Output = ()>,
 ) -> usize {
     let graceful = GracefulShutdown::new();
+    // The express lane's connections hold a graceful watcher (so the drain waits for them) and
+    // learn of the shutdown here, to close when idle.
+    let (stopping, stop_rx) = tokio::sync::watch::channel(false);
     let builder = Arc::new(builder(&limits));
     let proto = if tls.is_some() { "https" } else { "http" };
     tokio::pin!(shutdown);
@@ -116,6 +128,8 @@ pub async fn run<H: Handler>(
             peer_header: http::HeaderValue::from_str(&crate::identity::canonical(peer.ip()).to_string())
                 .unwrap_or_else(|_| http::HeaderValue::from_static("unknown")),
         };
+        let handler_lane = handler.express();
+        let info_lane = info.clone();
         let handler = handler.clone();
         let service = service_fn(move |req| {
             let handler = handler.clone();
@@ -126,8 +140,21 @@ pub async fn run<H: Handler>(
         let builder = builder.clone();
         match &tls {
             None => {
+                let lane = if limits.express {
+                    handler_lane.clone()
+                } else {
+                    None
+                };
+                let mut stop = stop_rx.clone();
                 tokio::spawn(async move {
-                    let conn = builder.serve_connection(TokioIo::new(Watched::new(tcp, framing)), service);
+                    let io = match lane {
+                        Some(gw) => match express::serve(&gw, tcp, &info_lane, &limits, &mut stop).await {
+                            express::Ended::Closed => return,
+                            express::Ended::HandOff(io) => io,
+                        },
+                        None => express::Prefixed::new(bytes::Bytes::new(), tcp),
+                    };
+                    let conn = builder.serve_connection(TokioIo::new(Watched::new(io, framing)), service);
                     if let Err(e) = watcher.watch(conn.into_owned()).await {
                         tracing::debug!(%peer, error = %e, "connection ended with an error");
                     }
@@ -157,6 +184,7 @@ pub async fn run<H: Handler>(
         }
     }
     drop(listener);
+    let _ = stopping.send(true);
     let open = graceful.count();
     tracing::info!(connections = open, "stopped accepting; draining");
     match tokio::time::timeout(limits.drain_timeout, graceful.shutdown()).await {
