@@ -19,7 +19,7 @@ use crate::logsample::Sampler;
 use crate::metrics::{Handles, Metrics};
 use crate::proxy::body::{IdleBody, LimitedBody};
 use crate::proxy::{Caller, Proxy};
-use crate::respond::{Body, Refusal, budget_headers};
+use crate::respond::{Body, Budget, Refusal, budget_headers};
 use crate::rules::{KeyRequirement, Snapshot, hash_secret};
 use crate::sanitize;
 use crate::server::{ConnInfo, Handler};
@@ -38,16 +38,11 @@ pub struct Gateway {
     handles: ArcSwap<Handles>,
 }
 
-/// The values of `RateLimit-Policy` (when the deciding limit has numbers) and `RateLimit` for
-/// an admitted request, made right after the check so the batch need not travel further.
-pub type Budget = (Option<HeaderValue>, HeaderValue);
-
+/// An admitted request's budget headers are taken right after the check, so the batch need
+/// not travel further.
 fn apply_budget(headers: &mut http::HeaderMap, budget: Option<Budget>) {
-    if let Some((policy, state)) = budget {
-        if let Some(p) = policy {
-            headers.insert(crate::respond::RATELIMIT_POLICY.clone(), p);
-        }
-        headers.insert(crate::respond::RATELIMIT.clone(), state);
+    if let Some(b) = budget {
+        b.apply(headers);
     }
 }
 

@@ -128,13 +128,35 @@ pub fn budget_headers(
     key: Option<usize>,
     d: &Decision,
 ) {
-    let Some((policy, state)) = budget_values(snap, batch, key, d) else {
-        return;
-    };
-    if let Some(p) = policy {
-        headers.insert(RATELIMIT_POLICY.clone(), p);
+    if let Some(b) = budget_values(snap, batch, key, d) {
+        b.apply(headers);
     }
-    headers.insert(RATELIMIT.clone(), state);
+}
+
+/// What `RateLimit-Policy` and `RateLimit` say about an answered request, kept as numbers so
+/// either path can write them its own way.
+#[derive(Debug, Clone)]
+pub struct Budget {
+    /// `RateLimit-Policy`, when the deciding limit has numbers.
+    pub policy: Option<HeaderValue>,
+    name: std::sync::Arc<str>,
+    remaining: u64,
+    reset_secs: u64,
+}
+
+impl Budget {
+    pub fn apply(self, headers: &mut HeaderMap) {
+        let state = state_value(&self.name, self.remaining, self.reset_secs);
+        if let Some(p) = self.policy {
+            headers.insert(RATELIMIT_POLICY.clone(), p);
+        }
+        headers.insert(RATELIMIT.clone(), state);
+    }
+
+    /// The `RateLimit` value's bytes.
+    pub fn write_state(&self, out: &mut bytes::BytesMut) {
+        crate::limit::headers::write_state(out, &self.name, self.remaining, self.reset_secs);
+    }
 }
 
 /// The values of `RateLimit-Policy` (when the limit has numbers) and `RateLimit` for the
@@ -144,7 +166,7 @@ pub fn budget_values(
     batch: &[CheckItem],
     key: Option<usize>,
     d: &Decision,
-) -> Option<(Option<HeaderValue>, HeaderValue)> {
+) -> Option<Budget> {
     let i = d.deciding?;
     let li = batch[i].limit as usize;
     let limit = &snap.limits[li];
@@ -152,8 +174,10 @@ pub fn budget_values(
         Some(k) => snap.keys[k].numbers(limit, li),
         None => limit.numbers.as_ref(),
     };
-    Some((
-        numbers.map(|n| n.policy.clone()),
-        state_value(&limit.name, d.remaining, d.reset_secs),
-    ))
+    Some(Budget {
+        policy: numbers.map(|n| n.policy.clone()),
+        name: limit.name.clone(),
+        remaining: d.remaining,
+        reset_secs: d.reset_secs,
+    })
 }

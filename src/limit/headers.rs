@@ -40,14 +40,23 @@ pub fn policy_value(name: &str, p: &BucketParams) -> Result<HeaderValue, String>
 /// an RFC 9651 string carries as is, and the integers are clamped to the 15 digits it allows.
 /// A unit test checks the result against the `sfv` serializer.
 pub fn state_value(name: &str, remaining: u64, t_secs: u64) -> HeaderValue {
-    let mut out = String::with_capacity(name.len() + 40);
-    out.push('"');
-    out.push_str(name);
-    out.push_str("-burst\";r=");
-    out.push_str(itoa::Buffer::new().format(remaining.min(MAX_SF_INTEGER)));
-    out.push_str(";t=");
-    out.push_str(itoa::Buffer::new().format(t_secs.min(MAX_SF_INTEGER)));
-    HeaderValue::from_maybe_shared(bytes::Bytes::from(out)).unwrap_or_else(|_| HeaderValue::from_static(""))
+    let mut out = bytes::BytesMut::with_capacity(name.len() + 40);
+    write_state(&mut out, name, remaining, t_secs);
+    HeaderValue::from_maybe_shared(out.freeze()).unwrap_or_else(|_| HeaderValue::from_static(""))
+}
+
+/// Appends the bytes of [`state_value`], for a head written without a header map.
+pub fn write_state(out: &mut bytes::BytesMut, name: &str, remaining: u64, t_secs: u64) {
+    out.extend_from_slice(b"\"");
+    out.extend_from_slice(name.as_bytes());
+    out.extend_from_slice(b"-burst\";r=");
+    out.extend_from_slice(
+        itoa::Buffer::new()
+            .format(remaining.min(MAX_SF_INTEGER))
+            .as_bytes(),
+    );
+    out.extend_from_slice(b";t=");
+    out.extend_from_slice(itoa::Buffer::new().format(t_secs.min(MAX_SF_INTEGER)).as_bytes());
 }
 
 /// The largest integer an RFC 9651 structured field can carry.

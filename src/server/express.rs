@@ -58,6 +58,7 @@ pub async fn serve(
 ) -> Ended {
     let mut buf = BytesMut::with_capacity(READ_SIZE);
     let mut out = BytesMut::with_capacity(READ_SIZE);
+    let mut head_out = BytesMut::with_capacity(1024);
     // Like hyper's: the time to the end of a head counts from when the last response was sent,
     // so an idle keep-alive connection is closed after it too.
     let mut head = Head::default();
@@ -133,7 +134,7 @@ pub async fn serve(
             budget: f.budget.as_ref(),
             request_id: &b.request_id,
         };
-        let mut head_out = BytesMut::with_capacity(512);
+        head_out.clear();
         render_request(&mut head_out, &parts, &gw.edits(&b, &f, &parts, info));
         let started = std::time::Instant::now();
         out.clear();
@@ -292,7 +293,7 @@ fn idempotent(m: &Method) -> bool {
 
 /// The headers the gateway adds to a forwarded response.
 struct Extra<'a> {
-    budget: Option<&'a (Option<HeaderValue>, HeaderValue)>,
+    budget: Option<&'a crate::respond::Budget>,
     request_id: &'a HeaderValue,
 }
 
@@ -300,18 +301,20 @@ impl Extra<'_> {
     /// Whether an upstream header of this name gives way to one of ours.
     fn replaces(&self, name: &[u8]) -> bool {
         name.eq_ignore_ascii_case(X_REQUEST_ID.as_str().as_bytes())
-            || self.budget.is_some_and(|(policy, _)| {
+            || self.budget.is_some_and(|b| {
                 name.eq_ignore_ascii_case(RATELIMIT.as_str().as_bytes())
-                    || (policy.is_some() && name.eq_ignore_ascii_case(RATELIMIT_POLICY.as_str().as_bytes()))
+                    || (b.policy.is_some() && name.eq_ignore_ascii_case(RATELIMIT_POLICY.as_str().as_bytes()))
             })
     }
 
     fn render(&self, out: &mut BytesMut) {
-        if let Some((policy, state)) = self.budget {
-            if let Some(p) = policy {
+        if let Some(b) = self.budget {
+            if let Some(p) = &b.policy {
                 header_line(out, RATELIMIT_POLICY.as_str().as_bytes(), p.as_bytes());
             }
-            header_line(out, RATELIMIT.as_str().as_bytes(), state.as_bytes());
+            out.extend_from_slice(b"ratelimit: ");
+            b.write_state(out);
+            out.extend_from_slice(b"\r\n");
         }
         header_line(out, X_REQUEST_ID.as_str().as_bytes(), self.request_id.as_bytes());
     }
