@@ -5,6 +5,7 @@
 #   (c) Tollgate, embedded store, the demo limits (a key that stays under its plan)
 #   (d) Tollgate on Redis (redis-server on loopback)
 #   (e) nginx 1.22 as a reverse proxy with limit_req (benches/nginx/limit_req.conf)
+#   (h) as (c), with the express lane off (--no-express: hyper's general path for every request)
 #
 # Fairness: every proxy gets CPU 0 alone (Tollgate with one worker thread, nginx with one
 # worker process); the upstream and wrk share CPU 1. wrk uses the same connections, threads and
@@ -59,6 +60,7 @@ start_tg() { # name, extra args...
   wait_port "$p"
 }
 start_tg mem
+start_tg general --no-express
 start_tg redis --store "redis://127.0.0.1:$RP" --store-timeout 50ms
 
 declare -A URL PID
@@ -67,6 +69,7 @@ URL[b]="http://127.0.0.1:$mem_PORT/open";      PID[b]=$mem_PID
 URL[c]="http://127.0.0.1:$mem_PORT/v1/orders"; PID[c]=$mem_PID
 URL[d]="http://127.0.0.1:$redis_PORT/v1/orders"; PID[d]=$redis_PID
 URL[e]="http://127.0.0.1:$NGX/v1/orders";      PID[e]=$NGX_PID
+URL[h]="http://127.0.0.1:$general_PORT/v1/orders"; PID[h]=$general_PID
 # nginx's master forks the worker: measure the worker's CPU.
 sleep 0.3
 NGX_WORKER=$(pgrep -P "$NGX_PID" | head -1); PID[e]=${NGX_WORKER:-$NGX_PID}
@@ -74,12 +77,12 @@ NGX_WORKER=$(pgrep -P "$NGX_PID" | head -1); PID[e]=${NGX_WORKER:-$NGX_PID}
 cpu_ticks() { [ -z "$1" ] && { echo 0; return; }; awk '{print $14+$15}' "/proc/$1/stat"; }
 
 # Warm every path (pools, caches) before measuring.
-for c in a b c d e; do taskset -c 1 wrk -t1 -c"$CONNS" -d2s -H "X-API-Key: $KEY" "${URL[$c]}" >/dev/null; done
+for c in a b c d e h; do taskset -c 1 wrk -t1 -c"$CONNS" -d2s -H "X-API-Key: $KEY" "${URL[$c]}" >/dev/null; done
 
 results="$work/results.tsv"
 : > "$results"
 for r in $(seq "$ROUNDS"); do
-  order="a b c d e"; [ $((r % 2)) -eq 0 ] && order="e d c b a"
+  order="a b c d e h"; [ $((r % 2)) -eq 0 ] && order="h e d c b a"
   for c in $order; do
     before=$(cpu_ticks "${PID[$c]}")
     out=$(taskset -c 1 wrk -t1 -c"$CONNS" -d"${DUR}s" --latency -H "X-API-Key: $KEY" "${URL[$c]}")
@@ -99,7 +102,8 @@ import sys, statistics
 rows = [l.rstrip('\n').split('\t') for l in open(sys.argv[1])]
 rounds, dur, conns = sys.argv[2], sys.argv[3], sys.argv[4]
 names = {"a": "(a) upstream direct", "b": "(b) Tollgate, no limits", "c": "(c) Tollgate, embedded, demo limits",
-         "d": "(d) Tollgate, Redis", "e": "(e) nginx limit_req"}
+         "d": "(d) Tollgate, Redis", "e": "(e) nginx limit_req",
+         "h": "(h) as (c), express lane off"}
 def ms(v):
     if v.endswith("us"): return float(v[:-2]) / 1000
     if v.endswith("ms"): return float(v[:-2])
@@ -107,7 +111,7 @@ def ms(v):
     return float(v)
 hz = 100  # USER_HZ
 med = {}
-for c in "abcde":
+for c in "abcdeh":
     rs = [r for r in rows if r[0] == c]
     rps = statistics.median(float(r[1]) for r in rs)
     p50 = statistics.median(ms(r[2]) for r in rs)
@@ -118,9 +122,12 @@ for c in "abcde":
 print(f"Rounds: {rounds} × {dur} s per case, wrk -t1 -c{conns}, medians.\n")
 print("| case | req/s | p50 ms | p99 ms | proxy CPU µs/req | ÷ (a) | ÷ (e) | non-2xx |")
 print("|---|---:|---:|---:|---:|---:|---:|---:|")
-for c in "abcde":
+for c in "abcdeh":
     rps, p50, p99, cpu, bad = med[c]
     cpu_s = f"{cpu:.1f}" if cpu is not None else "–"
     print(f"| {names[c]} | {rps:,.0f} | {p50:.3f} | {p99:.3f} | {cpu_s} | {rps/med['a'][0]:.2f} | {rps/med['e'][0]:.2f} | {bad} |")
-print(f"\n(c) ÷ (b) = {med['c'][0]/med['b'][0]:.3f}   (c) ÷ (e) = {med['c'][0]/med['e'][0]:.3f}")
+print(f"\n(c) ÷ (b) = {med['c'][0]/med['b'][0]:.3f}   (c) ÷ (e) = {med['c'][0]/med['e'][0]:.3f}   (c) ÷ (h) = {med['c'][0]/med['h'][0]:.3f}")
+# Per-round ratios, measured back to back, say more on a noisy host than ratios of medians.
+ce = sorted(float(c[1]) / float(e[1]) for c, e in zip([r for r in rows if r[0] == "c"], [r for r in rows if r[0] == "e"]))
+print(f"(c) ÷ (e) per round: {', '.join(f'{x:.3f}' for x in ce)}")
 PY
