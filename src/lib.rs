@@ -4,7 +4,8 @@
 //! Modules in data-path order:
 //! - [`config`]: the command line and environment, validated.
 //! - [`app`]: assembles rules, store and listeners into a running gateway.
-//! - [`server`]: accepts TCP/TLS connections, HTTP/1.1 and HTTP/2, drains on shutdown.
+//! - [`server`]: accepts TCP/TLS connections, HTTP/1.1 and HTTP/2, drains on shutdown; its
+//!   express lane serves plain HTTP/1.1 requests without a body in the connection's own task.
 //! - [`gateway`]: one request's path: route → identity → plan → store check → 429 or forward.
 //! - [`sanitize`]: request heads refused before anything reads them (smuggling, unclean paths).
 //! - [`rules`]: the rules file parsed, validated and compiled into an immutable `Snapshot`.
@@ -13,7 +14,8 @@
 //! - [`store`]: the `Store` trait, the embedded `MemoryStore`, the shared `RedisStore`, its guard,
 //!   and `Leases` (hot keys spent from leased blocks in memory).
 //! - [`respond`]: every response the gateway makes itself, in one place.
-//! - [`proxy`]: the pooled upstream client, hop-by-hop stripping, `X-Forwarded-*`, 502/504.
+//! - [`proxy`]: kept upstream connections, the upstream's header edits (hop-by-hop stripping,
+//!   `X-Forwarded-*`), 502/504.
 //! - [`metrics`], [`logsample`]: what the operator sees: Prometheus metrics, sampled log lines.
 //! - [`admin`]: the admin listener (health, readiness, metrics, running rules).
 //! - [`demo`]: the built-in demo upstream.

@@ -1,5 +1,6 @@
-//! Forwarding to upstreams: a pooled client, hop-by-hop stripping, `X-Forwarded-*`, and 502/504
-//! for upstreams that refuse, reset or stall.
+//! Forwarding to upstreams: kept connections, the upstream's header edits (hop-by-hop
+//! stripping, the secret swapped for the key's id, `X-Forwarded-*`), and 502/504 for upstreams
+//! that refuse, reset or stall.
 
 pub mod body;
 pub mod pool;
