@@ -48,6 +48,15 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     if found.is_empty() {
         return;
     }
+    found.extend(connection_named(headers));
+    for n in found {
+        headers.remove(n);
+    }
+}
+
+/// The header names the `Connection` headers list, which are hop-by-hop too.
+fn connection_named(headers: &HeaderMap) -> smallvec::SmallVec<[HeaderName; 2]> {
+    let mut named = smallvec::SmallVec::new();
     for v in headers.get_all(header::CONNECTION) {
         for n in v.to_str().unwrap_or("").split(',') {
             let n = n.trim();
@@ -56,13 +65,11 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
                 continue;
             }
             if let Ok(name) = HeaderName::from_bytes(n.as_bytes()) {
-                found.push(name);
+                named.push(name);
             }
         }
     }
-    for n in found {
-        headers.remove(n);
-    }
+    named
 }
 
 /// What the proxy needs to know about the caller.
@@ -178,19 +185,6 @@ pub struct HeaderEdits {
 impl HeaderEdits {
     pub fn new(up: &Upstream, parts: &http::request::Parts, caller: Caller<'_>) -> HeaderEdits {
         let h = &parts.headers;
-        let mut connection_named = smallvec::SmallVec::new();
-        for v in h.get_all(header::CONNECTION) {
-            for n in v.to_str().unwrap_or("").split(',') {
-                let n = n.trim();
-                // `keep-alive` and `close` are the usual values, and name nothing else to drop.
-                if n.eq_ignore_ascii_case("keep-alive") || n.eq_ignore_ascii_case("close") || n.is_empty() {
-                    continue;
-                }
-                if let Ok(name) = HeaderName::from_bytes(n.as_bytes()) {
-                    connection_named.push(name);
-                }
-            }
-        }
         let mut set = smallvec::SmallVec::new();
         if let Some((id, tenant, _)) = caller.key {
             // The upstream learns who called from us, not from the secret.
@@ -224,7 +218,7 @@ impl HeaderEdits {
         }
         set.push((header::HOST, up.host_header.clone()));
         HeaderEdits {
-            connection_named,
+            connection_named: connection_named(h),
             credential: caller.key.map(|k| k.2),
             set,
         }
