@@ -921,6 +921,39 @@ mod tests {
         assert_eq!(scan_all(b"5\r\nhel", 3), Ok(None));
     }
 
+    proptest::proptest! {
+        /// Hostile bytes from a client or an upstream: the head parser and the chunk scanner
+        /// answer every input (take it, wait for more, or leave it to hyper / refuse it) and
+        /// never panic; a found chunked end is inside the bytes scanned.
+        #[test]
+        fn any_bytes_get_an_answer(data in proptest::collection::vec(proptest::num::u8::ANY, 0..600), split in 1usize..64) {
+            let mut head = Head::default();
+            if let Parsed::Lane = parse(&data, &mut head) {
+                proptest::prop_assert!(head.len <= data.len());
+                let bytes = Bytes::from(data.clone());
+                let _ = head.to_parts(&bytes.slice(..head.len));
+            }
+            if let Ok(Some(end)) = scan_all(&data, split) {
+                proptest::prop_assert!(end <= data.len());
+            }
+        }
+
+        /// Any chunked body, cut anywhere, ends where it was written to end.
+        #[test]
+        fn chunked_bodies_end_where_written(sizes in proptest::collection::vec(1usize..300, 0..8), split in 1usize..50) {
+            let mut body = Vec::new();
+            for n in &sizes {
+                body.extend_from_slice(format!("{n:x}\r\n").as_bytes());
+                body.extend(std::iter::repeat_n(b'a', *n));
+                body.extend_from_slice(b"\r\n");
+            }
+            body.extend_from_slice(b"0\r\n\r\n");
+            let end = body.len();
+            body.extend_from_slice(b"GET / HTTP/1.1\r\n");
+            proptest::prop_assert_eq!(scan_all(&body, split), Ok(Some(end)));
+        }
+    }
+
     #[test]
     fn malformed_chunks_are_refused() {
         for bad in [&b"z\r\n"[..], b"5\r\nhelloXX", b"5\n", b"fffffffffffffffff\r\n"] {
