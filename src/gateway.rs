@@ -407,11 +407,7 @@ impl Gateway {
                 r
             }
             // Boxed so the future hyper keeps for every request stays small.
-            None => {
-                let snap = b.snap.clone();
-                let h = b.h.clone();
-                Box::pin(self.route(&snap, req, conn, &h, &mut b.trace)).await
-            }
+            None => Box::pin(self.route(&b.snap, req, conn, &b.h, &mut b.trace)).await,
         };
         resp.headers_mut()
             .insert(X_REQUEST_ID.clone(), b.request_id.clone());
@@ -428,12 +424,11 @@ impl Gateway {
         parts: &mut http::request::Parts,
         conn: &ConnInfo,
     ) -> Admission {
-        let snap = b.snap.clone();
-        let h = b.h.clone();
-        let trace = &mut b.trace;
+        // Disjoint borrows of the request's state, not clones of its `Arc`s.
+        let (snap, h, trace) = (&*b.snap, &*b.h, &mut b.trace);
         let peer = identity::canonical(conn.peer.ip());
         let c = match classify(
-            &snap,
+            snap,
             &parts.method,
             &parts.uri,
             &parts.headers,
@@ -444,7 +439,7 @@ impl Gateway {
             Err(Early::Refuse(r)) => return Admission::Answer(r.into_response()),
             Err(Early::Unauthorized { route, ip, why }) => {
                 trace.route = route;
-                return Admission::Answer(Box::pin(self.unauthorized(&snap, ip, why, &h, trace)).await);
+                return Admission::Answer(Box::pin(self.unauthorized(snap, ip, why, h, trace)).await);
             }
         };
         let route = &snap.routes[c.route];
@@ -455,10 +450,7 @@ impl Gateway {
         trace.route = Some(c.route);
         let key_idx = c.key.map(|k| k.0);
         trace.key_id = key_idx.map(|k| snap.keys[k].id.clone());
-        let budget = match self
-            .limit(&snap, route, &c, &parts.headers, None, &h, trace)
-            .await
-        {
+        let budget = match self.limit(snap, route, &c, &parts.headers, None, h, trace).await {
             Ok(b) => b,
             Err(answer) => return Admission::Answer(answer),
         };

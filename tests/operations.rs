@@ -229,7 +229,12 @@ async fn sigterm_finishes_in_flight_requests_and_refuses_new_ones() {
     }
     gw.signal("TERM");
     let deadline = Instant::now() + Duration::from_secs(5);
-    while !gw.stderr().contains("stopped accepting") {
+    // The gateway's own listener, not the admin's, which may stop first.
+    let stopped = |log: &str| {
+        log.lines()
+            .any(|l| l.contains("stopped accepting") && l.contains(&gw.addr.to_string()))
+    };
+    while !stopped(&gw.stderr()) {
         assert!(Instant::now() < deadline, "{}", gw.stderr());
         tokio::time::sleep(Duration::from_millis(5)).await;
     }

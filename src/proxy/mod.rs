@@ -16,7 +16,7 @@ use crate::rules::Upstream;
 
 /// Headers that describe one connection, not the message (RFC 9110 7.6.1), so a proxy never
 /// forwards them.
-static HOP_BY_HOP: [HeaderName; 9] = [
+pub(crate) static HOP_BY_HOP: [HeaderName; 9] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),

@@ -110,16 +110,7 @@ pub async fn serve(
                 return Ended::HandOff(Prefixed::new(rest.freeze(), tcp));
             }
             Admission::Answer(resp) => {
-                out.clear();
-                let status = resp.status().as_u16();
-                render_answer(
-                    &mut out,
-                    resp,
-                    &b.request_id,
-                    closing,
-                    parts.method == Method::HEAD,
-                );
-                gw.finish(b, status);
+                answer(gw, &mut out, b, resp, closing, parts.method == Method::HEAD);
                 if tcp.write_all(&out).await.is_err() || closing {
                     return Ended::Closed;
                 }
@@ -145,24 +136,20 @@ pub async fn serve(
             () = upstream_deadline.passed() => Err(()),
         };
         gw.upstream_answered(&b, &f, started.elapsed());
-        let (mut conn, framing, status, upstream_closes) = match answered {
-            Ok(Ok(r)) => r,
-            Ok(Err(refusal)) => {
-                tracing::debug!(upstream = &*up.name, error = %refusal, "upstream failed");
-                answer_failure(gw, &mut out, b, &f, refusal, closing, is_head);
-                if tcp.write_all(&out).await.is_err() || closing {
-                    return Ended::Closed;
+        let (mut conn, framing, status, upstream_closes) =
+            match answered.unwrap_or(Err(Refusal::GatewayTimeout)) {
+                Ok(r) => r,
+                Err(refusal) => {
+                    tracing::debug!(upstream = &*up.name, error = %refusal, "upstream failed");
+                    let mut resp = refusal.into_response();
+                    gw.forward_headers(&f, resp.headers_mut());
+                    answer(gw, &mut out, b, resp, closing, is_head);
+                    if tcp.write_all(&out).await.is_err() || closing {
+                        return Ended::Closed;
+                    }
+                    continue;
                 }
-                continue;
-            }
-            Err(_) => {
-                answer_failure(gw, &mut out, b, &f, Refusal::GatewayTimeout, closing, is_head);
-                if tcp.write_all(&out).await.is_err() || closing {
-                    return Ended::Closed;
-                }
-                continue;
-            }
-        };
+            };
         let relayed = relay(&mut conn, &mut tcp, &mut out, framing, up.timeout).await;
         let upstream_reusable = matches!(relayed, Relayed::Done { clean: true }) && !upstream_closes;
         gw.finish(b, status);
@@ -424,17 +411,16 @@ fn full_bytes(body: Body) -> Bytes {
     }
 }
 
-fn answer_failure(
+/// Ends a request with one of the gateway's own answers, rendered into `out` for the caller
+/// to write.
+fn answer(
     gw: &Gateway,
     out: &mut BytesMut,
     b: crate::gateway::Begun<'_>,
-    f: &crate::gateway::Forward,
-    refusal: Refusal,
+    resp: Response<Body>,
     close: bool,
     is_head: bool,
 ) {
-    let mut resp = refusal.into_response();
-    gw.forward_headers(f, resp.headers_mut());
     let status = resp.status().as_u16();
     out.clear();
     render_answer(out, resp, &b.request_id, close, is_head);
@@ -474,20 +460,11 @@ enum Framing {
     Close,
 }
 
-/// The names a response may not carry past a proxy, plus what the lane sets itself.
+/// Whether a response header is hop-by-hop (the proxy's one list, compared as raw bytes).
 fn hop_by_hop(name: &[u8]) -> bool {
-    const NAMES: [&[u8]; 9] = [
-        b"connection",
-        b"keep-alive",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-    ];
-    NAMES.iter().any(|n| n.eq_ignore_ascii_case(name))
+    crate::proxy::HOP_BY_HOP
+        .iter()
+        .any(|n| n.as_str().as_bytes().eq_ignore_ascii_case(name))
 }
 
 /// Sends a request head upstream and renders the response head for the client into `out`.

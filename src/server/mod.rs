@@ -183,10 +183,12 @@ pub async fn run<H: Handler>(
             }
         }
     }
+    let addr = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
     drop(listener);
     let _ = stopping.send(true);
     let open = graceful.count();
-    tracing::info!(connections = open, "stopped accepting; draining");
+    // Which listener: the gateway's, the admin's and the demo upstream's all stop this way.
+    tracing::info!(%addr, connections = open, "stopped accepting; draining");
     match tokio::time::timeout(limits.drain_timeout, graceful.shutdown()).await {
         Ok(()) => 0,
         Err(_) => {
