@@ -86,6 +86,27 @@ pub enum StartError {
     Watch(String),
 }
 
+/// Closes kept upstream connections that expired or that their upstream closed, once a second,
+/// so none lingers half-closed while no request comes to take it.
+async fn sweep_upstreams(
+    rules: Arc<ArcSwap<Snapshot>>,
+    stop: impl std::future::Future<Output = ()>,
+) -> usize {
+    tokio::pin!(stop);
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = &mut stop => return 0,
+            _ = tick.tick() => {
+                for u in &rules.load().upstreams {
+                    u.pool.sweep();
+                }
+            }
+        }
+    }
+}
+
 /// A gateway that is serving.
 pub struct Running {
     pub addr: SocketAddr,
@@ -284,12 +305,13 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         None => None,
     };
 
-    let gateway = Arc::new(Gateway::new(
+    let mut gateway = Gateway::new(rules.clone(), store.clone(), cfg.trusted.clone(), metrics.clone());
+    gateway.body_timeout = cfg.limits.body_read_timeout;
+    let gateway = Arc::new(gateway);
+    tasks.push(tokio::spawn(sweep_upstreams(
         rules.clone(),
-        store.clone(),
-        cfg.trusted.clone(),
-        metrics.clone(),
-    ));
+        stopped(stop_rx.clone()),
+    )));
     tasks.push(tokio::spawn(server::run(
         listener,
         tls,

@@ -124,6 +124,9 @@ pub struct CommonArgs {
     /// A client must send its whole request head within this time.
     #[arg(long, env = "TOLLGATE_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub header_timeout: Duration,
+    /// A client must send each next piece of a request body within this time; past it, 408.
+    #[arg(long, env = "TOLLGATE_BODY_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub body_timeout: Duration,
     /// Largest request head, in bytes; larger gets 431.
     #[arg(long, env = "TOLLGATE_MAX_HEADER_BYTES", default_value_t = 32 * 1024)]
     pub max_header_bytes: usize,

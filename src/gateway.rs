@@ -17,8 +17,8 @@ use crate::limit::decision::{Decision, decide};
 use crate::limit::plan;
 use crate::logsample::Sampler;
 use crate::metrics::{Handles, Metrics};
-use crate::proxy::body::{IdleBody, LimitedBody};
-use crate::proxy::{Caller, Proxy};
+use crate::proxy::body::LimitedBody;
+use crate::proxy::{Caller, HeaderEdits, Proxy};
 use crate::respond::{Body, Budget, Refusal, budget_headers};
 use crate::rules::{KeyRequirement, Snapshot, hash_secret};
 use crate::sanitize;
@@ -34,6 +34,8 @@ pub struct Gateway {
     pub proxy: Proxy,
     pub trusted: TrustedProxies,
     pub metrics: Arc<Metrics>,
+    /// The longest wait for a client's next request-body bytes; past it, 408.
+    pub body_timeout: std::time::Duration,
     shadow_log: Sampler,
     handles: ArcSwap<Handles>,
 }
@@ -84,6 +86,7 @@ impl Gateway {
             proxy: Proxy::new(),
             trusted,
             metrics,
+            body_timeout: std::time::Duration::from_secs(10),
             shadow_log: Sampler::new(std::time::Duration::from_secs(1)),
             handles: ArcSwap::from_pointee(Handles::new(0, vec![], vec![], vec![])),
         }
@@ -291,14 +294,11 @@ impl Gateway {
         {
             return Refusal::PayloadTooLarge { limit: max }.into_response();
         }
-        let (parts, body) = req.into_parts();
+        let (mut parts, body) = req.into_parts();
         // A limit keyed on a body field needs the body before the check: read a bounded prefix,
         // then send what was read.
-        let (up_body, tripped, body_value) = match &route.body_field {
-            None => {
-                let (b, tripped) = LimitedBody::new(body, route.max_body_bytes);
-                (Either::Left(b), Some(tripped), None)
-            }
+        let (up_body, body_value) = match &route.body_field {
+            None => (Either::Left(LimitedBody::new(body, route.max_body_bytes)), None),
             Some(field) => {
                 let cap = route.max_body_bytes.unwrap_or(MAX_FIELD_BODY).min(MAX_FIELD_BODY);
                 let bytes = match Box::pin(Limited::new(body, cap as usize).collect()).await {
@@ -314,7 +314,7 @@ impl Gateway {
                     Ok(v) => v,
                     Err(why) => return Refusal::BadRequest(why).into_response(),
                 };
-                (Either::Right(Full::new(bytes)), None, Some(value))
+                (Either::Right(Full::new(bytes)), Some(value))
             }
         };
         let budget = match self
@@ -329,23 +329,24 @@ impl Gateway {
             Ok(p) => p,
             Err(answer) => return answer,
         };
-        let caller = self.caller(snap, &c, &conn);
+        // The edits read the client's Host (or HTTP/2 authority) before the target loses it.
+        let edits = HeaderEdits::new(upstream, &parts, self.caller(snap, &c, &conn));
+        if let Err(r) = crate::proxy::retarget(upstream, &mut parts) {
+            return r.into_response();
+        }
         let started = Instant::now();
         // Boxed: this future is the largest part of a request's, and boxing it once is cheaper
         // than copying it through every enclosing future.
-        let forwarded = Box::pin(
-            self.proxy
-                .forward(upstream, Request::from_parts(parts, up_body), caller),
-        )
-        .await;
+        let forwarded =
+            Box::pin(
+                self.proxy
+                    .forward(upstream, &parts, &edits, up_body, self.body_timeout, permit),
+            )
+            .await;
         h.upstream(&self.metrics, route.upstream, started.elapsed());
         let mut resp = match forwarded {
-            Ok(r) => r.map(|b| Either::Left(IdleBody::new(b, upstream.timeout, permit))),
-            Err(_) if tripped.is_some_and(|t| t.load(std::sync::atomic::Ordering::Acquire)) => {
-                let limit = route.max_body_bytes.unwrap_or(0);
-                return Refusal::PayloadTooLarge { limit }.into_response();
-            }
-            Err(refusal) => refusal.into_response(),
+            Ok(r) => r.map(Either::Left),
+            Err(failure) => crate::proxy::failure_answer(upstream, &failure).into_response(),
         };
         apply_budget(resp.headers_mut(), budget);
         resp

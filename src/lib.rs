@@ -7,6 +7,8 @@
 //! - [`server`]: accepts TCP/TLS connections, HTTP/1.1 and HTTP/2, drains on shutdown; its
 //!   express lane serves plain HTTP/1.1 requests without a body in the connection's own task.
 //! - [`gateway`]: one request's path: route → identity → plan → store check → 429 or forward.
+//! - [`http1`]: the one reader of HTTP/1 framing (chunked bodies, upstream response heads,
+//!   `Connection` tokens, idempotent methods) for the watcher, the express lane and the proxy.
 //! - [`sanitize`]: request heads refused before anything reads them (smuggling, unclean paths).
 //! - [`rules`]: the rules file parsed, validated and compiled into an immutable `Snapshot`.
 //! - [`identity`]: API key (compared by SHA-256) and client IP (trusted proxies only).
@@ -28,6 +30,7 @@ pub mod config;
 pub mod demo;
 pub mod fleet;
 pub mod gateway;
+pub mod http1;
 pub mod identity;
 pub mod limit;
 pub mod logsample;

@@ -35,6 +35,7 @@ fn config(rules: RulesSource, c: &CommonArgs, demo: bool) -> Result<GatewayConfi
     cfg.trusted = TrustedProxies::parse(&c.trusted_proxy).map_err(anyhow::Error::msg)?;
     cfg.limits = ServerLimits {
         header_read_timeout: c.header_timeout,
+        body_read_timeout: c.body_timeout,
         drain_timeout: c.drain_timeout,
         max_header_bytes: c.max_header_bytes,
         express: !c.no_express,

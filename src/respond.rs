@@ -1,7 +1,8 @@
 //! Every answer the gateway makes itself, built in one place: each refusal or failure maps to
 //! its status, headers and small JSON body here.
 
-use crate::proxy::body::{IdleBody, LimitedBody};
+use crate::proxy::body::LimitedBody;
+use crate::proxy::client::UpstreamBody;
 use bytes::Bytes;
 use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
@@ -13,7 +14,7 @@ use crate::rules::Snapshot;
 use crate::store::CheckItem;
 
 /// Bodies the gateway sends: an upstream's streamed through, or one of its own.
-pub type Body = Either<IdleBody, Full<Bytes>>;
+pub type Body = Either<UpstreamBody, Full<Bytes>>;
 
 /// Bodies the gateway sends upstream: the client's streamed through under the route's size
 /// limit, or one it had to read first (to find a limit's body field).
@@ -41,8 +42,10 @@ pub enum Refusal {
     UpstreamOverloaded { retry_after: u64 },
     #[error("bad gateway: {0}")]
     BadGateway(String),
-    #[error("gateway timeout")]
-    GatewayTimeout,
+    #[error("{0}")]
+    GatewayTimeout(String),
+    #[error("the request body stalled")]
+    RequestTimeout,
 }
 
 impl Refusal {
@@ -57,7 +60,8 @@ impl Refusal {
                 StatusCode::SERVICE_UNAVAILABLE
             }
             Refusal::BadGateway(_) => StatusCode::BAD_GATEWAY,
-            Refusal::GatewayTimeout => StatusCode::GATEWAY_TIMEOUT,
+            Refusal::GatewayTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            Refusal::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
         }
     }
 
@@ -78,8 +82,9 @@ impl Refusal {
             Refusal::LimiterUnavailable => json!({"error": "limiter_unavailable"}),
             Refusal::UpstreamOverloaded { .. } => json!({"error": "upstream_overloaded"}),
             Refusal::BadGateway(m) => json!({"error": "bad_gateway", "message": m}),
-            Refusal::GatewayTimeout => {
-                json!({"error": "gateway_timeout", "message": "the upstream did not answer in time"})
+            Refusal::GatewayTimeout(m) => json!({"error": "gateway_timeout", "message": m}),
+            Refusal::RequestTimeout => {
+                json!({"error": "request_timeout", "message": "the request was not received in time"})
             }
         }
     }

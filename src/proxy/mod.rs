@@ -3,30 +3,18 @@
 //! that refuse, reset or stall.
 
 pub mod body;
+pub mod client;
 pub mod pool;
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::PathAndQuery;
-use http::{Request, Response, Uri, Version};
-use hyper::body::Incoming;
+use http::{Response, Uri, Version};
 
 use crate::identity::{KeySource, X_API_KEY};
 use crate::respond::{Refusal, UpBody};
 use crate::rules::Upstream;
 
-/// Headers that describe one connection, not the message (RFC 9110 7.6.1), so a proxy never
-/// forwards them.
-pub(crate) static HOP_BY_HOP: [HeaderName; 9] = [
-    header::CONNECTION,
-    HeaderName::from_static("keep-alive"),
-    HeaderName::from_static("proxy-connection"),
-    header::TE,
-    header::TRAILER,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
-    header::PROXY_AUTHENTICATE,
-    header::PROXY_AUTHORIZATION,
-];
+pub(crate) use crate::http1::HOP_BY_HOP;
 
 pub static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 pub static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
@@ -58,13 +46,12 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 fn connection_named(headers: &HeaderMap) -> smallvec::SmallVec<[HeaderName; 2]> {
     let mut named = smallvec::SmallVec::new();
     for v in headers.get_all(header::CONNECTION) {
-        for n in v.to_str().unwrap_or("").split(',') {
-            let n = n.trim();
+        for n in crate::http1::connection_tokens(v.as_bytes()) {
             // `keep-alive` and `close` are the usual values, and name nothing else to drop.
-            if n.eq_ignore_ascii_case("keep-alive") || n.eq_ignore_ascii_case("close") || n.is_empty() {
+            if n.eq_ignore_ascii_case(b"keep-alive") || n.eq_ignore_ascii_case(b"close") {
                 continue;
             }
-            if let Ok(name) = HeaderName::from_bytes(n.as_bytes()) {
+            if let Ok(name) = HeaderName::from_bytes(n) {
                 named.push(name);
             }
         }
@@ -94,33 +81,101 @@ impl Proxy {
         Proxy
     }
 
-    /// Sends `req` to `up` and returns its response with hop-by-hop headers removed. The
-    /// bodies stream both ways; nothing is buffered whole.
+    /// Sends a request to `up` (its head already retargeted) and returns the response with
+    /// the upstream's body streaming behind it. The bodies stream both ways; nothing is
+    /// buffered whole. The whole exchange, up to the response head, is bounded by the
+    /// upstream's timeout.
     pub async fn forward(
         &self,
         up: &Upstream,
-        req: Request<UpBody>,
-        caller: Caller<'_>,
-    ) -> Result<Response<Incoming>, Refusal> {
-        let (mut parts, body) = req.into_parts();
-        prepare(up, &mut parts, caller)?;
-        let req = Request::from_parts(parts, body);
-        let mut resp = match tokio::time::timeout(up.timeout, up.pool.send(req)).await {
-            Err(_) => return Err(Refusal::GatewayTimeout),
-            Ok(Err(e)) => {
-                let what = match &e {
-                    pool::SendError::Connect(_) => format!("upstream {:?} refused the connection", &*up.name),
-                    pool::SendError::Failed(_) => {
-                        format!("upstream {:?} closed the connection before answering", &*up.name)
-                    }
-                };
-                tracing::debug!(upstream = &*up.name, error = %e, "upstream failed");
-                return Err(Refusal::BadGateway(what));
-            }
-            Ok(Ok(r)) => r,
+        parts: &http::request::Parts,
+        edits: &HeaderEdits,
+        mut body: UpBody,
+        body_timeout: std::time::Duration,
+        permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    ) -> Result<Response<client::UpstreamBody>, client::Failure> {
+        use http_body::Body as _;
+        let has_body = !body.is_end_stream();
+        let chunked = has_body && !parts.headers.contains_key(header::CONTENT_LENGTH);
+        let mut head = bytes::BytesMut::with_capacity(512);
+        client::render_request(&mut head, parts, edits, chunked);
+        let is_head = parts.method == http::Method::HEAD;
+        let outgoing = has_body.then_some(client::Outgoing {
+            body: &mut body,
+            chunked,
+            timeout: body_timeout,
+        });
+        let exchanged = tokio::time::timeout(
+            up.timeout,
+            client::exchange(
+                &up.pool,
+                &head,
+                outgoing,
+                crate::http1::idempotent(&parts.method),
+                is_head,
+                |h| response_parts(h, is_head),
+            ),
+        )
+        .await;
+        let (conn, (resp, framing, reusable)) = match exchanged {
+            Err(_) => return Err(client::Failure::TimedOut),
+            Ok(r) => r?,
         };
-        strip_hop_by_hop(resp.headers_mut());
-        Ok(resp)
+        let resp = resp.ok_or(client::Failure::Unforwardable(
+            crate::http1::response::Unforwardable("a header hyper can't hold"),
+        ))?;
+        let body = client::UpstreamBody::new(conn, framing, reusable, up.pool.clone(), up.timeout, permit);
+        Ok(resp.map(|()| body))
+    }
+}
+
+/// hyper's response for an upstream's judged head: the forwarded headers, with the length left
+/// to the body's size (hyper writes it from there), except for HEAD, where only the header
+/// can say it.
+fn response_parts(
+    h: &crate::http1::response::Head<'_>,
+    is_head: bool,
+) -> (Option<Response<()>>, crate::http1::response::Framing, bool) {
+    let build = || {
+        let mut resp = Response::new(());
+        *resp.status_mut() = http::StatusCode::from_u16(h.status).ok()?;
+        let map = resp.headers_mut();
+        map.reserve(h.headers.len());
+        for x in h.headers {
+            let name = x.name.as_bytes();
+            if !h.forwards(name) {
+                continue;
+            }
+            map.append(HeaderName::from_bytes(name).ok()?, client::header_value(x.value)?);
+        }
+        if let (true, Some(n)) = (is_head, h.length) {
+            map.insert(header::CONTENT_LENGTH, HeaderValue::from(n));
+        }
+        Some(resp)
+    };
+    (build(), h.framing, h.reusable)
+}
+
+/// The gateway's answer when an exchange with `up` failed, the same on both paths: it names the
+/// upstream by its name in the rules; the address and the OS's error go to the log only.
+pub fn failure_answer(up: &Upstream, failure: &client::Failure) -> Refusal {
+    use client::Failure as F;
+    tracing::debug!(upstream = &*up.name, authority = %up.authority, error = %failure, "upstream failed");
+    let name = &*up.name;
+    match failure {
+        F::Unreachable(_) => Refusal::BadGateway(format!("upstream {name:?} could not be reached")),
+        F::Closed { .. } => Refusal::BadGateway(format!(
+            "upstream {name:?} closed the connection before answering"
+        )),
+        F::Unforwardable(_) => Refusal::BadGateway(format!(
+            "upstream {name:?} sent a response the gateway can't forward"
+        )),
+        F::TimedOut => Refusal::GatewayTimeout(format!("upstream {name:?} did not answer in time")),
+        F::ClientStalled => Refusal::RequestTimeout,
+        F::ClientBody(e) => match e.downcast_ref::<body::TooLarge>() {
+            Some(t) => Refusal::PayloadTooLarge { limit: t.0 },
+            None => Refusal::BadRequest(format!("the request body failed: {e}")),
+        },
     }
 }
 

@@ -1,68 +1,84 @@
-//! Keep-alive connections to one upstream: HTTP/1.1 connections made with hyper's connection
-//! API and reused most-recent-first.
+//! Kept connections to one upstream, for both of the gateway's paths: plain sockets the proxy
+//! speaks HTTP/1.1 on itself (`proxy::client`), reused most-recent-first.
 //!
-//! hyper-util's pooled client does the same job generically (any scheme and authority, hashed
-//! per request, a checkout future per request); an upstream here is one known address, so its
-//! pool is a short list under a mutex that is held only to push or pop. A connection goes back
-//! on the list as soon as its response head arrives; it is taken again only once it is ready,
-//! which for HTTP/1.1 is when the previous response body has been read.
+//! A connection is kept only when it is known clean, and checked again before reuse:
+//! - it goes back only when its last response ended exactly where its framing said and the
+//!   upstream did not say it would close (the caller's part);
+//! - it is taken again only if no byte has arrived since and the peer has not closed it. A byte
+//!   from an idle upstream is a response nobody asked for, and whoever read it next would hand
+//!   it to the wrong client;
+//! - it is closed after `idle_timeout`, before the upstream's own idle timeout closes it under a
+//!   request (common servers close after 5 to 60 s).
+//!
+//! The list sits under a mutex held only to push or pop: an upstream is one known address, so a
+//! pool keyed by scheme and authority (hyper-util's) would do work for nothing.
 
+use std::collections::VecDeque;
+use std::io;
 use std::sync::{Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use bytes::BytesMut;
 use http::uri::Authority;
-use http::{Request, Response};
-use hyper::body::Incoming;
-use hyper::client::conn::http1::{self, SendRequest};
-use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
-
-use crate::respond::UpBody;
 
 /// Most connections kept per upstream; past it the oldest is closed.
 const MAX_IDLE: usize = 1024;
+const READ_SIZE: usize = 8 * 1024;
 
-/// Why a request got no response.
+/// Why no connection could be made.
 #[derive(Debug, thiserror::Error)]
-pub enum SendError {
-    #[error("connect: {0}")]
-    Connect(String),
-    #[error("{0}")]
-    Failed(#[from] hyper::Error),
+#[error("connect to {authority}: {why}")]
+pub struct ConnectError {
+    pub authority: Authority,
+    pub why: String,
+}
+
+/// An upstream connection and the bytes read from it past the current response's head.
+pub struct RawConn {
+    pub tcp: TcpStream,
+    pub buf: BytesMut,
+    /// Whether it came from the idle list (and so may have been closed by the upstream).
+    pub reused: bool,
+}
+
+struct Idle {
+    conn: RawConn,
+    since: Instant,
+}
+
+pub struct ConnPool {
+    authority: Authority,
+    connect_timeout: Duration,
+    idle_timeout: Duration,
+    /// Oldest first.
+    idle: Mutex<VecDeque<Idle>>,
 }
 
 impl std::fmt::Debug for ConnPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ConnPool")
             .field("authority", &self.authority)
+            .field("idle_timeout", &self.idle_timeout)
             .finish()
     }
 }
 
-pub struct ConnPool {
-    authority: Authority,
-    connect_timeout: Duration,
-    idle: Mutex<Vec<SendRequest<UpBody>>>,
-    /// The express lane's connections: plain sockets it speaks HTTP/1.1 on itself.
-    raw: Mutex<Vec<RawConn>>,
-}
-
-/// An upstream connection the express lane drives itself, with the bytes it read past the
-/// last response (none, when the connection is idle).
-pub struct RawConn {
-    pub tcp: TcpStream,
-    pub buf: bytes::BytesMut,
-    /// Whether it came from the idle list (and so may have been closed by the upstream).
-    pub reused: bool,
+/// Whether an idle connection is as it was left: nothing to read and not closed. `try_read`
+/// asks the socket only when the runtime saw it become readable since the last empty read, so
+/// a quiet connection costs no system call.
+fn clean(tcp: &TcpStream) -> bool {
+    let mut probe = [0u8; 1];
+    matches!(tcp.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
 }
 
 impl ConnPool {
-    pub fn new(authority: Authority, connect_timeout: Duration) -> ConnPool {
+    pub fn new(authority: Authority, connect_timeout: Duration, idle_timeout: Duration) -> ConnPool {
         ConnPool {
             authority,
             connect_timeout,
-            idle: Mutex::new(Vec::new()),
-            raw: Mutex::new(Vec::new()),
+            idle_timeout,
+            idle: Mutex::new(VecDeque::new()),
         }
     }
 
@@ -70,145 +86,141 @@ impl ConnPool {
         &self.authority
     }
 
-    /// A connection that can take a request now, most recently used first. Closed ones are
-    /// dropped; busy ones (still streaming a body) stay for later.
-    fn take_ready(&self) -> Option<SendRequest<UpBody>> {
-        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut i = idle.len();
-        while i > 0 {
-            i -= 1;
-            if idle[i].is_closed() {
-                idle.swap_remove(i);
-            } else if idle[i].is_ready() {
-                return Some(idle.swap_remove(i));
+    pub fn idle_timeout(&self) -> Duration {
+        self.idle_timeout
+    }
+
+    fn list(&self) -> std::sync::MutexGuard<'_, VecDeque<Idle>> {
+        self.idle.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A kept connection that is still clean, most recently used first. Expired and unclean
+    /// ones met on the way are closed.
+    pub fn take(&self) -> Option<RawConn> {
+        let now = Instant::now();
+        loop {
+            let idle = self.list().pop_back()?;
+            if now.duration_since(idle.since) >= self.idle_timeout {
+                // The newest has expired, so have all the others.
+                self.list().clear();
+                return None;
+            }
+            if clean(&idle.conn.tcp) {
+                let mut c = idle.conn;
+                c.reused = true;
+                return Some(c);
             }
         }
-        None
     }
 
-    fn put(&self, tx: SendRequest<UpBody>) {
-        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
-        if idle.len() >= MAX_IDLE {
-            idle.remove(0);
+    /// Keeps a connection whose last response was read exactly to its end.
+    pub fn put(&self, c: RawConn) {
+        debug_assert!(c.buf.is_empty(), "a kept connection must have nothing unread");
+        let now = Instant::now();
+        let mut list = self.list();
+        while list.len() >= MAX_IDLE
+            || list
+                .front()
+                .is_some_and(|i| now.duration_since(i.since) >= self.idle_timeout)
+        {
+            list.pop_front();
         }
-        idle.push(tx);
+        list.push_back(Idle { conn: c, since: now });
     }
 
-    /// An idle express-lane connection, most recently used first.
-    pub fn take_raw(&self) -> Option<RawConn> {
-        let mut c = self.raw.lock().unwrap_or_else(PoisonError::into_inner).pop()?;
-        c.reused = true;
-        Some(c)
+    /// Closes kept connections that expired or that the upstream closed or wrote to, so none
+    /// lingers half-closed while no request comes to take it.
+    pub fn sweep(&self) {
+        let now = Instant::now();
+        self.list()
+            .retain(|i| now.duration_since(i.since) < self.idle_timeout && clean(&i.conn.tcp));
     }
 
-    /// Keeps an express-lane connection whose last response was read to its end.
-    pub fn put_raw(&self, c: RawConn) {
-        let mut raw = self.raw.lock().unwrap_or_else(PoisonError::into_inner);
-        if raw.len() >= MAX_IDLE {
-            raw.remove(0);
-        }
-        raw.push(c);
+    /// How many connections are kept now.
+    pub fn idle_count(&self) -> usize {
+        self.list().len()
     }
 
-    /// A new express-lane connection.
-    pub async fn connect_raw(&self) -> Result<RawConn, SendError> {
-        Ok(RawConn {
-            tcp: self.dial().await?,
-            buf: bytes::BytesMut::with_capacity(8192),
-            reused: false,
-        })
-    }
-
-    async fn dial(&self) -> Result<TcpStream, SendError> {
+    /// A new connection.
+    pub async fn connect(&self) -> Result<RawConn, ConnectError> {
         let host = self
             .authority
             .host()
             .trim_start_matches('[')
             .trim_end_matches(']');
         let port = self.authority.port_u16().unwrap_or(80);
+        let err = |why: String| ConnectError {
+            authority: self.authority.clone(),
+            why,
+        };
         let tcp = tokio::time::timeout(self.connect_timeout, TcpStream::connect((host, port)))
             .await
-            .map_err(|_| SendError::Connect(format!("no connection within {:?}", self.connect_timeout)))?
-            .map_err(|e| SendError::Connect(e.to_string()))?;
+            .map_err(|_| err(format!("no connection within {:?}", self.connect_timeout)))?
+            .map_err(|e| err(e.to_string()))?;
         let _ = tcp.set_nodelay(true);
-        Ok(tcp)
-    }
-
-    async fn connect(&self) -> Result<SendRequest<UpBody>, SendError> {
-        let tcp = self.dial().await?;
-        let (tx, conn) = http1::Builder::new()
-            .handshake(TokioIo::new(tcp))
-            .await
-            .map_err(|e| SendError::Connect(e.to_string()))?;
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(error = %e, "upstream connection ended");
-            }
-        });
-        Ok(tx)
-    }
-
-    /// Sends a request, on a kept connection when one is ready. A kept connection the upstream
-    /// closed meanwhile hands the unsent request back, and it goes to the next one. If a kept
-    /// connection fails after the request went out (the upstream closed it at that very moment),
-    /// an idempotent request without a body is sent once more on a new connection: nothing of it
-    /// can have been lost or done twice that a retry would repeat wrongly.
-    pub async fn send(&self, mut req: Request<UpBody>) -> Result<Response<Incoming>, SendError> {
-        let replay = replayable(&req);
-        while let Some(mut tx) = self.take_ready() {
-            match tx.try_send_request(req).await {
-                Ok(resp) => {
-                    self.put(tx);
-                    return Ok(resp);
-                }
-                Err(mut e) => match (e.take_message(), &replay) {
-                    (Some(unsent), _) => req = unsent,
-                    (None, Some(head)) => {
-                        tracing::debug!(error = %e.into_error(), "kept upstream connection failed; sending again on a new one");
-                        req = rebuild(head);
-                        break;
-                    }
-                    (None, None) => return Err(SendError::Failed(e.into_error())),
-                },
-            }
-        }
-        // Boxed: connecting is the rare path, and its future would make every request's larger.
-        let mut tx = Box::pin(self.connect()).await?;
-        let resp = tx.send_request(req).await?;
-        self.put(tx);
-        Ok(resp)
+        Ok(RawConn {
+            tcp,
+            buf: BytesMut::with_capacity(READ_SIZE),
+            reused: false,
+        })
     }
 }
 
-/// The head of a request that may be sent again: idempotent and without a body.
-fn replayable(req: &Request<UpBody>) -> Option<http::request::Parts> {
-    use http_body::Body as _;
-    let idempotent = matches!(
-        *req.method(),
-        http::Method::GET
-            | http::Method::HEAD
-            | http::Method::OPTIONS
-            | http::Method::DELETE
-            | http::Method::PUT
-    );
-    if !idempotent || !req.body().is_end_stream() {
-        return None;
-    }
-    let mut head = Request::new(());
-    *head.method_mut() = req.method().clone();
-    *head.uri_mut() = req.uri().clone();
-    *head.version_mut() = req.version();
-    *head.headers_mut() = req.headers().clone();
-    Some(head.into_parts().0)
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+    use tokio::net::TcpListener;
 
-fn rebuild(head: &http::request::Parts) -> Request<UpBody> {
-    let mut req = Request::new(http_body_util::Either::Right(http_body_util::Full::new(
-        bytes::Bytes::new(),
-    )));
-    *req.method_mut() = head.method.clone();
-    *req.uri_mut() = head.uri.clone();
-    *req.version_mut() = head.version;
-    *req.headers_mut() = head.headers.clone();
-    req
+    async fn pair(pool: &ConnPool, l: &TcpListener) -> (RawConn, TcpStream) {
+        let c = pool.connect().await.unwrap();
+        let (s, _) = l.accept().await.unwrap();
+        (c, s)
+    }
+
+    #[tokio::test]
+    async fn only_clean_unexpired_connections_are_reused() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let auth: Authority = l.local_addr().unwrap().to_string().parse().unwrap();
+        let pool = ConnPool::new(auth, Duration::from_secs(1), Duration::from_secs(60));
+
+        // A stray byte from the upstream while idle: never reused.
+        let (c, mut s) = pair(&pool, &l).await;
+        pool.put(c);
+        s.write_all(b"H").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(pool.take().is_none(), "a connection with unread bytes was reused");
+
+        // Closed by the upstream while idle: never reused.
+        let (c, s) = pair(&pool, &l).await;
+        pool.put(c);
+        drop(s);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(pool.take().is_none(), "a closed connection was reused");
+
+        // Clean: reused, and marked so.
+        let (c, _s) = pair(&pool, &l).await;
+        pool.put(c);
+        let again = pool.take().expect("a clean connection is reused");
+        assert!(again.reused);
+    }
+
+    #[tokio::test]
+    async fn expired_connections_are_closed() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let auth: Authority = l.local_addr().unwrap().to_string().parse().unwrap();
+        let pool = ConnPool::new(auth, Duration::from_secs(1), Duration::from_millis(30));
+        let (c, _s1) = pair(&pool, &l).await;
+        pool.put(c);
+        let (c, _s2) = pair(&pool, &l).await;
+        pool.put(c);
+        assert_eq!(pool.idle_count(), 2);
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        pool.sweep();
+        assert_eq!(pool.idle_count(), 0);
+        let (c, _s3) = pair(&pool, &l).await;
+        pool.put(c);
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        assert!(pool.take().is_none(), "an expired connection was reused");
+    }
 }

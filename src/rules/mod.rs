@@ -34,6 +34,10 @@ pub struct RulesError {
 pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long opening a connection to an upstream may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a kept upstream connection may idle: below the 5 s keep-alive timeout of Node.js
+/// and Apache, so the gateway closes first. An upstream that closes sooner (gunicorn: 2 s)
+/// wants its own `idle_timeout_ms`; the check before reuse catches most of its closes anyway.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 /// The default wait for a place under an upstream's `max_in_flight`.
 pub const DEFAULT_QUEUE_TIMEOUT: Duration = Duration::from_millis(50);
 
@@ -206,7 +210,9 @@ impl Snapshot {
                 if old.max_in_flight == u.max_in_flight {
                     u.gate = old.gate.clone();
                 }
-                if old.pool.authority() == u.pool.authority() {
+                if old.pool.authority() == u.pool.authority()
+                    && old.pool.idle_timeout() == u.pool.idle_timeout()
+                {
                     u.pool = old.pool.clone();
                 }
             }
@@ -289,7 +295,11 @@ impl RulesLoader {
             for u in &mut snap.upstreams {
                 u.authority = auth.clone();
                 u.host_header = host.clone();
-                u.pool = Arc::new(crate::proxy::pool::ConnPool::new(auth.clone(), CONNECT_TIMEOUT));
+                u.pool = Arc::new(crate::proxy::pool::ConnPool::new(
+                    auth.clone(),
+                    CONNECT_TIMEOUT,
+                    u.pool.idle_timeout(),
+                ));
             }
         }
         Ok(snap)
@@ -408,9 +418,15 @@ impl Compiler<'_> {
                 .unwrap_or(DEFAULT_QUEUE_TIMEOUT);
             let host_header = HeaderValue::from_str(authority.as_str())
                 .map_err(|_| self.err(format!("{field}.url"), "the host can't be a Host header"))?;
+            let idle_timeout = match u.idle_timeout_ms {
+                Some(0) => return Err(self.err(format!("{field}.idle_timeout_ms"), "must be above zero")),
+                Some(ms) => Duration::from_millis(ms),
+                None => DEFAULT_IDLE_TIMEOUT,
+            };
             let pool = Arc::new(crate::proxy::pool::ConnPool::new(
                 authority.clone(),
                 CONNECT_TIMEOUT,
+                idle_timeout,
             ));
             upstream_index.insert(name.clone(), upstreams.len());
             upstreams.push(Upstream {

@@ -36,6 +36,10 @@ pub struct RawUpstream {
     /// How long a request may wait for a place under `max_in_flight`.
     #[serde(default)]
     pub queue_timeout_ms: Option<u64>,
+    /// How long a kept connection may sit idle before the gateway closes it; keep it below the
+    /// upstream's own keep-alive timeout.
+    #[serde(default)]
+    pub idle_timeout_ms: Option<u64>,
 }
 
 #[derive(Debug, Deserialize, Clone, PartialEq, Eq)]

@@ -16,6 +16,7 @@ use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
+use crate::http1::chunked::Decoder;
 use crate::sanitize::HeadError;
 
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -54,11 +55,7 @@ enum State {
     Preface(Vec<u8>),
     Head(Vec<u8>),
     Fixed(u64),
-    ChunkSize(Vec<u8>),
-    ChunkData(u64),
-    /// The CRLF after a chunk's data.
-    ChunkEnd,
-    Trailers(Vec<u8>),
+    Chunked(Decoder),
     Off,
 }
 
@@ -129,7 +126,7 @@ impl Watcher {
         }
         if encodings > 0 {
             return if chunked {
-                State::ChunkSize(vec![])
+                State::Chunked(Decoder::default())
             } else {
                 State::Off
             };
@@ -183,62 +180,18 @@ impl Watcher {
                         self.state = State::Head(vec![]);
                     }
                 }
-                State::ChunkSize(line) => match input.iter().position(|b| *b == b'\n') {
-                    None => {
-                        line.extend_from_slice(input);
-                        if line.len() > 1024 {
-                            self.state = State::Off;
-                        }
+                State::Chunked(chunks) => match chunks.find_end(input) {
+                    Ok(Some(end)) => {
+                        input = &input[end..];
+                        self.state = State::Head(vec![]);
+                    }
+                    Ok(None) => return,
+                    // hyper's decoder refuses the same bytes and ends the connection.
+                    Err(_) => {
+                        self.state = State::Off;
                         return;
                     }
-                    Some(i) => {
-                        line.extend_from_slice(&input[..i]);
-                        input = &input[i + 1..];
-                        let text = String::from_utf8_lossy(line);
-                        let hex = text.split([';', '\r']).next().unwrap_or("").trim();
-                        self.state = match u64::from_str_radix(hex, 16) {
-                            Ok(0) => State::Trailers(vec![]),
-                            Ok(n) => State::ChunkData(n),
-                            Err(_) => State::Off,
-                        };
-                    }
                 },
-                State::ChunkData(n) => {
-                    let take = (*n).min(input.len() as u64);
-                    *n -= take;
-                    input = &input[take as usize..];
-                    if *n == 0 {
-                        self.state = State::ChunkEnd;
-                    }
-                }
-                State::ChunkEnd => match input.iter().position(|b| *b == b'\n') {
-                    None => return,
-                    Some(i) => {
-                        input = &input[i + 1..];
-                        self.state = State::ChunkSize(vec![]);
-                    }
-                },
-                State::Trailers(buf) => {
-                    // The trailer section ends with an empty line; with no trailers that is
-                    // the very next line.
-                    buf.extend_from_slice(input);
-                    let end = if buf.starts_with(b"\r\n") {
-                        Some(2)
-                    } else if buf.starts_with(b"\n") {
-                        Some(1)
-                    } else {
-                        head_end(buf)
-                    };
-                    let Some(end) = end else {
-                        if buf.len() > MAX_HEAD {
-                            self.state = State::Off;
-                        }
-                        return;
-                    };
-                    let rest = buf.len() - end;
-                    input = &input[input.len() - rest..];
-                    self.state = State::Head(vec![]);
-                }
             }
         }
     }

@@ -54,6 +54,8 @@ pub trait Handler: Send + Sync + 'static {
 pub struct ServerLimits {
     /// A client must finish sending its request headers within this time.
     pub header_read_timeout: Duration,
+    /// A client must send each next piece of a request body within this time; past it, 408.
+    pub body_read_timeout: Duration,
     /// How long a TLS handshake may take.
     pub handshake_timeout: Duration,
     /// How long to wait for requests in flight after the shutdown signal.
@@ -68,6 +70,7 @@ impl Default for ServerLimits {
     fn default() -> Self {
         ServerLimits {
             header_read_timeout: Duration::from_secs(10),
+            body_read_timeout: Duration::from_secs(10),
             handshake_timeout: Duration::from_secs(10),
             drain_timeout: Duration::from_secs(30),
             max_header_bytes: 32 * 1024,

@@ -1,0 +1,270 @@
+//! An upstream's response head, read once and judged once for both of the gateway's paths: how
+//! its body is framed, whether its connection may carry another request, and which of its
+//! headers reach the client. The express lane writes the client's head from this as bytes;
+//! the proxy builds hyper's response from it. Both therefore forward the same things.
+
+use smallvec::SmallVec;
+
+use super::{chunked_last, connection_tokens};
+
+/// Headers an upstream response may have.
+const MAX_HEADERS: usize = 128;
+/// Largest upstream response head; larger is a 502.
+pub const MAX_HEAD: usize = 64 * 1024;
+
+/// How an upstream response's body is delimited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Framing {
+    Empty,
+    Fixed(u64),
+    Chunked,
+    /// Until the upstream closes; the client's connection closes after it too.
+    Close,
+}
+
+/// Why an upstream's response can't be forwarded (the 502's reason, for the log).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Unforwardable(pub &'static str);
+
+/// What reading the bytes so far gave.
+pub enum Parsed<R> {
+    /// The head is not complete yet.
+    Partial,
+    /// An interim (1xx) response of this many bytes, to skip: the final one follows.
+    Interim(usize),
+    /// The final response head of this many bytes, and what the caller made of it.
+    Final(usize, R),
+}
+
+/// A final response head, judged.
+pub struct Head<'b> {
+    pub status: u16,
+    pub reason: &'b str,
+    pub headers: &'b [httparse::Header<'b>],
+    pub framing: Framing,
+    /// Whether the connection can carry another request after this response's body: the
+    /// upstream keeps it open and framed the response one way only.
+    pub reusable: bool,
+    /// Whether the upstream sent `Date`.
+    pub dated: bool,
+    /// The `Content-Length` the client gets: the upstream's, once, where a length may be sent.
+    pub length: Option<u64>,
+    connection_named: SmallVec<[&'b [u8]; 4]>,
+}
+
+impl Head<'_> {
+    /// Whether a header of this name reaches the client as the upstream sent it: not
+    /// hop-by-hop, not named by `Connection`, and not `Content-Length`, which is written once
+    /// from [`Head::length`].
+    pub fn forwards(&self, name: &[u8]) -> bool {
+        !(super::hop_by_hop(name)
+            || name.eq_ignore_ascii_case(b"content-length")
+            || self.connection_named.iter().any(|c| c.eq_ignore_ascii_case(name)))
+    }
+}
+
+/// Parses an upstream response head from the start of `buf` and, when it is a final one, hands
+/// it judged to `f`. `is_head` says whether the request was a HEAD (its response has no body).
+pub fn parse<R>(
+    buf: &[u8],
+    is_head: bool,
+    f: impl FnOnce(&Head<'_>) -> R,
+) -> Result<Parsed<R>, Unforwardable> {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut resp = httparse::Response::new(&mut headers);
+    let n = match resp.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD => return Ok(Parsed::Partial),
+        Ok(httparse::Status::Partial) => return Err(Unforwardable("a head over 64 KiB")),
+        Err(httparse::Error::TooManyHeaders) => return Err(Unforwardable("more than 128 headers")),
+        Err(_) => return Err(Unforwardable("a malformed head")),
+    };
+    // httparse takes a bare LF as a line end; RFC 9112 §2.2 lets a recipient do so, but a
+    // proxy that passes such a head on hands the next reader a choice, so refuse it.
+    if buf[..n]
+        .iter()
+        .enumerate()
+        .any(|(i, &c)| c == b'\n' && (i == 0 || buf[i - 1] != b'\r'))
+    {
+        return Err(Unforwardable("a line ending in a bare LF"));
+    }
+    let status = resp.code.unwrap_or(0);
+    if !(100..=599).contains(&status) {
+        return Err(Unforwardable("a status outside 100-599"));
+    }
+    if status == 101 {
+        return Err(Unforwardable("an upgrade nobody asked for"));
+    }
+    if status < 200 {
+        return Ok(Parsed::Interim(n));
+    }
+    let http10 = resp.version == Some(0);
+    let mut length: Option<u64> = None;
+    let mut encoded = false;
+    let mut chunked = false;
+    let mut closes = http10;
+    let mut dated = false;
+    let mut connection_named = SmallVec::new();
+    for h in resp.headers.iter() {
+        let name = h.name.as_bytes();
+        if name.eq_ignore_ascii_case(b"content-length") {
+            let v = std::str::from_utf8(h.value)
+                .ok()
+                .map(str::trim)
+                .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+                .and_then(|v| v.parse::<u64>().ok())
+                .ok_or(Unforwardable("an invalid Content-Length"))?;
+            if length.is_some_and(|l| l != v) {
+                return Err(Unforwardable("disagreeing Content-Length headers"));
+            }
+            length = Some(v);
+        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+            if encoded {
+                return Err(Unforwardable("more than one Transfer-Encoding"));
+            }
+            encoded = true;
+            chunked = chunked_last(h.value);
+        } else if name.eq_ignore_ascii_case(b"connection") {
+            for token in connection_tokens(h.value) {
+                if token.eq_ignore_ascii_case(b"close") {
+                    closes = true;
+                } else if token.eq_ignore_ascii_case(b"keep-alive") {
+                    closes &= !http10;
+                } else {
+                    connection_named.push(token);
+                }
+            }
+        } else if name.eq_ignore_ascii_case(b"date") {
+            dated = true;
+        }
+    }
+    let bodiless_status = status == 204 || status == 304;
+    let framing = if is_head || bodiless_status {
+        Framing::Empty
+    } else if encoded {
+        if !chunked {
+            return Err(Unforwardable("a transfer coding other than chunked"));
+        }
+        Framing::Chunked
+    } else {
+        match length {
+            Some(0) => Framing::Empty,
+            Some(n) => Framing::Fixed(n),
+            None => Framing::Close,
+        }
+    };
+    // Content-Length beside Transfer-Encoding: the coding wins (RFC 9112 §6.3), the length is
+    // dropped, and a connection framed two ways is not trusted with another request.
+    let two_ways = encoded && length.is_some();
+    let head = Head {
+        status,
+        reason: resp.reason.unwrap_or(""),
+        headers: resp.headers,
+        framing,
+        reusable: !closes && !two_ways && framing != Framing::Close,
+        dated,
+        // No length where the body is chunked or can't exist (RFC 9110 §8.6); a HEAD's says
+        // what a GET would carry.
+        length: length.filter(|_| !bodiless_status && (!encoded || is_head)),
+        connection_named,
+    };
+    Ok(Parsed::Final(n, f(&head)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Status, framing, reuse, and the headers the client gets (a written length included).
+    type Judged = (u16, Framing, bool, Vec<String>);
+
+    fn judge(raw: &str, is_head: bool) -> Result<Parsed<Judged>, Unforwardable> {
+        parse(raw.as_bytes(), is_head, |h| {
+            let mut kept: Vec<String> = h
+                .headers
+                .iter()
+                .filter(|x| h.forwards(x.name.as_bytes()))
+                .map(|x| x.name.to_ascii_lowercase())
+                .collect();
+            if let Some(n) = h.length {
+                kept.insert(0, format!("content-length: {n}"));
+            }
+            (h.status, h.framing, h.reusable, kept)
+        })
+    }
+
+    fn fin(raw: &str, is_head: bool) -> Judged {
+        match judge(raw, is_head) {
+            Ok(Parsed::Final(_, r)) => r,
+            _ => panic!("not a final head: {raw:?}"),
+        }
+    }
+
+    #[test]
+    fn framings() {
+        let (s, f, r, kept) = fin("HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-A: 1\r\n\r\n", false);
+        assert_eq!((s, f, r), (200, Framing::Fixed(5), true));
+        assert_eq!(kept, ["content-length: 5", "x-a"]);
+        let (_, _, _, kept) = fin(
+            "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n",
+            false,
+        );
+        assert_eq!(kept, ["content-length: 2"], "equal lengths are written once");
+        let (_, f, r, kept) = fin(
+            "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n",
+            false,
+        );
+        assert_eq!((f, r), (Framing::Chunked, false), "CL+TE: chunked, not reused");
+        assert!(kept.is_empty(), "neither header is forwarded: {kept:?}");
+        let (_, f, _, kept) = fin("HTTP/1.1 204 No Content\r\nContent-Length: 7\r\n\r\n", false);
+        assert_eq!(f, Framing::Empty);
+        assert!(kept.is_empty());
+        let (_, f, _, kept) = fin("HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\n", true);
+        assert_eq!(
+            (f, kept.as_slice()),
+            (Framing::Empty, &["content-length: 7".to_string()][..])
+        );
+        let (_, f, r, _) = fin("HTTP/1.1 200 OK\r\n\r\n", false);
+        assert_eq!((f, r), (Framing::Close, false));
+        let (_, _, r, _) = fin("HTTP/1.0 200 OK\r\nContent-Length: 1\r\n\r\n", false);
+        assert!(!r, "HTTP/1.0 closes unless it says keep-alive");
+        let (_, _, r, _) = fin(
+            "HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 1\r\n\r\n",
+            false,
+        );
+        assert!(r);
+        let (_, _, r, kept) = fin(
+            "HTTP/1.1 200 OK\r\nConnection: close, X-Hop\r\nX-Hop: 1\r\nContent-Length: 1\r\n\r\n",
+            false,
+        );
+        assert!(!r);
+        assert_eq!(kept, ["content-length: 1"]);
+        assert!(matches!(
+            judge("HTTP/1.1 103 Early Hints\r\n\r\n", false),
+            Ok(Parsed::Interim(28))
+        ));
+        assert!(matches!(
+            judge("HTTP/1.1 200 OK\r\nContent-Le", false),
+            Ok(Parsed::Partial)
+        ));
+    }
+
+    #[test]
+    fn unforwardable_heads() {
+        for raw in [
+            "HTTP/1.1 600 Odd\r\n\r\n",
+            "HTTP/1.1 099 Odd\r\n\r\n",
+            "HTTP/1.1 200 OK\nContent-Length: 1\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nX: a\nContent-Length: 1\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nContent-Length: +1\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n",
+            "HTTP/1.1 101 Switching Protocols\r\n\r\n",
+            "HTTX/1.1 200 OK\r\n\r\n",
+        ] {
+            assert!(judge(raw, false).is_err(), "{raw:?} was taken");
+        }
+    }
+}

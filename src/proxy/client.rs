@@ -1,0 +1,502 @@
+//! The gateway's one HTTP/1.1 client to upstreams, used by both paths: the express lane relays
+//! the response body verbatim from the connection it gets back; hyper's path wraps it in an
+//! [`UpstreamBody`] that decodes it into frames. The request head, the retry policy, the
+//! response head's judgement ([`crate::http1::response`]) and the connection's life
+//! ([`super::pool`]) are the same for both, so the two paths can't answer differently.
+//!
+//! Retry policy, in one place: a request goes out again, once, on a new connection when it
+//! can't have been acted on twice: the kept connection failed before the request left
+//! (writing the head failed), or it closed before any byte of an answer and the request is
+//! idempotent without a streamed body.
+
+use std::future::Future as _;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::HeaderValue;
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
+use smallvec::SmallVec;
+use tokio::io::AsyncWriteExt;
+use tokio::time::Sleep;
+
+use super::HeaderEdits;
+use super::body::BoxError;
+use super::pool::{ConnPool, RawConn};
+use crate::http1::chunked::{ChunkError, Decoder};
+use crate::http1::response::{self, Framing, Head, Parsed, Unforwardable};
+
+const READ_SIZE: usize = 8 * 1024;
+
+/// Why an exchange with an upstream failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Failure {
+    /// No connection could be made: the request never left.
+    #[error("{0}")]
+    Unreachable(String),
+    /// The connection failed before any byte of an answer; `sent` when the request may have
+    /// reached the upstream.
+    #[error("the connection closed before an answer ({why})")]
+    Closed { sent: bool, why: String },
+    /// The upstream answered with something that can't be forwarded.
+    #[error("{0}")]
+    Unforwardable(#[from] Unforwardable),
+    /// The client's body failed (too large, malformed, reset).
+    #[error("the request body failed: {0}")]
+    ClientBody(BoxError),
+    /// The client sent no body bytes for the body timeout.
+    #[error("the request body stalled")]
+    ClientStalled,
+    /// No response head within the upstream's timeout.
+    #[error("no answer in time")]
+    TimedOut,
+}
+
+impl Failure {
+    /// Whether the upstream can't have seen the request: it is then not charged.
+    pub fn undelivered(&self) -> bool {
+        matches!(
+            self,
+            Failure::Unreachable(_) | Failure::Closed { sent: false, .. }
+        )
+    }
+}
+
+/// The request's body and how it goes upstream.
+pub struct Outgoing<'a, B> {
+    pub body: &'a mut B,
+    /// Chunked when the client's length is unknown (HTTP/2 without `content-length`, or a
+    /// chunked HTTP/1 body, which hyper decoded).
+    pub chunked: bool,
+    /// The longest wait for the client's next body bytes.
+    pub timeout: Duration,
+}
+
+/// Writes the upstream's request head: the method, the routed target and the client's headers
+/// through `edits`.
+pub fn render_request(out: &mut BytesMut, parts: &http::request::Parts, edits: &HeaderEdits, chunked: bool) {
+    out.extend_from_slice(parts.method.as_str().as_bytes());
+    out.extend_from_slice(b" ");
+    out.extend_from_slice(parts.uri.path_and_query().map_or("/", |p| p.as_str()).as_bytes());
+    out.extend_from_slice(b" HTTP/1.1\r\n");
+    for (name, value) in &parts.headers {
+        if edits.keeps(name) {
+            header_line(out, name.as_str().as_bytes(), value.as_bytes());
+        }
+    }
+    for (name, value) in &edits.set {
+        header_line(out, name.as_str().as_bytes(), value.as_bytes());
+    }
+    if chunked {
+        out.extend_from_slice(b"transfer-encoding: chunked\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+pub fn header_line(out: &mut BytesMut, name: &[u8], value: &[u8]) {
+    out.extend_from_slice(name);
+    out.extend_from_slice(b": ");
+    out.extend_from_slice(value);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// Sends a request head (and body) upstream and reads the final response head, which
+/// `on_head` sees judged. Returns the connection, positioned at the response body, and what
+/// `on_head` made. The caller bounds the whole by the upstream's timeout.
+pub async fn exchange<B, R>(
+    pool: &ConnPool,
+    head: &[u8],
+    mut body: Option<Outgoing<'_, B>>,
+    idempotent: bool,
+    is_head: bool,
+    mut on_head: impl FnMut(&Head<'_>) -> R,
+) -> Result<(RawConn, R), Failure>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    let replayable = body.as_ref().is_none_or(|b| b.body.is_end_stream());
+    let mut retried = false;
+    loop {
+        let (mut conn, fresh) = match pool.take() {
+            Some(c) => (c, false),
+            None => {
+                // Boxed: connecting is the rare path, and its future would make every request's
+                // larger.
+                let c = Box::pin(pool.connect())
+                    .await
+                    .map_err(|e| Failure::Unreachable(e.to_string()))?;
+                (c, true)
+            }
+        };
+        if let Err(e) = conn.tcp.write_all(head).await {
+            if !fresh {
+                // A kept connection the upstream closed just now: nothing left.
+                continue;
+            }
+            return Err(Failure::Closed {
+                sent: false,
+                why: e.to_string(),
+            });
+        }
+        if let Some(out) = body.as_mut()
+            && !out.body.is_end_stream()
+        {
+            send_body(&mut conn, out).await?;
+        }
+        match read_head(&mut conn, is_head, &mut on_head).await {
+            Ok(r) => return Ok((conn, r)),
+            Err(HeadFailure::ClosedBeforeAnswer(why)) => {
+                if !fresh && !retried && replayable && idempotent {
+                    retried = true;
+                    tracing::debug!(authority = %pool.authority(), %why, "kept upstream connection closed under a request; sending it again on a new one");
+                    while let Some(stale) = pool.take() {
+                        drop(stale);
+                    }
+                    continue;
+                }
+                return Err(Failure::Closed { sent: true, why });
+            }
+            Err(HeadFailure::Bad(why)) => return Err(Failure::Unforwardable(why)),
+        }
+    }
+}
+
+/// Streams the client's body upstream. A client that stops sending for the body timeout gets
+/// 408; a body that fails gets its own answer (413, 400), never a 502 blaming the upstream.
+async fn send_body<B>(conn: &mut RawConn, out: &mut Outgoing<'_, B>) -> Result<(), Failure>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    let mut frame_head = BytesMut::new();
+    loop {
+        let frame = match tokio::time::timeout(out.timeout, out.body.frame()).await {
+            Err(_) => return Err(Failure::ClientStalled),
+            Ok(None) => break,
+            Ok(Some(Err(e))) => return Err(Failure::ClientBody(e.into())),
+            Ok(Some(Ok(f))) => f,
+        };
+        let Ok(data) = frame.into_data() else {
+            // Trailers: not forwarded.
+            continue;
+        };
+        if data.is_empty() {
+            continue;
+        }
+        let written = if out.chunked {
+            frame_head.clear();
+            frame_head.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
+            match conn.tcp.write_all(&frame_head).await {
+                Ok(()) => match conn.tcp.write_all(&data).await {
+                    Ok(()) => conn.tcp.write_all(b"\r\n").await,
+                    Err(e) => Err(e),
+                },
+                Err(e) => Err(e),
+            }
+        } else {
+            conn.tcp.write_all(&data).await
+        };
+        if let Err(e) = written {
+            // The upstream stopped reading; it may still have answered (413, 400 …): the head
+            // read that follows finds out.
+            tracing::debug!(error = %e, "upstream stopped reading the request body");
+            return Ok(());
+        }
+    }
+    if out.chunked && conn.tcp.write_all(b"0\r\n\r\n").await.is_err() {
+        return Ok(());
+    }
+    Ok(())
+}
+
+enum HeadFailure {
+    ClosedBeforeAnswer(String),
+    Bad(Unforwardable),
+}
+
+async fn read_head<R>(
+    conn: &mut RawConn,
+    is_head: bool,
+    on_head: &mut impl FnMut(&Head<'_>) -> R,
+) -> Result<R, HeadFailure> {
+    let mut got_any = !conn.buf.is_empty();
+    loop {
+        if !conn.buf.is_empty() {
+            match response::parse(&conn.buf, is_head, &mut *on_head) {
+                Ok(Parsed::Final(n, r)) => {
+                    conn.buf.advance(n);
+                    return Ok(r);
+                }
+                Ok(Parsed::Interim(n)) => {
+                    conn.buf.advance(n);
+                    continue;
+                }
+                Ok(Parsed::Partial) => {}
+                Err(why) => return Err(HeadFailure::Bad(why)),
+            }
+        }
+        conn.buf.reserve(READ_SIZE);
+        match tokio::io::AsyncReadExt::read_buf(&mut conn.tcp, &mut conn.buf).await {
+            Ok(0) if !got_any => return Err(HeadFailure::ClosedBeforeAnswer("end of stream".into())),
+            Err(e) if !got_any => return Err(HeadFailure::ClosedBeforeAnswer(e.to_string())),
+            Ok(0) | Err(_) => return Err(HeadFailure::Bad(Unforwardable("the connection closed mid-head"))),
+            Ok(_) => got_any = true,
+        }
+    }
+}
+
+/// Where a response body is, as its bytes arrive.
+#[derive(Debug, Clone)]
+pub struct BodyState {
+    framing: Framing,
+    left: u64,
+    chunks: Decoder,
+}
+
+/// One step of a response body over the bytes read so far.
+pub struct Step {
+    /// Bytes of `buf` that belong to the body (framing included, for a verbatim relay).
+    pub take: usize,
+    /// Whether the body ends within them.
+    pub done: bool,
+}
+
+impl BodyState {
+    pub fn new(framing: Framing) -> BodyState {
+        BodyState {
+            framing,
+            left: match framing {
+                Framing::Fixed(n) => n,
+                _ => 0,
+            },
+            chunks: Decoder::default(),
+        }
+    }
+
+    pub fn framing(&self) -> Framing {
+        self.framing
+    }
+
+    /// How much of `buf` belongs to the body, calling `on_data` with every range of payload
+    /// in it (the chunk data for chunked bodies, everything otherwise).
+    pub fn step(
+        &mut self,
+        buf: &[u8],
+        mut on_data: impl FnMut(std::ops::Range<usize>),
+    ) -> Result<Step, ChunkError> {
+        Ok(match self.framing {
+            Framing::Empty => Step { take: 0, done: true },
+            Framing::Fixed(_) => {
+                let take = (buf.len() as u64).min(self.left) as usize;
+                self.left -= take as u64;
+                if take > 0 {
+                    on_data(0..take);
+                }
+                Step {
+                    take,
+                    done: self.left == 0,
+                }
+            }
+            Framing::Chunked => match self.chunks.scan(buf, on_data)? {
+                Some(end) => Step {
+                    take: end,
+                    done: true,
+                },
+                None => Step {
+                    take: buf.len(),
+                    done: false,
+                },
+            },
+            Framing::Close => {
+                if !buf.is_empty() {
+                    on_data(0..buf.len());
+                }
+                Step {
+                    take: buf.len(),
+                    done: false,
+                }
+            }
+        })
+    }
+
+    /// What end of stream means here: the body's end for a close-delimited body, a cut body
+    /// for any other.
+    pub fn eof_ends(&self) -> bool {
+        self.framing == Framing::Close
+    }
+
+    fn remaining(&self) -> Option<u64> {
+        match self.framing {
+            Framing::Empty => Some(0),
+            Framing::Fixed(_) => Some(self.left),
+            _ => None,
+        }
+    }
+}
+
+/// Raised when an upstream's body is cut or malformed.
+#[derive(Debug, thiserror::Error)]
+pub enum BodyError {
+    #[error("upstream body stalled for {0:?}")]
+    Stalled(Duration),
+    #[error("upstream closed the connection mid-body")]
+    Cut,
+    #[error("upstream body: {0}")]
+    Io(std::io::Error),
+    #[error("upstream body: {0}")]
+    Chunks(#[from] ChunkError),
+}
+
+/// An upstream response body for hyper's server, read from the connection `exchange` returned.
+/// When it ends cleanly (nothing past its end, the upstream keeps the connection) the connection
+/// goes back to its pool; otherwise it is closed. No frame for `idle` fails the body, and the
+/// server then ends the client's stream instead of holding it open.
+pub struct UpstreamBody {
+    conn: Option<RawConn>,
+    state: BodyState,
+    reusable: bool,
+    pool: Arc<ConnPool>,
+    idle: Duration,
+    timer: Option<Pin<Box<Sleep>>>,
+    /// The upstream's in-flight place, held until the body is done or dropped.
+    _permit: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl UpstreamBody {
+    pub fn new(
+        conn: RawConn,
+        framing: Framing,
+        reusable: bool,
+        pool: Arc<ConnPool>,
+        idle: Duration,
+        permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    ) -> UpstreamBody {
+        let mut b = UpstreamBody {
+            conn: Some(conn),
+            state: BodyState::new(framing),
+            reusable,
+            pool,
+            idle,
+            timer: None,
+            _permit: permit,
+        };
+        if framing == Framing::Empty {
+            b.finish();
+        }
+        b
+    }
+
+    fn finish(&mut self) {
+        if let Some(c) = self.conn.take()
+            && self.reusable
+            && c.buf.is_empty()
+        {
+            self.pool.put(c);
+        }
+        self._permit = None;
+    }
+}
+
+impl Body for UpstreamBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        loop {
+            let Some(conn) = this.conn.as_mut() else {
+                return Poll::Ready(None);
+            };
+            if !conn.buf.is_empty() {
+                let mut pieces: SmallVec<[std::ops::Range<usize>; 4]> = SmallVec::new();
+                let step = match this.state.step(&conn.buf, |r| pieces.push(r)) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        this.conn = None;
+                        return Poll::Ready(Some(Err(Box::new(BodyError::from(e)))));
+                    }
+                };
+                let taken = conn.buf.split_to(step.take).freeze();
+                let data = match pieces.len() {
+                    0 => Bytes::new(),
+                    1 => taken.slice(pieces[0].clone()),
+                    _ => {
+                        let mut joined = BytesMut::with_capacity(pieces.iter().map(|r| r.len()).sum());
+                        for r in pieces {
+                            joined.extend_from_slice(&taken[r]);
+                        }
+                        joined.freeze()
+                    }
+                };
+                if step.done {
+                    this.finish();
+                }
+                if !data.is_empty() {
+                    this.timer = None;
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                continue;
+            }
+            conn.buf.reserve(READ_SIZE);
+            match conn.tcp.poll_read_ready(cx) {
+                Poll::Ready(Ok(())) => {}
+                Poll::Ready(Err(e)) => {
+                    this.conn = None;
+                    return Poll::Ready(Some(Err(Box::new(BodyError::Io(e)))));
+                }
+                Poll::Pending => {
+                    let idle = this.idle;
+                    let timer = this
+                        .timer
+                        .get_or_insert_with(|| Box::pin(tokio::time::sleep(idle)));
+                    ready!(timer.as_mut().poll(cx));
+                    this.timer = None;
+                    this.conn = None;
+                    return Poll::Ready(Some(Err(Box::new(BodyError::Stalled(idle)))));
+                }
+            }
+            match conn.tcp.try_read_buf(&mut conn.buf) {
+                Ok(0) if this.state.eof_ends() => {
+                    this.reusable = false;
+                    this.finish();
+                    return Poll::Ready(None);
+                }
+                Ok(0) => {
+                    this.conn = None;
+                    return Poll::Ready(Some(Err(Box::new(BodyError::Cut))));
+                }
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => {
+                    this.conn = None;
+                    return Poll::Ready(Some(Err(Box::new(BodyError::Io(e)))));
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.conn.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match (self.conn.is_none(), self.state.remaining()) {
+            (true, _) => SizeHint::with_exact(0),
+            (false, Some(n)) => SizeHint::with_exact(n),
+            (false, None) => SizeHint::default(),
+        }
+    }
+}
+
+/// A `HeaderValue` for a forwarded upstream header; httparse already refused the bytes a
+/// header value can't hold.
+pub fn header_value(v: &[u8]) -> Option<HeaderValue> {
+    HeaderValue::from_bytes(v).ok()
+}
