@@ -13,8 +13,9 @@
 //! - [`rules`]: the rules file parsed, validated and compiled into an immutable `Snapshot`.
 //! - [`identity`]: API key (compared by SHA-256) and client IP (trusted proxies only).
 //! - [`limit`]: exact token-bucket math, clocks, request plans, decisions and their headers.
-//! - [`store`]: the `Store` trait, the embedded `MemoryStore`, the shared `RedisStore`, its guard,
-//!   and `Leases` (hot keys spent from leased blocks in memory).
+//! - [`store`]: the `Store` trait (check, and refund of an undelivered request), the embedded
+//!   `MemoryStore`, the shared `RedisStore`, its guard, and `Leases` (hot keys spent from leased
+//!   blocks in memory).
 //! - [`respond`]: every response the gateway makes itself, in one place.
 //! - [`proxy`]: kept upstream connections, the upstream's header edits (hop-by-hop stripping,
 //!   `X-Forwarded-*`), 502/504.

@@ -62,6 +62,10 @@ pub struct Metrics {
     pub store_errors: Family<Kind, Counter>,
     pub breaker_open: Gauge,
     pub store_bypass: Family<LimitPolicy, Counter>,
+    /// Refunds of undelivered requests the guard made, by where they went (`store`, `local`).
+    pub store_refunds: Family<Kind, Counter>,
+    /// Refunds that were lost, by why (`error`, `timeout`, `breaker_open`).
+    pub store_refund_failures: Family<Kind, Counter>,
     pub rules_version: Gauge,
     pub rules_reloads: Family<ResultLabel, Counter>,
     pub upstream_seconds: Family<UpstreamLabel, Histogram>,
@@ -126,6 +130,18 @@ impl Metrics {
             "store_bypass",
             "Decisions made without the store, by limit and failure policy",
             store_bypass.clone(),
+        );
+        let store_refunds = Family::<Kind, Counter>::default();
+        registry.register(
+            "store_refunds",
+            "Admitted requests refunded because they were not delivered, by where the refund went (store, local)",
+            store_refunds.clone(),
+        );
+        let store_refund_failures = Family::<Kind, Counter>::default();
+        registry.register(
+            "store_refund_failures",
+            "Refunds lost (the charge stands), by kind (error, timeout, breaker_open)",
+            store_refund_failures.clone(),
         );
         let rules_version = Gauge::default();
         registry.register(
@@ -199,6 +215,8 @@ impl Metrics {
             store_errors,
             breaker_open,
             store_bypass,
+            store_refunds,
+            store_refund_failures,
             rules_version,
             rules_reloads,
             upstream_seconds,

@@ -1,7 +1,8 @@
 //! `lua/check.lua` and `limit/bucket.rs` are one algorithm in two homes: thousands of random
 //! checks (random rates and bursts, rule changes, costs up to far above the burst, batches of
 //! several buckets, shadow flags, several requests in one script call) give the same decision, the same units left and the same
-//! wait on every step. The Rust side keeps its own copy of every bucket and is fed the `now`
+//! wait on every step. Now and then an admitted request is refunded (`lua/refund.lua` against
+//! `bucket::refund_all`), sometimes after the clock moved, and both leave the same units. The Rust side keeps its own copy of every bucket and is fed the `now`
 //! the script reports.
 //!
 //! Set `TOLLGATE_EQ_SEED` to replay a failing seed; every failure prints its seed and step.
@@ -13,7 +14,9 @@ use std::sync::Arc;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use tollgate::limit::bucket::{BucketParams, BucketState, BucketVerdict, Charge, MAX_EXACT, Rate, check_all};
+use tollgate::limit::bucket::{
+    BucketParams, BucketState, BucketVerdict, Charge, MAX_EXACT, Rate, charged, check_all, refund_all,
+};
 use tollgate::limit::clock::ManualClock;
 use tollgate::store::redis::{RedisStore, Target};
 use tollgate::store::{CheckItem, FailurePolicy, Outcome, Store};
@@ -117,7 +120,7 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u
     let keys: Vec<String> = (0..BUCKETS).map(|i| format!("rl:{{{tag}}}:b{i}")).collect();
     let mut rules: Vec<BucketParams> = (0..BUCKETS).map(|_| random_params(&mut rng)).collect();
     let mut states: HashMap<String, BucketState> = HashMap::new();
-    let (mut allowed, mut refused, mut changes, mut multi) = (0, 0, 0, 0);
+    let (mut allowed, mut refused, mut changes, mut multi, mut refunds) = (0, 0, 0, 0, 0);
     for step in 0..STEPS {
         // A rule changes under a live bucket now and then.
         if rng.random_range(0..5) == 0 {
@@ -200,7 +203,60 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u
                 refused += 1;
             }
         }
+
+        // Now and then an admitted request is not delivered, sometimes noticed after the clock
+        // moved, and after the later requests of its call were checked.
+        for (r, (batch, outcome)) in batches.iter().zip(&outcomes).enumerate() {
+            if !outcome.allowed || rng.random_range(0..3) != 0 {
+                continue;
+            }
+            if let Some(c) = clock
+                && rng.random_range(0..2) == 0
+            {
+                move_clock(&mut rng, c);
+            }
+            let got = store
+                .refund_batch(batch, outcome)
+                .await
+                .unwrap_or_else(|e| panic!("seed {seed} step {step} refund {r}: {e}"));
+            let charges: Vec<Charge> = batch.iter().map(|i| i.charge).collect();
+            let was_charged: Vec<bool> = charges
+                .iter()
+                .zip(&outcome.buckets)
+                .map(|(c, v)| charged(c, v, true))
+                .collect();
+            let Some(got) = got else {
+                assert!(
+                    !was_charged.contains(&true),
+                    "seed {seed} step {step}: a charged request refunded nothing"
+                );
+                continue;
+            };
+            let mut expected: Vec<Option<BucketState>> =
+                batch.iter().map(|i| states.get(&*i.key).copied()).collect();
+            let before = expected.clone();
+            refund_all(&charges, &outcome.buckets, true, &mut expected, got.now_us);
+            let want: Vec<Option<u64>> = expected
+                .iter()
+                .zip(&was_charged)
+                .map(|(s, &c)| c.then(|| s.expect("a charged bucket has a state").tokens))
+                .collect();
+            assert_eq!(
+                got.tokens.as_slice(),
+                want.as_slice(),
+                "refund differs; seed {seed} step {step} request {r} (replay with TOLLGATE_EQ_SEED={seed}), now {}:\n  charges {charges:#?}\n  verdicts {:?}\n  states before {before:?}",
+                got.now_us,
+                outcome.buckets
+            );
+            for ((item, s), &c) in batch.iter().zip(expected).zip(&was_charged) {
+                if c {
+                    states.insert(item.key.to_string(), s.expect("refunded"));
+                }
+            }
+            refunds += 1;
+        }
     }
+    assert!(refunds > STEPS / 20, "seed {seed}: only {refunds} refunds");
     assert!(
         multi > STEPS / 5,
         "seed {seed}: only {multi} calls held several requests"

@@ -254,6 +254,43 @@ async fn a_flushed_script_is_loaded_again() {
     assert_eq!(redis.cli(&["SCRIPT", "EXISTS", store.script_sha()]), "1");
 }
 
+/// A refund after SCRIPT FLUSH loads `lua/refund.lua` again and still gives the charge back; a
+/// bucket holding something else refuses the whole refund and nothing is written.
+#[tokio::test]
+async fn a_refund_survives_a_flushed_script_and_is_all_or_nothing() {
+    let redis = RedisServer::start();
+    let store = connect(&redis).await;
+    let b = [
+        item("rl:{t}:refund-a", "1/60s", 3, 2),
+        item("rl:{t}:refund-b", "1/60s", 3, 1),
+    ];
+    let scale = b[0].charge.params.scale;
+    let o = store.check(&b).await.unwrap();
+    assert!(o.allowed);
+    assert_eq!(redis.cli(&["SCRIPT", "FLUSH"]), "OK");
+    assert_eq!(redis.cli(&["SCRIPT", "EXISTS", store.refund_script_sha()]), "0");
+    let r = store
+        .refund_batch(&b, &o)
+        .await
+        .expect("the refund after SCRIPT FLUSH succeeds")
+        .expect("the check charged both buckets");
+    assert_eq!(r.tokens.as_slice(), &[Some(3 * scale), Some(3 * scale)]);
+    assert_eq!(redis.cli(&["SCRIPT", "EXISTS", store.refund_script_sha()]), "1");
+
+    let o = store.check(&b).await.unwrap();
+    let before = redis.cli(&["GET", "rl:{t}:refund-a"]);
+    redis.cli(&["SET", "rl:{t}:refund-b", "not a bucket"]);
+    assert!(matches!(
+        store.refund(&b, &o).await,
+        Err(StoreError::Unavailable(_))
+    ));
+    assert_eq!(
+        redis.cli(&["GET", "rl:{t}:refund-a"]),
+        before,
+        "the good bucket was not refunded alone"
+    );
+}
+
 fn demo_rules() -> String {
     std::fs::read_to_string(common::repo().join("rules/demo.json")).unwrap()
 }

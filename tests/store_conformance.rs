@@ -77,6 +77,35 @@ impl Subject<'_> {
         }
         o
     }
+
+    /// Refunds an outcome; the clock does not move, so on a manual clock it is the check's now.
+    async fn refund(&self, batch: &[CheckItem], o: &Outcome) {
+        self.store
+            .refund(batch, o)
+            .await
+            .unwrap_or_else(|e| panic!("{}: refund failed: {e}", self.name));
+    }
+
+    /// The batch's buckets as they are now, read by a check that costs nothing, without moving
+    /// the clock.
+    async fn peek(&self, batch: &[CheckItem]) -> Outcome {
+        let free: Vec<CheckItem> = batch
+            .iter()
+            .map(|i| {
+                let mut i = i.clone();
+                i.charge.cost = 0;
+                i.charge.shadow = false;
+                i
+            })
+            .collect();
+        let o = self
+            .store
+            .check(&free)
+            .await
+            .unwrap_or_else(|e| panic!("{}: peek failed: {e}", self.name));
+        assert!(o.allowed, "{}: a check of cost 0 is allowed", self.name);
+        o
+    }
 }
 
 /// Burst 5 at 1 token a minute: five pass, the sixth waits for exactly the rest of its token.
@@ -289,6 +318,131 @@ async fn loosening(s: &Subject<'_>) {
     assert_eq!(back.buckets[0].tokens, expected, "{}", s.name);
 }
 
+/// A refund of a multi-bucket request gives each bucket it charged, shadow ones included, its
+/// cost back: every bucket then holds exactly what it would hold had the request never been
+/// checked (on a manual clock, the same tokens at the same now). A shadow bucket the check could
+/// not charge gets nothing.
+async fn refund_restores_every_bucket(s: &Subject<'_>) {
+    let minute = params("1/60s", 1).scale;
+    let two_minutes = params("1/120s", 1).scale;
+    let a = s.item("rf-a", "1/60s", 10, 3, false, 0);
+    let b = s.item("rf-b", "1/120s", 4, 1, false, 1);
+    let sh = s.item("rf-shadow", "1/60s", 5, 2, true, 2);
+    let sh_empty = s.item("rf-shadow-empty", "1/60s", 1, 1, true, 3);
+    // Partly spent buckets first, so a refund that merely fills a bucket is caught.
+    let mut b2 = b.clone();
+    b2.charge.cost = 2;
+    let warm = s.check(&[a.clone(), b2, sh_empty.clone()]).await;
+    assert!(warm.allowed, "{}", s.name);
+    let batch = [a.clone(), b.clone(), sh.clone(), sh_empty.clone()];
+    let o = s.check(&batch).await;
+    let dt = o.now_us - warm.now_us;
+    assert!(o.allowed, "{}", s.name);
+    assert_eq!(o.buckets[0].tokens, 4 * minute + dt, "{}: a charged", s.name);
+    assert_eq!(o.buckets[1].tokens, two_minutes + dt, "{}: b charged", s.name);
+    assert_eq!(o.buckets[2].tokens, 3 * minute, "{}: shadow charged", s.name);
+    assert!(
+        !o.buckets[3].sufficient,
+        "{}: the empty shadow bucket was short",
+        s.name
+    );
+    s.refund(&batch, &o).await;
+    let after = s.peek(&batch).await;
+    let since = after.now_us - warm.now_us;
+    let tokens: Vec<u64> = after.buckets.iter().map(|v| v.tokens).collect();
+    assert_eq!(
+        tokens,
+        vec![7 * minute + since, 2 * two_minutes + since, 5 * minute, since],
+        "{}: every bucket as if the request had never been checked",
+        s.name
+    );
+    if s.clock.is_some() {
+        assert_eq!(after.now_us, o.now_us, "{}: refunded at the check's now", s.name);
+    }
+}
+
+/// A refund never takes a bucket above its burst: not after the bucket refilled meanwhile, and
+/// not when the same outcome is refunded twice.
+async fn refund_caps_at_burst(s: &Subject<'_>) {
+    let p = params("1/60s", 2);
+    let b = [s.item("rf-cap", "1/60s", 2, 1, false, 0)];
+    let o = s.check(&b).await;
+    assert!(o.allowed, "{}", s.name);
+    assert_eq!(o.buckets[0].tokens, p.scale, "{}", s.name);
+    if let Some(c) = s.clock {
+        // A minute and a half: full again before the refund.
+        c.advance_us(90_000_000);
+    }
+    s.refund(&b, &o).await;
+    s.refund(&b, &o).await;
+    // Read through a burst of 10: a bucket stored above 2 tokens would show it.
+    let wide = s.peek(&[s.item("rf-cap", "1/60s", 10, 0, false, 0)]).await;
+    let t = wide.buckets[0].tokens;
+    assert!(
+        t >= p.capacity && t <= p.capacity + (wide.now_us - o.now_us),
+        "{}: {t} units after the refunds, the burst is {}",
+        s.name,
+        p.capacity
+    );
+    if s.clock.is_some() {
+        assert_eq!(t, p.capacity, "{}", s.name);
+    }
+}
+
+/// A refused request charged no enforced bucket, and its refund changes nothing: not the bucket
+/// that could have paid, not the empty one, and its shadow charge stands.
+async fn refused_refund_changes_nothing(s: &Subject<'_>) {
+    let minute = params("1/60s", 1).scale;
+    let could = s.item("rf-could", "1/60s", 5, 1, false, 0);
+    let empty = s.item("rf-empty", "1/60s", 1, 1, false, 1);
+    let sh = s.item("rf-refused-shadow", "1/60s", 5, 1, true, 2);
+    assert!(s.check(std::slice::from_ref(&empty)).await.allowed, "{}", s.name);
+    let batch = [could, empty, sh];
+    let o = s.check(&batch).await;
+    assert!(!o.allowed, "{}", s.name);
+    assert_eq!(o.buckets[2].tokens, 4 * minute, "{}: shadow charged", s.name);
+    s.refund(&batch, &o).await;
+    let after = s.peek(&batch).await;
+    let dt = after.now_us - o.now_us;
+    let tokens: Vec<u64> = after.buckets.iter().map(|v| v.tokens).collect();
+    assert_eq!(
+        tokens,
+        vec![5 * minute, o.buckets[1].tokens + dt, 4 * minute + dt],
+        "{}",
+        s.name
+    );
+}
+
+/// A refund after time passed adds the cost to the bucket as refilled to then.
+async fn refund_after_time_passed(s: &Subject<'_>) {
+    let minute = params("1/60s", 1).scale;
+    let a = [s.item("rf-late", "1/60s", 10, 4, false, 0)];
+    let warm = s.check(&a).await;
+    let o = s.check(&a).await;
+    assert!(o.allowed, "{}", s.name);
+    assert_eq!(
+        o.buckets[0].tokens,
+        2 * minute + (o.now_us - warm.now_us),
+        "{}",
+        s.name
+    );
+    if let Some(c) = s.clock {
+        // Half a token's refill between the check and the refund.
+        c.advance_us(30_000_000);
+    }
+    s.refund(&a, &o).await;
+    let after = s.peek(&a).await;
+    if s.clock.is_some() {
+        assert_eq!(after.now_us, o.now_us + 30_000_000, "{}", s.name);
+    }
+    assert_eq!(
+        after.buckets[0].tokens,
+        6 * minute + (after.now_us - warm.now_us),
+        "{}: the refilled value plus the refund",
+        s.name
+    );
+}
+
 /// The whole suite, in one order, on fresh keys under `s.tag`.
 async fn conformance(s: Subject<'_>) {
     burst_then_refusal(&s).await;
@@ -297,6 +451,10 @@ async fn conformance(s: Subject<'_>) {
     shadow_buckets(&s).await;
     tightening(&s).await;
     loosening(&s).await;
+    refund_restores_every_bucket(&s).await;
+    refund_caps_at_burst(&s).await;
+    refused_refund_changes_nothing(&s).await;
+    refund_after_time_passed(&s).await;
 }
 
 #[tokio::test]

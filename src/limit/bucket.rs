@@ -313,6 +313,51 @@ pub fn check_all(
     allowed
 }
 
+/// Whether [`check_all`] took `c`'s cost from its bucket: an enforced bucket only when the
+/// request was allowed, a shadow bucket whenever it held its cost.
+#[inline]
+pub fn charged(c: &Charge, v: &BucketVerdict, allowed: bool) -> bool {
+    v.sufficient && (allowed || c.shadow)
+}
+
+/// The bucket refilled to `now` with `units` added, never above its capacity: what a lease's
+/// give-back and a check's refund write.
+#[inline]
+pub fn give_back(p: &BucketParams, state: Option<BucketState>, units: u64, now: u64) -> BucketState {
+    BucketState {
+        tokens: refill(p, state, now).saturating_add(units).min(p.capacity),
+        ts: now,
+        scale: p.scale,
+    }
+}
+
+/// Undoes what [`check_all`] charged for an allowed request that was then not delivered: every
+/// bucket it charged, the shadow ones included (the request never happened, so a shadow limit
+/// must not count it either), gets its cost back at `now`, capped at its capacity. Buckets it
+/// did not charge keep their state untouched; a refused request's refund changes nothing (its
+/// shadow charges stand, as the request was answered).
+///
+/// Refunding at the check's `now` restores every bucket exactly; later, each holds what it would
+/// hold had the request never been checked, since refill is linear up to the capacity.
+pub fn refund_all(
+    charges: &[Charge],
+    verdicts: &[BucketVerdict],
+    allowed: bool,
+    states: &mut [Option<BucketState>],
+    now: u64,
+) {
+    debug_assert_eq!(charges.len(), states.len());
+    debug_assert_eq!(charges.len(), verdicts.len());
+    if !allowed {
+        return;
+    }
+    for ((c, v), s) in charges.iter().zip(verdicts).zip(states.iter_mut()) {
+        if charged(c, v, allowed) {
+            *s = Some(give_back(&c.params, *s, c.params.units(c.cost), now));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -440,5 +485,67 @@ mod tests {
     fn cost_above_burst_has_no_wait() {
         let b = p("1/5s", 1);
         assert_eq!(wait_us(&b, b.capacity, b.units(2)), None);
+    }
+
+    #[test]
+    fn a_refund_at_the_same_now_undoes_the_check_and_never_passes_the_burst() {
+        let plan = p("600/60s", 20);
+        let exports = p("1/5s", 1);
+        let charges = [
+            Charge {
+                params: plan,
+                cost: 3,
+                shadow: false,
+            },
+            Charge {
+                params: exports,
+                cost: 1,
+                shadow: false,
+            },
+            Charge {
+                params: exports,
+                cost: 1,
+                shadow: true,
+            },
+        ];
+        let start = [
+            Some(BucketState {
+                tokens: 7 * plan.scale,
+                ts: 0,
+                scale: plan.scale,
+            }),
+            None,
+            Some(BucketState {
+                tokens: 0,
+                ts: 0,
+                scale: exports.scale,
+            }),
+        ];
+        let mut states = start;
+        let mut v = [BucketVerdict {
+            sufficient: false,
+            tokens: 0,
+            wait_us: None,
+        }; 3];
+        assert!(check_all(&charges, &mut states, 1_000, &mut v));
+        assert!(!v[2].sufficient, "the empty shadow bucket was not charged");
+        let checked = states;
+        refund_all(&charges, &v, true, &mut states, 1_000);
+        let expected: Vec<_> = start
+            .iter()
+            .zip(&charges)
+            .map(|(s, c)| refill(&c.params, *s, 1_000))
+            .collect();
+        assert_eq!(states[0].unwrap().tokens, expected[0]);
+        assert_eq!(states[1].unwrap().tokens, expected[1]);
+        assert_eq!(states[2], checked[2], "an uncharged bucket is left alone");
+        // A second refund of the same check can't take a bucket past its burst.
+        refund_all(&charges, &v, true, &mut states, 1_000);
+        assert_eq!(states[1].unwrap().tokens, exports.capacity);
+        assert_eq!(states[0].unwrap().tokens, expected[0] + 3 * plan.scale);
+        // A refused check's refund changes nothing.
+        let before = states;
+        refund_all(&charges, &v, false, &mut states, 2_000);
+        assert_eq!(states, before);
     }
 }

@@ -30,7 +30,7 @@
 
 use smallvec::SmallVec;
 
-use super::bucket::{BucketParams, BucketState, US_PER_S, refill};
+use super::bucket::{self, BucketParams, BucketState, US_PER_S, refill};
 
 /// A block expires this long after the gateway received it; its unused tokens go back.
 pub const BLOCK_TTL_US: u64 = 10 * US_PER_S;
@@ -130,12 +130,7 @@ pub fn lease(cfg: &LeaseConfig, state: &mut Option<BucketState>, now: u64) -> Gr
 
 /// GIVE BACK, in the store: refill to `now`, add `tokens` unused tokens, cap at the burst.
 pub fn give_back(p: &BucketParams, state: &mut Option<BucketState>, tokens: u64, now: u64) {
-    let current = refill(p, *state, now);
-    *state = Some(BucketState {
-        tokens: current.saturating_add(p.units(tokens)).min(p.capacity),
-        ts: now,
-        scale: p.scale,
-    });
+    *state = Some(bucket::give_back(p, *state, p.units(tokens), now));
 }
 
 /// One block a gateway holds.

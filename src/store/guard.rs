@@ -7,6 +7,12 @@
 //! the limit (rate r/N, burst max(1, b/N), full at the first failure); `open` limits admit. After
 //! five failures in a row the breaker opens: no request waits on the store, and one probe a
 //! second finds out when it is back; the first success closes it and forgets the local shares.
+//!
+//! A refund ([`Store::refund`]) goes where the charge went: to the store when it decided the
+//! check, within the same timeout and never while the breaker is open; into the local shares
+//! for a `local` bypass (at the fleet size known now); nowhere for an `open` or `closed` one,
+//! which charged nothing. A refund that fails is logged and counted, never retried: the request
+//! stays charged, an undershoot and never an overshoot.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -18,7 +24,7 @@ use arc_swap::ArcSwap;
 use smallvec::SmallVec;
 
 use super::memory::MemoryStore;
-use super::{CheckFuture, CheckItem, FailurePolicy, Outcome, Source, Store, StoreError};
+use super::{BoxFuture, CheckFuture, CheckItem, FailurePolicy, Outcome, Source, Store, StoreError, mismatch};
 use crate::limit::bucket::{BucketParams, BucketVerdict, Rate, rescale};
 use crate::limit::clock::Clock;
 use crate::logsample::Sampler;
@@ -157,6 +163,7 @@ pub struct Guard {
     rules: Arc<ArcSwap<Snapshot>>,
     metrics: Arc<Metrics>,
     warn: Sampler,
+    refund_warn: Sampler,
 }
 
 impl Guard {
@@ -177,6 +184,7 @@ impl Guard {
             rules,
             metrics,
             warn: Sampler::new(Duration::from_secs(5)),
+            refund_warn: Sampler::new(Duration::from_secs(5)),
         }
     }
 
@@ -304,6 +312,58 @@ impl Guard {
             now_us: now,
             buckets: verdicts,
             source: Source::Bypass(strictest.unwrap_or(FailurePolicy::Open)),
+            leased: 0,
+        }
+    }
+
+    /// Gives a `local` bypass's charge back to the local shares. Only its `local` limits were
+    /// charged there: an `open` one admitted for free, and shadow limits are not kept.
+    fn refund_local(&self, batch: &[CheckItem], outcome: &Outcome) {
+        let n = self.fleet.get();
+        let mut items: SmallVec<[CheckItem; 4]> = SmallVec::new();
+        let mut buckets: SmallVec<[BucketVerdict; 4]> = SmallVec::new();
+        for (item, v) in batch.iter().zip(&outcome.buckets) {
+            if item.charge.shadow || item.policy != FailurePolicy::Local {
+                continue;
+            }
+            // The share as `fallback` computes it: a fleet size learned since then gives a
+            // slightly different share, which is as close as the share itself.
+            let mut it = item.clone();
+            it.charge.params = share(&item.charge.params, n).unwrap_or(item.charge.params);
+            items.push(it);
+            buckets.push(*v);
+        }
+        let local = Outcome {
+            allowed: outcome.allowed,
+            now_us: outcome.now_us,
+            buckets,
+            source: Source::Store,
+            leased: 0,
+        };
+        self.local.refund_now(&items, &local);
+        self.metrics
+            .store_refunds
+            .get_or_create(&Kind { kind: "local" })
+            .inc();
+    }
+
+    fn refund_lost(&self, e: &StoreError) {
+        let kind = match e {
+            StoreError::Timeout => "timeout",
+            StoreError::BreakerOpen => "breaker_open",
+            _ => "error",
+        };
+        self.metrics
+            .store_refund_failures
+            .get_or_create(&Kind { kind })
+            .inc();
+        if let Some(suppressed) = self.refund_warn.allow(0) {
+            tracing::warn!(
+                store = self.inner.kind(),
+                error = %e,
+                suppressed,
+                "could not refund an undelivered request; it stays charged"
+            );
         }
     }
 
@@ -356,6 +416,51 @@ impl Store for Guard {
         self.inner.kind()
     }
 
+    /// Returns the store's error when the refund was lost, after logging and counting it; the
+    /// caller has nothing more to do with it.
+    fn refund<'a>(
+        &'a self,
+        batch: &'a [CheckItem],
+        outcome: &'a Outcome,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            if batch.len() != outcome.buckets.len() {
+                return Err(mismatch(batch, outcome));
+            }
+            if !outcome.allowed {
+                return Ok(());
+            }
+            match outcome.source {
+                Source::Bypass(FailurePolicy::Local) => {
+                    self.refund_local(batch, outcome);
+                    Ok(())
+                }
+                Source::Bypass(_) => Ok(()),
+                Source::Store => {
+                    // A store that fails checks would only make the refund wait for its timeout.
+                    let r = if self.breaker_open() {
+                        Err(StoreError::BreakerOpen)
+                    } else {
+                        match tokio::time::timeout(self.timeout, self.inner.refund(batch, outcome)).await {
+                            Ok(r) => r,
+                            Err(_) => Err(StoreError::Timeout),
+                        }
+                    };
+                    match &r {
+                        Ok(()) => {
+                            self.metrics
+                                .store_refunds
+                                .get_or_create(&Kind { kind: "store" })
+                                .inc();
+                        }
+                        Err(e) => self.refund_lost(e),
+                    }
+                    r
+                }
+            }
+        })
+    }
+
     fn ping(&self) -> CheckFuture<'_> {
         CheckFuture::Boxed(Box::pin(async move {
             match tokio::time::timeout(Duration::from_millis(250), self.inner.ping()).await {
@@ -382,6 +487,7 @@ mod tests {
     struct Faulty {
         mode: AtomicU8,
         calls: AtomicU64,
+        refunds: AtomicU64,
         mem: MemoryStore,
     }
 
@@ -400,6 +506,20 @@ mod tests {
         }
         fn kind(&self) -> &'static str {
             "faulty"
+        }
+        fn refund<'a>(
+            &'a self,
+            batch: &'a [CheckItem],
+            outcome: &'a Outcome,
+        ) -> BoxFuture<'a, Result<(), StoreError>> {
+            self.refunds.fetch_add(1, Ordering::SeqCst);
+            match self.mode.load(Ordering::SeqCst) {
+                OK => self.mem.refund(batch, outcome),
+                FAIL => Box::pin(std::future::ready(Err(StoreError::Unavailable(
+                    "connection refused".into(),
+                )))),
+                _ => Box::pin(std::future::pending()),
+            }
         }
     }
 
@@ -433,6 +553,7 @@ mod tests {
         let faulty = Arc::new(Faulty {
             mode: AtomicU8::new(mode),
             calls: AtomicU64::new(0),
+            refunds: AtomicU64::new(0),
             mem: MemoryStore::new(clock.clone()),
         });
         let metrics = Metrics::new();
@@ -560,6 +681,82 @@ mod tests {
             }
         }
         assert_eq!(allowed, 20);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_local_bypass_refunds_into_the_local_share() {
+        let (g, faulty, metrics) = guard(FAIL, 2);
+        let batch = [plan()];
+        // Share of 2 gateways: burst 10, rate 5/s, on a clock that does not move.
+        let mut last = None;
+        for _ in 0..10 {
+            let out = g.check(&batch).await.unwrap();
+            assert!(out.allowed);
+            assert_eq!(out.source, Source::Bypass(FailurePolicy::Local));
+            last = Some(out);
+        }
+        let refused = g.check(&batch).await.unwrap();
+        assert!(!refused.allowed);
+        g.refund(&batch, &refused).await.unwrap();
+        assert!(
+            !g.check(&batch).await.unwrap().allowed,
+            "a refused outcome's refund gave nothing back"
+        );
+        g.refund(&batch, &last.unwrap()).await.unwrap();
+        assert!(
+            g.check(&batch).await.unwrap().allowed,
+            "the refund gave the share its token back"
+        );
+        assert!(!g.check(&batch).await.unwrap().allowed, "exactly one token");
+        // An open bypass charged nothing, so it refunds nothing, anywhere.
+        let open = item("rl:{ip:1.2.3.4}:free", 0, "1/1s", 1, FailurePolicy::Open);
+        let out = g.check(std::slice::from_ref(&open)).await.unwrap();
+        assert_eq!(out.source, Source::Bypass(FailurePolicy::Open));
+        g.refund(std::slice::from_ref(&open), &out).await.unwrap();
+        assert_eq!(
+            faulty.refunds.load(Ordering::SeqCst),
+            0,
+            "a bypass never asks the store"
+        );
+        assert!(
+            metrics
+                .render()
+                .contains(r#"tollgate_store_refunds_total{kind="local"} 1"#)
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_store_decided_refund_goes_to_the_store_and_a_lost_one_is_counted() {
+        let (g, faulty, metrics) = guard(OK, 1);
+        let batch = [plan()];
+        let out = g.check(&batch).await.unwrap();
+        assert_eq!(out.source, Source::Store);
+        let p = batch[0].charge.params;
+        assert_eq!(faulty.mem.peek(batch[0].fp).unwrap().tokens, p.capacity - p.scale);
+        g.refund(&batch, &out).await.unwrap();
+        assert_eq!(faulty.mem.peek(batch[0].fp).unwrap().tokens, p.capacity);
+        faulty.mode.store(FAIL, Ordering::SeqCst);
+        assert!(g.refund(&batch, &out).await.is_err());
+        faulty.mode.store(HANG, Ordering::SeqCst);
+        assert_eq!(g.refund(&batch, &out).await, Err(StoreError::Timeout));
+        // An open breaker: the refund is not even sent.
+        faulty.mode.store(FAIL, Ordering::SeqCst);
+        for _ in 0..FAILURES_TO_OPEN {
+            g.check(&batch).await.unwrap();
+        }
+        assert!(g.breaker_open());
+        let sent = faulty.refunds.load(Ordering::SeqCst);
+        assert_eq!(g.refund(&batch, &out).await, Err(StoreError::BreakerOpen));
+        assert_eq!(faulty.refunds.load(Ordering::SeqCst), sent);
+        let text = metrics.render();
+        for line in [
+            r#"tollgate_store_refunds_total{kind="store"} 1"#,
+            r#"tollgate_store_refund_failures_total{kind="error"} 1"#,
+            r#"tollgate_store_refund_failures_total{kind="timeout"} 1"#,
+            r#"tollgate_store_refund_failures_total{kind="breaker_open"} 1"#,
+        ] {
+            assert!(text.contains(line), "{line} missing from\n{text}");
+        }
     }
 
     #[test]

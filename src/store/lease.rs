@@ -26,6 +26,11 @@
 //! guard's breaker and the limit's failure policy decide, exactly as for unleased limits, and
 //! tokens already held are still spent. The one lease a second per key that then finds the store
 //! back turns leasing on again.
+//!
+//! A refund of an undelivered request ([`Store::refund`]) puts the tokens a block paid back into
+//! this gateway's newest unexpired block of that key (or gives them back to the store when none is
+//! left), and sends the rest of the request to the inner store's refund. The outcome says which
+//! items a block paid (`Outcome::leased`); only the first 64 items of a request are leased.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -280,14 +285,24 @@ impl Leases {
     }
 
     /// Gives the enforced tokens paid by a request that was refused back to their holders.
-    fn refund(&self, batch: &[CheckItem], local: &[Local]) {
+    fn refund_refused(&self, batch: &[CheckItem], local: &[Local]) {
+        // A refused request's shadow charges stand, as in the store.
+        self.put_back(batch, |i| {
+            matches!(local[i], Local::Paid { .. }) && !batch[i].charge.shadow
+        });
+    }
+
+    /// Puts the tokens a block paid for the items `paid` selects back into their holders.
+    fn put_back(&self, batch: &[CheckItem], paid: impl Fn(usize) -> bool) {
         let now = self.now_us();
         let mut st = self.lock();
-        for (item, l) in batch.iter().zip(local) {
-            if !matches!(l, Local::Paid { .. }) || item.charge.shadow {
+        for (i, item) in batch.iter().enumerate() {
+            if !paid(i) {
                 continue;
             }
             let Some(e) = st.keys.get_mut(&item.fp) else {
+                // Entries are never removed; still, paid tokens must not be lost.
+                self.give_back_later(item.key.clone(), item.charge.params, item.charge.cost);
                 continue;
             };
             let cost = item.charge.cost;
@@ -303,7 +318,10 @@ impl Leases {
         let mut local: SmallVec<[Local; 4]> = SmallVec::from_elem(Local::Store, batch.len());
         let mut refused = false;
         for (i, item) in batch.iter().enumerate() {
-            let Some(spec) = item.lease else { continue };
+            // Outcome::leased has room for 64 items; any further ones go to the store.
+            let Some(spec) = item.lease.filter(|_| i < 64) else {
+                continue;
+            };
             // A shadow limit never makes a request wait.
             let mut waited = item.charge.shadow;
             loop {
@@ -331,6 +349,11 @@ impl Leases {
             }
         }
 
+        let leased = local
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| matches!(l, Local::Paid { .. }))
+            .fold(0u64, |m, (i, _)| m | (1 << i));
         let mut verdicts: SmallVec<[BucketVerdict; 4]> = batch
             .iter()
             .zip(&local)
@@ -350,12 +373,13 @@ impl Leases {
             .collect();
         if refused {
             // The store is not asked at all: a local refusal costs the shard nothing.
-            self.refund(batch, &local);
+            self.refund_refused(batch, &local);
             return Ok(Outcome {
                 allowed: false,
                 now_us: self.now_us(),
                 buckets: verdicts,
                 source: Source::Store,
+                leased,
             });
         }
         let rest: SmallVec<[CheckItem; 4]> = batch
@@ -370,17 +394,18 @@ impl Leases {
                 now_us: self.now_us(),
                 buckets: verdicts,
                 source: Source::Store,
+                leased,
             });
         }
         let out = match self.inner.check(&rest).await {
             Ok(o) => o,
             Err(e) => {
-                self.refund(batch, &local);
+                self.refund_refused(batch, &local);
                 return Err(e);
             }
         };
         if !out.allowed {
-            self.refund(batch, &local);
+            self.refund_refused(batch, &local);
         }
         let mut from_store = out.buckets.into_iter();
         for (v, l) in verdicts.iter_mut().zip(&local) {
@@ -395,6 +420,7 @@ impl Leases {
             now_us: out.now_us,
             buckets: verdicts,
             source: out.source,
+            leased,
         })
     }
 
@@ -581,6 +607,42 @@ impl Store for Leases {
         self.inner.kind()
     }
 
+    fn refund<'a>(
+        &'a self,
+        batch: &'a [CheckItem],
+        outcome: &'a Outcome,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        if outcome.leased == 0 || batch.len() != outcome.buckets.len() {
+            return self.inner.refund(batch, outcome);
+        }
+        if !outcome.allowed {
+            // A refusal's leased tokens went back to their blocks when it was refused.
+            return Box::pin(std::future::ready(Ok(())));
+        }
+        Box::pin(async move {
+            self.put_back(batch, |i| outcome.is_leased(i));
+            let mut rest: SmallVec<[CheckItem; 4]> = SmallVec::new();
+            let mut buckets: SmallVec<[BucketVerdict; 4]> = SmallVec::new();
+            for (i, (item, v)) in batch.iter().zip(&outcome.buckets).enumerate() {
+                if !outcome.is_leased(i) {
+                    rest.push(item.clone());
+                    buckets.push(*v);
+                }
+            }
+            if rest.is_empty() {
+                return Ok(());
+            }
+            let rest_outcome = Outcome {
+                allowed: outcome.allowed,
+                now_us: outcome.now_us,
+                buckets,
+                source: outcome.source,
+                leased: 0,
+            };
+            self.inner.refund(&rest, &rest_outcome).await
+        })
+    }
+
     fn ping(&self) -> CheckFuture<'_> {
         self.inner.ping()
     }
@@ -614,6 +676,8 @@ mod tests {
         given: Mutex<Vec<u64>>,
         checks: AtomicU64,
         refuse_checks: AtomicBool,
+        /// The keys of every batch refunded through this store.
+        refunded: Mutex<Vec<Vec<String>>>,
     }
 
     impl Fake {
@@ -627,6 +691,7 @@ mod tests {
                 given: Mutex::new(Vec::new()),
                 checks: AtomicU64::new(0),
                 refuse_checks: AtomicBool::new(false),
+                refunded: Mutex::new(Vec::new()),
             })
         }
 
@@ -705,11 +770,26 @@ mod tests {
                     })
                     .collect(),
                 source: Source::Store,
+                leased: 0,
             }))
         }
 
         fn kind(&self) -> &'static str {
             "fake"
+        }
+
+        fn refund<'a>(
+            &'a self,
+            batch: &'a [CheckItem],
+            outcome: &'a Outcome,
+        ) -> BoxFuture<'a, Result<(), StoreError>> {
+            assert_eq!(batch.len(), outcome.buckets.len());
+            assert_eq!(outcome.leased, 0, "leased items never reach the store's refund");
+            self.refunded
+                .lock()
+                .unwrap()
+                .push(batch.iter().map(|i| i.key.to_string()).collect());
+            Box::pin(std::future::ready(Ok(())))
         }
     }
 
@@ -868,5 +948,40 @@ mod tests {
         // Drained: later requests go to the store, nothing more is leased.
         assert!(l.check(&[a]).await.unwrap().allowed);
         assert_eq!(fake.leases.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_undelivered_request_puts_block_tokens_back_and_refunds_the_rest_in_the_store() {
+        let fake = Fake::new();
+        let (l, _m) = leases(&fake);
+        let mut other = item("1/1s", 1, 1, 1);
+        other.lease = None;
+        other.key = "rl:{kbig}:exports".into();
+        let hot = item("10000/1s", 20_000, 100, 10);
+        let batch = [hot.clone(), other];
+        let out = l.check(&batch).await.unwrap();
+        assert!(out.allowed);
+        assert!(out.is_leased(0) && !out.is_leased(1));
+        assert_eq!(l.held(), 90);
+        let paid = l.check(std::slice::from_ref(&hot)).await.unwrap();
+        assert_eq!(l.held(), 80);
+        l.refund(&batch, &out).await.unwrap();
+        assert_eq!(l.held(), 90, "the block got its 10 tokens back");
+        assert_eq!(
+            *fake.refunded.lock().unwrap(),
+            vec![vec!["rl:{kbig}:exports".to_string()]],
+            "the store refunds only what it charged"
+        );
+        // A request a block paid alone never reaches the store's refund.
+        l.refund(std::slice::from_ref(&hot), &paid).await.unwrap();
+        assert_eq!(l.held(), 100);
+        assert_eq!(fake.refunded.lock().unwrap().len(), 1);
+        // A refused request's refund changes nothing.
+        fake.refuse_checks.store(true, Ordering::SeqCst);
+        let refused = l.check(&batch).await.unwrap();
+        assert!(!refused.allowed);
+        assert_eq!(l.held(), 100);
+        l.refund(&batch, &refused).await.unwrap();
+        assert_eq!(l.held(), 100);
     }
 }

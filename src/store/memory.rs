@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use smallvec::SmallVec;
 
-use super::{CheckFuture, CheckItem, Outcome, Source, Store};
-use crate::limit::bucket::{BucketState, BucketVerdict, Charge, check_all};
+use super::{BoxFuture, CheckFuture, CheckItem, Outcome, Source, Store, StoreError, mismatch};
+use crate::limit::bucket::{BucketState, BucketVerdict, Charge, charged, check_all, refund_all};
 use crate::limit::clock::Clock;
 
 const SHARDS: usize = 64;
@@ -196,6 +196,44 @@ impl MemoryStore {
             now_us: now,
             buckets: verdicts,
             source: Source::Store,
+            leased: 0,
+        }
+    }
+
+    /// Refunds a check of `batch` at the clock's now; see [`Store::refund`].
+    pub fn refund_now(&self, batch: &[CheckItem], outcome: &Outcome) {
+        self.refund_at(batch, outcome, self.clock.now_us());
+    }
+
+    /// Gives back at `now` what the check that answered `outcome` took from `batch`, under the
+    /// locks of every shard it touches, so no check sees half a refund.
+    pub fn refund_at(&self, batch: &[CheckItem], outcome: &Outcome, now: u64) {
+        if !outcome.allowed || batch.len() != outcome.buckets.len() {
+            return;
+        }
+        let mut idx: SmallVec<[usize; 4]> = batch.iter().map(|i| shard_of(i.fp)).collect();
+        idx.sort_unstable();
+        idx.dedup();
+        let mut guards: SmallVec<[(usize, MutexGuard<'_, Shard>); 4]> =
+            idx.iter().map(|&i| (i, lock(&self.shards[i]))).collect();
+        let slot = |fp: u64| -> usize {
+            let s = shard_of(fp);
+            guards.iter().position(|(i, _)| *i == s).unwrap_or(0)
+        };
+        let slots: SmallVec<[usize; 4]> = batch.iter().map(|i| slot(i.fp)).collect();
+        let mut states: SmallVec<[Option<BucketState>; 4]> = batch
+            .iter()
+            .zip(&slots)
+            .map(|(i, &g)| guards[g].1.get(&Fp::new(i.fp)).map(|p| p.unpack()))
+            .collect();
+        let charges: SmallVec<[Charge; 4]> = batch.iter().map(|i| i.charge).collect();
+        refund_all(&charges, &outcome.buckets, outcome.allowed, &mut states, now);
+        for (((item, &g), s), v) in batch.iter().zip(&slots).zip(&states).zip(&outcome.buckets) {
+            if let Some(s) = s
+                && charged(&item.charge, v, outcome.allowed)
+            {
+                guards[g].1.insert(Fp::new(item.fp), Packed::pack(*s));
+            }
         }
     }
 
@@ -265,6 +303,20 @@ impl MemoryStore {
 impl Store for MemoryStore {
     fn check<'a>(&'a self, batch: &'a [CheckItem]) -> CheckFuture<'a> {
         CheckFuture::ready(Ok(self.check_now(batch)))
+    }
+
+    fn refund<'a>(
+        &'a self,
+        batch: &'a [CheckItem],
+        outcome: &'a Outcome,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        let r = if batch.len() == outcome.buckets.len() {
+            self.refund_now(batch, outcome);
+            Ok(())
+        } else {
+            Err(mismatch(batch, outcome))
+        };
+        Box::pin(std::future::ready(r))
     }
 
     fn kind(&self) -> &'static str {

@@ -3,6 +3,11 @@
 //! [`MemoryStore`](memory::MemoryStore) is the embedded default. [`RedisStore`](redis::RedisStore)
 //! runs the same arithmetic inside one Lua script (`lua/check.lua`) on the store's clock. Both pass one conformance suite
 //! (`tests/store_conformance.rs`).
+//!
+//! A request that was admitted but could not be delivered (the upstream refused the connection,
+//! the write failed) is refunded with [`Store::refund`]: one all-or-nothing step that gives each
+//! bucket back exactly what its check took, so it holds what it would hold had the request never
+//! been checked. The caller keeps the batch and the [`Outcome`] of the check for it.
 
 pub mod guard;
 pub mod lease;
@@ -83,6 +88,16 @@ pub struct Outcome {
     /// One verdict per item, in batch order.
     pub buckets: SmallVec<[BucketVerdict; 4]>,
     pub source: Source,
+    /// Bit `i` set: item `i` was paid from a block this gateway leased (`store::lease`), not by
+    /// the store, so its refund goes back to the block. Only the first 64 items are ever leased.
+    pub leased: u64,
+}
+
+impl Outcome {
+    /// Whether item `i` of the batch was paid from a leased block.
+    pub fn is_leased(&self, i: usize) -> bool {
+        i < 64 && self.leased & (1 << i) != 0
+    }
 }
 
 /// A real failure to get an answer. A refusal is an [`Outcome`], never an error.
@@ -140,8 +155,29 @@ pub trait Store: Send + Sync + 'static {
             now_us: 0,
             buckets: SmallVec::new(),
             source: Source::Store,
+            leased: 0,
         }))
     }
+
+    /// Gives back, in one all-or-nothing step, what the check that answered `outcome` took from
+    /// `batch`'s buckets, for an admitted request that could not be delivered. Each bucket it
+    /// charged gets its cost back (in the bucket's units, `cost × scale`), added to the bucket as
+    /// refilled to the store's now and never above its burst: it then holds what it would hold
+    /// had the request never been checked. Shadow buckets the check charged are refunded too (the
+    /// request never happened, so a shadow limit must not count it). A refused outcome took
+    /// nothing from its enforced buckets and its refund changes nothing.
+    ///
+    /// `batch` must be the one that was checked, in the same order; `outcome` says which buckets
+    /// were charged (`sufficient`), where the answer came from (`source`: a guard refunds a
+    /// bypass into its local share, or not at all) and which items a leased block paid
+    /// (`leased`). Call it at most once per outcome: a second call gives the cost back again
+    /// (still capped at the burst). A remote store sends it at most once and never retries: a
+    /// refund whose answer was lost may have been applied.
+    fn refund<'a>(
+        &'a self,
+        batch: &'a [CheckItem],
+        outcome: &'a Outcome,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
 
     /// Marks this gateway alive in the fleet and returns how many gateways are alive, for
     /// local shares (r/N). Stores that no other gateway shares return `None`.
@@ -153,6 +189,15 @@ pub trait Store: Send + Sync + 'static {
     fn remote(&self) -> bool {
         false
     }
+}
+
+/// The error for a refund whose outcome does not belong to its batch.
+pub(crate) fn mismatch(batch: &[CheckItem], outcome: &Outcome) -> StoreError {
+    StoreError::Protocol(format!(
+        "refund of {} buckets with an outcome of {}",
+        batch.len(),
+        outcome.buckets.len()
+    ))
 }
 
 /// A boxed, sendable future.

@@ -2,7 +2,9 @@
 //! Redis or Valkey (one node or a Cluster), on the store's clock.
 //!
 //! The script is the arithmetic of `limit/bucket.rs`; the gateway sends only numbers (ARGV) and
-//! bucket names (KEYS) and reads back integers, so both sides agree to the unit.
+//! bucket names (KEYS) and reads back integers, so both sides agree to the unit. A refund of an
+//! undelivered request is one `EVALSHA` of `lua/refund.lua` on the buckets its check charged,
+//! sent at once (not through the queue: refunds are rare) and, like every call, at most once.
 //!
 //! While fewer than [`MAX_IN_FLIGHT`] calls are out, a check is sent at once, alone, from the
 //! caller's task. When the store falls behind, checks wait in one queue, and those that queued
@@ -26,8 +28,8 @@ use smallvec::SmallVec;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use super::lease::{GiveBackReply, LeaseReply, Lessor};
-use super::{BoxFuture, CheckFuture, CheckItem, Outcome, Source, Store, StoreError};
-use crate::limit::bucket::{BucketParams, BucketVerdict};
+use super::{BoxFuture, CheckFuture, CheckItem, Outcome, Source, Store, StoreError, mismatch};
+use crate::limit::bucket::{BucketParams, BucketVerdict, charged};
 use crate::limit::clock::Clock;
 use crate::limit::lease::Grant;
 
@@ -41,6 +43,12 @@ pub const SCRIPT: &str = concat!(
 pub const LEASE_SCRIPT: &str = concat!(
     include_str!("../../lua/bucket.lua"),
     include_str!("../../lua/lease.lua")
+);
+
+/// The refund script: gives back what a check charged, for a request that was not delivered.
+pub const REFUND_SCRIPT: &str = concat!(
+    include_str!("../../lua/bucket.lua"),
+    include_str!("../../lua/refund.lua")
 );
 
 /// ARGV per bucket: scale, refill, capacity, need, ttl, shadow.
@@ -120,6 +128,7 @@ struct Shared {
     client: Pool,
     sha: Str,
     lease_sha: Str,
+    refund_sha: Str,
     /// `None`: the script reads the store's TIME. `Some`: the gateway's clock (`--clock gateway`).
     clock: Option<Arc<dyn Clock>>,
     cluster: bool,
@@ -390,6 +399,7 @@ impl RedisStore {
                 now_us,
                 buckets: SmallVec::new(),
                 source: Source::Store,
+                leased: 0,
             });
         }
         let (pending, rx) = Pending::new(batch, self.shared.cluster);
@@ -441,6 +451,7 @@ impl Shared {
             client,
             sha: fred::util::sha1_hash(SCRIPT).into(),
             lease_sha: fred::util::sha1_hash(LEASE_SCRIPT).into(),
+            refund_sha: fred::util::sha1_hash(REFUND_SCRIPT).into(),
             clock,
             cluster,
             name,
@@ -450,10 +461,11 @@ impl Shared {
         })
     }
 
-    /// `SCRIPT LOAD` of both scripts on every primary.
+    /// `SCRIPT LOAD` of every script on every primary.
     async fn load(&self) -> Result<(), FredError> {
         self.client.script_load_cluster::<(), _>(SCRIPT).await?;
-        self.client.script_load_cluster::<(), _>(LEASE_SCRIPT).await
+        self.client.script_load_cluster::<(), _>(LEASE_SCRIPT).await?;
+        self.client.script_load_cluster::<(), _>(REFUND_SCRIPT).await
     }
 
     fn clock_arg(&self) -> i64 {
@@ -647,6 +659,7 @@ fn parse_reply(sizes: &[usize], reply: Value) -> Result<Vec<Result<Outcome, Stor
             now_us,
             buckets,
             source: Source::Store,
+            leased: 0,
         }));
     }
     Ok(out)
@@ -757,6 +770,86 @@ impl RedisStore {
     }
 }
 
+/// What one refund did: the store time it used, and the units in each bucket of the batch
+/// after it (`None` for a bucket the check did not charge, which the refund left alone).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refunded {
+    pub now_us: u64,
+    pub tokens: SmallVec<[Option<u64>; 4]>,
+}
+
+impl RedisStore {
+    /// Gives back what the check that answered `outcome` charged `batch`, in one call of
+    /// `lua/refund.lua`; see [`Store::refund`]. `None` when it charged nothing (a refusal), and
+    /// then no call is made.
+    pub async fn refund_batch(
+        &self,
+        batch: &[CheckItem],
+        outcome: &Outcome,
+    ) -> Result<Option<Refunded>, StoreError> {
+        if batch.len() != outcome.buckets.len() {
+            return Err(mismatch(batch, outcome));
+        }
+        let sent: SmallVec<[bool; 4]> = batch
+            .iter()
+            .zip(&outcome.buckets)
+            .map(|(i, v)| outcome.allowed && charged(&i.charge, v, outcome.allowed))
+            .collect();
+        let n = sent.iter().filter(|c| **c).count();
+        if n == 0 {
+            return Ok(None);
+        }
+        let reply = self
+            .shared
+            .eval_script(&self.shared.refund_sha, || {
+                let mut keys = Vec::with_capacity(n);
+                let mut args = Vec::with_capacity(1 + 5 * n);
+                args.push(Value::Integer(self.shared.clock_arg()));
+                for (item, _) in batch.iter().zip(&sent).filter(|(_, c)| **c) {
+                    let p = &item.charge.params;
+                    keys.push(Key::from(&*item.key));
+                    args.extend(
+                        [
+                            as_i64(p.scale),
+                            as_i64(p.refill),
+                            as_i64(p.capacity),
+                            // A check never charges more than the capacity.
+                            as_i64(p.units(item.charge.cost).min(p.capacity)),
+                            as_i64(p.ttl_ms()),
+                        ]
+                        .map(Value::Integer),
+                    );
+                }
+                (keys, args)
+            })
+            .await
+            .map_err(|e| store_error(&e))?;
+        let bad = |what: String| StoreError::Protocol(format!("lua/refund.lua answered {what}"));
+        let Value::Array(items) = reply else {
+            return Err(bad(format!("{reply:?}, not an array")));
+        };
+        if items.len() != 1 + n {
+            return Err(bad(format!("{} values, not {}", items.len(), 1 + n)));
+        }
+        let mut nums = items.iter().map(|v| {
+            int(v)
+                .and_then(|x| u64::try_from(x).ok())
+                .ok_or_else(|| bad(format!("{v:?}, not a non-negative integer")))
+        });
+        let now_us = nums.next().unwrap_or_else(|| Err(bad("nothing".into())))?;
+        let mut tokens = SmallVec::with_capacity(batch.len());
+        for c in sent {
+            tokens.push(if c { nums.next().transpose()? } else { None });
+        }
+        Ok(Some(Refunded { now_us, tokens }))
+    }
+
+    /// The refund script's SHA-1.
+    pub fn refund_script_sha(&self) -> &str {
+        &self.shared.refund_sha
+    }
+}
+
 impl Lessor for RedisStore {
     fn lease<'a>(
         &'a self,
@@ -785,6 +878,14 @@ impl Store for RedisStore {
 
     fn kind(&self) -> &'static str {
         self.kind
+    }
+
+    fn refund<'a>(
+        &'a self,
+        batch: &'a [CheckItem],
+        outcome: &'a Outcome,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move { self.refund_batch(batch, outcome).await.map(|_| ()) })
     }
 
     /// Runs the script with no keys: the store answers, still has the script (or takes it

@@ -63,7 +63,7 @@ pub fn evalsha_calls(port: u16) -> u64 {
 }
 
 /// The stored state of a bucket: (tokens in units, ts in µs, scale), from its 18 bytes
-/// (`<I7I7I4`, as lua/check.lua and lua/lease.lua write it).
+/// (`<I7I7I4`, as lua/check.lua, lua/lease.lua and lua/refund.lua write it).
 pub fn stored_bucket(port: u16, key: &str) -> Option<(u64, u64, u64)> {
     let out = Command::new("redis-cli")
         .args(["-p", &port.to_string(), "--raw", "GET", key])
@@ -174,6 +174,14 @@ impl Store for Recorder {
 
     fn kind(&self) -> &'static str {
         "redis"
+    }
+
+    fn refund<'a>(
+        &'a self,
+        batch: &'a [CheckItem],
+        outcome: &'a Outcome,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.store.refund(batch, outcome)
     }
 
     fn remote(&self) -> bool {
