@@ -23,7 +23,7 @@ use crate::respond::{Body, Budget, Refusal, budget_headers};
 use crate::rules::{KeyRequirement, Snapshot, hash_secret};
 use crate::sanitize;
 use crate::server::{ConnInfo, Handler};
-use crate::store::{Batch, FailurePolicy, Source, Store, StoreError};
+use crate::store::{Batch, FailurePolicy, Outcome, Source, Store, StoreError};
 
 pub static X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
 
@@ -111,7 +111,12 @@ impl Gateway {
 
     /// One store call for a batch. The batch is borrowed, not moved: it is a few hundred bytes,
     /// and every move through an async call is a copy.
-    async fn check(&self, snap: &Snapshot, h: &Handles, batch: &Batch) -> Result<Decision, StoreError> {
+    async fn check(
+        &self,
+        snap: &Snapshot,
+        h: &Handles,
+        batch: &Batch,
+    ) -> Result<(Decision, Outcome), StoreError> {
         let started = Instant::now();
         let result = self.store.check(batch).await;
         self.metrics
@@ -134,7 +139,19 @@ impl Gateway {
         };
         let decision = decide(batch, &outcome);
         self.count(snap, h, batch, &decision);
-        Ok(decision)
+        Ok((decision, outcome))
+    }
+
+    /// Gives an admitted request's charge back when it never reached its upstream, in the same
+    /// all-or-nothing way it was taken. A refund that fails is logged and counted by the store's
+    /// guard; the request's answer does not wait on a retry.
+    pub async fn refund_undelivered(&self, paid: Option<Paid>, failure: &crate::proxy::client::Failure) {
+        let Some(Paid { batch, outcome }) = paid.filter(|_| failure.undelivered()) else {
+            return;
+        };
+        if let Err(e) = self.store.refund(&batch, &outcome).await {
+            tracing::debug!(error = %e, "refund of an undelivered request failed");
+        }
     }
 
     /// Admissions count once per enforced limit paid; a refusal counts for the limit that
@@ -175,7 +192,7 @@ impl Gateway {
         if batch.is_empty() {
             return Refusal::Unauthorized(why).into_response();
         }
-        match self.check(snap, h, &batch).await {
+        match self.check(snap, h, &batch).await.map(|(d, _)| d) {
             Err(_) => Refusal::LimiterUnavailable.into_response(),
             Ok(d) if !d.allowed && d.source == Source::Bypass(FailurePolicy::Closed) => {
                 Refusal::LimiterUnavailable.into_response()
@@ -205,16 +222,16 @@ impl Gateway {
         body_value: Option<&[u8]>,
         h: &Handles,
         trace: &mut Trace,
-    ) -> Result<Option<Budget>, Response<Body>> {
+    ) -> Result<Charged, Response<Body>> {
         let key_idx = c.key.map(|k| k.0);
         let batch = match plan::build(snap, route, key_idx, c.ip, headers, body_value) {
             Ok(b) => b,
             Err(e) => return Err(Refusal::BadRequest(e.to_string()).into_response()),
         };
         if batch.is_empty() {
-            return Ok(None);
+            return Ok(Charged::default());
         }
-        let d = match self.check(snap, h, &batch).await {
+        let (d, outcome) = match self.check(snap, h, &batch).await {
             Ok(d) => d,
             Err(e) => {
                 tracing::warn!(error = %e, "limiter store failed");
@@ -232,7 +249,10 @@ impl Gateway {
             budget_headers(resp.headers_mut(), snap, &batch, key_idx, &d);
             return Err(resp);
         }
-        Ok(crate::respond::budget_values(snap, &batch, key_idx, &d))
+        Ok(Charged {
+            budget: crate::respond::budget_values(snap, &batch, key_idx, &d),
+            paid: Some(Paid { batch, outcome }),
+        })
     }
 
     /// Load shedding by the upstream's own health, apart from every client's limits: a place
@@ -317,7 +337,7 @@ impl Gateway {
                 (Either::Right(Full::new(bytes)), Some(value))
             }
         };
-        let budget = match self
+        let Charged { budget, paid } = match self
             .limit(snap, route, &c, &parts.headers, body_value.as_deref(), h, trace)
             .await
         {
@@ -346,7 +366,10 @@ impl Gateway {
         h.upstream(&self.metrics, route.upstream, started.elapsed());
         let mut resp = match forwarded {
             Ok(r) => r.map(Either::Left),
-            Err(failure) => crate::proxy::failure_answer(upstream, &failure).into_response(),
+            Err(failure) => {
+                self.refund_undelivered(paid, &failure).await;
+                crate::proxy::failure_answer(upstream, &failure).into_response()
+            }
         };
         apply_budget(resp.headers_mut(), budget);
         resp
@@ -451,7 +474,8 @@ impl Gateway {
         trace.route = Some(c.route);
         let key_idx = c.key.map(|k| k.0);
         trace.key_id = key_idx.map(|k| snap.keys[k].id.clone());
-        let budget = match self.limit(snap, route, &c, &parts.headers, None, h, trace).await {
+        let Charged { budget, paid } = match self.limit(snap, route, &c, &parts.headers, None, h, trace).await
+        {
             Ok(b) => b,
             Err(answer) => return Admission::Answer(answer),
         };
@@ -466,6 +490,7 @@ impl Gateway {
         Admission::Forward(Forward {
             upstream: route.upstream,
             budget,
+            paid,
             classified: c,
             _permit: permit,
         })
@@ -505,7 +530,25 @@ pub struct Begun<'g> {
     _in_flight: InFlight<'g>,
 }
 
+/// What a request paid to the limiter: every bucket of its one check and the store's answer,
+/// kept so a request that is never delivered can be given its charge back.
+pub struct Paid {
+    batch: Batch,
+    outcome: Outcome,
+}
+
+/// The limiter's verdict on an admitted request: its budget headers and what it paid (nothing
+/// when no limit applies).
+#[derive(Default)]
+struct Charged {
+    budget: Option<Budget>,
+    paid: Option<Paid>,
+}
+
 /// What the express lane does with a request head.
+// `Forward` is the common variant and large (the request's batch travels in it for a refund);
+// boxing it would allocate on every request to save a copy on the rare answers.
+#[allow(clippy::large_enum_variant)]
 pub enum Admission {
     /// The gateway's own answer (a refusal, 401, 429 …).
     Answer(Response<Body>),
@@ -519,6 +562,8 @@ pub enum Admission {
 pub struct Forward {
     pub upstream: usize,
     pub budget: Option<Budget>,
+    /// What it paid, given back if it never reaches the upstream.
+    pub paid: Option<Paid>,
     classified: Classified,
     /// The upstream's in-flight place, held until the response body is done.
     _permit: Option<tokio::sync::OwnedSemaphorePermit>,

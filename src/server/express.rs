@@ -99,7 +99,7 @@ pub async fn serve(
         let mut b = gw.begin(parts.method.clone(), &mut parts.headers);
         let closing = *stop.borrow();
         let admitted = gw.admit(&mut b, &mut parts, info).await;
-        let f = match admitted {
+        let mut f = match admitted {
             Admission::HandOff => {
                 let mut rest = BytesMut::from(&request_bytes[..]);
                 rest.extend_from_slice(&buf);
@@ -144,6 +144,7 @@ pub async fn serve(
         let (mut conn, (framing, status, reusable)) = match answered {
             Ok(r) => r,
             Err(failure) => {
+                gw.refund_undelivered(f.paid.take(), &failure).await;
                 let mut resp = crate::proxy::failure_answer(up, &failure).into_response();
                 gw.forward_headers(&f, resp.headers_mut());
                 answer(gw, &mut out, b, resp, closing, is_head);
