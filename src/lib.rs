@@ -7,7 +7,8 @@
 //! - [`server`]: accepts TCP/TLS connections, HTTP/1.1 and HTTP/2, drains on shutdown; its
 //!   express lane serves plain HTTP/1.1 requests without a body in the connection's own task.
 //! - [`gateway`]: one request's path: route → identity → plan → store check → 429 or forward.
-//! - [`sanitize`]: request heads refused before anything reads them (smuggling, unclean paths).
+//! - [`sanitize`]: request heads refused before anything reads them (smuggling, bad `Host`).
+//! - [`http1`]: the request target in canonical form, routed on and forwarded as routed.
 //! - [`rules`]: the rules file parsed, validated and compiled into an immutable `Snapshot`.
 //! - [`identity`]: API key (compared by SHA-256) and client IP (trusted proxies only).
 //! - [`limit`]: exact token-bucket math, clocks, request plans, decisions and their headers.
@@ -28,6 +29,7 @@ pub mod config;
 pub mod demo;
 pub mod fleet;
 pub mod gateway;
+pub mod http1;
 pub mod identity;
 pub mod limit;
 pub mod logsample;
