@@ -459,3 +459,52 @@ async fn a_spent_exports_bucket_holds_for_every_spelling_on_the_lane() {
 async fn a_spent_exports_bucket_holds_for_every_spelling_without_the_lane() {
     spent_exports_stay_spent(false).await;
 }
+
+/// On HTTP/2 the host is the `:authority`; a `Host` beside it must agree, and the refusal is
+/// the same JSON 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_authority_and_host_must_agree() {
+    use http_body_util::{BodyExt, Empty};
+    let (up, seen) = recording_upstream().await;
+    let (_dir, path) = common::rules_file(&rules(up));
+    let gw = Tollgate::spawn(&["serve", "--rules", path.to_str().unwrap()]);
+    let tcp = TcpStream::connect(gw.addr).await.unwrap();
+    let (mut h2, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    for (host, status, forwarded) in [
+        (None, 200, true),
+        (Some("GW.example"), 200, true),
+        (Some("other.example"), 400, false),
+        (Some("u@gw.example"), 400, false),
+    ] {
+        let mut req = http::Request::get("http://gw.example/v1//orders?q=%2F")
+            .header("x-api-key", K7)
+            .body(Empty::<bytes::Bytes>::new())
+            .unwrap();
+        if let Some(h) = host {
+            req.headers_mut().insert("host", h.parse().unwrap());
+        }
+        let before = seen.lock().unwrap().len();
+        let resp = h2.send_request(req).await.unwrap();
+        let got = resp.status().as_u16();
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(got, status, "Host {host:?}: {}", String::from_utf8_lossy(&body));
+        let lines: Vec<String> = seen.lock().unwrap()[before..].to_vec();
+        if forwarded {
+            assert_eq!(
+                lines,
+                vec!["GET /v1/orders?q=%2F HTTP/1.1".to_string()],
+                "Host {host:?}"
+            );
+        } else {
+            assert!(lines.is_empty(), "Host {host:?} reached the upstream: {lines:?}");
+            let v: serde_json::Value = serde_json::from_slice(&body).expect("a JSON refusal");
+            assert_eq!(v["error"], "bad_request", "Host {host:?}");
+        }
+    }
+}
