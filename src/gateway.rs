@@ -1,6 +1,7 @@
 //! The data path of one request: route, identity, plan, one store check, then 429 or forward;
 //! and what the operator sees of it (metrics, one access line, the request id).
 
+use std::borrow::Cow;
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Instant;
@@ -12,6 +13,7 @@ use hyper::body::Incoming;
 
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 
+use crate::http1::path::{EncodedSlashes, PathError, canonical, has_encoded_slash};
 use crate::identity::{self, KeySource, TrustedProxies};
 use crate::limit::decision::{Decision, decide};
 use crate::limit::plan;
@@ -294,8 +296,16 @@ impl Gateway {
         trace: &mut Trace,
     ) -> Response<Body> {
         let peer = identity::canonical(conn.peer.ip());
-        let c = match classify(snap, req.method(), req.uri(), req.headers(), peer, &self.trusted) {
-            Ok(c) => c,
+        let (mut parts, body) = req.into_parts();
+        let c = match classify(snap, &parts, peer, &self.trusted) {
+            Ok((c, path)) => {
+                if let Some(p) = path
+                    && let Err(r) = set_path(&mut parts.uri, p)
+                {
+                    return r.into_response();
+                }
+                c
+            }
             Err(Early::Refuse(r)) => return r.into_response(),
             Err(Early::Unauthorized { route, ip, why }) => {
                 trace.route = route;
@@ -309,18 +319,16 @@ impl Gateway {
         let key_idx = c.key.map(|k| k.0);
         trace.key_id = key_idx.map(|k| snap.keys[k].id.clone());
 
-        if let (Some(max), Some(len)) = (route.max_body_bytes, declared_length(req.headers()))
-            && len > max
-        {
+        let max = route.max_body_bytes;
+        if declared_length(&parts.headers).is_some_and(|len| len > max) {
             return Refusal::PayloadTooLarge { limit: max }.into_response();
         }
-        let (mut parts, body) = req.into_parts();
         // A limit keyed on a body field needs the body before the check: read a bounded prefix,
         // then send what was read.
         let (up_body, body_value) = match &route.body_field {
-            None => (Either::Left(LimitedBody::new(body, route.max_body_bytes)), None),
+            None => (Either::Left(LimitedBody::new(body, Some(max))), None),
             Some(field) => {
-                let cap = route.max_body_bytes.unwrap_or(MAX_FIELD_BODY).min(MAX_FIELD_BODY);
+                let cap = max.min(MAX_FIELD_BODY);
                 let bytes = match Box::pin(Limited::new(body, cap as usize).collect()).await {
                     Ok(b) => b.to_bytes(),
                     Err(e) if e.is::<LengthLimitError>() => {
@@ -451,14 +459,7 @@ impl Gateway {
         // Disjoint borrows of the request's state, not clones of its `Arc`s.
         let (snap, h, trace) = (&*b.snap, &*b.h, &mut b.trace);
         let peer = identity::canonical(conn.peer.ip());
-        let c = match classify(
-            snap,
-            &parts.method,
-            &parts.uri,
-            &parts.headers,
-            peer,
-            &self.trusted,
-        ) {
+        let (c, path) = match classify(snap, parts, peer, &self.trusted) {
             Ok(c) => c,
             Err(Early::Refuse(r)) => return Admission::Answer(r.into_response()),
             Err(Early::Unauthorized { route, ip, why }) => {
@@ -484,6 +485,11 @@ impl Gateway {
             Ok(p) => p,
             Err(answer) => return Admission::Answer(answer),
         };
+        if let Some(p) = path
+            && let Err(r) = set_path(&mut parts.uri, p)
+        {
+            return Admission::Answer(r.into_response());
+        }
         if let Err(r) = crate::proxy::retarget(upstream, parts) {
             return Admission::Answer(r.into_response());
         }
@@ -600,20 +606,49 @@ pub enum Early {
     },
 }
 
-/// Reads a request head against a snapshot: framing and path checks, the route, the client
-/// address and the key. Pure, so it can be fuzzed.
+/// Reads a request head against a snapshot: framing, method, host and path checks, the route,
+/// the client address and the key. Pure, so it can be fuzzed.
+///
+/// Routing is on the canonical path; when that differs from the client's spelling it comes
+/// back too, and the caller forwards it (see [`set_path`]), so the upstream serves exactly the
+/// path that was limited.
 pub fn classify(
     snap: &Snapshot,
-    method: &http::Method,
-    uri: &http::Uri,
-    headers: &http::HeaderMap,
+    parts: &http::request::Parts,
     peer: IpAddr,
     trusted: &TrustedProxies,
-) -> Result<Classified, Early> {
-    sanitize::check_head(uri, headers).map_err(|e| Early::Refuse(Refusal::BadRequest(e.to_string())))?;
-    let route = snap
-        .route(method, uri.path())
-        .ok_or(Early::Refuse(Refusal::NotFound))?;
+) -> Result<(Classified, Option<String>), Early> {
+    let bad = |e: &dyn std::fmt::Display| Early::Refuse(Refusal::BadRequest(e.to_string()));
+    let (method, headers) = (&parts.method, &parts.headers);
+    sanitize::check_head(headers).map_err(|e| bad(&e))?;
+    if *method == http::Method::CONNECT {
+        return Err(Early::Refuse(Refusal::MethodNotAllowed(
+            "CONNECT: the gateway is not a tunnel",
+        )));
+    }
+    if let Some(standard) = sanitize::miscased_method(method) {
+        return Err(bad(&format_args!(
+            "methods are case-sensitive: {:?} is not {standard}",
+            method.as_str()
+        )));
+    }
+    sanitize::check_host(parts.version, &parts.uri, headers).map_err(|e| bad(&e))?;
+    let path = canonical(parts.uri.path(), EncodedSlashes::Keep).map_err(|e| bad(&e))?;
+    let route = match snap.route(method, &path) {
+        Some(r) => r,
+        None if *method == http::Method::TRACE => {
+            return Err(Early::Refuse(Refusal::MethodNotAllowed(
+                "TRACE is served only by a route that names it",
+            )));
+        }
+        // Refused as it would be on a route that doesn't keep them, not a 404 that tells
+        // a prober nothing about why.
+        None if has_encoded_slash(&path) => return Err(bad(&PathError::EncodedSlash)),
+        None => return Err(Early::Refuse(Refusal::NotFound)),
+    };
+    if snap.routes[route].encoded_slashes == EncodedSlashes::Refuse && has_encoded_slash(&path) {
+        return Err(bad(&PathError::EncodedSlash));
+    }
     let ip = identity::client_ip(peer, headers, trusted);
     let key = match identity::credential(headers) {
         Err(e) => return Err(Early::Refuse(Refusal::BadRequest(e.to_string()))),
@@ -636,7 +671,29 @@ pub fn classify(
             why: "this route needs an API key (Authorization: Bearer or X-API-Key)",
         });
     }
-    Ok(Classified { route, key, peer, ip })
+    let rewritten = match path {
+        Cow::Owned(p) => Some(p),
+        Cow::Borrowed(_) => None,
+    };
+    Ok((Classified { route, key, peer, ip }, rewritten))
+}
+
+/// Puts a canonical path in place of the client's, keeping the query byte for byte.
+pub fn set_path(uri: &mut http::Uri, path: String) -> Result<(), Refusal> {
+    let mut pq = path;
+    // From the '?' on, as the client sent it, even an empty query.
+    if let Some(q) = uri
+        .path_and_query()
+        .and_then(|pq| pq.as_str().find('?').map(|i| &pq.as_str()[i..]))
+    {
+        pq.push_str(q);
+    }
+    let unforwardable =
+        |e: &dyn std::fmt::Display| Refusal::BadRequest(format!("request target can't be forwarded: {e}"));
+    let mut p = std::mem::take(uri).into_parts();
+    p.path_and_query = Some(http::uri::PathAndQuery::from_maybe_shared(pq).map_err(|e| unforwardable(&e))?);
+    *uri = http::Uri::from_parts(p).map_err(|e| unforwardable(&e))?;
+    Ok(())
 }
 
 fn declared_length(headers: &http::HeaderMap) -> Option<u64> {

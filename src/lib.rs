@@ -7,9 +7,10 @@
 //! - [`server`]: accepts TCP/TLS connections, HTTP/1.1 and HTTP/2, drains on shutdown; its
 //!   express lane serves plain HTTP/1.1 requests without a body in the connection's own task.
 //! - [`gateway`]: one request's path: route → identity → plan → store check → 429 or forward.
-//! - [`http1`]: the one reader of HTTP/1 framing (chunked bodies, upstream response heads,
-//!   `Connection` tokens, idempotent methods) for the watcher, the express lane and the proxy.
-//! - [`sanitize`]: request heads refused before anything reads them (smuggling, unclean paths).
+//! - [`http1`]: the one reader of HTTP/1 (canonical request paths, chunked bodies, upstream
+//!   response heads, `Connection` tokens, idempotent methods) for the watcher, the express lane
+//!   and the proxy.
+//! - [`sanitize`]: request heads refused before anything reads them (smuggling, bad `Host`).
 //! - [`rules`]: the rules file parsed, validated and compiled into an immutable `Snapshot`.
 //! - [`identity`]: API key (compared by SHA-256) and client IP (trusted proxies only).
 //! - [`limit`]: exact token-bucket math, clocks, request plans, decisions and their headers.

@@ -32,6 +32,8 @@ pub enum Refusal {
     BadRequest(String),
     #[error("{0}")]
     Unauthorized(&'static str),
+    #[error("{0}")]
+    MethodNotAllowed(&'static str),
     #[error("body over {limit} bytes")]
     PayloadTooLarge { limit: u64 },
     #[error("rate limited by {limit}")]
@@ -54,6 +56,7 @@ impl Refusal {
             Refusal::NotFound => StatusCode::NOT_FOUND,
             Refusal::BadRequest(_) => StatusCode::BAD_REQUEST,
             Refusal::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            Refusal::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Refusal::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Refusal::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             Refusal::LimiterUnavailable | Refusal::UpstreamOverloaded { .. } => {
@@ -73,6 +76,7 @@ impl Refusal {
             }
             Refusal::BadRequest(m) => json!({"error": "bad_request", "message": m}),
             Refusal::Unauthorized(m) => json!({"error": "unauthorized", "message": m}),
+            Refusal::MethodNotAllowed(m) => json!({"error": "method_not_allowed", "message": m}),
             Refusal::PayloadTooLarge { limit } => {
                 json!({"error": "payload_too_large", "max_body_bytes": limit})
             }

@@ -79,6 +79,26 @@ fn each_broken_file_fails_with_its_own_message() {
             "missing-upstream.json",
             "routes[0].upstream: no upstream named \"billing\"",
         ),
+        (
+            "route-path-not-canonical.json",
+            "routes[0].path: \"/v1/./exports\" is not in canonical form; write \"/v1/exports\"",
+        ),
+        (
+            "route-method-lowercase.json",
+            "routes[0].method: methods are case-sensitive: write \"POST\", not \"post\"",
+        ),
+        (
+            "route-method-connect.json",
+            "routes[0].method: CONNECT is refused with 405",
+        ),
+        (
+            "encoded-slashes-unknown.json",
+            "upstreams.orders.encoded_slashes: unknown variant `decode`",
+        ),
+        (
+            "paths-unknown.json",
+            "upstreams.orders.paths: unknown variant `insensitive`",
+        ),
     ];
     let mut seen = std::collections::HashSet::new();
     for (file, expected) in cases {

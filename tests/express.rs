@@ -347,7 +347,7 @@ async fn unusual_requests_on_the_lane_port_are_served_by_hyper() {
     // HTTP/1.0, Connection: close, h2c prior knowledge: each still answered.
     for req in [
         format!("GET /v1/fixed HTTP/1.0\r\nX-API-Key: {KBIG}\r\n\r\n"),
-        format!("GET /v1/fixed HTTP/1.1\r\nX-API-Key: {KBIG}\r\nConnection: close\r\n\r\n"),
+        format!("GET /v1/fixed HTTP/1.1\r\nHost: gw\r\nX-API-Key: {KBIG}\r\nConnection: close\r\n\r\n"),
     ] {
         let mut s = TcpStream::connect(gw.addr).await.unwrap();
         s.write_all(req.as_bytes()).await.unwrap();

@@ -136,7 +136,17 @@ async fn bad_certificate_files_are_named() {
 /// chunks. If the gateway buffered the body, its peak RSS would grow by about 100 MB.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_100_mb_body_streams_with_flat_memory() {
-    let gw = Tollgate::spawn(&["demo"]);
+    let upstream = common::start_demo_upstream().await;
+    // Bodies are capped at 1 MiB unless a route says otherwise; this one does.
+    let catch_all = r#""path": "/v1/", "upstream": "orders","#;
+    let rules = common::demo_rules_for(upstream);
+    assert!(rules.contains(catch_all), "the demo's catch-all route moved");
+    let rules = rules.replace(
+        catch_all,
+        &format!(r#"{catch_all} "max_body_bytes": {},"#, 200 << 20),
+    );
+    let (_dir, path) = common::rules_file(&rules);
+    let gw = Tollgate::spawn(&["serve", "--rules", path.to_str().unwrap()]);
     const CHUNK: usize = 64 * 1024;
     const TOTAL: usize = 100 * 1024 * 1024;
     let chunk = Bytes::from(vec![b'x'; CHUNK]);

@@ -1,8 +1,10 @@
 //! The gateway's one HTTP/1 vocabulary, shared by the framing watcher, the express lane and the
-//! proxy: chunked bodies, upstream response heads, `Connection` tokens and which methods may be
-//! sent twice. Anything that reads HTTP/1 bytes itself reads them with these.
+//! proxy: request targets in canonical form, chunked bodies, upstream response heads,
+//! `Connection` tokens and which methods may be sent twice. Anything that reads HTTP/1 bytes
+//! itself reads them with these.
 
 pub mod chunked;
+pub mod path;
 pub mod response;
 
 use http::header::{self, HeaderName};

@@ -15,11 +15,12 @@ use std::time::{Duration, SystemTime};
 use http::{HeaderName, HeaderValue, Method, uri::Authority};
 use sha2::{Digest, Sha256};
 
+use crate::http1::path::{self, EncodedSlashes};
 use crate::limit::bucket::{BucketParams, Rate};
 use crate::limit::headers::policy_value;
 use crate::store::{FailurePolicy, fingerprint};
 pub use raw::{KeyRequirement, LimitClass, Mode};
-use raw::{RawBlock, RawDimension, RawDimensionName, RawNumbers, RawRules};
+use raw::{RawBlock, RawDimension, RawDimensionName, RawEncodedSlashes, RawNumbers, RawPathMatch, RawRules};
 
 /// A rules file that can't be used, with where and why.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -40,6 +41,9 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 /// The default wait for a place under an upstream's `max_in_flight`.
 pub const DEFAULT_QUEUE_TIMEOUT: Duration = Duration::from_millis(50);
+/// A route's largest request body when its rules don't say: an upstream behind a gateway should
+/// not have to guard its own memory against one client's body.
+pub const DEFAULT_MAX_BODY_BYTES: u64 = 1 << 20;
 
 #[derive(Debug)]
 pub struct Upstream {
@@ -57,6 +61,10 @@ pub struct Upstream {
     pub host_header: HeaderValue,
     /// Its keep-alive connections, shared with the next snapshot when the address is the same.
     pub pool: Arc<crate::proxy::pool::ConnPool>,
+    /// What its routes do with `%2F` and `%5C` unless they say otherwise.
+    pub encoded_slashes: EncodedSlashes,
+    /// Whether routes to it match paths ignoring ASCII case.
+    pub case_insensitive: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -166,18 +174,38 @@ pub struct Route {
     pub key: KeyRequirement,
     /// (limit index, cost), in limit order.
     pub costs: Vec<(u16, u64)>,
-    pub max_body_bytes: Option<u64>,
+    pub max_body_bytes: u64,
     /// The JSON body field a limit of this route is keyed on, if any.
     pub body_field: Option<String>,
+    /// Whether its paths may hold `%2F` and `%5C` (kept encoded).
+    pub encoded_slashes: EncodedSlashes,
+    /// Its upstream's `"paths": "case-insensitive"`.
+    pub case_insensitive: bool,
 }
 
 impl Route {
-    /// Whether `path` is under this route's prefix, on segment boundaries.
+    /// Whether `path` (canonical) is under this route's prefix, on segment boundaries.
     pub fn matches_path(&self, path: &str) -> bool {
-        let Some(rest) = path.strip_prefix(self.prefix.as_str()) else {
+        let p = self.prefix.as_bytes();
+        let Some(head) = path.as_bytes().get(..p.len()) else {
             return false;
         };
-        rest.is_empty() || self.prefix.ends_with('/') || rest.starts_with('/')
+        let same = if self.case_insensitive {
+            head.eq_ignore_ascii_case(p)
+        } else {
+            head == p
+        };
+        let rest = &path.as_bytes()[p.len()..];
+        same && (rest.is_empty() || p.ends_with(b"/") || rest.starts_with(b"/"))
+    }
+
+    /// Whether a request of this method may take this route. TRACE echoes a request back,
+    /// credentials and all, so only a route that names it takes it; `*` does not.
+    pub fn matches_method(&self, method: &Method) -> bool {
+        match &self.method {
+            Some(m) => m == method,
+            None => method != Method::TRACE,
+        }
     }
 }
 
@@ -219,11 +247,11 @@ impl Snapshot {
         }
     }
 
-    /// The route for a method and path: the longest matching prefix.
+    /// The route for a method and a canonical path: the longest matching prefix.
     pub fn route(&self, method: &Method, path: &str) -> Option<usize> {
         self.routes
             .iter()
-            .position(|r| r.method.as_ref().is_none_or(|m| m == method) && r.matches_path(path))
+            .position(|r| r.matches_method(method) && r.matches_path(path))
     }
 
     /// The key whose secret hashes to `digest`.
@@ -442,6 +470,8 @@ impl Compiler<'_> {
                     .max_in_flight
                     .map(|n| Arc::new(tokio::sync::Semaphore::new(n as usize))),
                 host_header,
+                encoded_slashes: slashes(u.encoded_slashes).unwrap_or_default(),
+                case_insensitive: u.paths == RawPathMatch::CaseInsensitive,
             });
         }
 
@@ -646,18 +676,25 @@ impl Compiler<'_> {
             let method = if r.method == "*" {
                 None
             } else {
-                Some(Method::from_bytes(r.method.as_bytes()).map_err(|_| {
-                    self.err(
-                        format!("{field}.method"),
-                        format!("{:?} is not an HTTP method (or \"*\")", r.method),
-                    )
-                })?)
+                Some(self.route_method(&field, &r.method)?)
             };
             if !r.path.starts_with('/') {
                 return Err(self.err(
                     format!("{field}.path"),
                     format!("{:?} must start with '/'", r.path),
                 ));
+            }
+            // Requests are routed on canonical paths, so a prefix spelled any other way would
+            // never match.
+            match path::canonical(&r.path, EncodedSlashes::Keep) {
+                Ok(c) if c == r.path => {}
+                Ok(c) => {
+                    return Err(self.err(
+                        format!("{field}.path"),
+                        format!("{:?} is not in canonical form; write {c:?}", r.path),
+                    ));
+                }
+                Err(e) => return Err(self.err(format!("{field}.path"), format!("{:?}: {e}", r.path))),
             }
             let Some(&upstream) = upstream_index.get(&r.upstream) else {
                 return Err(self.err(
@@ -737,6 +774,7 @@ impl Compiler<'_> {
                 ));
             }
             let body_field = body_fields.first().map(|f| f.to_string());
+            let up = &upstreams[upstream];
             routes.push(Route {
                 name: name.into(),
                 body_field,
@@ -745,7 +783,9 @@ impl Compiler<'_> {
                 upstream,
                 key: r.key,
                 costs,
-                max_body_bytes: r.max_body_bytes,
+                max_body_bytes: r.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES),
+                encoded_slashes: slashes(r.encoded_slashes).unwrap_or(up.encoded_slashes),
+                case_insensitive: up.case_insensitive,
             });
         }
         // Longest prefix first; a route with a method before the catch-all of the same prefix.
@@ -803,6 +843,30 @@ impl Compiler<'_> {
             routes,
             unauthenticated,
         })
+    }
+
+    /// A route's method: a token the way clients must send it. A lower-case `post` would match
+    /// no request (those are refused), and CONNECT is never routed.
+    fn route_method(&self, field: &str, text: &str) -> Result<Method, RulesError> {
+        let m = Method::from_bytes(text.as_bytes()).map_err(|_| {
+            self.err(
+                format!("{field}.method"),
+                format!("{text:?} is not an HTTP method (or \"*\")"),
+            )
+        })?;
+        if m == Method::CONNECT {
+            return Err(self.err(
+                format!("{field}.method"),
+                "CONNECT is refused with 405: the gateway is not a tunnel",
+            ));
+        }
+        if let Some(standard) = crate::sanitize::miscased_method(&m) {
+            return Err(self.err(
+                format!("{field}.method"),
+                format!("methods are case-sensitive: write {standard:?}, not {text:?}"),
+            ));
+        }
+        Ok(m)
     }
 
     /// Leasing pays only for hot capacity limits: at least 500 tokens a second. A fixed block
@@ -891,6 +955,13 @@ impl Compiler<'_> {
         }
         Ok(())
     }
+}
+
+fn slashes(raw: Option<RawEncodedSlashes>) -> Option<EncodedSlashes> {
+    raw.map(|s| match s {
+        RawEncodedSlashes::Refuse => EncodedSlashes::Refuse,
+        RawEncodedSlashes::Keep => EncodedSlashes::Keep,
+    })
 }
 
 /// A key's own numbers as written, per limit: keys of one tenant must agree on them.

@@ -40,6 +40,31 @@ pub struct RawUpstream {
     /// upstream's own keep-alive timeout.
     #[serde(default)]
     pub idle_timeout_ms: Option<u64>,
+    /// `%2F` and `%5C` in paths of routes to this upstream (a route may say otherwise).
+    #[serde(default)]
+    pub encoded_slashes: Option<RawEncodedSlashes>,
+    /// Whether routes to this upstream match paths ignoring ASCII case.
+    #[serde(default)]
+    pub paths: RawPathMatch,
+}
+
+#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum RawEncodedSlashes {
+    /// A 400, so an upstream can't decode them into separators the gateway didn't route on.
+    Refuse,
+    /// Kept encoded, as data inside one segment.
+    Keep,
+}
+
+#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum RawPathMatch {
+    #[default]
+    Exact,
+    /// For upstreams that serve `/V1/Exports` as `/v1/exports`, so limits can't be dodged by
+    /// case; the upstream still gets the client's spelling.
+    CaseInsensitive,
 }
 
 #[derive(Debug, Deserialize, Clone, PartialEq, Eq)]
@@ -180,9 +205,12 @@ pub struct RawRoute {
     /// Tokens this route costs in each limit.
     #[serde(default)]
     pub cost: BTreeMap<String, u64>,
-    /// Largest request body accepted, in bytes.
+    /// Largest request body accepted, in bytes; 1 MiB when not set.
     #[serde(default)]
     pub max_body_bytes: Option<u64>,
+    /// `%2F` and `%5C` in this route's paths; the upstream's setting when not set.
+    #[serde(default)]
+    pub encoded_slashes: Option<RawEncodedSlashes>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -227,7 +227,7 @@ pub fn classify(data: &[u8]) {
     let trusted = &TRUSTED[head.trusted as usize % TRUSTED.len()];
 
     // The pieces on their own, then together as the gateway calls them.
-    let _ = tollgate::sanitize::check_head(&uri, &headers);
+    let _ = tollgate::sanitize::check_head(&headers);
     let _ = identity::credential(&headers);
     let ip = identity::client_ip(peer, &headers, trusted);
     let canonical = identity::canonical(peer);
@@ -235,12 +235,20 @@ pub fn classify(data: &[u8]) {
         assert_eq!(ip, canonical, "X-Forwarded-For believed from an untrusted peer");
     }
 
-    match gateway::classify(snap, &method, &uri, &headers, peer, trusted) {
-        Ok(c) => {
+    let (mut parts, ()) = http::Request::new(()).into_parts();
+    parts.method = method;
+    parts.uri = uri;
+    parts.headers = headers;
+    // HTTP/1.0, where Host is optional: most inputs don't send one, and should still reach
+    // the route, the key and the limiter.
+    parts.version = http::Version::HTTP_10;
+    let headers = &parts.headers;
+    match gateway::classify(snap, &parts, peer, trusted) {
+        Ok((c, _)) => {
             assert_eq!(c.ip, ip);
             let route = &snap.routes[c.route];
             let key = c.key.map(|k| k.0);
-            if let Ok(batch) = plan::build(snap, route, key, c.ip, &headers, head.body_value.as_deref()) {
+            if let Ok(batch) = plan::build(snap, route, key, c.ip, headers, head.body_value.as_deref()) {
                 check(snap, &batch, key, &head);
             }
         }
