@@ -349,6 +349,7 @@ async fn slowloris_is_cut_off_at_the_header_timeout() {
         .unwrap();
     let mut closed_at = None;
     let mut buf = [0u8; 1024];
+    let mut answer = Vec::new();
     for _ in 0..100 {
         // One more header byte every 100 ms: never finishing the head.
         if c.write_all(b"X").await.is_err() {
@@ -360,14 +361,17 @@ async fn slowloris_is_cut_off_at_the_header_timeout() {
                 closed_at = Some(started.elapsed());
                 break;
             }
-            Ok(Ok(_)) => {
-                // A 408 before closing is fine too; wait for the close.
-            }
+            Ok(Ok(n)) => answer.extend_from_slice(&buf[..n]),
             Err(_) => {}
         }
     }
     let at = closed_at.expect("the gateway kept a trickling connection open for 10 s");
     assert!(at < Duration::from_secs(4), "closed only after {at:?}");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.starts_with("HTTP/1.1 408 ") && answer.contains("request_timeout"),
+        "no 408 before the close: {answer:?}"
+    );
     assert_eq!(s.up.count(), 0);
 }
 
@@ -565,4 +569,36 @@ async fn tls_offers_h2_and_refuses_old_versions() {
         assert_eq!(String::from_utf8_lossy(&out.stdout), "0 000");
     }
     assert_eq!(up.count(), 6);
+}
+
+#[tokio::test]
+async fn a_stalled_or_malformed_request_body_is_the_clients_fault_not_the_upstreams() {
+    let s = setup(&["--body-timeout", "500ms", "--no-express"]).await;
+    // Ten bytes of a hundred, then nothing.
+    let mut c = TcpStream::connect(s.gw.addr).await.unwrap();
+    c.write_all(b"POST /v1/uploads HTTP/1.1\r\nHost: x\r\nX-API-Key: k8-demo-key\r\nContent-Length: 100\r\n\r\n0123456789")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 1024];
+    let started = Instant::now();
+    while !String::from_utf8_lossy(&answer).contains("\r\n\r\n") && started.elapsed() < Duration::from_secs(5)
+    {
+        match tokio::time::timeout(Duration::from_secs(5), c.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => answer.extend_from_slice(&buf[..n]),
+            _ => break,
+        }
+    }
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 408 "), "a stalled body: {answer:?}");
+
+    // A chunked body whose framing breaks: 400, not a 502 that blames the upstream.
+    let (status, body) = raw(
+        s.gw.addr,
+        b"POST /v1/uploads HTTP/1.1\r\nHost: x\r\nX-API-Key: k8-demo-key\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\nZZ\r\n",
+    )
+    .await;
+    assert_eq!(status, 400, "a malformed chunked body: {body}");
+    assert!(body.contains("bad_request"), "{body}");
+    s.assert_logs_clean();
 }

@@ -105,13 +105,19 @@ pub fn header_line(out: &mut BytesMut, name: &[u8], value: &[u8]) {
 
 /// Sends a request head (and body) upstream and reads the final response head, which
 /// `on_head` sees judged. Returns the connection, positioned at the response body, and what
-/// `on_head` made. The caller bounds the whole by the upstream's timeout.
+/// `on_head` made.
+///
+/// `timeout` bounds each wait on the upstream: a write it doesn't take, and its answer after
+/// the request is sent. A client's slow body is its own timeout's business, not the
+/// upstream's. `None` when the caller bounds the whole (a request without a body).
+#[allow(clippy::too_many_arguments)]
 pub async fn exchange<B, R>(
     pool: &ConnPool,
     head: &[u8],
     mut body: Option<Outgoing<'_, B>>,
     idempotent: bool,
     is_head: bool,
+    timeout: Option<Duration>,
     mut on_head: impl FnMut(&Head<'_>) -> R,
 ) -> Result<(RawConn, R), Failure>
 where
@@ -132,7 +138,7 @@ where
                 (c, true)
             }
         };
-        if let Err(e) = conn.tcp.write_all(head).await {
+        if let Err(e) = bounded(timeout, conn.tcp.write_all(head)).await? {
             if !fresh {
                 // A kept connection the upstream closed just now: nothing left.
                 continue;
@@ -145,9 +151,9 @@ where
         if let Some(out) = body.as_mut()
             && !out.body.is_end_stream()
         {
-            send_body(&mut conn, out).await?;
+            send_body(&mut conn, out, timeout).await?;
         }
-        match read_head(&mut conn, is_head, &mut on_head).await {
+        match bounded(timeout, read_head(&mut conn, is_head, &mut on_head)).await? {
             Ok(r) => return Ok((conn, r)),
             Err(HeadFailure::ClosedBeforeAnswer(why)) => {
                 if !fresh && !retried && replayable && idempotent {
@@ -167,7 +173,11 @@ where
 
 /// Streams the client's body upstream. A client that stops sending for the body timeout gets
 /// 408; a body that fails gets its own answer (413, 400), never a 502 blaming the upstream.
-async fn send_body<B>(conn: &mut RawConn, out: &mut Outgoing<'_, B>) -> Result<(), Failure>
+async fn send_body<B>(
+    conn: &mut RawConn,
+    out: &mut Outgoing<'_, B>,
+    timeout: Option<Duration>,
+) -> Result<(), Failure>
 where
     B: Body<Data = Bytes> + Unpin,
     B::Error: Into<BoxError>,
@@ -187,19 +197,19 @@ where
         if data.is_empty() {
             continue;
         }
-        let written = if out.chunked {
-            frame_head.clear();
-            frame_head.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
-            match conn.tcp.write_all(&frame_head).await {
-                Ok(()) => match conn.tcp.write_all(&data).await {
-                    Ok(()) => conn.tcp.write_all(b"\r\n").await,
-                    Err(e) => Err(e),
-                },
-                Err(e) => Err(e),
+        let tcp = &mut conn.tcp;
+        let written = bounded(timeout, async {
+            if out.chunked {
+                frame_head.clear();
+                frame_head.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
+                tcp.write_all(&frame_head).await?;
+                tcp.write_all(&data).await?;
+                tcp.write_all(b"\r\n").await
+            } else {
+                tcp.write_all(&data).await
             }
-        } else {
-            conn.tcp.write_all(&data).await
-        };
+        })
+        .await?;
         if let Err(e) = written {
             // The upstream stopped reading; it may still have answered (413, 400 …): the head
             // read that follows finds out.
@@ -207,10 +217,19 @@ where
             return Ok(());
         }
     }
-    if out.chunked && conn.tcp.write_all(b"0\r\n\r\n").await.is_err() {
-        return Ok(());
+    if out.chunked {
+        // A failure here shows in the head read that follows.
+        let _ = bounded(timeout, conn.tcp.write_all(b"0\r\n\r\n")).await?;
     }
     Ok(())
+}
+
+/// `f`, given up on after `timeout` when there is one.
+async fn bounded<F: std::future::Future>(timeout: Option<Duration>, f: F) -> Result<F::Output, Failure> {
+    match timeout {
+        None => Ok(f.await),
+        Some(t) => tokio::time::timeout(t, f).await.map_err(|_| Failure::TimedOut),
+    }
 }
 
 enum HeadFailure {

@@ -83,8 +83,8 @@ impl Proxy {
 
     /// Sends a request to `up` (its head already retargeted) and returns the response with
     /// the upstream's body streaming behind it. The bodies stream both ways; nothing is
-    /// buffered whole. The whole exchange, up to the response head, is bounded by the
-    /// upstream's timeout.
+    /// buffered whole. Every wait on the upstream is bounded by its timeout, every wait on the
+    /// client's body by `body_timeout`.
     pub async fn forward(
         &self,
         up: &Upstream,
@@ -105,22 +105,16 @@ impl Proxy {
             chunked,
             timeout: body_timeout,
         });
-        let exchanged = tokio::time::timeout(
-            up.timeout,
-            client::exchange(
-                &up.pool,
-                &head,
-                outgoing,
-                crate::http1::idempotent(&parts.method),
-                is_head,
-                |h| response_parts(h, is_head),
-            ),
+        let (conn, (resp, framing, reusable)) = client::exchange(
+            &up.pool,
+            &head,
+            outgoing,
+            crate::http1::idempotent(&parts.method),
+            is_head,
+            Some(up.timeout),
+            |h| response_parts(h, is_head),
         )
-        .await;
-        let (conn, (resp, framing, reusable)) = match exchanged {
-            Err(_) => return Err(client::Failure::TimedOut),
-            Ok(r) => r?,
-        };
+        .await?;
         let resp = resp.ok_or(client::Failure::Unforwardable(
             crate::http1::response::Unforwardable("a header hyper can't hold"),
         ))?;

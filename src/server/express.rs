@@ -82,7 +82,13 @@ pub async fn serve(
                 },
                 () = head_deadline.passed() => {
                     if !buf.is_empty() {
+                        // A head was started and not finished: say so before closing (RFC 9110
+                        // §15.5.9), so the client doesn't take the close for a lost response.
                         tracing::debug!(peer = %info.peer, "request head not finished in time");
+                        out.clear();
+                        let resp = crate::respond::Refusal::RequestTimeout.into_response();
+                        render_answer(&mut out, resp, &HeaderValue::from_static("-"), true, false);
+                        let _ = tcp.write_all(&out).await;
                     }
                     return Ended::Closed;
                 }
@@ -136,6 +142,7 @@ pub async fn serve(
                 None,
                 crate::http1::idempotent(&parts.method),
                 is_head,
+                None,
                 |h| render_response(h, &extra, closing, &mut out),
             ) => r,
             () = upstream_deadline.passed() => Err(Failure::TimedOut),
