@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs every test. Installs redis-server (and the other servers the tests start) with apt-get
+# Checks formatting and lints, then runs every test. Installs redis-server (and the other servers the tests start) with apt-get
 # when missing, then runs cargo test. The tests start and stop their own servers on free ports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,4 +15,7 @@ if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
+# The house rules first: formatting and lints fail the run before any test does.
+cargo fmt --all -- --check
+cargo clippy --all-targets -- -D warnings
 cargo test --all-targets "$@"
