@@ -39,8 +39,9 @@ pub enum Command {
     },
     /// Replay a trace through the gateway's limiter code on a virtual clock (offline what-if).
     Replay(crate::replay::ReplayArgs),
-    /// Start redis-server, the demo upstream and N gateways, run the spec's storm on each
-    /// design (central, local, shares) or replay F, report side by side, stop everything.
+    /// Start redis-server, the demo upstream and N gateways, drive a retry storm through each
+    /// design (one shared bucket, a bucket per gateway, shares) or a store outage, report them
+    /// side by side, and stop everything.
     Fleet(crate::fleet::FleetArgs),
 }
 
@@ -58,7 +59,7 @@ pub enum ClockSource {
     #[default]
     Store,
     /// The calling gateway's clock, passed to the script: clock skew between gateways refills
-    /// buckets early (the spec's side row S).
+    /// buckets early, by as much as the clocks disagree (README "`--clock gateway`").
     Gateway,
 }
 

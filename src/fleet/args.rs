@@ -11,9 +11,9 @@ use crate::config::parse_duration;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
-    /// Every gateway on the one Redis (the spec's L4).
+    /// Every gateway on the one Redis (one limit for the fleet).
     Central,
-    /// Every gateway on its own embedded store with the full limit (the spec's L0).
+    /// Every gateway on its own embedded store with the full limit (each gateway admits the whole limit).
     Local,
     /// Every gateway on its own embedded store with rate r/N and burst max(1, b/N).
     Shares,
@@ -29,7 +29,7 @@ impl Mode {
     }
 }
 
-/// A failure policy for replay F, set on every capacity limit of the rules.
+/// A failure policy for the outage run, set on every capacity limit of the rules.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Policy {
@@ -51,14 +51,14 @@ impl Policy {
 #[derive(Debug, Args)]
 #[command(after_help = "\
 Starts one redis-server (unless --redis-url), the demo upstream and N `tollgate serve` processes
-on free loopback ports, runs the spec's storm on k7-demo-key round-robin over the gateways with
+on free loopback ports, drives a retry storm (40 clients resending at once) on k7-demo-key round-robin over the gateways with
 the other partners' normal traffic beside it, prints the report, and stops everything it started.
 
 Examples:
   tollgate fleet                                  # central, local, shares; 120 s each
   tollgate fleet --quick --json                   # 20 s each, JSON (what the tests run)
   tollgate fleet --modes central --flood --duration 20s   # the harness's own ceiling
-  tollgate fleet --outage 12s                     # replay F: store stopped mid-storm, open/closed/local
+  tollgate fleet --outage 12s                     # the store stopped mid-storm: open/closed/local
 
 Each storm worker sends its next request when the answer comes, padded to --pad (100 ms), so 40
 workers offer 400/s. The report says so when the machine could not reach that rate.")]
@@ -66,7 +66,7 @@ pub struct FleetArgs {
     /// Gateways to start (each `tollgate serve --threads 1 --fleet-size N`).
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=200))]
     pub gateways: u32,
-    /// Storm length per mode: 120s is the spec's two minutes.
+    /// Storm length per mode.
     #[arg(long, default_value = "120s", value_parser = parse_duration, conflicts_with = "quick")]
     pub duration: Duration,
     /// 20 s per mode instead of --duration (the tests' quick run).
@@ -92,7 +92,7 @@ pub struct FleetArgs {
         default_value = "central,local,shares"
     )]
     pub modes: Vec<Mode>,
-    /// Replay F: stop the store (SIGSTOP) this long at the storm's midpoint, once per --policies.
+    /// A store outage: stop the store (SIGSTOP) this long at the storm's midpoint, once per --policies.
     #[arg(long, value_parser = parse_duration)]
     pub outage: Option<Duration>,
     /// Failure policies to run with --outage, set on every capacity limit.
@@ -144,7 +144,7 @@ pub struct FleetArgs {
     pub json: bool,
 }
 
-/// One run: a mode, and for replay F the failure policy.
+/// One run: a mode, and for the outage run the failure policy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RunSpec {
     pub mode: Mode,

@@ -19,7 +19,7 @@ use crate::rules::{self, CompileOptions};
 pub enum Generated {
     /// FreshBox's storm on k-7: 48,615 rows from 08:59:00 to 09:02:59.8.
     Storm,
-    /// Replay H: k-big at 100,000 a second for one minute from 09:10:00 (6,000,000 rows).
+    /// A hot key: k-big at 100,000 a second for one minute from 09:10:00 (6,000,000 rows).
     Hot,
 }
 
@@ -59,7 +59,7 @@ pub struct ReplayArgs {
     /// How the limit counts.
     #[arg(long, value_enum, default_value_t)]
     pub algorithm: Algorithm,
-    /// Gateways in the fleet, N (the spec's fleet has 20).
+    /// Gateways in the fleet, N.
     #[arg(long, default_value_t = 20)]
     pub gateways: u64,
     /// Seed for the lease design's 0–50 ms jitter.

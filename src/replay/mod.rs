@@ -13,7 +13,7 @@
 //!
 //! Nothing here reads a clock: each row's time is the only `now`. Designs: `central` is one
 //! bucket per key for the fleet (one store call per request); `local` gives every gateway its
-//! own full bucket (the spec's L0); `shares` gives each gateway rate r/N and burst
+//! own full bucket; `shares` gives each gateway rate r/N and burst
 //! max(1, ⌊b/N⌋); `lease` leases whole blocks from one store bucket.
 
 pub mod algorithms;
@@ -45,7 +45,7 @@ pub enum Design {
     /// One bucket per key for the whole fleet, in the shared store.
     #[default]
     Central,
-    /// Each gateway its own bucket with the full rate and burst (the spec's L0).
+    /// Each gateway its own bucket with the full rate and burst: N times the limit in all.
     Local,
     /// Each gateway rate r/N and burst max(1, b/N).
     Shares,
