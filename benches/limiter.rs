@@ -13,7 +13,7 @@ use tollgate::limit::bucket::{BucketParams, BucketState, BucketVerdict, Charge, 
 use tollgate::limit::clock::{Clock, ManualClock};
 use tollgate::limit::decision::decide;
 use tollgate::limit::headers::{policy_value, state_value};
-use tollgate::limit::plan;
+use tollgate::rules::plan;
 use tollgate::rules::{CompileOptions, compile};
 use tollgate::store::memory::MemoryStore;
 use tollgate::store::{CheckItem, FailurePolicy};

@@ -12,7 +12,7 @@
 # keep-alive for every case. Cases run in alternating order for ROUNDS rounds and the medians
 # are reported, with CPU time per request of the proxy process.
 #
-# Usage: benches/proxy.sh [ROUNDS=5] [DURATION_S=8] [CONNECTIONS=32]
+# Usage: [TOLLGATE_BIN=path] benches/proxy.sh [ROUNDS=5] [DURATION_S=8] [CONNECTIONS=32]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${1:-5}
@@ -23,8 +23,13 @@ KEY=bench-demo-key
 for bin in nginx wrk redis-server taskset python3; do
   command -v "$bin" >/dev/null || { echo "proxy.sh needs $bin (apt-get install nginx wrk redis-server util-linux)" >&2; exit 1; }
 done
-cargo build --release --bin tollgate >&2
-TG=target/release/tollgate
+# TOLLGATE_BIN measures a binary built elsewhere (another commit, say) instead of this tree's.
+if [ -n "${TOLLGATE_BIN:-}" ]; then
+  TG=$TOLLGATE_BIN
+else
+  cargo build --release --bin tollgate >&2
+  TG=target/release/tollgate
+fi
 
 work=$(mktemp -d)
 pids=()

@@ -88,23 +88,27 @@ pub enum StartError {
 
 /// Closes kept upstream connections that expired or that their upstream closed, once a second,
 /// so none lingers half-closed while no request comes to take it.
-async fn sweep_upstreams(
-    rules: Arc<ArcSwap<Snapshot>>,
-    stop: impl std::future::Future<Output = ()>,
-) -> usize {
+async fn sweep_upstreams(gateway: Arc<Gateway>, stop: impl std::future::Future<Output = ()>) -> usize {
     tokio::pin!(stop);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             () = &mut stop => return 0,
-            _ = tick.tick() => {
-                for u in &rules.load().upstreams {
-                    u.pool.sweep();
-                }
-            }
+            _ = tick.tick() => gateway.sweep_upstreams(),
         }
     }
+}
+
+/// The running rules' limit names, for the store guard's metrics.
+pub fn limit_names(rules: Arc<ArcSwap<Snapshot>>) -> crate::store::guard::LimitNames {
+    Arc::new(move |li| {
+        rules
+            .load()
+            .limits
+            .get(li as usize)
+            .map_or_else(|| Arc::from("?"), |l| l.name.clone())
+    })
 }
 
 /// A gateway that is serving.
@@ -271,7 +275,7 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
             cfg.store_timeout,
             fleet,
             cfg.clock.clone(),
-            rules.clone(),
+            limit_names(rules.clone()),
             metrics.clone(),
         ));
         g.spawn_heartbeat(format!("{:032x}", rand::random::<u128>()));
@@ -306,10 +310,10 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
     };
 
     let mut gateway = Gateway::new(rules.clone(), store.clone(), cfg.trusted.clone(), metrics.clone());
-    gateway.body_timeout = cfg.limits.body_read_timeout;
+    gateway.proxy.body_timeout = cfg.limits.body_read_timeout;
     let gateway = Arc::new(gateway);
     tasks.push(tokio::spawn(sweep_upstreams(
-        rules.clone(),
+        gateway.clone(),
         stopped(stop_rx.clone()),
     )));
     tasks.push(tokio::spawn(server::run(

@@ -5,45 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
-
-#[derive(Debug, Parser)]
-#[command(
-    name = "tollgate",
-    version,
-    about = "An HTTP gateway that enforces API rate limits as one fleet"
-)]
-pub struct Cli {
-    #[command(subcommand)]
-    pub command: Command,
-}
-
-#[derive(Debug, Subcommand)]
-pub enum Command {
-    /// Run the gateway.
-    Serve(ServeArgs),
-    /// Run the gateway with the demo rules and a built-in demo upstream.
-    Demo(DemoArgs),
-    /// Validate a rules file and print a summary; exits non-zero with the error otherwise.
-    CheckRules {
-        /// The rules file.
-        file: PathBuf,
-        /// Validate for Redis Cluster too (every request's buckets in one hash slot).
-        #[arg(long)]
-        cluster: bool,
-    },
-    /// Run only the built-in demo upstream ("orders").
-    DemoUpstream {
-        #[arg(long, env = "TOLLGATE_LISTEN", default_value = "127.0.0.1:8081")]
-        listen: SocketAddr,
-    },
-    /// Replay a trace through the gateway's limiter code on a virtual clock (offline what-if).
-    Replay(crate::replay::ReplayArgs),
-    /// Start redis-server, the demo upstream and N gateways, drive a retry storm through each
-    /// design (one shared bucket, a bucket per gateway, shares) or a store outage, report them
-    /// side by side, and stop everything.
-    Fleet(crate::fleet::FleetArgs),
-}
+use clap::{Args, ValueEnum};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
 pub enum LogFormat {

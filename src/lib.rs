@@ -1,19 +1,22 @@
 //! Tollgate: an HTTP reverse-proxy gateway that enforces per-key, per-route and per-IP
 //! token-bucket limits in one all-or-nothing check, alone or as a fleet sharing Redis.
 //!
-//! Modules in data-path order:
-//! - [`config`]: the command line and environment, validated.
+//! Modules in data-path order (their layers, and where a change goes: `src/ARCHITECTURE.md`):
+//! - [`config`]: the `serve` flags and environment, validated.
 //! - [`app`]: assembles rules, store and listeners into a running gateway.
-//! - [`server`]: accepts TCP/TLS connections, HTTP/1.1 and HTTP/2, drains on shutdown; its
-//!   express lane serves plain HTTP/1.1 requests without a body in the connection's own task.
-//! - [`gateway`]: one request's path: route → identity → plan → store check → 429 or forward.
+//! - [`server`]: accepts TCP/TLS connections, HTTP/1.1 and HTTP/2, drains on shutdown; a
+//!   handler may serve plain HTTP/1.1 connections itself first.
+//! - [`gateway`]: one request's path: route → identity → plan → store check → 429 or forward;
+//!   its express lane serves plain HTTP/1.1 requests without a body in the connection's task.
 //! - [`http1`]: the one reader of HTTP/1 (canonical request paths, chunked bodies, upstream
 //!   response heads, `Connection` tokens, idempotent methods) for the watcher, the express lane
 //!   and the proxy.
 //! - [`sanitize`]: request heads refused before anything reads them (smuggling, bad `Host`).
-//! - [`rules`]: the rules file parsed, validated and compiled into an immutable `Snapshot`.
+//! - [`rules`]: the rules file parsed, validated and compiled into an immutable `Snapshot`, and
+//!   a request's buckets (`rules::plan`).
 //! - [`identity`]: API key (compared by SHA-256) and client IP (trusted proxies only).
-//! - [`limit`]: exact token-bucket math, clocks, request plans, decisions and their headers.
+//! - [`limit`]: exact token-bucket math, clocks, a check's items and outcome, decisions and
+//!   their headers.
 //! - [`store`]: the `Store` trait (check, and refund of an undelivered request), the embedded
 //!   `MemoryStore`, the shared `RedisStore`, its guard, and `Leases` (hot keys spent from leased
 //!   blocks in memory).

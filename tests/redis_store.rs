@@ -10,7 +10,7 @@ use common::{Http, K7, K8, RedisServer, Tollgate};
 use http::{Method, StatusCode};
 use tollgate::config::StoreUrl;
 use tollgate::limit::bucket::{BucketParams, Charge, Rate};
-use tollgate::limit::plan;
+use tollgate::rules::plan;
 use tollgate::rules::{Snapshot, hash_secret};
 use tollgate::store::redis::{RedisStore, Target};
 use tollgate::store::{Batch, CheckItem, FailurePolicy, Store, StoreError};

@@ -133,7 +133,7 @@ async fn burst_then_refusal(s: &Subject<'_>) {
     assert_eq!(o.buckets[0].tokens, since, "{}: refused, not charged", s.name);
     assert_eq!(o.buckets[0].wait_us, Some(p.scale - since), "{}", s.name);
     let d = decide(&b, &o);
-    assert_eq!(d.retry_after, Some(60), "{}", s.name);
+    assert_eq!(d.retry_after(), Some(60), "{}", s.name);
     assert_eq!(d.remaining, 0, "{}", s.name);
 }
 
@@ -184,7 +184,7 @@ async fn all_or_nothing(s: &Subject<'_>) {
     assert_eq!(second.buckets[2].wait_us, Some(2 * minute - dt), "{}", s.name);
     let d = decide(&batch, &second);
     assert_eq!(d.deciding, Some(2), "{}: the longest wait decides", s.name);
-    assert_eq!(d.retry_after, Some(120), "{}", s.name);
+    assert_eq!(d.retry_after(), Some(120), "{}", s.name);
 
     let alone = s.check(std::slice::from_ref(&plan)).await;
     assert!(alone.allowed, "{}", s.name);
@@ -204,7 +204,7 @@ async fn cost_above_burst(s: &Subject<'_>) {
     assert!(!o.allowed, "{}", s.name);
     assert_eq!(o.buckets[0].wait_us, None, "{}: no wait helps", s.name);
     assert_eq!(o.buckets[0].tokens, p.capacity, "{}", s.name);
-    assert_eq!(decide(&too_big, &o).retry_after, None, "{}", s.name);
+    assert_eq!(decide(&too_big, &o).retry_after(), None, "{}", s.name);
     let fits = [s.item("big", "1/60s", 2, 2, false, 0)];
     let o = s.check(&fits).await;
     assert!(o.allowed, "{}: the refused request took nothing", s.name);

@@ -1,30 +1,71 @@
-//! A store's answer read as one decision: allowed or refused, which bucket decided, the budget
-//! left and the wait. Headers and the 429 body are built from it in `crate::respond`.
+//! A store's answer read as one decision: admitted, limited or unavailable, which bucket
+//! decided, the budget left and the wait. Headers and the 429 body are built from it in `crate::respond`.
 
 use smallvec::SmallVec;
 
 use super::bucket::{BucketParams, retry_after_secs};
 use super::headers::secs_to_full;
-use crate::rules::Snapshot;
-use crate::store::{CheckItem, Outcome, Source};
+use crate::limit::batch::{CheckItem, FailurePolicy, Outcome, Source};
 
-/// What the limiter decided for one request.
+/// What the limiter decided for one request, in the words the gateway uses everywhere (code,
+/// metrics, logs, README): **admitted**, **limited** (429, with the wait), or **unavailable**
+/// (503: the store could not decide and a limit's failure policy refuses rather than guess).
+/// Shadow limits never decide; what they would have refused is in the report.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Decision {
-    pub allowed: bool,
+pub enum Decision {
+    Admitted(Report),
+    Limited(Report, Wait),
+    Unavailable(Report),
+}
+
+/// How long a limited request should wait before it can pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wait {
+    /// Whole seconds, for `Retry-After`.
+    Secs(u64),
+    /// Never: its cost is above the bucket's burst.
+    Never,
+}
+
+/// What every decision reports: the deciding bucket and its budget.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Report {
     /// Index into the batch of the bucket that decided: the short bucket with the longest wait
     /// for a refusal, the bucket with the fewest whole tokens left for an admission. `None`
     /// when the request paid no enforced bucket.
     pub deciding: Option<usize>,
     /// Whole tokens left in the deciding bucket.
     pub remaining: u64,
-    /// Seconds for `Retry-After` on a refusal; `None` when no wait helps (cost above burst).
-    pub retry_after: Option<u64>,
     /// `t` of the `RateLimit` field.
     pub reset_secs: u64,
     /// Limits in shadow mode that would have refused this request.
     pub shadow_refusals: SmallVec<[u16; 2]>,
+    /// Who decided: the store, or a failure policy in its place.
     pub source: Source,
+}
+
+impl Decision {
+    pub fn admitted(&self) -> bool {
+        matches!(self, Decision::Admitted(_))
+    }
+
+    /// Seconds for `Retry-After`: `None` when admitted, or when no wait helps.
+    pub fn retry_after(&self) -> Option<u64> {
+        match self {
+            Decision::Limited(_, Wait::Secs(s)) => Some(*s),
+            _ => None,
+        }
+    }
+}
+
+impl std::ops::Deref for Decision {
+    type Target = Report;
+
+    fn deref(&self) -> &Report {
+        match self {
+            Decision::Admitted(r) | Decision::Limited(r, _) | Decision::Unavailable(r) => r,
+        }
+    }
 }
 
 /// Reads an outcome against its batch.
@@ -73,18 +114,17 @@ pub fn decide(batch: &[CheckItem], outcome: &Outcome) -> Decision {
             }
         }
     };
-    Decision {
-        allowed: outcome.allowed,
+    let report = Report {
         deciding,
         remaining,
-        retry_after,
         reset_secs,
         shadow_refusals,
         source: outcome.source,
+    };
+    match (outcome.allowed, outcome.source) {
+        (true, _) => Decision::Admitted(report),
+        // Refused by a failure policy, not by a bucket: the client did nothing wrong.
+        (false, Source::Bypass(FailurePolicy::Closed)) => Decision::Unavailable(report),
+        (false, _) => Decision::Limited(report, retry_after.map_or(Wait::Never, Wait::Secs)),
     }
-}
-
-/// The limit name of the deciding bucket.
-pub fn deciding_limit<'a>(snap: &'a Snapshot, batch: &[CheckItem], d: &Decision) -> Option<&'a str> {
-    d.deciding.map(|i| &*snap.limits[batch[i].limit as usize].name)
 }

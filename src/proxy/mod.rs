@@ -73,25 +73,36 @@ pub struct Caller<'a> {
 }
 
 /// Forwards requests to upstreams, each over its own keep-alive connections.
-#[derive(Clone, Default)]
-pub struct Proxy;
+#[derive(Clone)]
+pub struct Proxy {
+    /// The longest wait for a client's next request-body bytes; past it, 408.
+    pub body_timeout: std::time::Duration,
+}
+
+impl Default for Proxy {
+    fn default() -> Proxy {
+        Proxy {
+            body_timeout: std::time::Duration::from_secs(10),
+        }
+    }
+}
 
 impl Proxy {
     pub fn new() -> Proxy {
-        Proxy
+        Proxy::default()
     }
 
     /// Sends a request to `up` (its head already retargeted) and returns the response with
     /// the upstream's body streaming behind it. The bodies stream both ways; nothing is
     /// buffered whole. Every wait on the upstream is bounded by its timeout, every wait on the
-    /// client's body by `body_timeout`.
+    /// client's body by [`Proxy::body_timeout`].
     pub async fn forward(
         &self,
         up: &Upstream,
+        pool: &std::sync::Arc<pool::ConnPool>,
         parts: &http::request::Parts,
         edits: &HeaderEdits,
         mut body: UpBody,
-        body_timeout: std::time::Duration,
         permit: Option<tokio::sync::OwnedSemaphorePermit>,
     ) -> Result<Response<client::UpstreamBody>, client::Failure> {
         use http_body::Body as _;
@@ -103,10 +114,10 @@ impl Proxy {
         let outgoing = has_body.then_some(client::Outgoing {
             body: &mut body,
             chunked,
-            timeout: body_timeout,
+            timeout: self.body_timeout,
         });
         let (conn, (resp, framing, reusable)) = client::exchange(
-            &up.pool,
+            pool,
             &head,
             outgoing,
             crate::http1::idempotent(&parts.method),
@@ -118,7 +129,7 @@ impl Proxy {
         let resp = resp.ok_or(client::Failure::Unforwardable(
             crate::http1::response::Unforwardable("a header hyper can't hold"),
         ))?;
-        let body = client::UpstreamBody::new(conn, framing, reusable, up.pool.clone(), up.timeout, permit);
+        let body = client::UpstreamBody::new(conn, framing, reusable, pool.clone(), up.timeout, permit);
         Ok(resp.map(|()| body))
     }
 }

@@ -307,7 +307,7 @@ impl Buckets {
         } else {
             Verdict {
                 allowed: false,
-                retry_after: decide(batch, &outcome).retry_after,
+                retry_after: decide(batch, &outcome).retry_after(),
             }
         }
     }

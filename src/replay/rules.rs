@@ -1,4 +1,4 @@
-//! Replays a trace against a real rules file: route match, the key's limits, `limit::plan`'s
+//! Replays a trace against a real rules file: route match, the key's limits, `rules::plan`'s
 //! batch and one all-or-nothing `MemoryStore::check_at` per row, read by `limit::decision`,
 //! the same path a request takes through the gateway.
 //!
@@ -17,7 +17,7 @@ use super::{Design, RowError};
 use crate::limit::bucket::{BucketParams, Rate};
 use crate::limit::clock::ManualClock;
 use crate::limit::decision::decide;
-use crate::limit::plan;
+use crate::rules::plan;
 use crate::rules::{Dimension, Snapshot};
 use crate::store::fingerprint;
 use crate::store::memory::MemoryStore;
@@ -218,7 +218,7 @@ impl RulesFleet {
         } else {
             Verdict {
                 allowed: false,
-                retry_after: decide(&batch, &outcome).retry_after,
+                retry_after: decide(&batch, &outcome).retry_after(),
             }
         };
         Ok(Paid { verdict, tokens })

@@ -3,6 +3,7 @@
 //! A request loads the snapshot once and uses it to the end. Every error names the file, the
 //! field and the reason; nothing is defaulted silently.
 
+pub mod plan;
 pub mod raw;
 pub mod summary;
 pub mod watch;
@@ -16,9 +17,10 @@ use http::{HeaderName, HeaderValue, Method, uri::Authority};
 use sha2::{Digest, Sha256};
 
 use crate::http1::path::{self, EncodedSlashes};
+pub use crate::limit::batch::LeaseBlock;
+use crate::limit::batch::{FailurePolicy, fingerprint};
 use crate::limit::bucket::{BucketParams, Rate};
 use crate::limit::headers::policy_value;
-use crate::store::{FailurePolicy, fingerprint};
 pub use raw::{KeyRequirement, LimitClass, Mode};
 use raw::{RawBlock, RawDimension, RawDimensionName, RawEncodedSlashes, RawNumbers, RawPathMatch, RawRules};
 
@@ -55,12 +57,10 @@ pub struct Upstream {
     pub timeout: Duration,
     pub max_in_flight: Option<u32>,
     pub queue_timeout: Duration,
-    /// Places under `max_in_flight`, shared with the next snapshot when it keeps the cap.
-    pub gate: Option<Arc<tokio::sync::Semaphore>>,
+    /// How long a kept connection to it may idle.
+    pub idle_timeout: Duration,
     /// The `Host` header requests to it carry.
     pub host_header: HeaderValue,
-    /// Its keep-alive connections, shared with the next snapshot when the address is the same.
-    pub pool: Arc<crate::proxy::pool::ConnPool>,
     /// What its routes do with `%2F` and `%5C` unless they say otherwise.
     pub encoded_slashes: EncodedSlashes,
     /// Whether routes to it match paths ignoring ASCII case.
@@ -94,13 +94,6 @@ impl Dimension {
 pub struct Numbers {
     pub params: BucketParams,
     pub policy: HeaderValue,
-}
-
-/// Block size for leased limits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LeaseBlock {
-    Auto,
-    Fixed(u64),
 }
 
 #[derive(Debug)]
@@ -229,24 +222,6 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
-    /// Keeps what outlives a reload: the in-flight places of upstreams whose cap did not
-    /// change (so a reload never lets a slow upstream receive twice its cap), and the
-    /// keep-alive connections of upstreams at the same address.
-    pub fn inherit(&mut self, running: &Snapshot) {
-        for u in &mut self.upstreams {
-            if let Some(old) = running.upstreams.iter().find(|o| o.name == u.name) {
-                if old.max_in_flight == u.max_in_flight {
-                    u.gate = old.gate.clone();
-                }
-                if old.pool.authority() == u.pool.authority()
-                    && old.pool.idle_timeout() == u.pool.idle_timeout()
-                {
-                    u.pool = old.pool.clone();
-                }
-            }
-        }
-    }
-
     /// The route for a method and a canonical path: the longest matching prefix.
     pub fn route(&self, method: &Method, path: &str) -> Option<usize> {
         self.routes
@@ -262,6 +237,15 @@ impl Snapshot {
     /// The key with this public id.
     pub fn key_by_id(&self, id: &str) -> Option<usize> {
         self.key_ids.get(id).copied()
+    }
+
+    /// The name of the limit whose bucket decided a check of `batch`.
+    pub fn deciding_limit(
+        &self,
+        batch: &[crate::limit::batch::CheckItem],
+        d: &crate::limit::decision::Decision,
+    ) -> Option<&str> {
+        d.deciding.map(|i| &*self.limits[batch[i].limit as usize].name)
     }
 
     pub fn limit_index(&self, name: &str) -> Option<usize> {
@@ -323,11 +307,6 @@ impl RulesLoader {
             for u in &mut snap.upstreams {
                 u.authority = auth.clone();
                 u.host_header = host.clone();
-                u.pool = Arc::new(crate::proxy::pool::ConnPool::new(
-                    auth.clone(),
-                    CONNECT_TIMEOUT,
-                    u.pool.idle_timeout(),
-                ));
             }
         }
         Ok(snap)
@@ -451,14 +430,9 @@ impl Compiler<'_> {
                 Some(ms) => Duration::from_millis(ms),
                 None => DEFAULT_IDLE_TIMEOUT,
             };
-            let pool = Arc::new(crate::proxy::pool::ConnPool::new(
-                authority.clone(),
-                CONNECT_TIMEOUT,
-                idle_timeout,
-            ));
             upstream_index.insert(name.clone(), upstreams.len());
             upstreams.push(Upstream {
-                pool,
+                idle_timeout,
                 name: name.as_str().into(),
                 scheme,
                 authority,
@@ -466,9 +440,6 @@ impl Compiler<'_> {
                 timeout,
                 max_in_flight: u.max_in_flight,
                 queue_timeout,
-                gate: u
-                    .max_in_flight
-                    .map(|n| Arc::new(tokio::sync::Semaphore::new(n as usize))),
                 host_header,
                 encoded_slashes: slashes(u.encoded_slashes).unwrap_or_default(),
                 case_insensitive: u.paths == RawPathMatch::CaseInsensitive,

@@ -53,9 +53,8 @@ impl Reloader {
                 offered: snap.version,
                 running,
             },
-            Ok(mut snap) => {
+            Ok(snap) => {
                 let to = snap.version;
-                snap.inherit(&self.rules.load());
                 self.rules.store(Arc::new(snap));
                 Reload::Swapped { from: running, to }
             }

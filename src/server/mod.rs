@@ -1,23 +1,27 @@
 //! Accepting connections: TCP or TLS, HTTP/1.1 and HTTP/2 (h2c prior knowledge or ALPN) on one
 //! port, and a graceful drain on shutdown.
 
-pub mod express;
 pub mod framing;
 pub mod tls;
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::io;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
+use bytes::{Buf, Bytes};
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
 
 use crate::respond::Body;
@@ -43,9 +47,23 @@ pub trait Handler: Send + Sync + 'static {
         conn: ConnInfo,
     ) -> impl Future<Output = Response<Body>> + Send;
 
-    /// The gateway whose express lane serves this handler's plain HTTP/1.1 requests, if any.
-    fn express(self: &Arc<Self>) -> Option<Arc<crate::gateway::Gateway>> {
-        None
+    /// Whether this handler serves plain-TCP HTTP/1.1 connections itself first
+    /// ([`Handler::serve_plain`]).
+    fn has_plain_lane(&self) -> bool {
+        false
+    }
+
+    /// Serves a plain-TCP HTTP/1.1 connection on a fast path of its own until the client
+    /// closes, the server stops, or a request needs the general path; then hands the
+    /// connection, with every byte read so far, to hyper.
+    fn serve_plain(
+        self: Arc<Self>,
+        tcp: TcpStream,
+        _info: ConnInfo,
+        _limits: ServerLimits,
+        _stop: tokio::sync::watch::Receiver<bool>,
+    ) -> impl Future<Output = Ended> + Send {
+        std::future::ready(Ended::HandOff(Prefixed::new(bytes::Bytes::new(), tcp)))
     }
 }
 
@@ -131,7 +149,8 @@ pub async fn run<H: Handler>(
             peer_header: http::HeaderValue::from_str(&crate::identity::canonical(peer.ip()).to_string())
                 .unwrap_or_else(|_| http::HeaderValue::from_static("unknown")),
         };
-        let handler_lane = handler.express();
+        let lane = limits.express && handler.has_plain_lane();
+        let handler_lane = handler.clone();
         let info_lane = info.clone();
         let handler = handler.clone();
         let service = service_fn(move |req| {
@@ -143,19 +162,15 @@ pub async fn run<H: Handler>(
         let builder = builder.clone();
         match &tls {
             None => {
-                let lane = if limits.express {
-                    handler_lane.clone()
-                } else {
-                    None
-                };
-                let mut stop = stop_rx.clone();
+                let stop = stop_rx.clone();
                 tokio::spawn(async move {
-                    let io = match lane {
-                        Some(gw) => match express::serve(&gw, tcp, &info_lane, &limits, &mut stop).await {
-                            express::Ended::Closed => return,
-                            express::Ended::HandOff(io) => io,
-                        },
-                        None => express::Prefixed::new(bytes::Bytes::new(), tcp),
+                    let io = if lane {
+                        match handler_lane.serve_plain(tcp, info_lane, limits, stop).await {
+                            Ended::Closed => return,
+                            Ended::HandOff(io) => io,
+                        }
+                    } else {
+                        Prefixed::new(bytes::Bytes::new(), tcp)
                     };
                     let conn = builder.serve_connection(TokioIo::new(Watched::new(io, framing)), service);
                     if let Err(e) = watcher.watch(conn.into_owned()).await {
@@ -198,5 +213,66 @@ pub async fn run<H: Handler>(
             tracing::warn!("drain timeout reached with connections still open");
             1
         }
+    }
+}
+
+/// How a connection left the lane.
+pub enum Ended {
+    Closed,
+    /// Hyper serves the rest, starting with these bytes.
+    HandOff(Prefixed<TcpStream>),
+}
+
+/// A connection whose first bytes were already read: they are read again first.
+pub struct Prefixed<T> {
+    prefix: Bytes,
+    inner: T,
+}
+
+impl<T> Prefixed<T> {
+    pub fn new(prefix: Bytes, inner: T) -> Prefixed<T> {
+        Prefixed { prefix, inner }
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Prefixed<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if !self.prefix.is_empty() {
+            let n = self.prefix.len().min(buf.remaining());
+            buf.put_slice(&self.prefix[..n]);
+            self.prefix.advance(n);
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Prefixed<T> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }

@@ -43,13 +43,13 @@ use tokio::time::Instant;
 
 use super::guard::FleetSize;
 use super::{BoxFuture, CheckFuture, CheckItem, Outcome, Source, Store, StoreError};
+use crate::limit::batch::LeaseBlock;
 use crate::limit::bucket::{BucketParams, BucketVerdict};
 use crate::limit::lease::{
     BLOCK_TTL_US, Grant, Holder, LeaseConfig, MAX_JITTER_US, auto_block, block_cycle_us,
 };
 use crate::logsample::Sampler;
 use crate::metrics::{Kind, Metrics};
-use crate::rules::LeaseBlock;
 
 /// A lease call that has not answered in this long counts as failed. Longer than a check's
 /// budget: it runs off the request path, and a late grant is still tokens to spend.

@@ -12,9 +12,9 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
 use tollgate::gateway::{self, Early};
 use tollgate::identity::{self, TrustedProxies};
 use tollgate::limit::clock::ManualClock;
-use tollgate::limit::decision::{decide, deciding_limit};
-use tollgate::limit::plan;
+use tollgate::limit::decision::decide;
 use tollgate::respond::{Refusal, budget_headers};
+use tollgate::rules::plan;
 use tollgate::rules::{self, CompileOptions, Snapshot};
 use tollgate::store::CheckItem;
 use tollgate::store::memory::MemoryStore;
@@ -278,13 +278,13 @@ fn check(snap: &Snapshot, batch: &[CheckItem], key: Option<usize>, head: &Head) 
         let now = start + i * u64::from(head.gap_us);
         let outcome = store.check_at(batch, now);
         let d = decide(batch, &outcome);
-        assert_eq!(d.allowed, outcome.allowed);
+        assert_eq!(d.admitted(), outcome.allowed);
         assert!(d.deciding.is_none_or(|i| i < batch.len()));
-        let mut resp = if d.allowed {
+        let mut resp = if d.admitted() {
             http::Response::new(())
         } else {
-            let limit = deciding_limit(snap, batch, &d).unwrap_or_default().to_string();
-            let retry_after = d.retry_after;
+            let limit = snap.deciding_limit(batch, &d).unwrap_or_default().to_string();
+            let retry_after = d.retry_after();
             Refusal::RateLimited { limit, retry_after }
                 .into_response()
                 .map(drop)

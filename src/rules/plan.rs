@@ -6,9 +6,9 @@ use std::sync::Arc;
 
 use http::HeaderMap;
 
-use super::bucket::Charge;
-use crate::rules::{ApiKey, Dimension, Limit, Prepared, Route, Snapshot};
-use crate::store::{Batch, CheckItem};
+use super::{ApiKey, Dimension, Limit, Prepared, Route, Snapshot};
+use crate::limit::batch::{Batch, CheckItem};
+use crate::limit::bucket::Charge;
 
 /// Why a request's buckets can't be named.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

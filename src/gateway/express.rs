@@ -14,36 +14,28 @@
 //! bytes they would have seen, and answer as they always do. The gateway's decisions (routes,
 //! keys, limits, headers, metrics, access lines) are the same functions on both paths.
 
-use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::{HeaderName, HeaderValue, Method, Response, StatusCode, Uri, Version};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::{ConnInfo, ServerLimits};
-use crate::gateway::{Admission, Gateway, X_REQUEST_ID};
+use super::{Admission, Gateway, X_REQUEST_ID};
 use crate::http1::response::{self, Framing};
 use crate::proxy::client::{self, BodyState, Failure, header_line};
 use crate::proxy::pool::RawConn;
 use crate::respond::{Body, RATELIMIT, RATELIMIT_POLICY};
+use crate::server::{ConnInfo, Ended, Prefixed, ServerLimits};
 use http_body_util::Empty;
 
 /// Headers a lane request may have; more go to hyper (which takes up to 100).
 const MAX_HEADERS: usize = 64;
 const READ_SIZE: usize = 8 * 1024;
-
-/// How a connection left the lane.
-pub enum Ended {
-    Closed,
-    /// Hyper serves the rest, starting with these bytes.
-    HandOff(Prefixed<TcpStream>),
-}
 
 /// Serves requests on `tcp` until the client closes, the server stops, or a request needs the
 /// general path.
@@ -123,7 +115,9 @@ pub async fn serve(
             Admission::Forward(f) => f,
         };
         let snap = b.snap.clone();
+        let live = b.live.clone();
         let up = &snap.upstreams[f.upstream];
+        let pool = &live.upstreams[f.upstream].pool;
         let extra = Extra {
             budget: f.budget.as_ref(),
             request_id: &b.request_id,
@@ -137,7 +131,7 @@ pub async fn serve(
         let answered = tokio::select! {
             biased;
             r = client::exchange::<Empty<Bytes>, _>(
-                &up.pool,
+                pool,
                 &head_out,
                 None,
                 crate::http1::idempotent(&parts.method),
@@ -167,7 +161,7 @@ pub async fn serve(
         match relayed {
             Relayed::Done { clean } => {
                 if clean && reusable {
-                    up.pool.put(conn);
+                    pool.put(conn);
                 }
                 if closing {
                     return Ended::Closed;
@@ -519,60 +513,6 @@ async fn relay(
             Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return Relayed::Broken,
             Ok(Ok(_)) => {}
         }
-    }
-}
-
-/// A connection whose first bytes were already read: they are read again first.
-pub struct Prefixed<T> {
-    prefix: Bytes,
-    inner: T,
-}
-
-impl<T> Prefixed<T> {
-    pub fn new(prefix: Bytes, inner: T) -> Prefixed<T> {
-        Prefixed { prefix, inner }
-    }
-}
-
-impl<T: AsyncRead + Unpin> AsyncRead for Prefixed<T> {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        if !self.prefix.is_empty() {
-            let n = self.prefix.len().min(buf.remaining());
-            buf.put_slice(&self.prefix[..n]);
-            self.prefix.advance(n);
-            return Poll::Ready(Ok(()));
-        }
-        Pin::new(&mut self.inner).poll_read(cx, buf)
-    }
-}
-
-impl<T: AsyncWrite + Unpin> AsyncWrite for Prefixed<T> {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
 

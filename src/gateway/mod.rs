@@ -1,6 +1,8 @@
 //! The data path of one request: route, identity, plan, one store check, then 429 or forward;
 //! and what the operator sees of it (metrics, one access line, the request id).
 
+pub mod express;
+
 use std::borrow::Cow;
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -16,16 +18,17 @@ use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use crate::http1::path::{EncodedSlashes, PathError, canonical, has_encoded_slash};
 use crate::identity::{self, KeySource, TrustedProxies};
 use crate::limit::decision::{Decision, decide};
-use crate::limit::plan;
 use crate::logsample::Sampler;
 use crate::metrics::{Handles, Metrics};
 use crate::proxy::body::LimitedBody;
+use crate::proxy::pool::ConnPool;
 use crate::proxy::{Caller, HeaderEdits, Proxy};
 use crate::respond::{Body, Budget, Refusal, budget_headers};
+use crate::rules::plan;
 use crate::rules::{KeyRequirement, Snapshot, hash_secret};
 use crate::sanitize;
 use crate::server::{ConnInfo, Handler};
-use crate::store::{Batch, FailurePolicy, Outcome, Source, Store, StoreError};
+use crate::store::{Batch, Outcome, Store, StoreError};
 
 pub static X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
 
@@ -36,10 +39,8 @@ pub struct Gateway {
     pub proxy: Proxy,
     pub trusted: TrustedProxies,
     pub metrics: Arc<Metrics>,
-    /// The longest wait for a client's next request-body bytes; past it, 408.
-    pub body_timeout: std::time::Duration,
     shadow_log: Sampler,
-    handles: ArcSwap<Handles>,
+    live: ArcSwap<Live>,
 }
 
 /// An admitted request's budget headers are taken right after the check, so the batch need
@@ -88,27 +89,28 @@ impl Gateway {
             proxy: Proxy::new(),
             trusted,
             metrics,
-            body_timeout: std::time::Duration::from_secs(10),
             shadow_log: Sampler::new(std::time::Duration::from_secs(1)),
-            handles: ArcSwap::from_pointee(Handles::new(0, vec![], vec![], vec![])),
+            live: ArcSwap::from_pointee(Live::default()),
         }
     }
 
-    /// Counter handles for this snapshot, made at its first request. Versions only go up, so a
-    /// version names one snapshot.
-    fn handles(&self, snap: &Snapshot) -> Arc<Handles> {
-        let current = self.handles.load_full();
-        if current.snapshot == snap.version {
+    /// The live state for this snapshot, made at its first request from the last one's.
+    /// Versions only go up, so a version names one snapshot.
+    fn live(&self, snap: &Snapshot) -> Arc<Live> {
+        let current = self.live.load_full();
+        if current.handles.snapshot == snap.version {
             return current;
         }
-        let fresh = Arc::new(Handles::new(
-            snap.version,
-            snap.routes.iter().map(|r| r.name.clone()).collect(),
-            snap.limits.iter().map(|l| l.name.clone()).collect(),
-            snap.upstreams.iter().map(|u| u.name.clone()).collect(),
-        ));
-        self.handles.store(fresh.clone());
+        let fresh = Arc::new(Live::new(snap, &current));
+        self.live.store(fresh.clone());
         fresh
+    }
+
+    /// Closes kept upstream connections that expired or that their upstream closed.
+    pub fn sweep_upstreams(&self) {
+        for u in &self.live.load().upstreams {
+            u.pool.sweep();
+        }
     }
 
     /// One store call for a batch. The batch is borrowed, not moved: it is a few hundred bytes,
@@ -159,7 +161,7 @@ impl Gateway {
     /// Admissions count once per enforced limit paid; a refusal counts for the limit that
     /// decided it. Shadow limits count what they would have refused.
     fn count(&self, snap: &Snapshot, h: &Handles, batch: &[crate::store::CheckItem], d: &Decision) {
-        if d.allowed {
+        if d.admitted() {
             for item in batch.iter().filter(|i| !i.charge.shadow) {
                 h.decision(&self.metrics, item.limit as usize, true);
             }
@@ -173,7 +175,7 @@ impl Gateway {
                 tracing::info!(
                     limit = &**name,
                     suppressed,
-                    request_admitted = d.allowed,
+                    request_admitted = d.admitted(),
                     "shadow limit would have refused this request"
                 );
             }
@@ -194,22 +196,20 @@ impl Gateway {
         if batch.is_empty() {
             return Refusal::Unauthorized(why).into_response();
         }
-        match self.check(snap, h, &batch).await.map(|(d, _)| d) {
-            Err(_) => Refusal::LimiterUnavailable.into_response(),
-            Ok(d) if !d.allowed && d.source == Source::Bypass(FailurePolicy::Closed) => {
-                Refusal::LimiterUnavailable.into_response()
+        let d = match self.check(snap, h, &batch).await {
+            Err(_) => return Refusal::LimiterUnavailable.into_response(),
+            Ok((d, _)) => d,
+        };
+        let mut resp = match &d {
+            Decision::Unavailable(_) => return Refusal::LimiterUnavailable.into_response(),
+            Decision::Admitted(_) => Refusal::Unauthorized(why).into_response(),
+            Decision::Limited(..) => {
+                trace.limit = deciding_name(snap, &batch, &d);
+                rate_limited(snap, &batch, &d)
             }
-            Ok(d) => {
-                let mut resp = if d.allowed {
-                    Refusal::Unauthorized(why).into_response()
-                } else {
-                    trace.limit = deciding_name(snap, &batch, &d);
-                    rate_limited(snap, &batch, &d)
-                };
-                budget_headers(resp.headers_mut(), snap, &batch, None, &d);
-                resp
-            }
-        }
+        };
+        budget_headers(resp.headers_mut(), snap, &batch, None, &d);
+        resp
     }
 
     /// The limiter's part of a request whose head (and body field, if its route keys on one) is
@@ -241,15 +241,14 @@ impl Gateway {
             }
         };
         trace.limit = deciding_name(snap, &batch, &d);
-        if !d.allowed && d.source == Source::Bypass(FailurePolicy::Closed) {
-            // The client did nothing wrong: the limiter can't decide, and this limit
-            // would rather refuse than guess.
-            return Err(Refusal::LimiterUnavailable.into_response());
-        }
-        if !d.allowed {
-            let mut resp = rate_limited(snap, &batch, &d);
-            budget_headers(resp.headers_mut(), snap, &batch, key_idx, &d);
-            return Err(resp);
+        match d {
+            Decision::Admitted(_) => {}
+            Decision::Unavailable(_) => return Err(Refusal::LimiterUnavailable.into_response()),
+            Decision::Limited(..) => {
+                let mut resp = rate_limited(snap, &batch, &d);
+                budget_headers(resp.headers_mut(), snap, &batch, key_idx, &d);
+                return Err(resp);
+            }
         }
         Ok(Charged {
             budget: crate::respond::budget_values(snap, &batch, key_idx, &d),
@@ -262,9 +261,10 @@ impl Gateway {
     async fn gate(
         &self,
         upstream: &crate::rules::Upstream,
+        live: &LiveUpstream,
         trace: &mut Trace,
     ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, Response<Body>> {
-        let Some(gate) = &upstream.gate else {
+        let Some(gate) = &live.gate else {
             return Ok(None);
         };
         match tokio::time::timeout(upstream.queue_timeout, gate.clone().acquire_owned()).await {
@@ -292,9 +292,10 @@ impl Gateway {
         snap: &Snapshot,
         req: Request<Incoming>,
         conn: ConnInfo,
-        h: &Handles,
+        live: &Live,
         trace: &mut Trace,
     ) -> Response<Body> {
+        let h = &live.handles;
         let peer = identity::canonical(conn.peer.ip());
         let (mut parts, body) = req.into_parts();
         let c = match classify(snap, &parts, peer, &self.trusted) {
@@ -353,7 +354,8 @@ impl Gateway {
             Err(answer) => return answer,
         };
         let upstream = &snap.upstreams[route.upstream];
-        let permit = match self.gate(upstream, trace).await {
+        let up_live = &live.upstreams[route.upstream];
+        let permit = match self.gate(upstream, up_live, trace).await {
             Ok(p) => p,
             Err(answer) => return answer,
         };
@@ -368,7 +370,7 @@ impl Gateway {
         let forwarded =
             Box::pin(
                 self.proxy
-                    .forward(upstream, &parts, &edits, up_body, self.body_timeout, permit),
+                    .forward(upstream, &up_live.pool, &parts, &edits, up_body, permit),
             )
             .await;
         h.upstream(&self.metrics, route.upstream, started.elapsed());
@@ -389,7 +391,7 @@ impl Gateway {
         let started = Instant::now();
         let in_flight = InFlight::new(&self.metrics.in_flight);
         let snap = self.rules.load_full();
-        let h = self.handles(&snap);
+        let live = self.live(&snap);
         let request_id = match headers.get(&X_REQUEST_ID) {
             Some(v) if valid_request_id(v) => v.clone(),
             _ => {
@@ -400,7 +402,7 @@ impl Gateway {
         };
         Begun {
             snap,
-            h,
+            live,
             started,
             request_id,
             method,
@@ -411,7 +413,9 @@ impl Gateway {
 
     /// Ends a request: its metrics and its access line.
     pub fn finish(&self, b: Begun<'_>, status: u16) {
-        b.h.request(&self.metrics, b.trace.route, &NO_ROUTE, status);
+        b.live
+            .handles
+            .request(&self.metrics, b.trace.route, &NO_ROUTE, status);
         let route = b.trace.route.map_or("(none)", |r| &*b.snap.routes[r].name);
         tracing::info!(
             target: "tollgate::access",
@@ -439,7 +443,7 @@ impl Gateway {
                 r
             }
             // Boxed so the future hyper keeps for every request stays small.
-            None => Box::pin(self.route(&b.snap, req, conn, &b.h, &mut b.trace)).await,
+            None => Box::pin(self.route(&b.snap, req, conn, &b.live, &mut b.trace)).await,
         };
         resp.headers_mut()
             .insert(X_REQUEST_ID.clone(), b.request_id.clone());
@@ -457,7 +461,8 @@ impl Gateway {
         conn: &ConnInfo,
     ) -> Admission {
         // Disjoint borrows of the request's state, not clones of its `Arc`s.
-        let (snap, h, trace) = (&*b.snap, &*b.h, &mut b.trace);
+        let (snap, live, trace) = (&*b.snap, &*b.live, &mut b.trace);
+        let h = &live.handles;
         let peer = identity::canonical(conn.peer.ip());
         let (c, path) = match classify(snap, parts, peer, &self.trusted) {
             Ok(c) => c,
@@ -481,7 +486,7 @@ impl Gateway {
             Err(answer) => return Admission::Answer(answer),
         };
         let upstream = &snap.upstreams[route.upstream];
-        let permit = match self.gate(upstream, trace).await {
+        let permit = match self.gate(upstream, &live.upstreams[route.upstream], trace).await {
             Ok(p) => p,
             Err(answer) => return Admission::Answer(answer),
         };
@@ -521,14 +526,87 @@ impl Gateway {
 
     /// Records how long an upstream took to answer the head.
     pub fn upstream_answered(&self, b: &Begun<'_>, f: &Forward, took: std::time::Duration) {
-        b.h.upstream(&self.metrics, f.upstream, took);
+        b.live.handles.upstream(&self.metrics, f.upstream, took);
+    }
+}
+
+/// What the gateway keeps alive for one rules snapshot: its metric handles, and each upstream's
+/// kept connections and in-flight places. The rules are plain data; what lives on between
+/// requests lives here, and passes to the next snapshot wherever the upstream is unchanged.
+pub struct Live {
+    pub handles: Handles,
+    /// Per upstream, in the snapshot's order.
+    pub upstreams: Vec<LiveUpstream>,
+}
+
+pub struct LiveUpstream {
+    name: Arc<str>,
+    /// Its kept connections: the same pool across reloads while address and idle timeout stay.
+    pub pool: Arc<ConnPool>,
+    /// Places under `max_in_flight`: the same across reloads while the cap stays, so a reload
+    /// never lets a slow upstream receive twice its cap.
+    pub gate: Option<Arc<tokio::sync::Semaphore>>,
+    max_in_flight: Option<u32>,
+}
+
+impl Default for Live {
+    fn default() -> Live {
+        Live {
+            handles: Handles::new(0, vec![], vec![], vec![]),
+            upstreams: vec![],
+        }
+    }
+}
+
+impl Live {
+    fn new(snap: &Snapshot, prev: &Live) -> Live {
+        let upstreams = snap
+            .upstreams
+            .iter()
+            .map(|u| {
+                let old = prev.upstreams.iter().find(|o| o.name == u.name);
+                let pool = match old {
+                    Some(o)
+                        if *o.pool.authority() == u.authority && o.pool.idle_timeout() == u.idle_timeout =>
+                    {
+                        o.pool.clone()
+                    }
+                    _ => Arc::new(ConnPool::new(
+                        u.authority.clone(),
+                        crate::rules::CONNECT_TIMEOUT,
+                        u.idle_timeout,
+                    )),
+                };
+                let gate = match old {
+                    Some(o) if o.max_in_flight == u.max_in_flight => o.gate.clone(),
+                    _ => u
+                        .max_in_flight
+                        .map(|n| Arc::new(tokio::sync::Semaphore::new(n as usize))),
+                };
+                LiveUpstream {
+                    name: u.name.clone(),
+                    pool,
+                    gate,
+                    max_in_flight: u.max_in_flight,
+                }
+            })
+            .collect();
+        Live {
+            handles: Handles::new(
+                snap.version,
+                snap.routes.iter().map(|r| r.name.clone()).collect(),
+                snap.limits.iter().map(|l| l.name.clone()).collect(),
+                snap.upstreams.iter().map(|u| u.name.clone()).collect(),
+            ),
+            upstreams,
+        }
     }
 }
 
 /// A request in progress: what its metrics and access line need at the end.
 pub struct Begun<'g> {
     pub snap: Arc<Snapshot>,
-    h: Arc<Handles>,
+    pub live: Arc<Live>,
     started: Instant,
     pub request_id: HeaderValue,
     method: http::Method,
@@ -741,7 +819,7 @@ fn rate_limited(snap: &Snapshot, batch: &Batch, d: &Decision) -> Response<Body> 
         .unwrap_or_default();
     Refusal::RateLimited {
         limit,
-        retry_after: d.retry_after,
+        retry_after: d.retry_after(),
     }
     .into_response()
 }
@@ -751,7 +829,17 @@ impl Handler for Gateway {
         self.serve(req, conn).await
     }
 
-    fn express(self: &Arc<Self>) -> Option<Arc<Gateway>> {
-        Some(self.clone())
+    fn has_plain_lane(&self) -> bool {
+        true
+    }
+
+    async fn serve_plain(
+        self: Arc<Self>,
+        tcp: tokio::net::TcpStream,
+        info: ConnInfo,
+        limits: crate::server::ServerLimits,
+        mut stop: tokio::sync::watch::Receiver<bool>,
+    ) -> crate::server::Ended {
+        express::serve(&self, tcp, &info, &limits, &mut stop).await
     }
 }
