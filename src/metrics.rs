@@ -3,6 +3,11 @@
 //! or client addresses. Label values are shared `Arc<str>`s, so counting allocates nothing.
 
 use std::sync::Arc;
+
+use crate::limit::decision::Decision;
+
+/// A check's result as the metrics name it, in `Decision`'s order.
+const DECISIONS: [&str; 3] = ["admitted", "limited", "unavailable"];
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -22,7 +27,7 @@ pub struct RouteStatus {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct LimitDecision {
     pub limit: Arc<str>,
-    /// `admitted` or `refused`.
+    /// `admitted`, `limited` or `unavailable` (the words of `limit::decision::Decision`).
     pub decision: &'static str,
 }
 
@@ -98,7 +103,7 @@ impl Metrics {
         let decisions = Family::<LimitDecision, Counter>::default();
         registry.register(
             "limit_decisions",
-            "Requests admitted or refused, by the limit that decided",
+            "Requests admitted, limited (429) or unavailable (503, a failure policy refused), by the limit that decided",
             decisions.clone(),
         );
         let shadow_refusals = Family::<LimitLabel, Counter>::default();
@@ -280,8 +285,8 @@ struct RouteHandles {
 
 #[derive(Default)]
 struct LimitHandles {
-    admitted: std::sync::OnceLock<Counter>,
-    refused: std::sync::OnceLock<Counter>,
+    /// One counter per [`DECISIONS`] word.
+    decided: [std::sync::OnceLock<Counter>; 3],
     shadow: std::sync::OnceLock<Counter>,
 }
 
@@ -329,22 +334,24 @@ impl Handles {
             .inc();
     }
 
-    pub fn decision(&self, m: &Metrics, limit: usize, admitted: bool) {
-        let h = &self.limits[limit];
-        let (cell, decision) = if admitted {
-            (&h.admitted, "admitted")
-        } else {
-            (&h.refused, "refused")
+    pub fn decision(&self, m: &Metrics, limit: usize, decision: &Decision) {
+        let word = match decision {
+            Decision::Admitted(_) => 0,
+            Decision::Limited(..) => 1,
+            Decision::Unavailable(_) => 2,
         };
-        cell.get_or_init(|| {
-            m.decisions
-                .get_or_create(&LimitDecision {
-                    limit: self.limit_names[limit].clone(),
-                    decision,
-                })
-                .clone()
-        })
-        .inc();
+        let h = &self.limits[limit];
+        let decision = DECISIONS[word];
+        h.decided[word]
+            .get_or_init(|| {
+                m.decisions
+                    .get_or_create(&LimitDecision {
+                        limit: self.limit_names[limit].clone(),
+                        decision,
+                    })
+                    .clone()
+            })
+            .inc();
     }
 
     pub fn shadow(&self, m: &Metrics, limit: usize) {

@@ -97,7 +97,7 @@ async fn counters_show_exactly_what_happened_and_no_secrets() {
         n as f64
     );
     assert_eq!(
-        get(r#"tollgate_limit_decisions_total{limit="plan",decision="refused"}"#),
+        get(r#"tollgate_limit_decisions_total{limit="plan",decision="limited"}"#),
         m as f64
     );
     assert_eq!(

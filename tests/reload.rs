@@ -275,7 +275,7 @@ async fn shadow_limits_refuse_nothing_and_charge_nothing_else() {
         counter(
             &m,
             "tollgate_limit_decisions_total",
-            r#"limit="plan",decision="refused""#
+            r#"limit="plan",decision="limited""#
         ),
         5
     );
@@ -283,7 +283,7 @@ async fn shadow_limits_refuse_nothing_and_charge_nothing_else() {
         counter(
             &m,
             "tollgate_limit_decisions_total",
-            r#"limit="tighter",decision="refused""#
+            r#"limit="tighter",decision="limited""#
         ),
         0,
         "a shadow limit must never refuse"

@@ -304,6 +304,12 @@ async fn closed_answers_503_and_open_admits_everything() {
     assert_eq!(bypass(&m, "plan", "open"), 60.0, "{m}");
     let m = scrape(&http, &closed.gateways[0]).await;
     assert_eq!(bypass(&m, "plan", "closed"), 1.0, "{m}");
+    // The 503 is counted in the same words as the answer: unavailable, not limited.
+    assert!(
+        m.contains(r#"tollgate_limit_decisions_total{limit="plan",decision="unavailable"} 1"#),
+        "{m}"
+    );
+    assert!(!m.contains(r#"decision="limited""#), "{m}");
 }
 
 #[test]

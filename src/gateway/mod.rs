@@ -158,15 +158,15 @@ impl Gateway {
         }
     }
 
-    /// Admissions count once per enforced limit paid; a refusal counts for the limit that
-    /// decided it. Shadow limits count what they would have refused.
+    /// Admissions count once per enforced limit paid; a limited or unavailable request counts
+    /// for the limit that decided it. Shadow limits count what they would have refused.
     fn count(&self, snap: &Snapshot, h: &Handles, batch: &[crate::store::CheckItem], d: &Decision) {
         if d.admitted() {
             for item in batch.iter().filter(|i| !i.charge.shadow) {
-                h.decision(&self.metrics, item.limit as usize, true);
+                h.decision(&self.metrics, item.limit as usize, d);
             }
         } else if let Some(i) = d.deciding {
-            h.decision(&self.metrics, batch[i].limit as usize, false);
+            h.decision(&self.metrics, batch[i].limit as usize, d);
         }
         for &li in &d.shadow_refusals {
             let name = &snap.limits[li as usize].name;
