@@ -120,6 +120,10 @@ impl Refusal {
     }
 }
 
+/// The `408` for a request head not finished in time, as HTTP/1.1 bytes: it is written where no
+/// request exists yet to answer through either path. Its body is `Refusal::RequestTimeout`'s.
+pub const REQUEST_TIMEOUT_HTTP1: &[u8] = b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncache-control: no-store\r\nconnection: close\r\ncontent-length: 76\r\n\r\n{\"error\":\"request_timeout\",\"message\":\"the request was not received in time\"}";
+
 /// A JSON response the gateway makes itself.
 pub fn json_response(status: StatusCode, body: String) -> Response<Body> {
     let mut resp = Response::new(Either::Right(Full::new(Bytes::from(body))));
@@ -189,4 +193,21 @@ pub fn budget_values(
         remaining: d.remaining,
         reset_secs: d.reset_secs,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_raw_408_says_what_the_refusal_says() {
+        let raw = std::str::from_utf8(REQUEST_TIMEOUT_HTTP1).unwrap();
+        let (head, body) = raw.split_once("\r\n\r\n").unwrap();
+        assert_eq!(body, Refusal::RequestTimeout.body().to_string());
+        assert!(
+            head.contains(&format!("content-length: {}", body.len())),
+            "{head}"
+        );
+        assert!(head.starts_with("HTTP/1.1 408 "));
+    }
 }

@@ -341,7 +341,16 @@ async fn bodies_over_the_route_limit_get_413() {
 
 #[tokio::test]
 async fn slowloris_is_cut_off_at_the_header_timeout() {
-    let s = setup(&["--header-timeout", "1s"]).await;
+    // On the express lane, and on hyper's path (which TLS connections take too).
+    for extra in [&[][..], &["--no-express"][..]] {
+        slowloris(extra).await;
+    }
+}
+
+async fn slowloris(extra: &[&str]) {
+    let mut args = vec!["--header-timeout", "1s"];
+    args.extend_from_slice(extra);
+    let s = setup(&args).await;
     let mut c = TcpStream::connect(s.gw.addr).await.unwrap();
     let started = Instant::now();
     c.write_all(b"GET /v1/orders HTTP/1.1\r\nHost: x\r\n")
@@ -370,7 +379,7 @@ async fn slowloris_is_cut_off_at_the_header_timeout() {
     let answer = String::from_utf8_lossy(&answer);
     assert!(
         answer.starts_with("HTTP/1.1 408 ") && answer.contains("request_timeout"),
-        "no 408 before the close: {answer:?}"
+        "{extra:?}: no 408 before the close: {answer:?}"
     );
     assert_eq!(s.up.count(), 0);
 }

@@ -77,10 +77,7 @@ pub async fn serve(
                         // A head was started and not finished: say so before closing (RFC 9110
                         // §15.5.9), so the client doesn't take the close for a lost response.
                         tracing::debug!(peer = %info.peer, "request head not finished in time");
-                        out.clear();
-                        let resp = crate::respond::Refusal::RequestTimeout.into_response();
-                        render_answer(&mut out, resp, &HeaderValue::from_static("-"), true, false);
-                        let _ = tcp.write_all(&out).await;
+                        let _ = tcp.write_all(crate::respond::REQUEST_TIMEOUT_HTTP1).await;
                     }
                     return Ended::Closed;
                 }

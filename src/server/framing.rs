@@ -14,7 +14,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 
+use std::future::Future as _;
+use std::time::Duration;
+
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::time::Sleep;
 
 use crate::http1::chunked::Decoder;
 use crate::sanitize::HeadError;
@@ -197,14 +201,30 @@ impl Watcher {
     }
 }
 
-/// A connection whose reads pass through the watcher.
+impl Watcher {
+    /// Whether part of a request head has arrived and the rest has not.
+    fn mid_head(&self) -> bool {
+        match &self.state {
+            State::Preface(b) | State::Head(b) => !b.is_empty(),
+            _ => false,
+        }
+    }
+}
+
+/// A connection whose reads pass through the watcher. It also keeps the head timeout for
+/// hyper's path: a head started and not finished within it gets `408` before the connection
+/// ends (hyper's own timeout, a little later, would close it without a word).
 pub struct Watched<IO> {
     io: IO,
     watcher: Watcher,
+    head_timeout: Duration,
+    deadline: Option<Pin<Box<Sleep>>>,
+    /// The 408 being written, and how much of it is out.
+    answering: Option<(&'static [u8], usize)>,
 }
 
 impl<IO> Watched<IO> {
-    pub fn new(io: IO, framing: Arc<Framing>) -> Watched<IO> {
+    pub fn new(io: IO, framing: Arc<Framing>, head_timeout: Duration) -> Watched<IO> {
         Watched {
             io,
             watcher: Watcher {
@@ -212,23 +232,52 @@ impl<IO> Watched<IO> {
                 heads: 0,
                 framing,
             },
+            head_timeout,
+            deadline: None,
+            answering: None,
         }
     }
 }
 
-impl<IO: AsyncRead + Unpin> AsyncRead for Watched<IO> {
+impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncRead for Watched<IO> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        if let Some((bytes, sent)) = &mut this.answering {
+            while *sent < bytes.len() {
+                match Pin::new(&mut this.io).poll_write(cx, &bytes[*sent..]) {
+                    Poll::Ready(Ok(n)) if n > 0 => *sent += n,
+                    Poll::Pending => return Poll::Pending,
+                    _ => break,
+                }
+            }
+            let _ = Pin::new(&mut this.io).poll_flush(cx);
+            // End of stream: hyper gives up on the unfinished head and closes.
+            return Poll::Ready(Ok(()));
+        }
         let before = buf.filled().len();
-        let r = Pin::new(&mut self.io).poll_read(cx, buf);
+        let r = Pin::new(&mut this.io).poll_read(cx, buf);
         if let Poll::Ready(Ok(())) = &r
-            && !matches!(self.watcher.state, State::Off)
+            && !matches!(this.watcher.state, State::Off)
         {
             let new = &buf.filled()[before..];
-            self.watcher.feed(new);
+            this.watcher.feed(new);
+        }
+        if !this.watcher.mid_head() {
+            this.deadline = None;
+            return r;
+        }
+        let timeout = this.head_timeout;
+        let deadline = this
+            .deadline
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        if r.is_pending() && deadline.as_mut().poll(cx).is_ready() {
+            tracing::debug!("request head not finished in time");
+            this.answering = Some((crate::respond::REQUEST_TIMEOUT_HTTP1, 0));
+            return self.poll_read(cx, buf);
         }
         r
     }

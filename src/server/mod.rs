@@ -101,7 +101,9 @@ fn builder(limits: &ServerLimits) -> auto::Builder<TokioExecutor> {
     let mut b = auto::Builder::new(TokioExecutor::new());
     b.http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read_timeout)
+        // The watcher answers 408 at the head timeout (`framing::Watched`); hyper's own, which
+        // closes without a word, is the backstop.
+        .header_read_timeout(limits.header_read_timeout + Duration::from_secs(2))
         .max_buf_size(limits.max_header_bytes.max(8192));
     b.http2()
         .timer(TokioTimer::new())
@@ -172,7 +174,10 @@ pub async fn run<H: Handler>(
                     } else {
                         Prefixed::new(bytes::Bytes::new(), tcp)
                     };
-                    let conn = builder.serve_connection(TokioIo::new(Watched::new(io, framing)), service);
+                    let conn = builder.serve_connection(
+                        TokioIo::new(Watched::new(io, framing, limits.header_read_timeout)),
+                        service,
+                    );
                     if let Err(e) = watcher.watch(conn.into_owned()).await {
                         tracing::debug!(%peer, error = %e, "connection ended with an error");
                     }
@@ -193,7 +198,10 @@ pub async fn run<H: Handler>(
                             return;
                         }
                     };
-                    let conn = builder.serve_connection(TokioIo::new(Watched::new(stream, framing)), service);
+                    let conn = builder.serve_connection(
+                        TokioIo::new(Watched::new(stream, framing, limits.header_read_timeout)),
+                        service,
+                    );
                     if let Err(e) = watcher.watch(conn.into_owned()).await {
                         tracing::debug!(%peer, error = %e, "connection ended with an error");
                     }
