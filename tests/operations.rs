@@ -255,3 +255,58 @@ async fn sigterm_finishes_in_flight_requests_and_refuses_new_ones() {
     };
     assert!(status.success(), "exit status {status:?}: {}", gw.stderr());
 }
+
+/// A request whose client goes away mid-request is still counted and logged once, on both
+/// paths; hyper's path, which learns of it at once, records nginx's 499.
+#[tokio::test]
+async fn a_client_gone_mid_request_is_recorded_once() {
+    use tokio::io::AsyncWriteExt;
+    for express in [true, false] {
+        let mut args = vec!["demo"];
+        if !express {
+            args.push("--no-express");
+        }
+        let gw = Tollgate::spawn(&args);
+        let http = Http::new();
+        let metrics = || async {
+            String::from_utf8_lossy(&http.get(&gw.admin_url("/metrics"), &[]).await.body).into_owned()
+        };
+        let mut c = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+        c.write_all(b"GET /v1/slow?ms=1500 HTTP/1.1\r\nHost: t\r\nX-API-Key: k8-demo-key\r\n\r\n")
+            .await
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while value(&metrics().await, "tollgate_in_flight_requests") != Some(1.0) {
+            assert!(Instant::now() < deadline, "the slow request never got in flight");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        drop(c);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let m = loop {
+            let m = metrics().await;
+            if value(&m, "tollgate_in_flight_requests") == Some(0.0) {
+                break m;
+            }
+            assert!(Instant::now() < deadline, "the request never ended");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        let recorded: f64 = m
+            .lines()
+            .filter(|l| l.starts_with("tollgate_requests_total{") && l.contains("route=\"v1\""))
+            .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
+            .sum();
+        assert_eq!(recorded, 1.0, "express {express}: {m}");
+        if !express {
+            assert_eq!(
+                value(&m, r#"tollgate_requests_total{route="v1",status="499"}"#),
+                Some(1.0),
+                "{m}"
+            );
+            let log = gw.stderr();
+            assert!(
+                log.contains("status=499") || log.contains("\"status\":499"),
+                "{log}"
+            );
+        }
+    }
+}

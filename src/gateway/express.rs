@@ -25,7 +25,7 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::{Admission, Gateway, X_REQUEST_ID};
+use super::{Gateway, X_REQUEST_ID};
 use crate::http1::response::{self, Framing};
 use crate::proxy::client::{self, BodyState, Failure, header_line};
 use crate::proxy::pool::RawConn;
@@ -93,23 +93,28 @@ pub async fn serve(
         };
         let mut b = gw.begin(parts.method.clone(), &mut parts.headers);
         let closing = *stop.borrow();
-        let admitted = gw.admit(&mut b, &mut parts, info).await;
-        let mut f = match admitted {
-            Admission::HandOff => {
+        let is_head = parts.method == Method::HEAD;
+        let admitted = match gw.identify(&mut b, &mut parts, info).await {
+            Ok(c) if b.snap.routes[c.route].body_field.is_some() => {
+                // Its limit keys on a body this lane doesn't read. Nothing was charged yet;
+                // hyper's path begins this request again.
+                gw.hand_off(b);
                 let mut rest = BytesMut::from(&request_bytes[..]);
                 rest.extend_from_slice(&buf);
-                // Nothing was charged yet; hyper's path begins this request again.
-                drop(b);
                 return Ended::HandOff(Prefixed::new(rest.freeze(), tcp));
             }
-            Admission::Answer(resp) => {
-                answer(gw, &mut out, b, resp, closing, parts.method == Method::HEAD);
+            Ok(c) => gw.admit(&mut b, c, &mut parts, None).await,
+            Err(answer) => Err(answer),
+        };
+        let mut f = match admitted {
+            Ok(f) => f,
+            Err(resp) => {
+                answer(gw, &mut out, b, resp, closing, is_head);
                 if tcp.write_all(&out).await.is_err() || closing {
                     return Ended::Closed;
                 }
                 continue;
             }
-            Admission::Forward(f) => f,
         };
         let snap = b.snap.clone();
         let live = b.live.clone();
@@ -123,7 +128,6 @@ pub async fn serve(
         client::render_request(&mut head_out, &parts, &gw.edits(&b, &f, &parts, info), false);
         let started = std::time::Instant::now();
         out.clear();
-        let is_head = parts.method == Method::HEAD;
         upstream_deadline.set(Instant::now() + up.timeout);
         let answered = tokio::select! {
             biased;

@@ -22,7 +22,7 @@ use crate::logsample::Sampler;
 use crate::metrics::{Handles, Metrics};
 use crate::proxy::body::LimitedBody;
 use crate::proxy::pool::ConnPool;
-use crate::proxy::{Caller, HeaderEdits, Proxy};
+use crate::proxy::{Caller, Proxy};
 use crate::respond::{Body, Budget, Refusal, budget_headers};
 use crate::rules::plan;
 use crate::rules::{KeyRequirement, Snapshot, hash_secret};
@@ -287,39 +287,14 @@ impl Gateway {
         }
     }
 
-    async fn route(
-        &self,
-        snap: &Snapshot,
-        req: Request<Incoming>,
-        conn: ConnInfo,
-        live: &Live,
-        trace: &mut Trace,
-    ) -> Response<Body> {
-        let h = &live.handles;
-        let peer = identity::canonical(conn.peer.ip());
+    /// hyper's path: the request's steps, with its body read first when a limit keys on it.
+    async fn route(&self, b: &mut Begun<'_>, req: Request<Incoming>, conn: ConnInfo) -> Response<Body> {
         let (mut parts, body) = req.into_parts();
-        let c = match classify(snap, &parts, peer, &self.trusted) {
-            Ok((c, path)) => {
-                if let Some(p) = path
-                    && let Err(r) = set_path(&mut parts.uri, p)
-                {
-                    return r.into_response();
-                }
-                c
-            }
-            Err(Early::Refuse(r)) => return r.into_response(),
-            Err(Early::Unauthorized { route, ip, why }) => {
-                trace.route = route;
-                // Boxed, like every rare path here: an async fn's future is as large as its
-                // largest state, and the common path should not carry (and copy) that size.
-                return Box::pin(self.unauthorized(snap, ip, why, h, trace)).await;
-            }
+        let c = match self.identify(b, &mut parts, &conn).await {
+            Ok(c) => c,
+            Err(answer) => return answer,
         };
-        let route = &snap.routes[c.route];
-        trace.route = Some(c.route);
-        let key_idx = c.key.map(|k| k.0);
-        trace.key_id = key_idx.map(|k| snap.keys[k].id.clone());
-
+        let route = &b.snap.routes[c.route];
         let max = route.max_body_bytes;
         if declared_length(&parts.headers).is_some_and(|len| len > max) {
             return Refusal::PayloadTooLarge { limit: max }.into_response();
@@ -346,42 +321,33 @@ impl Gateway {
                 (Either::Right(Full::new(bytes)), Some(value))
             }
         };
-        let Charged { budget, paid } = match self
-            .limit(snap, route, &c, &parts.headers, body_value.as_deref(), h, trace)
-            .await
-        {
-            Ok(c) => c,
+        let mut f = match self.admit(b, c, &mut parts, body_value.as_deref()).await {
+            Ok(f) => f,
             Err(answer) => return answer,
         };
-        let upstream = &snap.upstreams[route.upstream];
-        let up_live = &live.upstreams[route.upstream];
-        let permit = match self.gate(upstream, up_live, trace).await {
-            Ok(p) => p,
-            Err(answer) => return answer,
-        };
-        // The edits read the client's Host (or HTTP/2 authority) before the target loses it.
-        let edits = HeaderEdits::new(upstream, &parts, self.caller(snap, &c, &conn));
-        if let Err(r) = crate::proxy::retarget(upstream, &mut parts) {
-            return r.into_response();
-        }
+        let edits = self.edits(b, &f, &parts, &conn);
+        let upstream = &b.snap.upstreams[f.upstream];
         let started = Instant::now();
         // Boxed: this future is the largest part of a request's, and boxing it once is cheaper
         // than copying it through every enclosing future.
-        let forwarded =
-            Box::pin(
-                self.proxy
-                    .forward(upstream, &up_live.pool, &parts, &edits, up_body, permit),
-            )
-            .await;
-        h.upstream(&self.metrics, route.upstream, started.elapsed());
+        let forwarded = Box::pin(self.proxy.forward(
+            upstream,
+            &b.live.upstreams[f.upstream].pool,
+            &parts,
+            &edits,
+            up_body,
+            f.permit.take(),
+        ))
+        .await;
+        self.upstream_answered(b, &f, started.elapsed());
         let mut resp = match forwarded {
             Ok(r) => r.map(Either::Left),
             Err(failure) => {
-                self.refund_undelivered(paid, &failure).await;
+                self.refund_undelivered(f.paid.take(), &failure).await;
                 crate::proxy::failure_answer(upstream, &failure).into_response()
             }
         };
-        apply_budget(resp.headers_mut(), budget);
+        self.forward_headers(&f, resp.headers_mut());
         resp
     }
 
@@ -401,18 +367,29 @@ impl Gateway {
             }
         };
         Begun {
+            gw: self,
             snap,
             live,
             started,
             request_id,
             method,
             trace: Trace::default(),
+            end: End::Open,
             _in_flight: in_flight,
         }
     }
 
-    /// Ends a request: its metrics and its access line.
-    pub fn finish(&self, b: Begun<'_>, status: u16) {
+    /// Ends a request with the status its client got: its metrics and its access line.
+    pub fn finish(&self, mut b: Begun<'_>, status: u16) {
+        b.end = End::Answered(status);
+    }
+
+    /// Ends a request that another path will begin again: nothing is recorded for it here.
+    pub fn hand_off(&self, mut b: Begun<'_>) {
+        b.end = End::HandedOff;
+    }
+
+    fn record(&self, b: &Begun<'_>, status: u16) {
         b.live
             .handles
             .request(&self.metrics, b.trace.route, &NO_ROUTE, status);
@@ -443,7 +420,7 @@ impl Gateway {
                 r
             }
             // Boxed so the future hyper keeps for every request stays small.
-            None => Box::pin(self.route(&b.snap, req, conn, &b.live, &mut b.trace)).await,
+            None => Box::pin(self.route(&mut b, req, conn)).await,
         };
         resp.headers_mut()
             .insert(X_REQUEST_ID.clone(), b.request_id.clone());
@@ -452,58 +429,72 @@ impl Gateway {
         resp
     }
 
-    /// The express lane's part: everything up to forwarding for a request without a body.
-    /// On `Forward`, `parts` has the upstream's target, and the header edits come with it.
-    pub async fn admit(
+    /// The first step of every request, on either path: its head read against the rules
+    /// (framing, method, `Host`, canonical path, route, caller). On success the request's path
+    /// is the canonical one, which is what the upstream will get, and an HTTP/2 request's
+    /// authority is its `Host`. A request without a usable key is answered here, after paying
+    /// its address's unauthenticated bucket.
+    pub async fn identify(
         &self,
         b: &mut Begun<'_>,
         parts: &mut http::request::Parts,
         conn: &ConnInfo,
-    ) -> Admission {
+    ) -> Result<Classified, Response<Body>> {
         // Disjoint borrows of the request's state, not clones of its `Arc`s.
         let (snap, live, trace) = (&*b.snap, &*b.live, &mut b.trace);
-        let h = &live.handles;
         let peer = identity::canonical(conn.peer.ip());
         let (c, path) = match classify(snap, parts, peer, &self.trusted) {
             Ok(c) => c,
-            Err(Early::Refuse(r)) => return Admission::Answer(r.into_response()),
+            Err(Early::Refuse(r)) => return Err(r.into_response()),
             Err(Early::Unauthorized { route, ip, why }) => {
                 trace.route = route;
-                return Admission::Answer(Box::pin(self.unauthorized(snap, ip, why, h, trace)).await);
+                // Boxed, like every rare path here: an async fn's future is as large as its
+                // largest state, and the common path should not carry (and copy) that size.
+                return Err(Box::pin(self.unauthorized(snap, ip, why, &live.handles, trace)).await);
             }
         };
-        let route = &snap.routes[c.route];
-        if route.body_field.is_some() {
-            // Its limit keys on a body this lane doesn't read: the general path answers it.
-            return Admission::HandOff;
+        if let Some(p) = path {
+            set_path(&mut parts.uri, p).map_err(Refusal::into_response)?;
+        }
+        if !parts.headers.contains_key(http::header::HOST)
+            && let Some(host) = parts
+                .uri
+                .authority()
+                .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+        {
+            parts.headers.insert(http::header::HOST, host);
         }
         trace.route = Some(c.route);
-        let key_idx = c.key.map(|k| k.0);
-        trace.key_id = key_idx.map(|k| snap.keys[k].id.clone());
-        let Charged { budget, paid } = match self.limit(snap, route, &c, &parts.headers, None, h, trace).await
-        {
-            Ok(b) => b,
-            Err(answer) => return Admission::Answer(answer),
-        };
+        trace.key_id = c.key.map(|(k, _)| snap.keys[k].id.clone());
+        Ok(c)
+    }
+
+    /// The second step: one store check for every bucket the request pays (`body_value` is
+    /// the JSON field a limit keys on, when its route has one), then a place under the
+    /// upstream's `max_in_flight`; the request's target is pointed at its upstream.
+    pub async fn admit(
+        &self,
+        b: &mut Begun<'_>,
+        c: Classified,
+        parts: &mut http::request::Parts,
+        body_value: Option<&[u8]>,
+    ) -> Result<Forward, Response<Body>> {
+        let (snap, live, trace) = (&*b.snap, &*b.live, &mut b.trace);
+        let route = &snap.routes[c.route];
+        let Charged { budget, paid } = self
+            .limit(snap, route, &c, &parts.headers, body_value, &live.handles, trace)
+            .await?;
         let upstream = &snap.upstreams[route.upstream];
-        let permit = match self.gate(upstream, &live.upstreams[route.upstream], trace).await {
-            Ok(p) => p,
-            Err(answer) => return Admission::Answer(answer),
-        };
-        if let Some(p) = path
-            && let Err(r) = set_path(&mut parts.uri, p)
-        {
-            return Admission::Answer(r.into_response());
-        }
-        if let Err(r) = crate::proxy::retarget(upstream, parts) {
-            return Admission::Answer(r.into_response());
-        }
-        Admission::Forward(Forward {
+        let permit = self
+            .gate(upstream, &live.upstreams[route.upstream], trace)
+            .await?;
+        crate::proxy::retarget(upstream, parts).map_err(Refusal::into_response)?;
+        Ok(Forward {
             upstream: route.upstream,
             budget,
             paid,
             classified: c,
-            _permit: permit,
+            permit,
         })
     }
 
@@ -604,7 +595,14 @@ impl Live {
 }
 
 /// A request in progress: what its metrics and access line need at the end.
+///
+/// It is a guard: dropped without [`Gateway::finish`] (a client gone mid-request, an early
+/// return) it still records the request, with status 499, so no path can lose its metrics or
+/// its access line; [`Gateway::hand_off`] is the one way to end it unrecorded.
+#[must_use = "a request must end with Gateway::finish (or hand_off)"]
 pub struct Begun<'g> {
+    gw: &'g Gateway,
+    end: End,
     pub snap: Arc<Snapshot>,
     pub live: Arc<Live>,
     started: Instant,
@@ -612,6 +610,26 @@ pub struct Begun<'g> {
     method: http::Method,
     trace: Trace,
     _in_flight: InFlight<'g>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum End {
+    Open,
+    Answered(u16),
+    HandedOff,
+}
+
+/// The status recorded for a request whose client went away before its answer (nginx's).
+const CLIENT_GONE: u16 = 499;
+
+impl Drop for Begun<'_> {
+    fn drop(&mut self) {
+        match self.end {
+            End::HandedOff => {}
+            End::Answered(status) => self.gw.record(self, status),
+            End::Open => self.gw.record(self, CLIENT_GONE),
+        }
+    }
 }
 
 /// What a request paid to the limiter: every bucket of its one check and the store's answer,
@@ -629,19 +647,6 @@ struct Charged {
     paid: Option<Paid>,
 }
 
-/// What the express lane does with a request head.
-// `Forward` is the common variant and large (the request's batch travels in it for a refund);
-// boxing it would allocate on every request to save a copy on the rare answers.
-#[allow(clippy::large_enum_variant)]
-pub enum Admission {
-    /// The gateway's own answer (a refusal, 401, 429 …).
-    Answer(Response<Body>),
-    /// Send it to `snap.upstreams[upstream]`.
-    Forward(Forward),
-    /// The request needs the general path.
-    HandOff,
-}
-
 /// An admitted request on its way upstream.
 pub struct Forward {
     pub upstream: usize,
@@ -649,8 +654,9 @@ pub struct Forward {
     /// What it paid, given back if it never reaches the upstream.
     pub paid: Option<Paid>,
     classified: Classified,
-    /// The upstream's in-flight place, held until the response body is done.
-    _permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// The upstream's in-flight place, held until the response body is done (hyper's path
+    /// moves it into the body).
+    pub permit: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 /// The most of a body read to find a limit's JSON field.
