@@ -143,7 +143,7 @@ pub async fn serve(
             () = upstream_deadline.passed() => Err(Failure::TimedOut),
         };
         gw.upstream_answered(&b, &f, started.elapsed());
-        let (mut conn, (framing, status, reusable)) = match answered {
+        let (mut conn, shape) = match answered {
             Ok(r) => r,
             Err(failure) => {
                 gw.refund_undelivered(f.paid.take(), &failure).await;
@@ -156,12 +156,19 @@ pub async fn serve(
                 continue;
             }
         };
-        let relayed = relay(&mut conn, &mut tcp, &mut out, BodyState::new(framing), up.timeout).await;
-        gw.finish(b, status);
+        let relayed = relay(
+            &mut conn,
+            &mut tcp,
+            &mut out,
+            BodyState::new(shape.framing),
+            up.timeout,
+        )
+        .await;
+        gw.finish(b, shape.status);
         drop(f);
         match relayed {
             Relayed::Done { clean } => {
-                if clean && reusable {
+                if clean && shape.reusable {
                     pool.put(conn);
                 }
                 if closing {
@@ -433,7 +440,7 @@ fn render_response(
     extra: &Extra<'_>,
     close: bool,
     out: &mut BytesMut,
-) -> (Framing, u16, bool) {
+) -> response::Shape {
     status_line(out, h.status, h.reason);
     for x in h.headers {
         let n = x.name.as_bytes();
@@ -457,7 +464,7 @@ fn render_response(
         out.extend_from_slice(b"connection: close\r\n");
     }
     out.extend_from_slice(b"\r\n");
-    (h.framing, h.status, h.reusable)
+    h.shape()
 }
 
 enum Relayed {

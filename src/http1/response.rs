@@ -53,7 +53,24 @@ pub struct Head<'b> {
     connection_named: SmallVec<[&'b [u8]; 4]>,
 }
 
+/// What the body's reader needs of a judged head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    pub status: u16,
+    pub framing: Framing,
+    /// Whether the connection may carry another request after the body (see [`Head`]).
+    pub reusable: bool,
+}
+
 impl Head<'_> {
+    pub fn shape(&self) -> Shape {
+        Shape {
+            status: self.status,
+            framing: self.framing,
+            reusable: self.reusable,
+        }
+    }
+
     /// Whether a header of this name reaches the client as the upstream sent it: not
     /// hop-by-hop, not named by `Connection`, and not `Content-Length`, which is written once
     /// from [`Head::length`].

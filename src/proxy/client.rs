@@ -388,16 +388,16 @@ pub struct UpstreamBody {
 impl UpstreamBody {
     pub fn new(
         conn: RawConn,
-        framing: Framing,
-        reusable: bool,
+        shape: response::Shape,
         pool: Arc<ConnPool>,
         idle: Duration,
         permit: Option<tokio::sync::OwnedSemaphorePermit>,
     ) -> UpstreamBody {
+        let framing = shape.framing;
         let mut b = UpstreamBody {
             conn: Some(conn),
             state: BodyState::new(framing),
-            reusable,
+            reusable: shape.reusable,
             pool,
             idle,
             timer: None,

@@ -116,7 +116,7 @@ impl Proxy {
             chunked,
             timeout: self.body_timeout,
         });
-        let (conn, (resp, framing, reusable)) = client::exchange(
+        let (conn, (resp, shape)) = client::exchange(
             pool,
             &head,
             outgoing,
@@ -129,7 +129,7 @@ impl Proxy {
         let resp = resp.ok_or(client::Failure::Unforwardable(
             crate::http1::response::Unforwardable("a header hyper can't hold"),
         ))?;
-        let body = client::UpstreamBody::new(conn, framing, reusable, pool.clone(), up.timeout, permit);
+        let body = client::UpstreamBody::new(conn, shape, pool.clone(), up.timeout, permit);
         Ok(resp.map(|()| body))
     }
 }
@@ -140,7 +140,7 @@ impl Proxy {
 fn response_parts(
     h: &crate::http1::response::Head<'_>,
     is_head: bool,
-) -> (Option<Response<()>>, crate::http1::response::Framing, bool) {
+) -> (Option<Response<()>>, crate::http1::response::Shape) {
     let build = || {
         let mut resp = Response::new(());
         *resp.status_mut() = http::StatusCode::from_u16(h.status).ok()?;
@@ -158,7 +158,7 @@ fn response_parts(
         }
         Some(resp)
     };
-    (build(), h.framing, h.reusable)
+    (build(), h.shape())
 }
 
 /// The gateway's answer when an exchange with `up` failed, the same on both paths: it names the
