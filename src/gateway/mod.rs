@@ -149,10 +149,11 @@ impl Gateway {
     /// Gives an admitted request's charge back when it never reached its upstream, in the same
     /// all-or-nothing way it was taken. A refund that fails is logged and counted by the store's
     /// guard; the request's answer does not wait on a retry.
-    pub async fn refund_undelivered(&self, paid: Option<Paid>, failure: &crate::proxy::client::Failure) {
-        let Some(Paid { batch, outcome }) = paid.filter(|_| failure.undelivered()) else {
+    pub async fn refund_undelivered(&self, paid: Option<Box<Paid>>, failure: &crate::proxy::client::Failure) {
+        let Some(paid) = paid.filter(|_| failure.undelivered()) else {
             return;
         };
+        let Paid { batch, outcome } = *paid;
         if let Err(e) = self.store.refund(&batch, &outcome).await {
             tracing::debug!(error = %e, "refund of an undelivered request failed");
         }
@@ -252,7 +253,9 @@ impl Gateway {
         }
         Ok(Charged {
             budget: crate::respond::budget_values(snap, &batch, key_idx, &d),
-            paid: Some(Paid { batch, outcome }),
+            // Boxed: it travels with the request to its end, and a pointer moves for less than
+            // the few hundred bytes of a batch and its outcome.
+            paid: Some(Box::new(Paid { batch, outcome })),
         })
     }
 
@@ -644,7 +647,7 @@ pub struct Paid {
 #[derive(Default)]
 struct Charged {
     budget: Option<Budget>,
-    paid: Option<Paid>,
+    paid: Option<Box<Paid>>,
 }
 
 /// An admitted request on its way upstream.
@@ -652,7 +655,7 @@ pub struct Forward {
     pub upstream: usize,
     pub budget: Option<Budget>,
     /// What it paid, given back if it never reaches the upstream.
-    pub paid: Option<Paid>,
+    pub paid: Option<Box<Paid>>,
     classified: Classified,
     /// The upstream's in-flight place, held until the response body is done (hyper's path
     /// moves it into the body).
