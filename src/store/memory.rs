@@ -166,30 +166,11 @@ impl MemoryStore {
                 }
             }
         } else {
-            // Lock shards in ascending order so two batches never wait on each other in a cycle.
-            let mut idx: SmallVec<[usize; 4]> = batch.iter().map(|i| shard_of(i.fp)).collect();
-            idx.sort_unstable();
-            idx.dedup();
-            let mut guards: SmallVec<[(usize, MutexGuard<'_, Shard>); 4]> =
-                idx.iter().map(|&i| (i, lock(&self.shards[i]))).collect();
-            let find = |fp: u64| -> usize {
-                let s = shard_of(fp);
-                guards.iter().position(|(i, _)| *i == s).unwrap_or(0)
-            };
-            let slots: SmallVec<[usize; 4]> = batch.iter().map(|i| find(i.fp)).collect();
-            let mut states: SmallVec<[Option<BucketState>; 4]> = batch
-                .iter()
-                .zip(&slots)
-                .map(|(i, &g)| guards[g].1.get(&Fp::new(i.fp)).map(|p| p.unpack()))
-                .collect();
-            let charges: SmallVec<[Charge; 4]> = batch.iter().map(|i| i.charge).collect();
-            let allowed = check_all(&charges, &mut states, now, &mut verdicts);
-            for ((item, &g), s) in batch.iter().zip(&slots).zip(&states) {
-                if let Some(s) = s {
-                    guards[g].1.insert(Fp::new(item.fp), Packed::pack(*s));
-                }
-            }
-            allowed
+            self.with_states(
+                batch,
+                |charges, states| check_all(charges, states, now, &mut verdicts),
+                |_| true,
+            )
         };
         Outcome {
             allowed,
@@ -211,30 +192,48 @@ impl MemoryStore {
         if !outcome.allowed || batch.len() != outcome.buckets.len() {
             return;
         }
+        let buckets = &outcome.buckets;
+        self.with_states(
+            batch,
+            |charges, states| refund_all(charges, buckets, true, states, now),
+            |i| charged(&batch[i].charge, &buckets[i], true),
+        );
+    }
+
+    /// Runs `f` on the stored states of `batch`'s buckets under the locks of every shard they
+    /// touch, then stores back the states of the items `keep` names. Shards are locked in
+    /// ascending order, so two batches never wait on each other in a cycle.
+    fn with_states<R>(
+        &self,
+        batch: &[CheckItem],
+        f: impl FnOnce(&[Charge], &mut [Option<BucketState>]) -> R,
+        keep: impl Fn(usize) -> bool,
+    ) -> R {
         let mut idx: SmallVec<[usize; 4]> = batch.iter().map(|i| shard_of(i.fp)).collect();
         idx.sort_unstable();
         idx.dedup();
         let mut guards: SmallVec<[(usize, MutexGuard<'_, Shard>); 4]> =
             idx.iter().map(|&i| (i, lock(&self.shards[i]))).collect();
-        let slot = |fp: u64| -> usize {
+        let find = |fp: u64| -> usize {
             let s = shard_of(fp);
             guards.iter().position(|(i, _)| *i == s).unwrap_or(0)
         };
-        let slots: SmallVec<[usize; 4]> = batch.iter().map(|i| slot(i.fp)).collect();
+        let slots: SmallVec<[usize; 4]> = batch.iter().map(|i| find(i.fp)).collect();
         let mut states: SmallVec<[Option<BucketState>; 4]> = batch
             .iter()
             .zip(&slots)
             .map(|(i, &g)| guards[g].1.get(&Fp::new(i.fp)).map(|p| p.unpack()))
             .collect();
         let charges: SmallVec<[Charge; 4]> = batch.iter().map(|i| i.charge).collect();
-        refund_all(&charges, &outcome.buckets, outcome.allowed, &mut states, now);
-        for (((item, &g), s), v) in batch.iter().zip(&slots).zip(&states).zip(&outcome.buckets) {
+        let r = f(&charges, &mut states);
+        for (k, ((item, &g), s)) in batch.iter().zip(&slots).zip(&states).enumerate() {
             if let Some(s) = s
-                && charged(&item.charge, v, outcome.allowed)
+                && keep(k)
             {
                 guards[g].1.insert(Fp::new(item.fp), Packed::pack(*s));
             }
         }
+        r
     }
 
     /// The stored state of one bucket, for tests and tools.
