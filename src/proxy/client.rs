@@ -127,7 +127,9 @@ where
     let replayable = body.as_ref().is_none_or(|b| b.body.is_end_stream());
     let mut retried = false;
     loop {
-        let (mut conn, fresh) = match pool.take() {
+        // The one retry after an answerless close goes out on a new connection.
+        let kept = if retried { None } else { pool.take() };
+        let (mut conn, fresh) = match kept {
             Some(c) => (c, false),
             None => {
                 // Boxed: connecting is the rare path, and its future would make every request's
@@ -159,9 +161,6 @@ where
                 if !fresh && !retried && replayable && idempotent {
                     retried = true;
                     tracing::debug!(authority = %pool.authority(), %why, "kept upstream connection closed under a request; sending it again on a new one");
-                    while let Some(stale) = pool.take() {
-                        drop(stale);
-                    }
                     continue;
                 }
                 return Err(Failure::Closed { sent: true, why });
