@@ -12,7 +12,7 @@ use http::{HeaderMap, Method};
 use tollgate::limit::bucket::{BucketParams, BucketState, BucketVerdict, Charge, Rate, check_all, refill};
 use tollgate::limit::clock::{Clock, ManualClock};
 use tollgate::limit::decision::decide;
-use tollgate::limit::headers::{policy_value, state_value};
+use tollgate::rules::headers::{policy_value, state_value};
 use tollgate::rules::plan;
 use tollgate::rules::{CompileOptions, compile};
 use tollgate::store::memory::MemoryStore;

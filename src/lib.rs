@@ -15,8 +15,8 @@
 //! - [`rules`]: the rules file parsed, validated and compiled into an immutable `Snapshot`, and
 //!   a request's buckets (`rules::plan`).
 //! - [`identity`]: API key (compared by SHA-256) and client IP (trusted proxies only).
-//! - [`limit`]: exact token-bucket math, clocks, a check's items and outcome, decisions and
-//!   their headers.
+//! - [`limit`]: the `tollgate-limit` crate (`src/limit/`): exact token-bucket math, clocks, a
+//!   check's items and outcome, decisions, the lease core; no I/O, no HTTP.
 //! - [`store`]: the `Store` trait (check, and refund of an undelivered request), the embedded
 //!   `MemoryStore`, the shared `RedisStore`, its guard, and `Leases` (hot keys spent from leased
 //!   blocks in memory).
@@ -37,7 +37,7 @@ pub mod fleet;
 pub mod gateway;
 pub mod http1;
 pub mod identity;
-pub mod limit;
+pub use tollgate_limit as limit;
 pub mod logsample;
 pub mod metrics;
 pub mod proxy;

@@ -9,8 +9,8 @@ use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use http_body_util::{Either, Full};
 
 use crate::limit::decision::Decision;
-use crate::limit::headers::state_value;
 use crate::rules::Snapshot;
+use crate::rules::headers::state_value;
 use crate::store::CheckItem;
 
 /// Bodies the gateway sends: an upstream's streamed through, or one of its own.
@@ -168,7 +168,7 @@ impl Budget {
 
     /// The `RateLimit` value's bytes.
     pub fn write_state(&self, out: &mut bytes::BytesMut) {
-        crate::limit::headers::write_state(out, &self.name, self.remaining, self.reset_secs);
+        crate::rules::headers::write_state(out, &self.name, self.remaining, self.reset_secs);
     }
 }
 

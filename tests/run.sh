@@ -17,5 +17,5 @@ fi
 
 # The house rules first: formatting and lints fail the run before any test does.
 cargo fmt --all -- --check
-cargo clippy --all-targets -- -D warnings
-cargo test --all-targets "$@"
+cargo clippy --workspace --all-targets -- -D warnings
+cargo test --workspace --all-targets "$@"

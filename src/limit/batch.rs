@@ -7,7 +7,7 @@ use std::sync::{Arc, LazyLock};
 
 use smallvec::SmallVec;
 
-use crate::limit::bucket::{BucketVerdict, Charge};
+use crate::bucket::{BucketVerdict, Charge};
 
 /// Block size for leased limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -358,6 +358,14 @@ pub fn refund_all(
     }
 }
 
+/// Seconds until a bucket holding `tokens` units is full again.
+pub fn secs_to_full(p: &BucketParams, tokens: u64) -> u64 {
+    p.capacity
+        .saturating_sub(tokens)
+        .div_ceil(p.refill)
+        .div_ceil(US_PER_S)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,11 +1,10 @@
 //! A store's answer read as one decision: admitted, limited or unavailable, which bucket
-//! decided, the budget left and the wait. Headers and the 429 body are built from it in `crate::respond`.
+//! decided, the budget left and the wait. The gateway builds headers and the 429 body from it.
 
 use smallvec::SmallVec;
 
-use super::bucket::{BucketParams, retry_after_secs};
-use super::headers::secs_to_full;
-use crate::limit::batch::{CheckItem, FailurePolicy, Outcome, Source};
+use super::bucket::{BucketParams, retry_after_secs, secs_to_full};
+use crate::batch::{CheckItem, FailurePolicy, Outcome, Source};
 
 /// What the limiter decided for one request, in the words the gateway uses everywhere (code,
 /// metrics, logs, README): **admitted**, **limited** (429, with the wait), or **unavailable**

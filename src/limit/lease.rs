@@ -7,7 +7,7 @@
 //! it in memory, and asks again only when the block runs low:
 //!
 //! - **Store side** ([`lease`], [`give_back`]): refill the bucket from the *store's* clock
-//!   exactly as a check does ([`crate::limit::bucket::refill`]), then grant a whole block or
+//!   exactly as a check does ([`crate::bucket::refill`]), then grant a whole block or
 //!   nothing. Partial grants would bring back one store call per request. On nothing, answer
 //!   `denied_until = now + N × B / r`: one block cycle, the time the bucket needs to refill a
 //!   block for every gateway. A give-back adds unused tokens, capped at the burst.
@@ -289,7 +289,7 @@ impl Holder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limit::bucket::Rate;
+    use crate::bucket::Rate;
 
     fn kbig() -> LeaseConfig {
         let p = BucketParams::new(Rate::parse("10000/1s").unwrap(), 20_000).unwrap();

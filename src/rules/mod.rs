@@ -3,6 +3,7 @@
 //! A request loads the snapshot once and uses it to the end. Every error names the file, the
 //! field and the reason; nothing is defaulted silently.
 
+pub mod headers;
 pub mod plan;
 pub mod raw;
 pub mod summary;
@@ -20,7 +21,7 @@ use crate::http1::path::{self, EncodedSlashes};
 pub use crate::limit::batch::LeaseBlock;
 use crate::limit::batch::{FailurePolicy, fingerprint};
 use crate::limit::bucket::{BucketParams, Rate};
-use crate::limit::headers::policy_value;
+use headers::policy_value;
 pub use raw::{KeyRequirement, LimitClass, Mode};
 use raw::{RawBlock, RawDimension, RawDimensionName, RawEncodedSlashes, RawNumbers, RawPathMatch, RawRules};
 

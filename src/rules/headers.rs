@@ -11,7 +11,7 @@
 use http::HeaderValue;
 use sfv::{KeyRef, ListSerializer, StringRef};
 
-use super::bucket::{BucketParams, US_PER_S};
+use crate::limit::bucket::{BucketParams, US_PER_S};
 
 /// Precomputed at rule load: the `RateLimit-Policy` value of one limit with these numbers.
 pub fn policy_value(name: &str, p: &BucketParams) -> Result<HeaderValue, String> {
@@ -62,14 +62,6 @@ pub fn write_state(out: &mut bytes::BytesMut, name: &str, remaining: u64, t_secs
 /// The largest integer an RFC 9651 structured field can carry.
 const MAX_SF_INTEGER: u64 = 999_999_999_999_999;
 
-/// Seconds until a bucket holding `tokens` units is full again.
-pub fn secs_to_full(p: &BucketParams, tokens: u64) -> u64 {
-    p.capacity
-        .saturating_sub(tokens)
-        .div_ceil(p.refill)
-        .div_ceil(US_PER_S)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -115,7 +107,7 @@ mod tests {
             policy_value("exports", &p).unwrap(),
             r#""exports-burst";q=1;w=5, "exports";q=1;w=5"#
         );
-        assert_eq!(secs_to_full(&p, 0), 5);
-        assert_eq!(secs_to_full(&p, p.capacity), 0);
+        assert_eq!(crate::limit::bucket::secs_to_full(&p, 0), 5);
+        assert_eq!(crate::limit::bucket::secs_to_full(&p, p.capacity), 0);
     }
 }
