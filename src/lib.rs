@@ -8,9 +8,9 @@
 //!   handler may serve plain HTTP/1.1 connections itself first.
 //! - [`gateway`]: one request's path: route → identity → plan → store check → 429 or forward;
 //!   its express lane serves plain HTTP/1.1 requests without a body in the connection's task.
-//! - [`http1`]: the one reader of HTTP/1 (canonical request paths, chunked bodies, upstream
-//!   response heads, `Connection` tokens, idempotent methods) for the watcher, the express lane
-//!   and the proxy.
+//! - [`http1`]: the `tollgate-http1` crate (`src/http1/`): the one reader of HTTP/1
+//!   (canonical request paths, chunked bodies, upstream response heads, `Connection` tokens,
+//!   idempotent methods) for the watcher, the express lane and the proxy.
 //! - [`sanitize`]: request heads refused before anything reads them (smuggling, bad `Host`).
 //! - [`rules`]: the rules file parsed, validated and compiled into an immutable `Snapshot`, and
 //!   a request's buckets (`rules::plan`).
@@ -35,7 +35,7 @@ pub mod config;
 pub mod demo;
 pub mod fleet;
 pub mod gateway;
-pub mod http1;
+pub use tollgate_http1 as http1;
 pub mod identity;
 pub use tollgate_limit as limit;
 pub mod logsample;
