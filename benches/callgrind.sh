@@ -16,17 +16,8 @@ for bin in nginx wrk valgrind python3; do
   command -v "$bin" >/dev/null || { echo "callgrind.sh needs $bin (apt-get install nginx wrk valgrind)" >&2; exit 1; }
 done
 
-work=$(mktemp -d)
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"; }
-trap cleanup EXIT
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_port() { for _ in $(seq 400); do (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null && return 0; sleep 0.05; done; echo "nothing listens on $1" >&2; exit 1; }
-
-UP=$(port)
-sed -e "s#__PORT__#$UP#" -e "s#__DIR__#$work#" benches/nginx/upstream.conf > "$work/upstream.conf"
-nginx -c "$work/upstream.conf" -p "$work" & pids+=($!)
-wait_port "$UP"
+. benches/lib.sh
+start_upstream
 sed "s#http://127.0.0.1:8081#http://127.0.0.1:$UP#" rules/bench.json > "$work/rules.json"
 
 # Binaries, each followed by its own flags.

@@ -31,18 +31,8 @@ else
   TG=target/release/tollgate
 fi
 
-work=$(mktemp -d)
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"; }
-trap cleanup EXIT
-
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_port() { for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null && return 0; sleep 0.05; done; echo "nothing listens on $1" >&2; exit 1; }
-
-UP=$(port)
-sed -e "s#__PORT__#$UP#" -e "s#__DIR__#$work#" benches/nginx/upstream.conf > "$work/upstream.conf"
-taskset -c 1 nginx -c "$work/upstream.conf" -p "$work" & pids+=($!)
-wait_port "$UP"
+. benches/lib.sh
+start_upstream 1
 
 NGX=$(port)
 sed -e "s#__PORT__#$NGX#" -e "s#__UPSTREAM__#127.0.0.1:$UP#" -e "s#__DIR__#$work#" benches/nginx/limit_req.conf > "$work/proxy.conf"

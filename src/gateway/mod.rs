@@ -459,11 +459,13 @@ impl Gateway {
         if let Some(p) = path {
             set_path(&mut parts.uri, p).map_err(Refusal::into_response)?;
         }
-        if !parts.headers.contains_key(http::header::HOST)
-            && let Some(host) = parts
-                .uri
-                .authority()
-                .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+        // Only a target with an authority (HTTP/2's, or an absolute form) can lack a Host, so
+        // the usual request looks at one field, not the header map.
+        if let Some(host) = parts
+            .uri
+            .authority()
+            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+            && !parts.headers.contains_key(http::header::HOST)
         {
             parts.headers.insert(http::header::HOST, host);
         }

@@ -295,10 +295,6 @@ impl BodyState {
         }
     }
 
-    pub fn framing(&self) -> Framing {
-        self.framing
-    }
-
     /// How much of `buf` belongs to the body, calling `on_data` with every range of payload
     /// in it (the chunk data for chunked bodies, everything otherwise).
     pub fn step(
