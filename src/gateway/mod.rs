@@ -41,6 +41,7 @@ pub struct Gateway {
     pub metrics: Arc<Metrics>,
     shadow_log: Sampler,
     live: ArcSwap<Live>,
+    building: std::sync::Mutex<()>,
 }
 
 /// An admitted request's budget headers are taken right after the check, so the batch need
@@ -91,6 +92,7 @@ impl Gateway {
             metrics,
             shadow_log: Sampler::new(std::time::Duration::from_secs(1)),
             live: ArcSwap::from_pointee(Live::default()),
+            building: std::sync::Mutex::new(()),
         }
     }
 
@@ -101,8 +103,23 @@ impl Gateway {
         if current.handles.snapshot == snap.version {
             return current;
         }
+        // One builder at a time: the first requests of a snapshot arrive together, and each
+        // building its own would give each its own in-flight gate, letting an upstream receive
+        // a multiple of its cap.
+        let _one = self
+            .building
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let current = self.live.load_full();
+        if current.handles.snapshot == snap.version {
+            return current;
+        }
         let fresh = Arc::new(Live::new(snap, &current));
-        self.live.store(fresh.clone());
+        // A request that loaded its snapshot just before a reload gets state for it (sharing
+        // the current pools and gates by name) without pushing the newer one out.
+        if snap.version > current.handles.snapshot {
+            self.live.store(fresh.clone());
+        }
         fresh
     }
 
@@ -852,5 +869,56 @@ impl Handler for Gateway {
         mut stop: tokio::sync::watch::Receiver<bool>,
     ) -> crate::server::Ended {
         express::serve(&self, tcp, &info, &limits, &mut stop).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limit::clock::ManualClock;
+    use crate::store::memory::MemoryStore;
+
+    /// The first requests of a snapshot arrive together; they must share one in-flight gate
+    /// and one pool per upstream, or an upstream could receive a multiple of its cap.
+    #[test]
+    fn concurrent_first_requests_share_one_live_state() {
+        let snap = crate::rules::compile(
+            br#"{"version": 3, "upstreams": {"u": {"url": "http://127.0.0.1:9", "max_in_flight": 4}},
+                "routes": [{"method": "GET", "path": "/", "upstream": "u", "key": "optional"}]}"#,
+            "test.json",
+            crate::rules::CompileOptions::default(),
+        )
+        .unwrap();
+        let snap = Arc::new(snap);
+        let gw = Gateway::new(
+            Arc::new(ArcSwap::new(snap.clone())),
+            Arc::new(MemoryStore::new(ManualClock::new(0))),
+            TrustedProxies::default(),
+            Metrics::new(),
+        );
+        for _ in 0..300 {
+            let barrier = std::sync::Barrier::new(8);
+            let lives: Vec<Arc<Live>> = std::thread::scope(|s| {
+                let handles: Vec<_> = (0..8)
+                    .map(|_| {
+                        s.spawn(|| {
+                            barrier.wait();
+                            gw.live(&snap)
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let gate = |l: &Live| l.upstreams[0].gate.clone().unwrap();
+            for l in &lives {
+                assert!(
+                    Arc::ptr_eq(&gate(l), &gate(&lives[0])),
+                    "two gates for one upstream"
+                );
+                assert!(Arc::ptr_eq(&l.upstreams[0].pool, &lives[0].upstreams[0].pool));
+            }
+            // The next round starts from a fresh gateway state again.
+            gw.live.store(Arc::new(Live::default()));
+        }
     }
 }
