@@ -10,8 +10,7 @@
 //!   its express lane serves plain HTTP/1.1 requests without a body in the connection's task.
 //! - [`http1`]: the `tollgate-http1` crate (`src/http1/`): the one reader of HTTP/1
 //!   (canonical request paths, chunked bodies, upstream response heads, `Connection` tokens,
-//!   idempotent methods) for the watcher, the express lane and the proxy.
-//! - [`sanitize`]: request heads refused before anything reads them (smuggling, bad `Host`).
+//!   idempotent methods, request heads refused before anything reads them) for the watcher, the express lane and the proxy.
 //! - [`rules`]: the rules file parsed, validated and compiled into an immutable `Snapshot`, and
 //!   a request's buckets (`rules::plan`).
 //! - [`identity`]: API key (compared by SHA-256) and client IP (trusted proxies only).
@@ -44,6 +43,5 @@ pub mod proxy;
 pub mod replay;
 pub mod respond;
 pub mod rules;
-pub mod sanitize;
 pub mod server;
 pub mod store;

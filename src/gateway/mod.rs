@@ -16,6 +16,7 @@ use hyper::body::Incoming;
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 
 use crate::http1::path::{EncodedSlashes, PathError, canonical, has_encoded_slash};
+use crate::http1::sanitize;
 use crate::identity::{self, KeySource, TrustedProxies};
 use crate::limit::decision::{Decision, decide};
 use crate::logsample::Sampler;
@@ -26,7 +27,6 @@ use crate::proxy::{Caller, Proxy};
 use crate::respond::{Body, Budget, Refusal, budget_headers};
 use crate::rules::plan;
 use crate::rules::{KeyRequirement, Snapshot, hash_secret};
-use crate::sanitize;
 use crate::server::{ConnInfo, Handler};
 use crate::store::{Batch, Outcome, Store, StoreError};
 

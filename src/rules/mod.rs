@@ -832,7 +832,7 @@ impl Compiler<'_> {
                 "CONNECT is refused with 405: the gateway is not a tunnel",
             ));
         }
-        if let Some(standard) = crate::sanitize::miscased_method(&m) {
+        if let Some(standard) = crate::http1::sanitize::miscased_method(&m) {
             return Err(self.err(
                 format!("{field}.method"),
                 format!("methods are case-sensitive: write {standard:?}, not {text:?}"),

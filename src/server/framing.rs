@@ -21,7 +21,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Sleep;
 
 use crate::http1::chunked::Decoder;
-use crate::sanitize::HeadError;
+use crate::http1::sanitize::HeadError;
 
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// Past this a head is refused by the parser anyway (431); stop watching.

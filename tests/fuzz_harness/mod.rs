@@ -227,7 +227,7 @@ pub fn classify(data: &[u8]) {
     let trusted = &TRUSTED[head.trusted as usize % TRUSTED.len()];
 
     // The pieces on their own, then together as the gateway calls them.
-    let _ = tollgate::sanitize::check_head(&headers);
+    let _ = tollgate::http1::sanitize::check_head(&headers);
     let _ = identity::credential(&headers);
     let ip = identity::client_ip(peer, &headers, trusted);
     let canonical = identity::canonical(peer);

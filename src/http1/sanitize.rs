@@ -1,6 +1,6 @@
 //! What may enter: request heads that could be read two ways by two parsers (request
 //! smuggling), or that don't name one valid host, are refused before anything else looks at
-//! them. Paths are [`crate::http1::path`]'s.
+//! them. Paths are [`crate::path`]'s.
 //!
 //! The HTTP/1 parser already refuses obs-fold, differing duplicate `Content-Length` values,
 //! malformed lengths and control bytes in the request line, and answers 431 past the header size
