@@ -22,7 +22,8 @@
 //! - [`respond`]: every response the gateway makes itself, in one place.
 //! - [`proxy`]: kept upstream connections, the upstream's header edits (hop-by-hop stripping,
 //!   `X-Forwarded-*`), 502/504.
-//! - [`metrics`], [`logsample`]: what the operator sees: Prometheus metrics, sampled log lines.
+//! - [`metrics`], [`logsample`]: the `tollgate-telemetry` crate (`src/telemetry/`): what the
+//!   operator sees: Prometheus metrics, sampled log lines.
 //! - [`admin`]: the admin listener (health, readiness, metrics, running rules).
 //! - [`demo`]: the built-in demo upstream.
 //! - [`replay`]: `tollgate replay`, traces through the same limiter code on a virtual clock.
@@ -37,8 +38,7 @@ pub mod gateway;
 pub use tollgate_http1 as http1;
 pub mod identity;
 pub use tollgate_limit as limit;
-pub mod logsample;
-pub mod metrics;
+pub use tollgate_telemetry::{logsample, metrics};
 pub mod proxy;
 pub mod replay;
 pub mod respond;

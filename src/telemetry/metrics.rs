@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use crate::limit::decision::Decision;
+use tollgate_limit::decision::Decision;
 
 /// A check's result as the metrics name it, in `Decision`'s order.
 const DECISIONS: [&str; 3] = ["admitted", "limited", "unavailable"];
