@@ -18,7 +18,7 @@ use crate::gateway::Gateway;
 use crate::identity::TrustedProxies;
 use crate::limit::clock::{Clock, SystemClock};
 use crate::metrics::Metrics;
-use crate::rules::watch::{Reloader, WatchHandle};
+use crate::reload::{Reloader, WatchHandle};
 use crate::rules::{CompileOptions, RulesError, Snapshot};
 pub use crate::rules::{RulesLoader, RulesSource};
 use crate::server::{self, ServerLimits, tls};

@@ -11,9 +11,11 @@
 //! - [`http1`]: the `tollgate-http1` crate (`src/http1/`): the one reader of HTTP/1
 //!   (canonical request paths, chunked bodies, upstream response heads, `Connection` tokens,
 //!   idempotent methods, request heads refused before anything reads them) for the watcher, the express lane and the proxy.
-//! - [`rules`]: the rules file parsed, validated and compiled into an immutable `Snapshot`, and
+//! - [`rules`]: the `tollgate-rules` crate (`src/rules/`): the rules file parsed, validated and
+//!   compiled into an immutable `Snapshot`, and
 //!   a request's buckets (`rules::plan`).
-//! - [`identity`]: API key (compared by SHA-256) and client IP (trusted proxies only).
+//! - [`reload`]: live rules: the file watch and SIGHUP, swapping in only higher versions.
+//! - [`identity`] (in `tollgate-rules`): API key (compared by SHA-256) and client IP (trusted proxies only).
 //! - [`limit`]: the `tollgate-limit` crate (`src/limit/`): exact token-bucket math, clocks, a
 //!   check's items and outcome, decisions, the lease core; no I/O, no HTTP.
 //! - [`store`]: the `Store` trait (check, and refund of an undelivered request), the embedded
@@ -36,12 +38,13 @@ pub mod demo;
 pub mod fleet;
 pub mod gateway;
 pub use tollgate_http1 as http1;
-pub mod identity;
 pub use tollgate_limit as limit;
+pub use tollgate_rules::identity;
 pub use tollgate_telemetry::{logsample, metrics};
 pub mod proxy;
+pub mod reload;
 pub mod replay;
 pub mod respond;
-pub mod rules;
+pub use tollgate_rules as rules;
 pub mod server;
 pub mod store;

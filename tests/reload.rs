@@ -12,7 +12,7 @@ use http::StatusCode;
 use serde_json::{Value, json};
 use tollgate::app::Running;
 use tollgate::limit::clock::ManualClock;
-use tollgate::rules::watch::Reload;
+use tollgate::reload::Reload;
 
 fn demo_value(upstream: std::net::SocketAddr) -> Value {
     serde_json::from_str(&common::demo_rules_for(upstream)).unwrap()

@@ -11,7 +11,7 @@
 use http::HeaderValue;
 use sfv::{KeyRef, ListSerializer, StringRef};
 
-use crate::limit::bucket::{BucketParams, US_PER_S};
+use tollgate_limit::bucket::{BucketParams, US_PER_S};
 
 /// Precomputed at rule load: the `RateLimit-Policy` value of one limit with these numbers.
 pub fn policy_value(name: &str, p: &BucketParams) -> Result<HeaderValue, String> {
@@ -65,8 +65,8 @@ const MAX_SF_INTEGER: u64 = 999_999_999_999_999;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limit::bucket::Rate;
     use sfv::ItemSerializer;
+    use tollgate_limit::bucket::Rate;
 
     #[test]
     fn k7_policy_matches_the_spec_example() {
@@ -107,7 +107,7 @@ mod tests {
             policy_value("exports", &p).unwrap(),
             r#""exports-burst";q=1;w=5, "exports";q=1;w=5"#
         );
-        assert_eq!(crate::limit::bucket::secs_to_full(&p, 0), 5);
-        assert_eq!(crate::limit::bucket::secs_to_full(&p, p.capacity), 0);
+        assert_eq!(tollgate_limit::bucket::secs_to_full(&p, 0), 5);
+        assert_eq!(tollgate_limit::bucket::secs_to_full(&p, p.capacity), 0);
     }
 }

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use http::HeaderMap;
 
 use super::{ApiKey, Dimension, Limit, Prepared, Route, Snapshot};
-use crate::limit::batch::{Batch, CheckItem};
-use crate::limit::bucket::Charge;
+use tollgate_limit::batch::{Batch, CheckItem};
+use tollgate_limit::bucket::Charge;
 
 /// Why a request's buckets can't be named.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -30,7 +30,7 @@ const MAX_VALUE_IN_KEY: usize = 64;
 fn push_value(out: &mut String, value: &[u8]) {
     if value.len() > MAX_VALUE_IN_KEY {
         out.push_str("sha256=");
-        let h = crate::rules::hash_secret(value);
+        let h = crate::hash_secret(value);
         out.push_str(&hex::encode(&h[..16]));
         return;
     }

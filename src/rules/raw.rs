@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
-use crate::limit::batch::FailurePolicy;
+use tollgate_limit::batch::FailurePolicy;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -1,13 +1,15 @@
-//! Rules: the JSON file parsed (`raw`), validated and compiled into one immutable [`Snapshot`].
+//! Rules: the JSON file parsed (`raw`), validated and compiled into one immutable [`Snapshot`]
+//! of plain data (no socket, pool or task), the buckets one request pays (`plan`), and who is
+//! asking (`identity`: API keys and client IPs).
 //!
 //! A request loads the snapshot once and uses it to the end. Every error names the file, the
 //! field and the reason; nothing is defaulted silently.
 
 pub mod headers;
+pub mod identity;
 pub mod plan;
 pub mod raw;
 pub mod summary;
-pub mod watch;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -17,13 +19,13 @@ use std::time::{Duration, SystemTime};
 use http::{HeaderName, HeaderValue, Method, uri::Authority};
 use sha2::{Digest, Sha256};
 
-use crate::http1::path::{self, EncodedSlashes};
-pub use crate::limit::batch::LeaseBlock;
-use crate::limit::batch::{FailurePolicy, fingerprint};
-use crate::limit::bucket::{BucketParams, Rate};
 use headers::policy_value;
 pub use raw::{KeyRequirement, LimitClass, Mode};
 use raw::{RawBlock, RawDimension, RawDimensionName, RawEncodedSlashes, RawNumbers, RawPathMatch, RawRules};
+use tollgate_http1::path::{self, EncodedSlashes};
+pub use tollgate_limit::batch::LeaseBlock;
+use tollgate_limit::batch::{FailurePolicy, fingerprint};
+use tollgate_limit::bucket::{BucketParams, Rate};
 
 /// A rules file that can't be used, with where and why.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -243,8 +245,8 @@ impl Snapshot {
     /// The name of the limit whose bucket decided a check of `batch`.
     pub fn deciding_limit(
         &self,
-        batch: &[crate::limit::batch::CheckItem],
-        d: &crate::limit::decision::Decision,
+        batch: &[tollgate_limit::batch::CheckItem],
+        d: &tollgate_limit::decision::Decision,
     ) -> Option<&str> {
         d.deciding.map(|i| &*self.limits[batch[i].limit as usize].name)
     }
@@ -832,7 +834,7 @@ impl Compiler<'_> {
                 "CONNECT is refused with 405: the gateway is not a tunnel",
             ));
         }
-        if let Some(standard) = crate::http1::sanitize::miscased_method(&m) {
+        if let Some(standard) = tollgate_http1::sanitize::miscased_method(&m) {
             return Err(self.err(
                 format!("{field}.method"),
                 format!("methods are case-sensitive: write {standard:?}, not {text:?}"),
