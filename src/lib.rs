@@ -18,7 +18,7 @@
 //! - [`identity`] (in `tollgate-rules`): API key (compared by SHA-256) and client IP (trusted proxies only).
 //! - [`limit`]: the `tollgate-limit` crate (`src/limit/`): exact token-bucket math, clocks, a
 //!   check's items and outcome, decisions, the lease core; no I/O, no HTTP.
-//! - [`store`]: the `Store` trait (check, and refund of an undelivered request), the embedded
+//! - [`store`]: the `tollgate-store` crate (`src/store/`): the `Store` trait (check, and refund of an undelivered request), the embedded
 //!   `MemoryStore`, the shared `RedisStore`, its guard, and `Leases` (hot keys spent from leased
 //!   blocks in memory).
 //! - [`respond`]: every response the gateway makes itself, in one place.
@@ -47,4 +47,4 @@ pub mod replay;
 pub mod respond;
 pub use tollgate_rules as rules;
 pub mod server;
-pub mod store;
+pub use tollgate_store as store;

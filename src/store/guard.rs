@@ -24,10 +24,10 @@ use smallvec::SmallVec;
 
 use super::memory::MemoryStore;
 use super::{BoxFuture, CheckFuture, CheckItem, FailurePolicy, Outcome, Source, Store, StoreError, mismatch};
-use crate::limit::bucket::{BucketParams, BucketVerdict, Rate, rescale};
-use crate::limit::clock::Clock;
-use crate::logsample::Sampler;
-use crate::metrics::{Kind, LimitPolicy, Metrics};
+use tollgate_limit::bucket::{BucketParams, BucketVerdict, Rate, rescale};
+use tollgate_limit::clock::Clock;
+use tollgate_telemetry::logsample::Sampler;
+use tollgate_telemetry::metrics::{Kind, LimitPolicy, Metrics};
 
 /// Failures in a row that open the breaker.
 pub const FAILURES_TO_OPEN: u32 = 5;
@@ -475,9 +475,9 @@ impl Store for Guard {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limit::bucket::Charge;
-    use crate::limit::clock::ManualClock;
     use std::sync::atomic::AtomicU8;
+    use tollgate_limit::bucket::Charge;
+    use tollgate_limit::clock::ManualClock;
 
     /// A store that answers from memory, fails, or never answers, as told.
     struct Faulty {

@@ -3,7 +3,7 @@
 //! of the guard.
 //!
 //! For every batch item whose limit is leased, [`Leases`] runs the pure holder of
-//! [`crate::limit::lease`] per bucket (per key): spend a held token, or refuse locally with
+//! [`tollgate_limit::lease`] per bucket (per key): spend a held token, or refuse locally with
 //! `Retry-After` from `denied_until`; at 20% of the block ask for the next one in the
 //! background (one lease in flight per key, never before `denied_until` plus 0–50 ms of
 //! jitter); a block expires 10 s after it arrived, on this gateway's monotonic clock, and its
@@ -43,13 +43,13 @@ use tokio::time::Instant;
 
 use super::guard::FleetSize;
 use super::{BoxFuture, CheckFuture, CheckItem, Outcome, Source, Store, StoreError};
-use crate::limit::batch::LeaseBlock;
-use crate::limit::bucket::{BucketParams, BucketVerdict};
-use crate::limit::lease::{
+use tollgate_limit::batch::LeaseBlock;
+use tollgate_limit::bucket::{BucketParams, BucketVerdict};
+use tollgate_limit::lease::{
     BLOCK_TTL_US, Grant, Holder, LeaseConfig, MAX_JITTER_US, auto_block, block_cycle_us,
 };
-use crate::logsample::Sampler;
-use crate::metrics::{Kind, Metrics};
+use tollgate_telemetry::logsample::Sampler;
+use tollgate_telemetry::metrics::{Kind, Metrics};
 
 /// A lease call that has not answered in this long counts as failed. Longer than a check's
 /// budget: it runs off the request path, and a late grant is still tokens to spend.
@@ -659,10 +659,10 @@ impl Store for Leases {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limit::bucket::{BucketState, Charge, Rate};
-    use crate::limit::lease::{give_back, lease};
-    use crate::store::FailurePolicy;
+    use crate::FailurePolicy;
     use std::sync::atomic::{AtomicBool, AtomicU64};
+    use tollgate_limit::bucket::{BucketState, Charge, Rate};
+    use tollgate_limit::lease::{give_back, lease};
 
     /// A store in memory on tokio's (paused) clock: leases by `limit::lease`, checks answered
     /// as told, and a switch that makes every lease call fail.
@@ -931,7 +931,7 @@ mod tests {
         let a = item("10000/1s", 20_000, 100, 1);
         let mut b = item("10000/1s", 20_000, 100, 1);
         b.key = "rl:{other}:plan".into();
-        b.fp = crate::store::fingerprint(&b.key);
+        b.fp = crate::fingerprint(&b.key);
         assert!(l.check(std::slice::from_ref(&a)).await.unwrap().allowed);
         // The next lease answers after 50 ms: the request is checked in the store meanwhile,
         // and the grant arrives after the drain began.

@@ -9,8 +9,8 @@ use std::time::Duration;
 use smallvec::SmallVec;
 
 use super::{BoxFuture, CheckFuture, CheckItem, Outcome, Source, Store, StoreError, mismatch};
-use crate::limit::bucket::{BucketState, BucketVerdict, Charge, charged, check_all, refund_all};
-use crate::limit::clock::Clock;
+use tollgate_limit::bucket::{BucketState, BucketVerdict, Charge, charged, check_all, refund_all};
+use tollgate_limit::clock::Clock;
 
 const SHARDS: usize = 64;
 
@@ -326,9 +326,9 @@ impl Store for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limit::bucket::{BucketParams, Rate};
-    use crate::limit::clock::ManualClock;
-    use crate::store::FailurePolicy;
+    use crate::FailurePolicy;
+    use tollgate_limit::bucket::{BucketParams, Rate};
+    use tollgate_limit::clock::ManualClock;
 
     #[test]
     fn idle_buckets_expire_only_once_full() {

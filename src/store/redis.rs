@@ -29,9 +29,9 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use super::lease::{GiveBackReply, LeaseReply, Lessor};
 use super::{BoxFuture, CheckFuture, CheckItem, Outcome, Source, Store, StoreError, mismatch};
-use crate::limit::bucket::{BucketParams, BucketVerdict, charged};
-use crate::limit::clock::Clock;
-use crate::limit::lease::Grant;
+use tollgate_limit::bucket::{BucketParams, BucketVerdict, charged};
+use tollgate_limit::clock::Clock;
+use tollgate_limit::lease::Grant;
 
 /// The check script. Its SHA-1 is what every call sends.
 pub const SCRIPT: &str = concat!(

@@ -20,7 +20,7 @@ use std::task::{Context, Poll};
 
 use smallvec::SmallVec;
 
-pub use crate::limit::batch::{Batch, CheckItem, FailurePolicy, LeaseBlock, Outcome, Source, fingerprint};
+pub use tollgate_limit::batch::{Batch, CheckItem, FailurePolicy, LeaseBlock, Outcome, Source, fingerprint};
 
 /// A real failure to get an answer. A refusal is an [`Outcome`], never an error.
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
