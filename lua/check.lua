@@ -27,7 +27,7 @@
 -- Returns an array of integers:
 --   [1]             now: the microseconds this call used (TIME, or ARGV[1])
 --   then for each request g, 1 + 2 n_g values:
---     allowed       1 if every enforced bucket held its need (and all of them were charged),
+--     admitted       1 if every enforced bucket held its need (and all of them were charged),
 --                   0 if not, -1 if one of its buckets holds a value this script did not write
 --                   (the request then charges and writes nothing)
 --     tokens, wait  per bucket: units left after the check; microseconds until the bucket could
@@ -36,7 +36,7 @@
 -- probe that the store lets a script read TIME.
 --
 -- The bucket encoding and arithmetic come from lua/bucket.lua, loaded in front of this script.
--- Every bucket is written back on every check, allowed or refused.
+-- Every bucket is written back on every check, admitted or limited.
 
 local nkeys = #KEYS
 local groups = tonumber(ARGV[2])
@@ -60,7 +60,7 @@ for g = 1, groups do
   end
 
   -- bucket.rs `check_all`, first pass: every bucket refilled to now and measured.
-  local allowed, corrupt = true, false
+  local admitted, corrupt = true, false
   local tokens, waits = {}, {}
   for i = first, last do
     local a = 2 + groups + 6 * (i - 1)
@@ -85,7 +85,7 @@ for g = 1, groups do
     end
     tokens[i], waits[i] = t, w
     if w ~= 0 and ARGV[a + 6] ~= '1' then
-      allowed = false
+      admitted = false
     end
   end
 
@@ -98,11 +98,11 @@ for g = 1, groups do
   else
     -- Second pass: enforced buckets are charged only together, shadow ones on their own; every
     -- bucket is written back either way.
-    out[#out + 1] = allowed and 1 or 0
+    out[#out + 1] = admitted and 1 or 0
     for i = first, last do
       local a = 2 + groups + 6 * (i - 1)
       local t = tokens[i]
-      if waits[i] == 0 and (allowed or ARGV[a + 6] == '1') then
+      if waits[i] == 0 and (admitted or ARGV[a + 6] == '1') then
         t = t - tonumber(ARGV[a + 4])
       end
       save(KEYS[i], t, now, tonumber(ARGV[a + 1]), ARGV[a + 5])

@@ -43,7 +43,7 @@ pub use tollgate_rules::identity;
 pub use tollgate_telemetry::{logsample, metrics};
 pub mod proxy;
 pub mod reload;
-pub mod replay;
+pub use tollgate_replay as replay;
 pub mod respond;
 pub use tollgate_rules as rules;
 pub mod server;

@@ -51,7 +51,7 @@ proptest! {
             let mut it = item.clone();
             it.charge.cost = cost;
             let out = store.check_now(std::slice::from_ref(&it));
-            if out.allowed {
+            if out.admitted {
                 admitted.push((clock.now_us(), cost));
             }
         }
@@ -93,16 +93,16 @@ proptest! {
         ];
         let mut states = before;
         let mut out = [verdict(); 2];
-        let allowed = check_all(&charges, &mut states, now, &mut out);
+        let admitted = check_all(&charges, &mut states, now, &mut out);
         for i in 0..2 {
             let refilled = refill(&charges[i].params, before[i], now);
             let after = states[i].unwrap().tokens;
-            if allowed {
+            if admitted {
                 prop_assert_eq!(after, refilled - charges[i].params.units(charges[i].cost));
             } else {
                 prop_assert_eq!(after, refilled, "bucket {} was charged by a refused request", i);
             }
         }
-        prop_assert_eq!(allowed, out.iter().all(|v| v.sufficient));
+        prop_assert_eq!(admitted, out.iter().all(|v| v.sufficient));
     }
 }

@@ -177,7 +177,7 @@ fn other_partners_get_no_errors_in_any_mode() {
             r["run"]
         );
         assert_eq!(
-            f(o, "refused_429"),
+            f(o, "limited_429"),
             0.0,
             "{}: other partners under their limits got 429: {o}",
             r["run"]

@@ -157,12 +157,12 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, seed: u64) {
                     tokens: 0,
                     wait_us: None,
                 }];
-                let allowed = check_all(&[charge], &mut states_one, out.now_us, &mut v);
+                let admitted = check_all(&[charge], &mut states_one, out.now_us, &mut v);
                 state = states_one[0];
                 let what = format!("check of cost {cost}");
                 assert_eq!(
-                    out.allowed,
-                    allowed,
+                    out.admitted,
+                    admitted,
                     "decision differs; {}",
                     context(out.now_us, &what)
                 );

@@ -120,7 +120,7 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u
     let keys: Vec<String> = (0..BUCKETS).map(|i| format!("rl:{{{tag}}}:b{i}")).collect();
     let mut rules: Vec<BucketParams> = (0..BUCKETS).map(|_| random_params(&mut rng)).collect();
     let mut states: HashMap<String, BucketState> = HashMap::new();
-    let (mut allowed, mut refused, mut changes, mut multi, mut refunds) = (0, 0, 0, 0, 0);
+    let (mut admitted, mut refused, mut changes, mut multi, mut refunds) = (0, 0, 0, 0, 0);
     for step in 0..STEPS {
         // A rule changes under a live bucket now and then.
         if rng.random_range(0..5) == 0 {
@@ -183,7 +183,7 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u
                 )
             };
             assert_eq!(
-                outcome.allowed,
+                outcome.admitted,
                 expected_allowed,
                 "decision differs; {}",
                 context()
@@ -197,8 +197,8 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u
             for (item, s) in batch.iter().zip(expected_states) {
                 states.insert(item.key.to_string(), s.expect("check_all writes every state"));
             }
-            if outcome.allowed {
-                allowed += 1;
+            if outcome.admitted {
+                admitted += 1;
             } else {
                 refused += 1;
             }
@@ -207,7 +207,7 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u
         // Now and then an admitted request is not delivered, sometimes noticed after the clock
         // moved, and after the later requests of its call were checked.
         for (r, (batch, outcome)) in batches.iter().zip(&outcomes).enumerate() {
-            if !outcome.allowed || rng.random_range(0..3) != 0 {
+            if !outcome.admitted || rng.random_range(0..3) != 0 {
                 continue;
             }
             if let Some(c) = clock
@@ -263,8 +263,8 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u
     );
     // The run must have exercised both answers and rule changes, or it proves little.
     assert!(
-        allowed > STEPS / 20 && refused > STEPS / 20,
-        "seed {seed}: {allowed} allowed, {refused} refused"
+        admitted > STEPS / 20 && refused > STEPS / 20,
+        "seed {seed}: {admitted} admitted, {refused} limited"
     );
     assert!(changes > 100, "seed {seed}: only {changes} rule changes");
 }

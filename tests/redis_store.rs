@@ -61,7 +61,7 @@ async fn fifteen_connections_at_once_on_five_tokens_admit_exactly_five() {
         .unwrap()
         .scale;
     let o = stores[0].check(&[item(key, "1/60s", 20, 15)]).await.unwrap();
-    assert!(o.allowed);
+    assert!(o.admitted);
     assert_eq!(o.buckets[0].tokens, 5 * scale);
 
     let barrier = Arc::new(tokio::sync::Barrier::new(15));
@@ -70,14 +70,14 @@ async fn fifteen_connections_at_once_on_five_tokens_admit_exactly_five() {
         let (store, barrier) = (store.clone(), barrier.clone());
         tasks.push(tokio::spawn(async move {
             barrier.wait().await;
-            store.check(&[item(key, "1/60s", 20, 1)]).await.unwrap().allowed
+            store.check(&[item(key, "1/60s", 20, 1)]).await.unwrap().admitted
         }));
     }
-    let mut allowed = 0;
+    let mut admitted = 0;
     for t in tasks {
-        allowed += usize::from(t.await.unwrap());
+        admitted += usize::from(t.await.unwrap());
     }
-    assert_eq!(allowed, 5, "15 simultaneous checks on 5 tokens");
+    assert_eq!(admitted, 5, "15 simultaneous checks on 5 tokens");
 }
 
 /// Two gateway processes on one Redis: 25 requests of k-7 alternating between them admit 20
@@ -108,22 +108,26 @@ async fn two_gateway_processes_enforce_one_limit() {
         assert_eq!(ready.json()["store"], "redis");
     }
     let auth = format!("Bearer {K7}");
-    let mut allowed = [0; 2];
+    let mut admitted = [0; 2];
     for i in 0..25 {
         let g = if i % 2 == 0 { &a } else { &b };
         let r = http
             .get(&g.url("/v1/orders"), &[("authorization", auth.as_str())])
             .await;
         match r.status {
-            StatusCode::OK => allowed[i % 2] += 1,
+            StatusCode::OK => admitted[i % 2] += 1,
             StatusCode::TOO_MANY_REQUESTS => {}
             other => panic!("request {i}: {other} {:?}", r.body),
         }
     }
-    assert_eq!(allowed[0] + allowed[1], 20, "admitted per gateway: {allowed:?}");
+    assert_eq!(
+        admitted[0] + admitted[1],
+        20,
+        "admitted per gateway: {admitted:?}"
+    );
     assert!(
-        allowed[0] > 0 && allowed[1] > 0,
-        "both gateways admitted some: {allowed:?}"
+        admitted[0] > 0 && admitted[1] > 0,
+        "both gateways admitted some: {admitted:?}"
     );
 }
 
@@ -249,7 +253,7 @@ async fn a_flushed_script_is_loaded_again() {
         .check(&b)
         .await
         .expect("the check after SCRIPT FLUSH succeeds");
-    assert!(second.allowed);
+    assert!(second.admitted);
     assert_eq!(second.buckets[0].tokens, scale + (second.now_us - first.now_us));
     assert_eq!(redis.cli(&["SCRIPT", "EXISTS", store.script_sha()]), "1");
 }
@@ -266,7 +270,7 @@ async fn a_refund_survives_a_flushed_script_and_is_all_or_nothing() {
     ];
     let scale = b[0].charge.params.scale;
     let o = store.check(&b).await.unwrap();
-    assert!(o.allowed);
+    assert!(o.admitted);
     assert_eq!(redis.cli(&["SCRIPT", "FLUSH"]), "OK");
     assert_eq!(redis.cli(&["SCRIPT", "EXISTS", store.refund_script_sha()]), "0");
     let r = store
@@ -472,7 +476,7 @@ async fn checks_queued_behind_a_busy_store_share_calls_and_abandoned_ones_charge
     let scale = items[0].charge.params.scale;
     for f in first.into_iter().chain(rest) {
         let o = f.await.expect("a queued check succeeds");
-        assert!(o.allowed);
+        assert!(o.admitted);
         assert_eq!(
             o.buckets[0].tokens, scale,
             "each request charged its own bucket once"

@@ -46,7 +46,7 @@ fn in_storm(t: u64) -> bool {
 
 fn admitted_between(d: &[(u64, Verdict)], from: u64, to_excl: u64) -> usize {
     d.iter()
-        .filter(|(t, v)| (from..to_excl).contains(t) && v.allowed)
+        .filter(|(t, v)| (from..to_excl).contains(t) && v.admitted)
         .count()
 }
 
@@ -60,7 +60,7 @@ fn central_token_bucket_admits_1219_in_the_storm_and_refuses_the_rest_with_retry
     let (d, summary, _) = storm(Algorithm::TokenBucket, Design::Central);
     assert_eq!(d.len(), 48_615);
     assert_eq!(admitted_between(&d, STORM_START_US, STORM_END_US), 1_219);
-    let refused: Vec<_> = d.iter().filter(|(t, v)| in_storm(*t) && !v.allowed).collect();
+    let refused: Vec<_> = d.iter().filter(|(t, v)| in_storm(*t) && !v.admitted).collect();
     assert_eq!(refused.len(), 46_781);
     assert!(refused.iter().all(|(_, v)| v.retry_after == Some(1)));
     let k7 = &summary.keys["k-7"];
@@ -77,7 +77,7 @@ fn central_token_bucket_admits_1219_in_the_storm_and_refuses_the_rest_with_retry
     assert!(
         d.iter()
             .filter(|(t, _)| *t < STORM_START_US)
-            .all(|(_, v)| v.allowed)
+            .all(|(_, v)| v.admitted)
     );
 }
 
@@ -102,7 +102,7 @@ fn page_load_refills_to_exactly_full_at_08_59_33() {
     let at_cut: Vec<bool> = d
         .iter()
         .filter(|(t, _)| *t == cut)
-        .map(|(_, v)| v.allowed)
+        .map(|(_, v)| v.admitted)
         .collect();
     assert_eq!(at_cut.iter().filter(|a| **a).count(), 20);
     assert!(!at_cut[20]);
@@ -120,7 +120,7 @@ fn page_load_refills_to_exactly_full_at_08_59_33() {
         settings("600/60s", Some(20), Algorithm::TokenBucket, Design::Central),
         early,
     );
-    assert_eq!(d.iter().filter(|(t, v)| *t == cut - 1 && v.allowed).count(), 19);
+    assert_eq!(d.iter().filter(|(t, v)| *t == cut - 1 && v.admitted).count(), 19);
 }
 
 #[test]
@@ -143,7 +143,7 @@ fn exact_shares_never_admit_too_much() {
     // A burst of 1 per gateway costs the page load: gateways that served a normal call less
     // than 2 s before refuse it.
     let page = (8 * 3600 + 59 * 60 + 30) * US_PER_S + 100_000;
-    let page_refused = d.iter().filter(|(t, v)| *t == page && !v.allowed).count();
+    let page_refused = d.iter().filter(|(t, v)| *t == page && !v.admitted).count();
     assert!(page_refused > 0 && page_refused < 15, "{page_refused}");
 }
 
@@ -182,7 +182,7 @@ fn fixed_window_spends_the_minute_in_one_and_a_half_seconds() {
     // 600 by 09:00:01.4975, the last of them exactly then, and nothing until 09:01:00.
     let by = STORM_START_US + 1_497_500;
     assert_eq!(admitted_between(&d, STORM_START_US, by + 1), 600);
-    assert!(d.iter().any(|(t, v)| *t == by && v.allowed));
+    assert!(d.iter().any(|(t, v)| *t == by && v.admitted));
     assert_eq!(admitted_between(&d, by + 1, STORM_START_US + 60 * US_PER_S), 0);
     assert_eq!(
         admitted_between(&d, STORM_START_US, STORM_START_US + US_PER_S),
@@ -340,14 +340,14 @@ fn the_binary_generates_the_storm_and_replays_it_to_json_and_decisions() {
     ]));
     let json: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(json["requests"], 48_615);
-    assert_eq!(json["refused"], 46_781);
+    assert_eq!(json["limited"], 46_781);
     assert_eq!(json["admitted"], 48_615 - 46_781);
     assert_eq!(json["store_calls"], 48_615);
     let k7 = &json["keys"]["k-7"];
     for field in [
         "requests",
         "admitted",
-        "refused",
+        "limited",
         "max_admitted_1s",
         "max_admitted_60s",
         "worst_excess",
@@ -360,7 +360,7 @@ fn the_binary_generates_the_storm_and_replays_it_to_json_and_decisions() {
     assert_eq!(k7["worst_excess"], 20.0);
     let d = std::fs::read_to_string(&decisions).unwrap();
     let mut lines = d.lines();
-    assert_eq!(lines.next(), Some("allowed,retry_after"));
+    assert_eq!(lines.next(), Some("admitted,retry_after"));
     let rows: Vec<&str> = lines.collect();
     assert_eq!(rows.len(), 48_615);
     assert!(rows.iter().all(|r| *r == "1,0" || *r == "0,1"));
@@ -438,7 +438,7 @@ fn cost_above_the_burst_gets_an_empty_retry_after() {
     ]));
     assert_eq!(
         std::fs::read_to_string(&decisions).unwrap(),
-        "allowed,retry_after\n1,0\n0,\n0,1\n"
+        "admitted,retry_after\n1,0\n0,\n0,1\n"
     );
 }
 

@@ -103,7 +103,7 @@ impl Subject<'_> {
             .check(&free)
             .await
             .unwrap_or_else(|e| panic!("{}: peek failed: {e}", self.name));
-        assert!(o.allowed, "{}: a check of cost 0 is allowed", self.name);
+        assert!(o.admitted, "{}: a check of cost 0 is allowed", self.name);
         o
     }
 }
@@ -114,11 +114,11 @@ async fn burst_then_refusal(s: &Subject<'_>) {
     assert_eq!((p.scale, p.refill), (60_000_000, 1));
     let b = [s.item("burst", "1/60s", 5, 1, false, 0)];
     let first = s.check(&b).await;
-    assert!(first.allowed, "{}: first of the burst", s.name);
+    assert!(first.admitted, "{}: first of the burst", s.name);
     assert_eq!(first.buckets[0].tokens, 4 * p.scale, "{}", s.name);
     for j in 2..=5u64 {
         let o = s.check(&b).await;
-        assert!(o.allowed, "{}: check {j} of a burst of 5", s.name);
+        assert!(o.admitted, "{}: check {j} of a burst of 5", s.name);
         assert_eq!(
             o.buckets[0].tokens,
             (5 - j) * p.scale + (o.now_us - first.now_us),
@@ -129,7 +129,7 @@ async fn burst_then_refusal(s: &Subject<'_>) {
     }
     let o = s.check(&b).await;
     let since = o.now_us - first.now_us;
-    assert!(!o.allowed, "{}: the sixth of a burst of 5 is refused", s.name);
+    assert!(!o.admitted, "{}: the sixth of a burst of 5 is refused", s.name);
     assert_eq!(o.buckets[0].tokens, since, "{}: refused, not charged", s.name);
     assert_eq!(o.buckets[0].wait_us, Some(p.scale - since), "{}", s.name);
     let d = decide(&b, &o);
@@ -144,7 +144,7 @@ async fn all_or_nothing(s: &Subject<'_>) {
     let plan = s.item("aon-plan", "1/60s", 10, 1, false, 0);
     let small = s.item("aon-small", "1/60s", 4, 1, false, 1);
     let o = s.check(&[plan.clone(), small.clone()]).await;
-    assert!(o.allowed, "{}", s.name);
+    assert!(o.admitted, "{}", s.name);
     let d = decide(&[plan.clone(), small.clone()], &o);
     assert_eq!(
         (d.remaining, d.deciding),
@@ -157,7 +157,7 @@ async fn all_or_nothing(s: &Subject<'_>) {
     let y = s.item("aon-y", "1/120s", 1, 1, false, 3);
     let batch = [plan.clone(), x.clone(), y.clone()];
     let first = s.check(&batch).await;
-    assert!(first.allowed, "{}", s.name);
+    assert!(first.admitted, "{}", s.name);
     let plan_after_first = first.buckets[0].tokens;
     assert_eq!(
         plan_after_first,
@@ -168,7 +168,7 @@ async fn all_or_nothing(s: &Subject<'_>) {
 
     let second = s.check(&batch).await;
     let dt = second.now_us - first.now_us;
-    assert!(!second.allowed, "{}: x and y are empty", s.name);
+    assert!(!second.admitted, "{}: x and y are empty", s.name);
     assert!(
         second.buckets[0].sufficient,
         "{}: the plan alone could pay",
@@ -187,7 +187,7 @@ async fn all_or_nothing(s: &Subject<'_>) {
     assert_eq!(d.retry_after(), Some(120), "{}", s.name);
 
     let alone = s.check(std::slice::from_ref(&plan)).await;
-    assert!(alone.allowed, "{}", s.name);
+    assert!(alone.admitted, "{}", s.name);
     assert_eq!(
         alone.buckets[0].tokens,
         plan_after_first + (alone.now_us - first.now_us) - minute,
@@ -201,13 +201,13 @@ async fn cost_above_burst(s: &Subject<'_>) {
     let p = params("1/60s", 2);
     let too_big = [s.item("big", "1/60s", 2, 3, false, 0)];
     let o = s.check(&too_big).await;
-    assert!(!o.allowed, "{}", s.name);
+    assert!(!o.admitted, "{}", s.name);
     assert_eq!(o.buckets[0].wait_us, None, "{}: no wait helps", s.name);
     assert_eq!(o.buckets[0].tokens, p.capacity, "{}", s.name);
     assert_eq!(decide(&too_big, &o).retry_after(), None, "{}", s.name);
     let fits = [s.item("big", "1/60s", 2, 2, false, 0)];
     let o = s.check(&fits).await;
-    assert!(o.allowed, "{}: the refused request took nothing", s.name);
+    assert!(o.admitted, "{}: the refused request took nothing", s.name);
     assert_eq!(o.buckets[0].tokens, 0, "{}", s.name);
 }
 
@@ -217,7 +217,7 @@ async fn shadow_buckets(s: &Subject<'_>) {
     let enforced = s.item("sh-enforced", "1/60s", 1, 1, false, 0);
     let shadow = s.item("sh-shadow", "1/60s", 1, 1, true, 1);
     let a = s.check(&[enforced.clone(), shadow.clone()]).await;
-    assert!(a.allowed, "{}", s.name);
+    assert!(a.admitted, "{}", s.name);
     assert_eq!(
         (a.buckets[0].tokens, a.buckets[1].tokens),
         (0, 0),
@@ -229,7 +229,7 @@ async fn shadow_buckets(s: &Subject<'_>) {
     let fresh = s.item("sh-fresh", "1/60s", 5, 1, false, 2);
     let batch = [fresh.clone(), shadow.clone()];
     let b = s.check(&batch).await;
-    assert!(b.allowed, "{}: a shadow refusal never blocks", s.name);
+    assert!(b.admitted, "{}: a shadow refusal never blocks", s.name);
     assert!(!b.buckets[1].sufficient, "{}", s.name);
     assert_eq!(
         b.buckets[1].tokens,
@@ -244,7 +244,7 @@ async fn shadow_buckets(s: &Subject<'_>) {
     let shadow_full = s.item("sh-shadow-2", "1/60s", 5, 1, true, 3);
     let batch = [enforced.clone(), shadow_full];
     let c = s.check(&batch).await;
-    assert!(!c.allowed, "{}: the enforced bucket is empty", s.name);
+    assert!(!c.admitted, "{}: the enforced bucket is empty", s.name);
     assert_eq!(c.buckets[0].tokens, c.now_us - a.now_us, "{}", s.name);
     assert_eq!(
         c.buckets[1].tokens,
@@ -256,7 +256,7 @@ async fn shadow_buckets(s: &Subject<'_>) {
 
     // Only shadow buckets: always admitted.
     let only = [shadow.clone()];
-    assert!(s.check(&only).await.allowed, "{}", s.name);
+    assert!(s.check(&only).await.admitted, "{}", s.name);
 }
 
 /// Burst 20 -> 5 on a full bucket clamps it to 5 tokens; going back to 20 does not refill it.
@@ -267,7 +267,7 @@ async fn tightening(s: &Subject<'_>) {
     assert_eq!(wide.buckets[0].tokens, 19 * p.scale, "{}", s.name);
     let narrow = [s.item("tight", "10/1s", 5, 1, false, 0)];
     let o = s.check(&narrow).await;
-    assert!(o.allowed, "{}", s.name);
+    assert!(o.admitted, "{}", s.name);
     assert_eq!(
         o.buckets[0].tokens,
         4 * p.scale,
@@ -290,7 +290,7 @@ async fn loosening(s: &Subject<'_>) {
     let fast = params("20/1s", 10);
     assert_eq!((slow.scale, fast.scale, fast.refill), (100_000, 50_000, 1));
     let drained = s.check(&[s.item("loose", "10/1s", 10, 10, false, 0)]).await;
-    assert!(drained.allowed, "{}", s.name);
+    assert!(drained.admitted, "{}", s.name);
     assert_eq!(drained.buckets[0].tokens, 0, "{}", s.name);
     if let Some(c) = s.clock {
         // 100 ms: one token at 10/s, two at 20/s.
@@ -333,11 +333,11 @@ async fn refund_restores_every_bucket(s: &Subject<'_>) {
     let mut b2 = b.clone();
     b2.charge.cost = 2;
     let warm = s.check(&[a.clone(), b2, sh_empty.clone()]).await;
-    assert!(warm.allowed, "{}", s.name);
+    assert!(warm.admitted, "{}", s.name);
     let batch = [a.clone(), b.clone(), sh.clone(), sh_empty.clone()];
     let o = s.check(&batch).await;
     let dt = o.now_us - warm.now_us;
-    assert!(o.allowed, "{}", s.name);
+    assert!(o.admitted, "{}", s.name);
     assert_eq!(o.buckets[0].tokens, 4 * minute + dt, "{}: a charged", s.name);
     assert_eq!(o.buckets[1].tokens, two_minutes + dt, "{}: b charged", s.name);
     assert_eq!(o.buckets[2].tokens, 3 * minute, "{}: shadow charged", s.name);
@@ -367,7 +367,7 @@ async fn refund_caps_at_burst(s: &Subject<'_>) {
     let p = params("1/60s", 2);
     let b = [s.item("rf-cap", "1/60s", 2, 1, false, 0)];
     let o = s.check(&b).await;
-    assert!(o.allowed, "{}", s.name);
+    assert!(o.admitted, "{}", s.name);
     assert_eq!(o.buckets[0].tokens, p.scale, "{}", s.name);
     if let Some(c) = s.clock {
         // A minute and a half: full again before the refund.
@@ -396,10 +396,10 @@ async fn refused_refund_changes_nothing(s: &Subject<'_>) {
     let could = s.item("rf-could", "1/60s", 5, 1, false, 0);
     let empty = s.item("rf-empty", "1/60s", 1, 1, false, 1);
     let sh = s.item("rf-refused-shadow", "1/60s", 5, 1, true, 2);
-    assert!(s.check(std::slice::from_ref(&empty)).await.allowed, "{}", s.name);
+    assert!(s.check(std::slice::from_ref(&empty)).await.admitted, "{}", s.name);
     let batch = [could, empty, sh];
     let o = s.check(&batch).await;
-    assert!(!o.allowed, "{}", s.name);
+    assert!(!o.admitted, "{}", s.name);
     assert_eq!(o.buckets[2].tokens, 4 * minute, "{}: shadow charged", s.name);
     s.refund(&batch, &o).await;
     let after = s.peek(&batch).await;
@@ -419,7 +419,7 @@ async fn refund_after_time_passed(s: &Subject<'_>) {
     let a = [s.item("rf-late", "1/60s", 10, 4, false, 0)];
     let warm = s.check(&a).await;
     let o = s.check(&a).await;
-    assert!(o.allowed, "{}", s.name);
+    assert!(o.admitted, "{}", s.name);
     assert_eq!(
         o.buckets[0].tokens,
         2 * minute + (o.now_us - warm.now_us),
@@ -568,7 +568,7 @@ async fn redis_cluster_conforms() {
     common::queue_all(&mut futures).await;
     for f in futures {
         let o = f.await.expect("a queued check on the cluster succeeds");
-        assert!(o.allowed);
+        assert!(o.admitted);
     }
     let sizes: Vec<String> = cluster.nodes.iter().map(|n| n.cli(&["DBSIZE"])).collect();
     assert!(

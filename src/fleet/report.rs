@@ -40,7 +40,7 @@ fn latency(mut us: Vec<u64>) -> Latency {
 pub struct Storm {
     pub requests: u64,
     pub admitted: u64,
-    pub refused_429: u64,
+    pub limited_429: u64,
     /// Statuses other than 2xx and 429, by code.
     pub other_statuses: BTreeMap<u16, u64>,
     pub no_answer: u64,
@@ -71,7 +71,7 @@ pub struct Storm {
 pub struct Others {
     pub requests: u64,
     pub ok: u64,
-    pub refused_429: u64,
+    pub limited_429: u64,
     /// Non-2xx other than 429, plus requests with no answer.
     pub errors: u64,
     pub statuses: BTreeMap<u16, u64>,
@@ -100,7 +100,7 @@ pub struct Outage {
     pub storm_admitted_in_degraded_window: u64,
     pub others_requests_in_degraded_window: u64,
     /// Non-2xx answers to the other partners in the degraded window.
-    pub others_refused_in_degraded_window: u64,
+    pub others_not_admitted_in_degraded_window: u64,
     /// What this setup should give by the spec's arithmetic over the outage's length.
     pub expected: String,
 }
@@ -150,7 +150,7 @@ pub fn analyse(records: &[Record], f: RunFacts<'_>) -> RunReport {
     let last_recv = storm.iter().map(|r| r.recv_us).max().unwrap_or(0);
     let span_us = last_recv.saturating_sub(first_send);
     let mut other_statuses = BTreeMap::new();
-    let (mut admitted, mut refused, mut no_answer) = (0, 0, 0);
+    let (mut admitted, mut limited, mut no_answer) = (0, 0, 0);
     let secs = (f.duration_us / US_PER_S + 1) as usize;
     let mut per_s = vec![0u64; secs];
     let mut one = BusiestWindow::new(US_PER_S);
@@ -167,7 +167,7 @@ pub fn analyse(records: &[Record], f: RunFacts<'_>) -> RunReport {
                 one.admit(r.recv_us);
                 sixty.admit(r.recv_us);
             }
-            429 => refused += 1,
+            429 => limited += 1,
             NO_ANSWER => no_answer += 1,
             s => *other_statuses.entry(s).or_insert(0) += 1,
         }
@@ -177,7 +177,7 @@ pub fn analyse(records: &[Record], f: RunFacts<'_>) -> RunReport {
     let storm_report = Storm {
         requests: storm.len() as u64,
         admitted,
-        refused_429: refused,
+        limited_429: limited,
         other_statuses,
         no_answer,
         span_s: span_us as f64 / US_PER_S as f64,
@@ -214,7 +214,7 @@ pub fn analyse(records: &[Record], f: RunFacts<'_>) -> RunReport {
     let others_report = Others {
         requests: others.len() as u64,
         ok: o_ok,
-        refused_429: o_429,
+        limited_429: o_429,
         errors: o_err,
         statuses,
         no_answer: o_none,
@@ -233,7 +233,7 @@ pub fn analyse(records: &[Record], f: RunFacts<'_>) -> RunReport {
                 offered * length_s
             ),
             Some("closed") => format!(
-                "every other partner refused (503): {}/s x {length_s:.1} s = {:.0}",
+                "every other partner unavailable (503): {}/s x {length_s:.1} s = {:.0}",
                 f.others_rate,
                 f64::from(f.others_rate) * length_s
             ),
@@ -241,7 +241,7 @@ pub fn analyse(records: &[Record], f: RunFacts<'_>) -> RunReport {
                 let b = (f.contract.burst / u64::from(f.gateways)).max(1) as f64;
                 let r = f.contract.per_second() / n;
                 format!(
-                    "local shares: {n} x ({b} + {r} x {length_s:.1} s) = {:.0} storm admissions, no partner refused",
+                    "local shares: {n} x ({b} + {r} x {length_s:.1} s) = {:.0} storm admissions, every other partner admitted",
                     n * (b + r * length_s)
                 )
             }
@@ -257,7 +257,7 @@ pub fn analyse(records: &[Record], f: RunFacts<'_>) -> RunReport {
             storm_admitted_in_degraded_window: storm.iter().filter(in_deg).filter(|r| ok(r.status)).count()
                 as u64,
             others_requests_in_degraded_window: others.iter().filter(in_deg).count() as u64,
-            others_refused_in_degraded_window: others.iter().filter(in_deg).filter(|r| !ok(r.status)).count()
+            others_not_admitted_in_degraded_window: others.iter().filter(in_deg).filter(|r| !ok(r.status)).count()
                 as u64,
             expected,
         }
@@ -369,7 +369,7 @@ pub fn text(header: &str, runs: &[RunReport]) -> String {
             r.storm.bound_60s
         )
     });
-    row("storm 429", &|r| thousands(r.storm.refused_429));
+    row("storm 429", &|r| thousands(r.storm.limited_429));
     row("storm other / no answer", &|r| {
         format!("{} / {}", map_text(&r.storm.other_statuses), r.storm.no_answer)
     });
@@ -382,7 +382,7 @@ pub fn text(header: &str, runs: &[RunReport]) -> String {
     });
     row("others requests", &|r| thousands(r.others.requests));
     row("others 2xx", &|r| thousands(r.others.ok));
-    row("others 429", &|r| thousands(r.others.refused_429));
+    row("others 429", &|r| thousands(r.others.limited_429));
     row("others errors (non-429)", &|r| thousands(r.others.errors));
     row("others latency p50/p99 ms", &|r| {
         format!("{:.1} / {:.1}", r.others.latency.p50_ms, r.others.latency.p99_ms)
@@ -406,11 +406,11 @@ pub fn text(header: &str, runs: &[RunReport]) -> String {
                 .as_ref()
                 .map_or(String::new(), |o| o.storm_admitted_in_degraded_window.to_string())
         });
-        row("others refused, same window", &|r| {
+        row("others not admitted, same window", &|r| {
             r.outage.as_ref().map_or(String::new(), |o| {
                 format!(
                     "{} of {}",
-                    o.others_refused_in_degraded_window, o.others_requests_in_degraded_window
+                    o.others_not_admitted_in_degraded_window, o.others_requests_in_degraded_window
                 )
             })
         });
@@ -528,7 +528,7 @@ mod tests {
         );
         let s = &r.storm;
         assert_eq!(
-            (s.requests, s.admitted, s.refused_429, s.no_answer),
+            (s.requests, s.admitted, s.limited_429, s.no_answer),
             (45, 34, 9, 1)
         );
         assert_eq!(s.other_statuses.get(&503), Some(&1));
@@ -542,7 +542,7 @@ mod tests {
         assert!(s.reached_target);
         let o = &r.others;
         assert_eq!(
-            (o.requests, o.ok, o.refused_429, o.errors, o.no_answer),
+            (o.requests, o.ok, o.limited_429, o.errors, o.no_answer),
             (4, 1, 1, 2, 1)
         );
         assert_eq!(compact(&[39, 10, 10, 10, 3]), "39 10x3 3");

@@ -73,7 +73,7 @@ pub enum Source {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Outcome {
     /// Every enforced bucket held its cost, and all of them were charged.
-    pub allowed: bool,
+    pub admitted: bool,
     /// The time the check used, in microseconds (the store's clock for Redis).
     pub now_us: u64,
     /// One verdict per item, in batch order.

@@ -237,7 +237,7 @@ pub fn wait_us(p: &BucketParams, tokens: u64, need: u64) -> Option<u64> {
     }
 }
 
-/// Whole seconds for `Retry-After`: the wait rounded up, at least 1 for a refusal.
+/// Whole seconds for `Retry-After`: the wait rounded up, at least 1 for a limited request.
 #[inline]
 pub fn retry_after_secs(wait_us: u64) -> u64 {
     wait_us.div_ceil(US_PER_S).max(1)
@@ -275,7 +275,7 @@ impl BucketVerdict {
 /// Enforced buckets are charged together only if every one of them holds its cost; otherwise
 /// none is charged. A shadow bucket is charged on its own when it holds its cost, and its
 /// shortage never blocks the request. Every state is written back, refilled to `now`, whether
-/// the request was allowed or not. Returns whether the request is allowed.
+/// the request was admitted or not. Returns whether the request is admitted.
 pub fn check_all(
     charges: &[Charge],
     states: &mut [Option<BucketState>],
@@ -284,14 +284,14 @@ pub fn check_all(
 ) -> bool {
     debug_assert_eq!(charges.len(), states.len());
     debug_assert_eq!(charges.len(), out.len());
-    let mut allowed = true;
+    let mut admitted = true;
     for ((c, s), v) in charges.iter().zip(states.iter()).zip(out.iter_mut()) {
         let tokens = refill(&c.params, *s, now);
         let need = c.params.units(c.cost);
         let wait = wait_us(&c.params, tokens, need);
         let sufficient = wait == Some(0);
         if !sufficient && !c.shadow {
-            allowed = false;
+            admitted = false;
         }
         *v = BucketVerdict {
             sufficient,
@@ -300,7 +300,7 @@ pub fn check_all(
         };
     }
     for ((c, s), v) in charges.iter().zip(states.iter_mut()).zip(out.iter_mut()) {
-        let charge = v.sufficient && (allowed || c.shadow);
+        let charge = v.sufficient && (admitted || c.shadow);
         if charge {
             v.tokens -= c.params.units(c.cost);
         }
@@ -310,14 +310,14 @@ pub fn check_all(
             scale: c.params.scale,
         });
     }
-    allowed
+    admitted
 }
 
 /// Whether [`check_all`] took `c`'s cost from its bucket: an enforced bucket only when the
-/// request was allowed, a shadow bucket whenever it held its cost.
+/// request was admitted, a shadow bucket whenever it held its cost.
 #[inline]
-pub fn charged(c: &Charge, v: &BucketVerdict, allowed: bool) -> bool {
-    v.sufficient && (allowed || c.shadow)
+pub fn charged(c: &Charge, v: &BucketVerdict, admitted: bool) -> bool {
+    v.sufficient && (admitted || c.shadow)
 }
 
 /// The bucket refilled to `now` with `units` added, never above its capacity: what a lease's
@@ -331,10 +331,10 @@ pub fn give_back(p: &BucketParams, state: Option<BucketState>, units: u64, now: 
     }
 }
 
-/// Undoes what [`check_all`] charged for an allowed request that was then not delivered: every
+/// Undoes what [`check_all`] charged for an admitted request that was then not delivered: every
 /// bucket it charged, the shadow ones included (the request never happened, so a shadow limit
 /// must not count it either), gets its cost back at `now`, capped at its capacity. Buckets it
-/// did not charge keep their state untouched; a refused request's refund changes nothing (its
+/// did not charge keep their state untouched; a limited request's refund changes nothing (its
 /// shadow charges stand, as the request was answered).
 ///
 /// Refunding at the check's `now` restores every bucket exactly; later, each holds what it would
@@ -342,17 +342,17 @@ pub fn give_back(p: &BucketParams, state: Option<BucketState>, units: u64, now: 
 pub fn refund_all(
     charges: &[Charge],
     verdicts: &[BucketVerdict],
-    allowed: bool,
+    admitted: bool,
     states: &mut [Option<BucketState>],
     now: u64,
 ) {
     debug_assert_eq!(charges.len(), states.len());
     debug_assert_eq!(charges.len(), verdicts.len());
-    if !allowed {
+    if !admitted {
         return;
     }
     for ((c, v), s) in charges.iter().zip(verdicts).zip(states.iter_mut()) {
-        if charged(c, v, allowed) {
+        if charged(c, v, admitted) {
             *s = Some(give_back(&c.params, *s, c.params.units(c.cost), now));
         }
     }
@@ -435,7 +435,7 @@ mod tests {
 
     #[test]
     fn all_or_nothing_and_longest_wait() {
-        // Replay M: the plan holds 20, the export bucket is empty; the export is refused and
+        // Replay M: the plan holds 20, the export bucket is empty; the export is limited and
         // the plan is untouched.
         let plan = p("600/60s", 20);
         let exports = p("1/5s", 1);
@@ -551,7 +551,7 @@ mod tests {
         refund_all(&charges, &v, true, &mut states, 1_000);
         assert_eq!(states[1].unwrap().tokens, exports.capacity);
         assert_eq!(states[0].unwrap().tokens, expected[0] + 3 * plan.scale);
-        // A refused check's refund changes nothing.
+        // A limited check's refund changes nothing.
         let before = states;
         refund_all(&charges, &v, false, &mut states, 2_000);
         assert_eq!(states, before);

@@ -9,7 +9,7 @@ use crate::batch::{CheckItem, FailurePolicy, Outcome, Source};
 /// What the limiter decided for one request, in the words the gateway uses everywhere (code,
 /// metrics, logs, README): **admitted**, **limited** (429, with the wait), or **unavailable**
 /// (503: the store could not decide and a limit's failure policy refuses rather than guess).
-/// Shadow limits never decide; what they would have refused is in the report.
+/// Shadow limits never decide; what they would have limited is in the report.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision {
     Admitted(Report),
@@ -30,14 +30,14 @@ pub enum Wait {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Report {
     /// Index into the batch of the bucket that decided: the short bucket with the longest wait
-    /// for a refusal, the bucket with the fewest whole tokens left for an admission. `None`
+    /// for a limited request, the bucket with the fewest whole tokens left for an admission. `None`
     /// when the request paid no enforced bucket.
     pub deciding: Option<usize>,
     /// Whole tokens left in the deciding bucket.
     pub remaining: u64,
     /// `t` of the `RateLimit` field.
     pub reset_secs: u64,
-    /// Limits in shadow mode that would have refused this request.
+    /// Limits in shadow mode that would have limited this request.
     pub shadow_refusals: SmallVec<[u16; 2]>,
     /// Who decided: the store, or a failure policy in its place.
     pub source: Source,
@@ -79,10 +79,10 @@ pub fn decide(batch: &[CheckItem], outcome: &Outcome) -> Decision {
             continue;
         }
         let better = match deciding {
-            None => outcome.allowed || !v.sufficient,
+            None => outcome.admitted || !v.sufficient,
             Some(d) => {
                 let cur = &outcome.buckets[d];
-                if outcome.allowed {
+                if outcome.admitted {
                     v.remaining(&item.charge.params) < cur.remaining(&batch[d].charge.params)
                 } else if v.sufficient {
                     false
@@ -105,7 +105,7 @@ pub fn decide(batch: &[CheckItem], outcome: &Outcome) -> Decision {
         Some(d) => {
             let v = &outcome.buckets[d];
             let p: &BucketParams = &batch[d].charge.params;
-            if outcome.allowed {
+            if outcome.admitted {
                 (v.remaining(p), None, secs_to_full(p, v.tokens))
             } else {
                 let retry = v.wait_us.map(retry_after_secs);
@@ -120,9 +120,9 @@ pub fn decide(batch: &[CheckItem], outcome: &Outcome) -> Decision {
         shadow_refusals,
         source: outcome.source,
     };
-    match (outcome.allowed, outcome.source) {
+    match (outcome.admitted, outcome.source) {
         (true, _) => Decision::Admitted(report),
-        // Refused by a failure policy, not by a bucket: the client did nothing wrong.
+        // Turned away by a failure policy, not by a bucket: the client did nothing wrong.
         (false, Source::Bypass(FailurePolicy::Closed)) => Decision::Unavailable(report),
         (false, _) => Decision::Limited(report, retry_after.map_or(Wait::Never, Wait::Secs)),
     }

@@ -146,8 +146,8 @@ pub struct Block {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Spend {
     /// Paid from held tokens.
-    pub allowed: bool,
-    /// On a local refusal, microseconds until `denied_until` (0 when no denial is pending, so
+    pub admitted: bool,
+    /// On a local limit, microseconds until `denied_until` (0 when no denial is pending, so
     /// `Retry-After` is its minimum of 1 s); `None` when no wait can help (cost above the burst).
     pub wait_us: Option<u64>,
     /// Send a LEASE now. The holder has marked it in flight; answer it with
@@ -208,7 +208,7 @@ impl Holder {
     /// the next block. Call [`Holder::expire`] first so an expired block is never spent.
     pub fn spend(&mut self, cfg: &LeaseConfig, now: u64, cost: u64) -> Spend {
         let held = self.held();
-        let (allowed, wait_us) = if cost > cfg.params.burst {
+        let (admitted, wait_us) = if cost > cfg.params.burst {
             (false, None)
         } else if held >= cost {
             let mut due = cost;
@@ -229,18 +229,18 @@ impl Holder {
         // low-water mark and still too little): either way only a new block helps.
         let ask = !self.in_flight
             && now >= self.denied_until
-            && ((!allowed && wait_us.is_some()) || cfg.is_low(self.held()));
+            && ((!admitted && wait_us.is_some()) || cfg.is_low(self.held()));
         if ask {
             self.in_flight = true;
         }
         Spend {
-            allowed,
+            admitted,
             wait_us,
             ask,
         }
     }
 
-    /// Puts back `tokens` that [`Holder::spend`] paid for a request that was then refused
+    /// Puts back `tokens` that [`Holder::spend`] paid for a request that was then limited
     /// elsewhere (all-or-nothing). They go into the newest block still held at `now`; with no
     /// block left, they are returned for the caller to give back to the store.
     pub fn refund(&mut self, now: u64, tokens: u64) -> u64 {
@@ -341,24 +341,24 @@ mod tests {
         let mut h = Holder::new();
         // Nothing held: refuse locally, ask at once.
         let first = h.spend(&c, 0, 1);
-        assert_eq!((first.allowed, first.wait_us, first.ask), (false, Some(0), true));
+        assert_eq!((first.admitted, first.wait_us, first.ask), (false, Some(0), true));
         // One lease in flight: no second ask.
         assert!(!h.spend(&c, 10, 1).ask);
         h.granted(1_000, 125);
         for i in 0..99 {
             let s = h.spend(&c, 1_000 + i, 1);
-            assert!(s.allowed && !s.ask, "spend {i}");
+            assert!(s.admitted && !s.ask, "spend {i}");
         }
         // The 100th leaves 25 = 20%: ask.
         let s = h.spend(&c, 2_000, 1);
-        assert!(s.allowed && s.ask);
+        assert!(s.admitted && s.ask);
         h.denied(252_000, 7_000);
         for _ in 0..25 {
-            assert!(h.spend(&c, 3_000, 1).allowed);
+            assert!(h.spend(&c, 3_000, 1).admitted);
         }
         let empty = h.spend(&c, 3_000, 1);
         assert_eq!(
-            (empty.allowed, empty.wait_us, empty.ask),
+            (empty.admitted, empty.wait_us, empty.ask),
             (false, Some(256_000), false)
         );
         assert!(!h.spend(&c, 258_999, 1).ask);
@@ -371,10 +371,10 @@ mod tests {
         let mut h = Holder::new();
         h.spend(&c, 0, 1);
         h.granted(0, 125);
-        assert!(h.spend(&c, 1, 80).allowed);
+        assert!(h.spend(&c, 1, 80).admitted);
         // 45 left: above 25, yet a cost of 50 can't be paid. Ask once.
         let s = h.spend(&c, 2, 50);
-        assert_eq!((s.allowed, s.ask), (false, true));
+        assert_eq!((s.admitted, s.ask), (false, true));
         assert!(!h.spend(&c, 3, 50).ask);
     }
 
@@ -384,9 +384,9 @@ mod tests {
         let mut h = Holder::new();
         h.spend(&c, 0, 1);
         h.granted(0, 125);
-        assert!(h.spend(&c, 1, 125).allowed);
+        assert!(h.spend(&c, 1, 125).admitted);
         h.granted(10, 125);
-        assert!(h.spend(&c, 11, 5).allowed);
+        assert!(h.spend(&c, 11, 5).admitted);
         assert_eq!(h.refund(12, 5), 0);
         assert_eq!(h.held(), 125);
         assert_eq!(h.expire(10 + BLOCK_TTL_US), 125);
@@ -406,7 +406,7 @@ mod tests {
         }
         h.granted(5, 125);
         assert_eq!(h.held(), 140);
-        assert!(h.spend(&c, 6, 20).allowed);
+        assert!(h.spend(&c, 6, 20).admitted);
         // The old block (15 left) paid first, then 5 from the new one.
         assert_eq!(h.held(), 120);
         assert_eq!(h.next_expiry(), Some(5 + BLOCK_TTL_US));

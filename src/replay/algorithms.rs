@@ -9,30 +9,30 @@
 
 use std::collections::VecDeque;
 
-use crate::limit::bucket::{BucketParams, Charge, Rate, retry_after_secs};
-use crate::limit::clock::ManualClock;
-use crate::limit::decision::decide;
-use crate::store::memory::MemoryStore;
-use crate::store::{CheckItem, FailurePolicy};
+use tollgate_limit::bucket::{BucketParams, Charge, Rate, retry_after_secs};
+use tollgate_limit::clock::ManualClock;
+use tollgate_limit::decision::decide;
+use tollgate_store::memory::MemoryStore;
+use tollgate_store::{CheckItem, FailurePolicy};
 
 /// One row's answer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Verdict {
-    pub allowed: bool,
-    /// Whole seconds: 0 when allowed, at least 1 when refused, `None` when no wait helps.
+    pub admitted: bool,
+    /// Whole seconds: 0 when admitted, at least 1 when limited, `None` when no wait helps.
     pub retry_after: Option<u64>,
 }
 
 impl Verdict {
     pub const ALLOW: Verdict = Verdict {
-        allowed: true,
+        admitted: true,
         retry_after: Some(0),
     };
 
-    /// A refusal whose wait is `wait_us` microseconds (`None`: never).
+    /// A limited request whose wait is `wait_us` microseconds (`None`: never).
     pub fn refuse(wait_us: Option<u64>) -> Verdict {
         Verdict {
-            allowed: false,
+            admitted: false,
             retry_after: wait_us.map(retry_after_secs),
         }
     }
@@ -302,11 +302,11 @@ impl Buckets {
         item.charge.cost = cost;
         let batch = std::slice::from_ref(item);
         let outcome = self.store.check_at(batch, now);
-        if outcome.allowed {
+        if outcome.admitted {
             Verdict::ALLOW
         } else {
             Verdict {
-                allowed: false,
+                admitted: false,
                 retry_after: decide(batch, &outcome).retry_after(),
             }
         }
@@ -343,12 +343,12 @@ mod tests {
         let g = Gcra::new(Rate::parse("10/1s").unwrap(), 20);
         let mut s = None;
         for _ in 0..20 {
-            assert!(g.check(&mut s, 0, 1).allowed);
+            assert!(g.check(&mut s, 0, 1).admitted);
         }
         let r = g.check(&mut s, 50_000, 1);
-        // tat − now = 1.95 s > τ = 1.9 s: refused, 50 ms to wait.
+        // tat − now = 1.95 s > τ = 1.9 s: limited, 50 ms to wait.
         assert_eq!(r, Verdict::refuse(Some(50_000)));
-        assert!(g.check(&mut s, 100_000, 1).allowed);
+        assert!(g.check(&mut s, 100_000, 1).admitted);
         assert_eq!(g.check(&mut s, 0, 21), Verdict::refuse(None));
     }
 
@@ -359,10 +359,10 @@ mod tests {
             period: 60_000_000,
         };
         let mut s = FixedState::default();
-        assert!(f.check(&mut s, 59_000_000, 1).allowed);
-        assert!(f.check(&mut s, 59_500_000, 1).allowed);
+        assert!(f.check(&mut s, 59_000_000, 1).admitted);
+        assert!(f.check(&mut s, 59_500_000, 1).admitted);
         assert_eq!(f.check(&mut s, 59_999_999, 1), Verdict::refuse(Some(1)));
-        assert!(f.check(&mut s, 60_000_000, 1).allowed);
+        assert!(f.check(&mut s, 60_000_000, 1).admitted);
     }
 
     #[test]
@@ -372,11 +372,11 @@ mod tests {
             period: 1_000_000,
         };
         let mut s = LogState::default();
-        assert!(l.check(&mut s, 0, 1).allowed);
-        assert!(l.check(&mut s, 400_000, 1).allowed);
+        assert!(l.check(&mut s, 0, 1).admitted);
+        assert!(l.check(&mut s, 400_000, 1).admitted);
         assert_eq!(l.check(&mut s, 999_999, 1), Verdict::refuse(Some(1)));
         assert_eq!(s.len(), 2);
-        assert!(l.check(&mut s, 1_000_000, 1).allowed);
+        assert!(l.check(&mut s, 1_000_000, 1).admitted);
         // Needs the entry at 0.4 s gone: 0.4 s from 1.0 s.
         assert_eq!(l.check(&mut s, 1_000_000, 1).retry_after, Some(1));
     }
@@ -395,7 +395,7 @@ mod tests {
         // 15 s into the next window: 315 × 45/60 = 236.25 of the previous minute.
         let now = 75_000_000;
         let mut admitted = 0;
-        while c.check(&mut s, now, 1).allowed {
+        while c.check(&mut s, now, 1).admitted {
             admitted += 1;
         }
         assert_eq!(admitted, 363);

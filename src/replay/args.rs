@@ -11,8 +11,8 @@ use clap::{Args, ValueEnum};
 use super::report::DecisionWriter;
 use super::trace::{TraceReader, parse_time_us};
 use super::{Algorithm, Design, LimitSpec, Replay, ReplayError, Settings, generate, run_trace, setting};
-use crate::limit::bucket::Rate;
-use crate::rules::{self, CompileOptions};
+use tollgate_limit::bucket::Rate;
+use tollgate_rules::CompileOptions;
 
 /// A trace the command can generate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -38,8 +38,8 @@ Examples:
   tollgate replay --generate hot -o hot.csv
   tollgate replay hot.csv --rate 10000/1s --burst 20000 --design lease --seed 1 --excess-from 33000.25
 
-Decisions CSV: allowed,retry_after per trace row, in trace order: 1,0 when allowed; 0,N when
-refused with Retry-After N seconds; 0, (empty) when no wait can help (cost above the burst).")]
+Decisions CSV: admitted,retry_after per trace row, in trace order: 1,0 when admitted; 0,N when
+limited with Retry-After N seconds; 0, (empty) when no wait can help (cost above the burst).")]
 pub struct ReplayArgs {
     /// The trace CSV, or - for standard input.
     #[arg(required_unless_present = "generate")]
@@ -77,7 +77,7 @@ pub struct ReplayArgs {
     /// Print the summary as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
-    /// Write one `allowed,retry_after` row per trace row to this CSV file.
+    /// Write one `admitted,retry_after` row per trace row to this CSV file.
     #[arg(long)]
     pub decisions: Option<PathBuf>,
     /// Write a generated trace instead of replaying one.
@@ -145,7 +145,7 @@ fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> ReplayError {
 pub fn settings(a: &ReplayArgs) -> Result<Settings, ReplayError> {
     let limit = match (&a.rules, a.rate) {
         (Some(path), _) => {
-            let snap = rules::load(path, CompileOptions::default())?;
+            let snap = tollgate_rules::load(path, CompileOptions::default())?;
             LimitSpec::Rules(Arc::new(snap))
         }
         (None, Some(rate)) => LimitSpec::Single { rate, burst: a.burst },
@@ -234,7 +234,7 @@ pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
         .unwrap_or_default();
     run_trace(&mut replay, &mut reader, true, size, &mut |_, v| {
         if let Some(d) = decisions.as_mut() {
-            d.write(v.allowed, v.retry_after)
+            d.write(v.admitted, v.retry_after)
                 .map_err(io_err(format!("cannot write {dname}")))?;
         }
         Ok(())

@@ -19,7 +19,7 @@
 
 use std::io::{self, Write};
 
-use crate::limit::bucket::US_PER_S;
+use tollgate_limit::bucket::US_PER_S;
 
 /// One generated row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

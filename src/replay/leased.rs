@@ -14,8 +14,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::algorithms::Verdict;
-use crate::limit::bucket::{BucketState, retry_after_secs};
-use crate::limit::lease::{BLOCK_TTL_US, Grant, Holder, LeaseConfig, MAX_JITTER_US, give_back, lease};
+use tollgate_limit::bucket::{BucketState, retry_after_secs};
+use tollgate_limit::lease::{BLOCK_TTL_US, Grant, Holder, LeaseConfig, MAX_JITTER_US, give_back, lease};
 
 #[derive(Clone, Copy, Debug)]
 enum Event {
@@ -154,7 +154,7 @@ impl LeaseFleet {
     }
 
     /// One request for `key` at gateway `gw` at `now`: spent from the gateway's blocks or
-    /// refused locally, and a LEASE sent if the holder asks for one.
+    /// limited locally, and a LEASE sent if the holder asks for one.
     pub fn check(&mut self, key: u32, gw: u32, now: u64, cost: u64) -> Verdict {
         self.ensure_key(key);
         self.advance(now);
@@ -164,11 +164,11 @@ impl LeaseFleet {
             self.store_calls += 1;
             self.push(now + self.rtt_us / 2, Event::StoreLease { key, gw });
         }
-        if spend.allowed {
+        if spend.admitted {
             Verdict::ALLOW
         } else {
             Verdict {
-                allowed: false,
+                admitted: false,
                 retry_after: spend.wait_us.map(retry_after_secs),
             }
         }
@@ -188,6 +188,6 @@ impl LeaseFleet {
     pub fn bucket_tokens(&self, key: u32, now: u64) -> u64 {
         let p = &self.cfg.params;
         let state = self.buckets.get(key as usize).copied().flatten();
-        crate::limit::bucket::refill(p, state, now) / p.scale
+        tollgate_limit::bucket::refill(p, state, now) / p.scale
     }
 }

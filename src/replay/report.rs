@@ -10,7 +10,7 @@ use std::io::{self, Write};
 
 use serde::Serialize;
 
-use crate::limit::bucket::{Rate, US_PER_S};
+use tollgate_limit::bucket::{Rate, US_PER_S};
 
 /// The most requests admitted in any window `[s, s + w)`, kept online with the admission
 /// times of the last `w`.
@@ -102,7 +102,7 @@ impl Excess {
 pub struct KeyStats {
     pub requests: u64,
     pub admitted: u64,
-    pub refused: u64,
+    pub limited: u64,
     pub one_s: BusiestWindow,
     pub sixty_s: BusiestWindow,
     pub excess: Option<Excess>,
@@ -113,7 +113,7 @@ impl KeyStats {
         KeyStats {
             requests: 0,
             admitted: 0,
-            refused: 0,
+            limited: 0,
             one_s: BusiestWindow::new(US_PER_S),
             sixty_s: BusiestWindow::new(60 * US_PER_S),
             excess: rate.map(|r| Excess::new(r, excess_from)),
@@ -121,9 +121,9 @@ impl KeyStats {
     }
 
     #[inline]
-    pub fn record(&mut self, t: u64, allowed: bool, tokens: u64) {
+    pub fn record(&mut self, t: u64, admitted: bool, tokens: u64) {
         self.requests += 1;
-        if allowed {
+        if admitted {
             self.admitted += 1;
             self.one_s.admit(t);
             self.sixty_s.admit(t);
@@ -131,7 +131,7 @@ impl KeyStats {
                 e.admit(t, tokens);
             }
         } else {
-            self.refused += 1;
+            self.limited += 1;
         }
     }
 }
@@ -141,7 +141,7 @@ impl KeyStats {
 pub struct KeySummary {
     pub requests: u64,
     pub admitted: u64,
-    pub refused: u64,
+    pub limited: u64,
     pub max_admitted_1s: u64,
     pub max_admitted_60s: u64,
     /// Tokens; `null` when the key has no rate to compare with or admitted nothing.
@@ -159,7 +159,7 @@ pub struct KeySummary {
 pub struct Summary {
     pub requests: u64,
     pub admitted: u64,
-    pub refused: u64,
+    pub limited: u64,
     /// Calls to the shared store: one per checked request for `central`, none for `local`
     /// and `shares` (in-process buckets), leases and give-backs for `lease`.
     pub store_calls: u64,
@@ -198,10 +198,10 @@ impl Summary {
         )?;
         write!(
             out,
-            "rows {}  admitted {}  refused {}  store calls {}",
+            "rows {}  admitted {}  limited {}  store calls {}",
             group(self.requests),
             group(self.admitted),
-            group(self.refused),
+            group(self.limited),
             group(self.store_calls)
         )?;
         if let Some(per_s) = self.store_calls_per_s() {
@@ -225,7 +225,7 @@ impl Summary {
         write!(
             out,
             "{:<width$}  {:>12}  {:>12}  {:>12}  {:>8}  {:>9}  {:>12}",
-            "key", "requests", "admitted", "refused", "max 1s", "max 60s", "worst excess"
+            "key", "requests", "admitted", "limited", "max 1s", "max 60s", "worst excess"
         )?;
         if leased {
             write!(out, "  {:>13}  {:>13}", "held at end", "bucket at end")?;
@@ -239,7 +239,7 @@ impl Summary {
                 name,
                 group(k.requests),
                 group(k.admitted),
-                group(k.refused),
+                group(k.limited),
                 group(k.max_admitted_1s),
                 group(k.max_admitted_60s),
                 excess
@@ -271,7 +271,7 @@ pub fn group(n: u64) -> String {
     out
 }
 
-/// Writes `allowed,retry_after` rows: `1,0` when allowed, `0,N` when refused, `0,` when no
+/// Writes `admitted,retry_after` rows: `1,0` when admitted, `0,N` when limited, `0,` when no
 /// wait can help.
 pub struct DecisionWriter<W: Write> {
     out: W,
@@ -279,13 +279,13 @@ pub struct DecisionWriter<W: Write> {
 
 impl<W: Write> DecisionWriter<W> {
     pub fn new(mut out: W) -> io::Result<DecisionWriter<W>> {
-        out.write_all(b"allowed,retry_after\n")?;
+        out.write_all(b"admitted,retry_after\n")?;
         Ok(DecisionWriter { out })
     }
 
     #[inline]
-    pub fn write(&mut self, allowed: bool, retry_after: Option<u64>) -> io::Result<()> {
-        if allowed {
+    pub fn write(&mut self, admitted: bool, retry_after: Option<u64>) -> io::Result<()> {
+        if admitted {
             return self.out.write_all(b"1,0\n");
         }
         match retry_after {

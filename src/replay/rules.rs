@@ -14,13 +14,13 @@ use http::{HeaderMap, Method};
 
 use super::algorithms::{Verdict, share};
 use super::{Design, RowError};
-use crate::limit::bucket::{BucketParams, Rate};
-use crate::limit::clock::ManualClock;
-use crate::limit::decision::decide;
-use crate::rules::plan;
-use crate::rules::{Dimension, Snapshot};
-use crate::store::fingerprint;
-use crate::store::memory::MemoryStore;
+use tollgate_limit::bucket::{BucketParams, Rate};
+use tollgate_limit::clock::ManualClock;
+use tollgate_limit::decision::decide;
+use tollgate_rules::plan;
+use tollgate_rules::{Dimension, Snapshot};
+use tollgate_store::fingerprint;
+use tollgate_store::memory::MemoryStore;
 
 pub struct RulesFleet {
     snap: Arc<Snapshot>,
@@ -35,7 +35,7 @@ pub struct RulesFleet {
 }
 
 /// What one row paid: the verdict, and the tokens it paid into its key's rate limit (for
-/// the excess statistic; 0 when refused or when the route doesn't charge that limit).
+/// the excess statistic; 0 when limited or when the route doesn't charge that limit).
 pub struct Paid {
     pub verdict: Verdict,
     pub tokens: u64,
@@ -206,18 +206,18 @@ impl RulesFleet {
             Design::Lease => unreachable!("rejected when the replay is set up"),
         }
         let outcome = self.store.check_at(&batch, now);
-        let tokens = if outcome.allowed {
+        let tokens = if outcome.admitted {
             excess_limit
                 .and_then(|li| batch.iter().find(|i| i.limit == li))
                 .map_or(0, |i| i.charge.cost)
         } else {
             0
         };
-        let verdict = if outcome.allowed {
+        let verdict = if outcome.admitted {
             Verdict::ALLOW
         } else {
             Verdict {
-                allowed: false,
+                admitted: false,
                 retry_after: decide(&batch, &outcome).retry_after(),
             }
         };

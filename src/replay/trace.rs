@@ -298,7 +298,7 @@ fn split(line: &[u8], side: &mut Vec<u8>, spans: &mut Vec<Span>) -> Result<(), S
     }
     let mut i = 0;
     loop {
-        // Leading spaces before a quote are allowed.
+        // Leading spaces before a quote are admitted.
         let mut j = i;
         while j < line.len() && line[j] == b' ' {
             j += 1;

@@ -263,7 +263,7 @@ impl Guard {
             }
         }
         let now = self.local.clock().now_us();
-        let allowed = match strictest {
+        let admitted = match strictest {
             None => true,
             Some(FailurePolicy::Closed) => {
                 for (i, item) in enforced() {
@@ -301,11 +301,11 @@ impl Guard {
                         wait_us: v.wait_us,
                     };
                 }
-                out.allowed
+                out.admitted
             }
         };
         Outcome {
-            allowed,
+            admitted,
             now_us: now,
             buckets: verdicts,
             source: Source::Bypass(strictest.unwrap_or(FailurePolicy::Open)),
@@ -331,7 +331,7 @@ impl Guard {
             buckets.push(*v);
         }
         let local = Outcome {
-            allowed: outcome.allowed,
+            admitted: outcome.admitted,
             now_us: outcome.now_us,
             buckets,
             source: Source::Store,
@@ -424,7 +424,7 @@ impl Store for Guard {
             if batch.len() != outcome.buckets.len() {
                 return Err(mismatch(batch, outcome));
             }
-            if !outcome.allowed {
+            if !outcome.admitted {
                 return Ok(());
             }
             match outcome.source {
@@ -565,7 +565,7 @@ mod tests {
         // Share of 2 gateways: burst 10, rate 5/s. It starts full at the first failure.
         let mut admitted = 0;
         for _ in 0..12 {
-            if g.check(&batch).await.unwrap().allowed {
+            if g.check(&batch).await.unwrap().admitted {
                 admitted += 1;
             }
         }
@@ -635,7 +635,7 @@ mod tests {
         let started = Instant::now();
         let out = g.check(&batch).await.unwrap();
         assert_eq!(started.elapsed(), Duration::from_millis(3));
-        assert!(out.allowed);
+        assert!(out.admitted);
         assert_eq!(out.source, Source::Bypass(FailurePolicy::Local));
         assert!(
             metrics
@@ -650,22 +650,22 @@ mod tests {
         let closed = item("rl:{ip:1.2.3.4}:login", 1, "5/60s", 5, FailurePolicy::Closed);
         let open = item("rl:{ip:1.2.3.4}:free", 0, "1/1s", 1, FailurePolicy::Open);
         let out = g.check(&[plan(), closed.clone(), open.clone()]).await.unwrap();
-        assert!(!out.allowed);
+        assert!(!out.admitted);
         assert_eq!(out.source, Source::Bypass(FailurePolicy::Closed));
         // Open alone admits everything, even past its burst.
         for _ in 0..10 {
             let out = g.check(std::slice::from_ref(&open)).await.unwrap();
-            assert!(out.allowed);
+            assert!(out.admitted);
             assert_eq!(out.source, Source::Bypass(FailurePolicy::Open));
         }
         // Local and open together: the local share decides.
-        let mut allowed = 0;
+        let mut admitted = 0;
         for _ in 0..25 {
-            if g.check(&[plan(), open.clone()]).await.unwrap().allowed {
-                allowed += 1;
+            if g.check(&[plan(), open.clone()]).await.unwrap().admitted {
+                admitted += 1;
             }
         }
-        assert_eq!(allowed, 20);
+        assert_eq!(admitted, 20);
     }
 
     #[tokio::test(start_paused = true)]
@@ -676,23 +676,23 @@ mod tests {
         let mut last = None;
         for _ in 0..10 {
             let out = g.check(&batch).await.unwrap();
-            assert!(out.allowed);
+            assert!(out.admitted);
             assert_eq!(out.source, Source::Bypass(FailurePolicy::Local));
             last = Some(out);
         }
-        let refused = g.check(&batch).await.unwrap();
-        assert!(!refused.allowed);
-        g.refund(&batch, &refused).await.unwrap();
+        let limited = g.check(&batch).await.unwrap();
+        assert!(!limited.admitted);
+        g.refund(&batch, &limited).await.unwrap();
         assert!(
-            !g.check(&batch).await.unwrap().allowed,
-            "a refused outcome's refund gave nothing back"
+            !g.check(&batch).await.unwrap().admitted,
+            "a limited outcome's refund gave nothing back"
         );
         g.refund(&batch, &last.unwrap()).await.unwrap();
         assert!(
-            g.check(&batch).await.unwrap().allowed,
+            g.check(&batch).await.unwrap().admitted,
             "the refund gave the share its token back"
         );
-        assert!(!g.check(&batch).await.unwrap().allowed, "exactly one token");
+        assert!(!g.check(&batch).await.unwrap().admitted, "exactly one token");
         // An open bypass charged nothing, so it refunds nothing, anywhere.
         let open = item("rl:{ip:1.2.3.4}:free", 0, "1/1s", 1, FailurePolicy::Open);
         let out = g.check(std::slice::from_ref(&open)).await.unwrap();

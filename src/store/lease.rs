@@ -119,7 +119,7 @@ struct State {
 enum Try {
     /// Paid from held tokens; `held` whole tokens are left.
     Paid { held: u64 },
-    /// Refused locally: not enough held, a denial pending for `wait_us`.
+    /// Limited locally: not enough held, a denial pending for `wait_us`.
     Short { wait_us: u64, held: u64 },
     /// Nothing held and a lease in flight: wait for its answer.
     Wait(watch::Receiver<u64>),
@@ -130,7 +130,7 @@ enum Try {
 /// Where each item of a batch was decided.
 #[derive(Clone, Copy)]
 enum Local {
-    /// In the store, or not at all when a leased item refused first.
+    /// In the store, or not at all when a leased item limited first.
     Store,
     Paid {
         held: u64,
@@ -270,7 +270,7 @@ impl Leases {
             self.send_lease(item.fp, entry.key.clone(), cfg);
         }
         let held = entry.holder.held();
-        if s.allowed {
+        if s.admitted {
             self.metrics.lease_tokens_held.dec_by(cost as i64);
             return Try::Paid { held };
         }
@@ -284,9 +284,9 @@ impl Leases {
         }
     }
 
-    /// Gives the enforced tokens paid by a request that was refused back to their holders.
+    /// Gives the enforced tokens paid by a request that was limited back to their holders.
     fn refund_refused(&self, batch: &[CheckItem], local: &[Local]) {
-        // A refused request's shadow charges stand, as in the store.
+        // A limited request's shadow charges stand, as in the store.
         self.put_back(batch, |i| {
             matches!(local[i], Local::Paid { .. }) && !batch[i].charge.shadow
         });
@@ -316,7 +316,7 @@ impl Leases {
 
     async fn check_leased(&self, batch: &[CheckItem]) -> Result<Outcome, StoreError> {
         let mut local: SmallVec<[Local; 4]> = SmallVec::from_elem(Local::Store, batch.len());
-        let mut refused = false;
+        let mut limited = false;
         for (i, item) in batch.iter().enumerate() {
             // Outcome::leased has room for 64 items; any further ones go to the store.
             let Some(spec) = item.lease.filter(|_| i < 64) else {
@@ -337,14 +337,14 @@ impl Leases {
                     }
                     Try::Paid { held } => Local::Paid { held },
                     Try::Short { wait_us, held } => {
-                        refused |= !item.charge.shadow;
+                        limited |= !item.charge.shadow;
                         Local::Short { wait_us, held }
                     }
                     Try::Store => Local::Store,
                 };
                 break;
             }
-            if refused {
+            if limited {
                 break;
             }
         }
@@ -362,7 +362,7 @@ impl Leases {
                 match *l {
                     Local::Paid { held } => verdict(p, true, held, Some(0)),
                     Local::Short { wait_us, held } => verdict(p, false, held, Some(wait_us)),
-                    // Not asked: only insufficient buckets decide a refusal.
+                    // Not asked: only insufficient buckets decide a limited request.
                     Local::Store => BucketVerdict {
                         sufficient: true,
                         tokens: p.capacity,
@@ -371,11 +371,11 @@ impl Leases {
                 }
             })
             .collect();
-        if refused {
-            // The store is not asked at all: a local refusal costs the shard nothing.
+        if limited {
+            // The store is not asked at all: a local limit costs the shard nothing.
             self.refund_refused(batch, &local);
             return Ok(Outcome {
-                allowed: false,
+                admitted: false,
                 now_us: self.now_us(),
                 buckets: verdicts,
                 source: Source::Store,
@@ -390,7 +390,7 @@ impl Leases {
             .collect();
         if rest.is_empty() {
             return Ok(Outcome {
-                allowed: true,
+                admitted: true,
                 now_us: self.now_us(),
                 buckets: verdicts,
                 source: Source::Store,
@@ -404,7 +404,7 @@ impl Leases {
                 return Err(e);
             }
         };
-        if !out.allowed {
+        if !out.admitted {
             self.refund_refused(batch, &local);
         }
         let mut from_store = out.buckets.into_iter();
@@ -416,7 +416,7 @@ impl Leases {
             }
         }
         Ok(Outcome {
-            allowed: out.allowed,
+            admitted: out.admitted,
             now_us: out.now_us,
             buckets: verdicts,
             source: out.source,
@@ -615,8 +615,8 @@ impl Store for Leases {
         if outcome.leased == 0 || batch.len() != outcome.buckets.len() {
             return self.inner.refund(batch, outcome);
         }
-        if !outcome.allowed {
-            // A refusal's leased tokens went back to their blocks when it was refused.
+        if !outcome.admitted {
+            // A limited request's leased tokens went back to their blocks when it was limited.
             return Box::pin(std::future::ready(Ok(())));
         }
         Box::pin(async move {
@@ -633,7 +633,7 @@ impl Store for Leases {
                 return Ok(());
             }
             let rest_outcome = Outcome {
-                allowed: outcome.allowed,
+                admitted: outcome.admitted,
                 now_us: outcome.now_us,
                 buckets,
                 source: outcome.source,
@@ -757,16 +757,16 @@ mod tests {
     impl Store for Fake {
         fn check<'a>(&'a self, batch: &'a [CheckItem]) -> CheckFuture<'a> {
             self.checks.fetch_add(1, Ordering::SeqCst);
-            let allowed = !self.refuse_checks.load(Ordering::SeqCst);
+            let admitted = !self.refuse_checks.load(Ordering::SeqCst);
             CheckFuture::ready(Ok(Outcome {
-                allowed,
+                admitted,
                 now_us: self.now(),
                 buckets: batch
                     .iter()
                     .map(|_| BucketVerdict {
-                        sufficient: allowed,
+                        sufficient: admitted,
                         tokens: 0,
-                        wait_us: Some(if allowed { 0 } else { 5_000_000 }),
+                        wait_us: Some(if admitted { 0 } else { 5_000_000 }),
                     })
                     .collect(),
                 source: Source::Store,
@@ -832,7 +832,7 @@ mod tests {
         let fake = Fake::new();
         let (l, m) = leases(&fake);
         let hot = [item("10000/1s", 20_000, 100, 1)];
-        assert!(l.check(&hot).await.unwrap().allowed);
+        assert!(l.check(&hot).await.unwrap().admitted);
         assert_eq!(l.held(), 99);
         assert_eq!(
             fake.checks.load(Ordering::SeqCst),
@@ -857,23 +857,23 @@ mod tests {
         // one cycle, 100 / 1,000 s = 100 ms (plus up to 50 ms of jitter).
         let hot = [item("1000/1s", 100, 100, 1)];
         for i in 0..100 {
-            assert!(l.check(&hot).await.unwrap().allowed, "request {i}");
+            assert!(l.check(&hot).await.unwrap().admitted, "request {i}");
             settle(&l).await;
         }
         assert_eq!((m.lease_grants.get(), m.lease_denials.get()), (1, 1));
         let out = l.check(&hot).await.unwrap();
-        assert!(!out.allowed);
+        assert!(!out.admitted);
         let wait = out.buckets[0].wait_us.unwrap();
         assert!((1..=150_000).contains(&wait), "{wait}");
         // Refusals cost nothing until then.
         for _ in 0..50 {
-            assert!(!l.check(&hot).await.unwrap().allowed);
+            assert!(!l.check(&hot).await.unwrap().admitted);
         }
         assert_eq!(fake.leases.load(Ordering::SeqCst), 2);
         assert_eq!(fake.checks.load(Ordering::SeqCst), 0);
         // After the denial the bucket has refilled a block.
         tokio::time::sleep(Duration::from_micros(wait)).await;
-        assert!(l.check(&hot).await.unwrap().allowed);
+        assert!(l.check(&hot).await.unwrap().admitted);
         assert_eq!(m.lease_grants.get(), 2);
     }
 
@@ -885,7 +885,7 @@ mod tests {
         fake.fail.store(true, Ordering::SeqCst);
         // The inner store (the guard, with its failure policy) decides meanwhile.
         for _ in 0..20 {
-            assert!(l.check(&hot).await.unwrap().allowed);
+            assert!(l.check(&hot).await.unwrap().admitted);
         }
         assert_eq!(fake.checks.load(Ordering::SeqCst), 20);
         assert_eq!(
@@ -896,13 +896,13 @@ mod tests {
         assert_eq!(m.lease_failures.get_or_create(&Kind { kind: "lease" }).get(), 1);
         fake.refuse_checks.store(true, Ordering::SeqCst);
         assert!(
-            !l.check(&hot).await.unwrap().allowed,
-            "the inner store's refusal stands"
+            !l.check(&hot).await.unwrap().admitted,
+            "the inner store's limit stands"
         );
         fake.fail.store(false, Ordering::SeqCst);
         fake.refuse_checks.store(false, Ordering::SeqCst);
         tokio::time::sleep(RETRY_AFTER_FAILURE).await;
-        assert!(l.check(&hot).await.unwrap().allowed);
+        assert!(l.check(&hot).await.unwrap().admitted);
         assert_eq!(l.held(), 99);
         assert_eq!(fake.checks.load(Ordering::SeqCst), 21);
     }
@@ -915,11 +915,11 @@ mod tests {
         other.lease = None;
         other.key = "rl:{kbig}:exports".into();
         let hot = item("10000/1s", 20_000, 100, 10);
-        assert!(l.check(&[hot.clone(), other.clone()]).await.unwrap().allowed);
+        assert!(l.check(&[hot.clone(), other.clone()]).await.unwrap().admitted);
         assert_eq!(l.held(), 90);
         fake.refuse_checks.store(true, Ordering::SeqCst);
         let out = l.check(&[hot.clone(), other]).await.unwrap();
-        assert!(!out.allowed);
+        assert!(!out.admitted);
         assert!(out.buckets[0].sufficient && !out.buckets[1].sufficient);
         assert_eq!(l.held(), 90, "the 10 reserved tokens went back to the block");
     }
@@ -932,11 +932,11 @@ mod tests {
         let mut b = item("10000/1s", 20_000, 100, 1);
         b.key = "rl:{other}:plan".into();
         b.fp = crate::fingerprint(&b.key);
-        assert!(l.check(std::slice::from_ref(&a)).await.unwrap().allowed);
+        assert!(l.check(std::slice::from_ref(&a)).await.unwrap().admitted);
         // The next lease answers after 50 ms: the request is checked in the store meanwhile,
         // and the grant arrives after the drain began.
         fake.delay_ms.store(50, Ordering::SeqCst);
-        assert!(l.check(std::slice::from_ref(&b)).await.unwrap().allowed);
+        assert!(l.check(std::slice::from_ref(&b)).await.unwrap().admitted);
         assert_eq!(fake.checks.load(Ordering::SeqCst), 1);
         assert_eq!(l.drain(Duration::from_secs(1)).await, 99);
         assert_eq!(l.held(), 0);
@@ -946,7 +946,7 @@ mod tests {
         assert_eq!(given, vec![99, 100]);
         assert_eq!(m.lease_tokens_returned.get(), 199);
         // Drained: later requests go to the store, nothing more is leased.
-        assert!(l.check(&[a]).await.unwrap().allowed);
+        assert!(l.check(&[a]).await.unwrap().admitted);
         assert_eq!(fake.leases.load(Ordering::SeqCst), 2);
     }
 
@@ -960,7 +960,7 @@ mod tests {
         let hot = item("10000/1s", 20_000, 100, 10);
         let batch = [hot.clone(), other];
         let out = l.check(&batch).await.unwrap();
-        assert!(out.allowed);
+        assert!(out.admitted);
         assert!(out.is_leased(0) && !out.is_leased(1));
         assert_eq!(l.held(), 90);
         let paid = l.check(std::slice::from_ref(&hot)).await.unwrap();
@@ -976,12 +976,12 @@ mod tests {
         l.refund(std::slice::from_ref(&hot), &paid).await.unwrap();
         assert_eq!(l.held(), 100);
         assert_eq!(fake.refunded.lock().unwrap().len(), 1);
-        // A refused request's refund changes nothing.
+        // A limited request's refund changes nothing.
         fake.refuse_checks.store(true, Ordering::SeqCst);
-        let refused = l.check(&batch).await.unwrap();
-        assert!(!refused.allowed);
+        let limited = l.check(&batch).await.unwrap();
+        assert!(!limited.admitted);
         assert_eq!(l.held(), 100);
-        l.refund(&batch, &refused).await.unwrap();
+        l.refund(&batch, &limited).await.unwrap();
         assert_eq!(l.held(), 100);
     }
 }

@@ -22,7 +22,7 @@ use smallvec::SmallVec;
 
 pub use tollgate_limit::batch::{Batch, CheckItem, FailurePolicy, LeaseBlock, Outcome, Source, fingerprint};
 
-/// A real failure to get an answer. A refusal is an [`Outcome`], never an error.
+/// A real failure to get an answer. A limited request is an [`Outcome`], never an error.
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum StoreError {
     #[error("limiter store unavailable: {0}")]
@@ -73,7 +73,7 @@ pub trait Store: Send + Sync + 'static {
     /// Whether the store answers now (for `/readyz`).
     fn ping(&self) -> CheckFuture<'_> {
         CheckFuture::ready(Ok(Outcome {
-            allowed: true,
+            admitted: true,
             now_us: 0,
             buckets: SmallVec::new(),
             source: Source::Store,
@@ -86,7 +86,7 @@ pub trait Store: Send + Sync + 'static {
     /// charged gets its cost back (in the bucket's units, `cost × scale`), added to the bucket as
     /// refilled to the store's now and never above its burst: it then holds what it would hold
     /// had the request never been checked. Shadow buckets the check charged are refunded too (the
-    /// request never happened, so a shadow limit must not count it). A refused outcome took
+    /// request never happened, so a shadow limit must not count it). A limited outcome took
     /// nothing from its enforced buckets and its refund changes nothing.
     ///
     /// `batch` must be the one that was checked, in the same order; `outcome` says which buckets

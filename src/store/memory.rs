@@ -142,7 +142,7 @@ impl MemoryStore {
             };
             batch.len()
         ];
-        let allowed = if let [item] = batch {
+        let admitted = if let [item] = batch {
             // One bucket: one hash lookup, updated in place.
             let fp = Fp::new(item.fp);
             let charges = std::slice::from_ref(&item.charge);
@@ -150,19 +150,19 @@ impl MemoryStore {
             match shard.get_mut(&fp) {
                 Some(slot) => {
                     let mut states = [Some(slot.unpack())];
-                    let allowed = check_all(charges, &mut states, now, &mut verdicts);
+                    let admitted = check_all(charges, &mut states, now, &mut verdicts);
                     if let Some(s) = states[0] {
                         *slot = Packed::pack(s);
                     }
-                    allowed
+                    admitted
                 }
                 None => {
                     let mut states = [None];
-                    let allowed = check_all(charges, &mut states, now, &mut verdicts);
+                    let admitted = check_all(charges, &mut states, now, &mut verdicts);
                     if let Some(s) = states[0] {
                         shard.insert(fp, Packed::pack(s));
                     }
-                    allowed
+                    admitted
                 }
             }
         } else {
@@ -173,7 +173,7 @@ impl MemoryStore {
             )
         };
         Outcome {
-            allowed,
+            admitted,
             now_us: now,
             buckets: verdicts,
             source: Source::Store,
@@ -189,7 +189,7 @@ impl MemoryStore {
     /// Gives back at `now` what the check that answered `outcome` took from `batch`, under the
     /// locks of every shard it touches, so no check sees half a refund.
     pub fn refund_at(&self, batch: &[CheckItem], outcome: &Outcome, now: u64) {
-        if !outcome.allowed || batch.len() != outcome.buckets.len() {
+        if !outcome.admitted || batch.len() != outcome.buckets.len() {
             return;
         }
         let buckets = &outcome.buckets;
@@ -345,7 +345,7 @@ mod tests {
             0,
             FailurePolicy::Local,
         );
-        assert!(store.check_now(std::slice::from_ref(&item)).allowed);
+        assert!(store.check_now(std::slice::from_ref(&item)).admitted);
         // The sweeper's horizon is the fill time of an empty bucket (b / r = 2 s): until then
         // the bucket stays, whatever it holds.
         clock.advance_us(params.fill_time_us() - 1);
@@ -356,7 +356,7 @@ mod tests {
         assert!(store.is_empty());
         // Forgetting it changed nothing: a new bucket starts full, as the old one was.
         let out = store.check_now(std::slice::from_ref(&item));
-        assert!(out.allowed);
+        assert!(out.admitted);
         assert_eq!(out.buckets[0].tokens, params.capacity - params.units(15));
     }
 }

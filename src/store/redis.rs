@@ -395,7 +395,7 @@ impl RedisStore {
         if batch.is_empty() {
             let now_us = self.now_us().await?;
             return Ok(Outcome {
-                allowed: true,
+                admitted: true,
                 now_us,
                 buckets: SmallVec::new(),
                 source: Source::Store,
@@ -626,9 +626,9 @@ fn parse_reply(sizes: &[usize], reply: Value) -> Result<Vec<Result<Outcome, Stor
     let mut at = 1;
     let mut out = Vec::with_capacity(sizes.len());
     for &n in sizes {
-        let allowed = num(at)?;
+        let admitted = num(at)?;
         at += 1;
-        let allowed = match allowed {
+        let admitted = match admitted {
             0 => false,
             1 => true,
             -1 => {
@@ -638,7 +638,7 @@ fn parse_reply(sizes: &[usize], reply: Value) -> Result<Vec<Result<Outcome, Stor
                 )));
                 continue;
             }
-            other => return Err(bad(format!("allowed = {other}"))),
+            other => return Err(bad(format!("admitted = {other}"))),
         };
         let mut buckets = SmallVec::with_capacity(n);
         for _ in 0..n {
@@ -655,7 +655,7 @@ fn parse_reply(sizes: &[usize], reply: Value) -> Result<Vec<Result<Outcome, Stor
             });
         }
         out.push(Ok(Outcome {
-            allowed,
+            admitted,
             now_us,
             buckets,
             source: Source::Store,
@@ -780,7 +780,7 @@ pub struct Refunded {
 
 impl RedisStore {
     /// Gives back what the check that answered `outcome` charged `batch`, in one call of
-    /// `lua/refund.lua`; see [`Store::refund`]. `None` when it charged nothing (a refusal), and
+    /// `lua/refund.lua`; see [`Store::refund`]. `None` when it charged nothing (a limited request), and
     /// then no call is made.
     pub async fn refund_batch(
         &self,
@@ -793,7 +793,7 @@ impl RedisStore {
         let sent: SmallVec<[bool; 4]> = batch
             .iter()
             .zip(&outcome.buckets)
-            .map(|(i, v)| outcome.allowed && charged(&i.charge, v, outcome.allowed))
+            .map(|(i, v)| outcome.admitted && charged(&i.charge, v, outcome.admitted))
             .collect();
         let n = sent.iter().filter(|c| **c).count();
         if n == 0 {
@@ -937,12 +937,12 @@ mod tests {
         let v = |xs: &[i64]| Value::Array(xs.iter().map(|&x| Value::Integer(x)).collect());
         let out = parse_reply(&[1, 2], v(&[17, 0, 5, -1, 1, 3, 0, 4, 0])).unwrap();
         let first = out[0].as_ref().unwrap();
-        assert!(!first.allowed);
+        assert!(!first.admitted);
         assert_eq!(first.now_us, 17);
         assert_eq!(first.buckets[0].wait_us, None);
         assert!(!first.buckets[0].sufficient);
         let second = out[1].as_ref().unwrap();
-        assert!(second.allowed && second.buckets.len() == 2 && second.buckets[1].tokens == 4);
+        assert!(second.admitted && second.buckets.len() == 2 && second.buckets[1].tokens == 4);
         let corrupt = parse_reply(&[1, 1], v(&[17, -1, 0, 0, 1, 9, 0])).unwrap();
         assert!(corrupt[0].is_err() && corrupt[1].is_ok());
         assert!(parse_reply(&[2], v(&[17, 1, 1, 0])).is_err());

@@ -162,7 +162,7 @@ impl Store for Recorder {
         CheckFuture::Boxed(Box::pin(async move {
             let out: Outcome = self.store.check_batch(batch).await?;
             self.checks.0.fetch_add(1, Ordering::Relaxed);
-            if out.allowed {
+            if out.admitted {
                 self.checks.1.fetch_add(1, Ordering::Relaxed);
             }
             if let Some(v) = out.buckets.first() {
@@ -501,7 +501,7 @@ pub async fn run(redis_port: u16, load: &Load) -> Run {
                     let t = start.elapsed().as_micros() as u64;
                     last_us = t;
                     sent += 1;
-                    if out.allowed {
+                    if out.admitted {
                         admitted.push(t);
                     } else if first_refusal.is_none() {
                         first_refusal = Some(t);

@@ -278,7 +278,7 @@ fn check(snap: &Snapshot, batch: &[CheckItem], key: Option<usize>, head: &Head) 
         let now = start + i * u64::from(head.gap_us);
         let outcome = store.check_at(batch, now);
         let d = decide(batch, &outcome);
-        assert_eq!(d.admitted(), outcome.allowed);
+        assert_eq!(d.admitted(), outcome.admitted);
         assert!(d.deciding.is_none_or(|i| i < batch.len()));
         let mut resp = if d.admitted() {
             http::Response::new(())

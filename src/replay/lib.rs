@@ -35,9 +35,9 @@ use self::leased::LeaseFleet;
 use self::report::{KeyStats, KeySummary, Summary};
 use self::rules::RulesFleet;
 use self::trace::{TraceError, TraceReader, format_time_us, parse_whole};
-use crate::limit::bucket::{BucketParams, Rate};
-use crate::limit::lease::{LeaseConfig, auto_block};
-use crate::rules::{RulesError, Snapshot};
+use tollgate_limit::bucket::{BucketParams, Rate};
+use tollgate_limit::lease::{LeaseConfig, auto_block};
+use tollgate_rules::{RulesError, Snapshot};
 
 /// How the fleet shares one limit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -491,17 +491,17 @@ impl Replay {
         self.rows += 1;
         self.first_time.get_or_insert(now);
         self.last_time = Some(now);
-        self.keys[k as usize].stats.record(now, verdict.allowed, tokens);
+        self.keys[k as usize].stats.record(now, verdict.admitted, tokens);
         Ok(verdict)
     }
 
     /// The summary so far.
     pub fn summary(&self) -> Summary {
         let mut keys = std::collections::BTreeMap::new();
-        let (mut admitted, mut refused) = (0, 0);
+        let (mut admitted, mut limited) = (0, 0);
         for (i, e) in self.keys.iter().enumerate() {
             admitted += e.stats.admitted;
-            refused += e.stats.refused;
+            limited += e.stats.limited;
             let (held, bucket) = match &self.engine {
                 Engine::Lease(l) => (
                     Some(l.held(i as u32)),
@@ -514,7 +514,7 @@ impl Replay {
                 KeySummary {
                     requests: e.stats.requests,
                     admitted: e.stats.admitted,
-                    refused: e.stats.refused,
+                    limited: e.stats.limited,
                     max_admitted_1s: e.stats.one_s.max(),
                     max_admitted_60s: e.stats.sixty_s.max(),
                     worst_excess: e.stats.excess.as_ref().and_then(|x| x.value()),
@@ -531,7 +531,7 @@ impl Replay {
         Summary {
             requests: self.rows,
             admitted,
-            refused,
+            limited,
             store_calls,
             keys,
             design: self.design.name().into(),
