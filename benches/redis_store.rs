@@ -87,7 +87,7 @@ impl Drop for Server {
 }
 
 fn free_port() -> u16 {
-    tollgate::fleet::procs::free_port().expect("a free loopback port")
+    tollgate_testkit::free_port().expect("a free loopback port")
 }
 
 fn start_redis() -> Server {
@@ -95,7 +95,7 @@ fn start_redis() -> Server {
     let dir = std::env::temp_dir().join(format!("tollgate-bench-redis-{port}"));
     std::fs::create_dir_all(&dir).unwrap();
     let child = Command::new("redis-server")
-        .args(tollgate::fleet::procs::redis_server_args(port, &dir))
+        .args(tollgate_testkit::redis_server_args(port, &dir))
         .stdout(Stdio::null())
         .spawn()
         .unwrap_or_else(|e| panic!("redis-server is needed for this benchmark: {e}"));

@@ -167,7 +167,7 @@ impl Http {
 
 /// Finds a binary on PATH or fails the test with a message that says how to get it.
 pub fn require_binary(name: &str) -> PathBuf {
-    tollgate::fleet::procs::find_binary(name).unwrap_or_else(|| {
+    tollgate_testkit::find_binary(name).unwrap_or_else(|| {
         panic!(
             "{name} is not installed: this test needs a real {name}. Run tests/run.sh, which installs it with apt-get."
         )
@@ -176,7 +176,7 @@ pub fn require_binary(name: &str) -> PathBuf {
 
 /// A free TCP port on loopback (bind :0, read, release).
 pub fn free_port() -> u16 {
-    tollgate::fleet::procs::free_port().expect("a free loopback port")
+    tollgate_testkit::free_port().expect("a free loopback port")
 }
 
 /// The seed of a randomized equivalence run: `TOLLGATE_EQ_SEED` replays one, else a new one.
@@ -209,7 +209,7 @@ impl RedisServer {
         extra: &[String],
     ) -> Result<RedisServer, tempfile::TempDir> {
         let mut child = Command::new(require_binary("redis-server"))
-            .args(tollgate::fleet::procs::redis_server_args(port, dir.path()))
+            .args(tollgate_testkit::redis_server_args(port, dir.path()))
             .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())

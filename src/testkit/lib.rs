@@ -1,6 +1,6 @@
-//! The processes a fleet run starts (redis-server, the demo upstream, the gateways) and the
-//! scratch directory for their rules and logs. Every one is killed when its handle is dropped,
-//! so an error or Ctrl-C anywhere leaves nothing behind.
+//! Tollgate's test kit: the processes a fleet run, a test or a bench starts (redis-server, the
+//! demo upstream, the gateways) and the scratch directory for their rules and logs. Every one
+//! is killed when its handle is dropped, so an error or Ctrl-C anywhere leaves nothing behind.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
