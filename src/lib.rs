@@ -31,20 +31,20 @@
 //! - [`replay`]: `tollgate replay`, traces through the same limiter code on a virtual clock.
 //! - [`fleet`]: `tollgate fleet`, N gateway processes on one store under the spec's storm.
 
-pub mod admin;
-pub mod app;
-pub mod config;
-pub mod demo;
+pub use tollgate_gateway::admin;
+pub use tollgate_gateway::app;
+pub use tollgate_gateway::config;
+pub use tollgate_gateway::demo;
 pub mod fleet;
-pub mod gateway;
+pub use tollgate_gateway::proxy;
+pub use tollgate_gateway::reload;
+pub use tollgate_gateway::request as gateway;
+pub use tollgate_gateway::respond;
+pub use tollgate_gateway::server;
 pub use tollgate_http1 as http1;
 pub use tollgate_limit as limit;
-pub use tollgate_rules::identity;
-pub use tollgate_telemetry::{logsample, metrics};
-pub mod proxy;
-pub mod reload;
 pub use tollgate_replay as replay;
-pub mod respond;
 pub use tollgate_rules as rules;
-pub mod server;
+pub use tollgate_rules::identity;
 pub use tollgate_store as store;
+pub use tollgate_telemetry::{logsample, metrics};

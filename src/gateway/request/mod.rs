@@ -15,20 +15,20 @@ use hyper::body::Incoming;
 
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 
-use crate::http1::path::{EncodedSlashes, PathError, canonical, has_encoded_slash};
-use crate::http1::sanitize;
-use crate::identity::{self, KeySource, TrustedProxies};
-use crate::limit::decision::{Decision, decide};
-use crate::logsample::Sampler;
-use crate::metrics::{Handles, Metrics};
 use crate::proxy::body::LimitedBody;
 use crate::proxy::pool::ConnPool;
 use crate::proxy::{Caller, Proxy};
 use crate::respond::{Body, Budget, Refusal, budget_headers};
-use crate::rules::plan;
-use crate::rules::{KeyRequirement, Snapshot, hash_secret};
 use crate::server::{ConnInfo, Handler};
-use crate::store::{Batch, Outcome, Store, StoreError};
+use tollgate_http1::path::{EncodedSlashes, PathError, canonical, has_encoded_slash};
+use tollgate_http1::sanitize;
+use tollgate_limit::decision::{Decision, decide};
+use tollgate_rules::identity::{self, KeySource, TrustedProxies};
+use tollgate_rules::plan;
+use tollgate_rules::{KeyRequirement, Snapshot, hash_secret};
+use tollgate_store::{Batch, Outcome, Store, StoreError};
+use tollgate_telemetry::logsample::Sampler;
+use tollgate_telemetry::metrics::{Handles, Metrics};
 
 pub static X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
 
@@ -153,7 +153,7 @@ impl Gateway {
                 };
                 self.metrics
                     .store_errors
-                    .get_or_create(&crate::metrics::Kind { kind })
+                    .get_or_create(&tollgate_telemetry::metrics::Kind { kind })
                     .inc();
                 return Err(e);
             }
@@ -178,7 +178,7 @@ impl Gateway {
 
     /// Admissions count once per enforced limit paid; a limited or unavailable request counts
     /// for the limit that decided it. Shadow limits count what they would have refused.
-    fn count(&self, snap: &Snapshot, h: &Handles, batch: &[crate::store::CheckItem], d: &Decision) {
+    fn count(&self, snap: &Snapshot, h: &Handles, batch: &[tollgate_store::CheckItem], d: &Decision) {
         if d.admitted() {
             for item in batch.iter().filter(|i| !i.charge.shadow) {
                 h.decision(&self.metrics, item.limit as usize, d);
@@ -236,7 +236,7 @@ impl Gateway {
     async fn limit(
         &self,
         snap: &Snapshot,
-        route: &crate::rules::Route,
+        route: &tollgate_rules::Route,
         c: &Classified,
         headers: &http::HeaderMap,
         body_value: Option<&[u8]>,
@@ -280,7 +280,7 @@ impl Gateway {
     /// under its `max_in_flight`, held until the response body is done.
     async fn gate(
         &self,
-        upstream: &crate::rules::Upstream,
+        upstream: &tollgate_rules::Upstream,
         live: &LiveUpstream,
         trace: &mut Trace,
     ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, Response<Body>> {
@@ -586,7 +586,7 @@ impl Live {
                     }
                     _ => Arc::new(ConnPool::new(
                         u.authority.clone(),
-                        crate::rules::CONNECT_TIMEOUT,
+                        tollgate_rules::CONNECT_TIMEOUT,
                         u.idle_timeout,
                     )),
                 };
@@ -875,18 +875,18 @@ impl Handler for Gateway {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limit::clock::ManualClock;
-    use crate::store::memory::MemoryStore;
+    use tollgate_limit::clock::ManualClock;
+    use tollgate_store::memory::MemoryStore;
 
     /// The first requests of a snapshot arrive together; they must share one in-flight gate
     /// and one pool per upstream, or an upstream could receive a multiple of its cap.
     #[test]
     fn concurrent_first_requests_share_one_live_state() {
-        let snap = crate::rules::compile(
+        let snap = tollgate_rules::compile(
             br#"{"version": 3, "upstreams": {"u": {"url": "http://127.0.0.1:9", "max_in_flight": 4}},
                 "routes": [{"method": "GET", "path": "/", "upstream": "u", "key": "optional"}]}"#,
             "test.json",
-            crate::rules::CompileOptions::default(),
+            tollgate_rules::CompileOptions::default(),
         )
         .unwrap();
         let snap = Arc::new(snap);

@@ -10,11 +10,11 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::PathAndQuery;
 use http::{Response, Uri, Version};
 
-use crate::identity::{KeySource, X_API_KEY};
 use crate::respond::{Refusal, UpBody};
-use crate::rules::Upstream;
+use tollgate_rules::Upstream;
+use tollgate_rules::identity::{KeySource, X_API_KEY};
 
-pub(crate) use crate::http1::HOP_BY_HOP;
+pub(crate) use tollgate_http1::HOP_BY_HOP;
 
 pub static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 pub static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
@@ -27,7 +27,7 @@ pub static X_TOLLGATE_TENANT: HeaderName = HeaderName::from_static("x-tollgate-t
 fn connection_named(headers: &HeaderMap) -> smallvec::SmallVec<[HeaderName; 2]> {
     let mut named = smallvec::SmallVec::new();
     for v in headers.get_all(header::CONNECTION) {
-        for n in crate::http1::connection_tokens(v.as_bytes()) {
+        for n in tollgate_http1::connection_tokens(v.as_bytes()) {
             // `keep-alive` and `close` are the usual values, and name nothing else to drop.
             if n.eq_ignore_ascii_case(b"keep-alive") || n.eq_ignore_ascii_case(b"close") {
                 continue;
@@ -101,14 +101,14 @@ impl Proxy {
             pool,
             &head,
             outgoing,
-            crate::http1::idempotent(&parts.method),
+            tollgate_http1::idempotent(&parts.method),
             is_head,
             Some(up.timeout),
             |h| response_parts(h, is_head),
         )
         .await?;
         let resp = resp.ok_or(client::Failure::Unforwardable(
-            crate::http1::response::Unforwardable("a header hyper can't hold"),
+            tollgate_http1::response::Unforwardable("a header hyper can't hold"),
         ))?;
         let body = client::UpstreamBody::new(conn, shape, pool.clone(), up.timeout, permit);
         Ok(resp.map(|()| body))
@@ -119,9 +119,9 @@ impl Proxy {
 /// to the body's size (hyper writes it from there), except for HEAD, where only the header
 /// can say it.
 fn response_parts(
-    h: &crate::http1::response::Head<'_>,
+    h: &tollgate_http1::response::Head<'_>,
     is_head: bool,
-) -> (Option<Response<()>>, crate::http1::response::Shape) {
+) -> (Option<Response<()>>, tollgate_http1::response::Shape) {
     let build = || {
         let mut resp = Response::new(());
         *resp.status_mut() = http::StatusCode::from_u16(h.status).ok()?;
@@ -277,11 +277,11 @@ mod tests {
         h.insert("x-secret-hop", HeaderValue::from_static("1"));
         h.insert("te", HeaderValue::from_static("trailers"));
         h.insert("x-kept", HeaderValue::from_static("1"));
-        let up = crate::rules::compile(
+        let up = tollgate_rules::compile(
             br#"{"version": 1, "upstreams": {"u": {"url": "http://127.0.0.1:9"}},
                 "routes": [{"method": "GET", "path": "/", "upstream": "u", "key": "optional"}]}"#,
             "test.json",
-            crate::rules::CompileOptions::default(),
+            tollgate_rules::CompileOptions::default(),
         )
         .unwrap()
         .upstreams

@@ -26,12 +26,12 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::{Gateway, X_REQUEST_ID};
-use crate::http1::response::{self, Framing};
 use crate::proxy::client::{self, BodyState, Failure, header_line};
 use crate::proxy::pool::RawConn;
 use crate::respond::{Body, RATELIMIT, RATELIMIT_POLICY};
 use crate::server::{ConnInfo, Ended, Prefixed, ServerLimits};
 use http_body_util::Empty;
+use tollgate_http1::response::{self, Framing};
 
 /// Headers a lane request may have; more go to hyper (which takes up to 100).
 const MAX_HEADERS: usize = 64;
@@ -135,7 +135,7 @@ pub async fn serve(
                 pool,
                 &head_out,
                 None,
-                crate::http1::idempotent(&parts.method),
+                tollgate_http1::idempotent(&parts.method),
                 is_head,
                 None,
                 |h| render_response(h, &extra, closing, &mut out),
@@ -398,7 +398,7 @@ fn full_bytes(body: Body) -> Bytes {
 fn answer(
     gw: &Gateway,
     out: &mut BytesMut,
-    b: crate::gateway::Begun<'_>,
+    b: crate::request::Begun<'_>,
     resp: Response<Body>,
     close: bool,
     is_head: bool,

@@ -20,8 +20,8 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Sleep;
 
-use crate::http1::chunked::Decoder;
-use crate::http1::sanitize::HeadError;
+use tollgate_http1::chunked::Decoder;
+use tollgate_http1::sanitize::HeadError;
 
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// Past this a head is refused by the parser anyway (431); stop watching.

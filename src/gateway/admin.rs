@@ -8,11 +8,11 @@ use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde_json::json;
 
-use crate::metrics::Metrics;
 use crate::respond::{Body, json_response};
-use crate::rules::Snapshot;
 use crate::server::{ConnInfo, Handler};
-use crate::store::{FailurePolicy, Store};
+use tollgate_rules::Snapshot;
+use tollgate_store::{FailurePolicy, Store};
+use tollgate_telemetry::metrics::Metrics;
 
 pub struct Admin {
     pub rules: Arc<ArcSwap<Snapshot>>,
@@ -35,7 +35,7 @@ impl Admin {
                 )));
                 resp.headers_mut().insert(
                     http::header::CONTENT_TYPE,
-                    http::HeaderValue::from_static(crate::metrics::CONTENT_TYPE),
+                    http::HeaderValue::from_static(tollgate_telemetry::metrics::CONTENT_TYPE),
                 );
                 resp
             }

@@ -148,8 +148,10 @@ pub async fn run<H: Handler>(
             peer,
             proto,
             framing: framing.clone(),
-            peer_header: http::HeaderValue::from_str(&crate::identity::canonical(peer.ip()).to_string())
-                .unwrap_or_else(|_| http::HeaderValue::from_static("unknown")),
+            peer_header: http::HeaderValue::from_str(
+                &tollgate_rules::identity::canonical(peer.ip()).to_string(),
+            )
+            .unwrap_or_else(|_| http::HeaderValue::from_static("unknown")),
         };
         let lane = limits.express && handler.has_plain_lane();
         let handler_lane = handler.clone();

@@ -10,8 +10,8 @@ use arc_swap::ArcSwap;
 use notify::{RecursiveMode, Watcher};
 use tokio::sync::mpsc;
 
-use crate::metrics::Metrics;
-use crate::rules::{RulesError, RulesLoader, RulesSource, Snapshot};
+use tollgate_rules::{RulesError, RulesLoader, RulesSource, Snapshot};
+use tollgate_telemetry::metrics::Metrics;
 
 /// What one reload did.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,7 +1,7 @@
 //! The gateway's one HTTP/1.1 client to upstreams, used by both paths: the express lane relays
 //! the response body verbatim from the connection it gets back; hyper's path wraps it in an
 //! [`UpstreamBody`] that decodes it into frames. The request head, the retry policy, the
-//! response head's judgement ([`crate::http1::response`]) and the connection's life
+//! response head's judgement ([`tollgate_http1::response`]) and the connection's life
 //! ([`super::pool`]) are the same for both, so the two paths can't answer differently.
 //!
 //! Retry policy, in one place: a request goes out again, once, on a new connection when it
@@ -26,8 +26,8 @@ use tokio::time::Sleep;
 use super::HeaderEdits;
 use super::body::BoxError;
 use super::pool::{ConnPool, RawConn};
-use crate::http1::chunked::{ChunkError, Decoder};
-use crate::http1::response::{self, Framing, Head, Parsed, Unforwardable};
+use tollgate_http1::chunked::{ChunkError, Decoder};
+use tollgate_http1::response::{self, Framing, Head, Parsed, Unforwardable};
 
 const READ_SIZE: usize = 8 * 1024;
 

@@ -14,19 +14,19 @@ use tokio::task::JoinHandle;
 use crate::admin::Admin;
 use crate::config::{ClockSource, StoreUrl};
 use crate::demo::DemoUpstream;
-use crate::gateway::Gateway;
-use crate::identity::TrustedProxies;
-use crate::limit::clock::{Clock, SystemClock};
-use crate::metrics::Metrics;
 use crate::reload::{Reloader, WatchHandle};
-use crate::rules::{CompileOptions, RulesError, Snapshot};
-pub use crate::rules::{RulesLoader, RulesSource};
+use crate::request::Gateway;
 use crate::server::{self, ServerLimits, tls};
-use crate::store::Store;
-use crate::store::guard::{FleetSize, Guard};
-use crate::store::lease::Leases;
-use crate::store::memory::MemoryStore;
-use crate::store::redis::{ConnectError, RedisStore, Target};
+use tollgate_limit::clock::{Clock, SystemClock};
+use tollgate_rules::identity::TrustedProxies;
+use tollgate_rules::{CompileOptions, RulesError, Snapshot};
+pub use tollgate_rules::{RulesLoader, RulesSource};
+use tollgate_store::Store;
+use tollgate_store::guard::{FleetSize, Guard};
+use tollgate_store::lease::Leases;
+use tollgate_store::memory::MemoryStore;
+use tollgate_store::redis::{ConnectError, RedisStore, Target};
+use tollgate_telemetry::metrics::Metrics;
 
 /// A validated configuration.
 pub struct GatewayConfig {
@@ -101,7 +101,7 @@ async fn sweep_upstreams(gateway: Arc<Gateway>, stop: impl std::future::Future<O
 }
 
 /// The running rules' limit names, for the store guard's metrics.
-pub fn limit_names(rules: Arc<ArcSwap<Snapshot>>) -> crate::store::guard::LimitNames {
+pub fn limit_names(rules: Arc<ArcSwap<Snapshot>>) -> tollgate_store::guard::LimitNames {
     Arc::new(move |li| {
         rules
             .load()

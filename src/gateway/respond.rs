@@ -8,10 +8,10 @@ use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use http_body_util::{Either, Full};
 
-use crate::limit::decision::Decision;
-use crate::rules::Snapshot;
-use crate::rules::headers::state_value;
-use crate::store::CheckItem;
+use tollgate_limit::decision::Decision;
+use tollgate_rules::Snapshot;
+use tollgate_rules::headers::state_value;
+use tollgate_store::CheckItem;
 
 /// Bodies the gateway sends: an upstream's streamed through, or one of its own.
 pub type Body = Either<UpstreamBody, Full<Bytes>>;
@@ -168,7 +168,7 @@ impl Budget {
 
     /// The `RateLimit` value's bytes.
     pub fn write_state(&self, out: &mut bytes::BytesMut) {
-        crate::rules::headers::write_state(out, &self.name, self.remaining, self.reset_secs);
+        tollgate_rules::headers::write_state(out, &self.name, self.remaining, self.reset_secs);
     }
 }
 

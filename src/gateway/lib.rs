@@ -1,0 +1,29 @@
+//! Tollgate's gateway: everything between a client's socket and an upstream's, on top of the
+//! rules, the store and the limiter core.
+//!
+//! Modules in data-path order (the layers, and where a change goes: `src/ARCHITECTURE.md`):
+//! - [`config`]: the `serve` flags and environment, validated.
+//! - [`app`]: assembles rules, store and listeners into a running gateway.
+//! - [`server`]: accepts TCP/TLS connections, HTTP/1.1 and HTTP/2, drains on shutdown; a
+//!   handler may serve plain HTTP/1.1 connections itself first.
+//! - [`request`]: one request's steps: route → identity → plan → store check → 429 or forward
+//!   → finish, written once; its express lane serves plain HTTP/1.1 requests without a body in
+//!   the connection's task.
+//! - [`respond`]: every answer the gateway makes itself, in one place.
+//! - [`proxy`]: the one HTTP/1.1 client to upstreams, its kept connections, the upstream's
+//!   header edits (hop-by-hop stripping, `X-Forwarded-*`), 502/504.
+//! - [`reload`]: live rules: the file watch and SIGHUP, swapping in only higher versions.
+//! - [`admin`]: the admin listener (health, readiness, metrics, running rules).
+//! - [`demo`]: the built-in demo upstream.
+
+pub mod admin;
+pub mod app;
+pub mod config;
+pub mod demo;
+pub mod proxy;
+pub mod reload;
+pub mod request;
+pub mod respond;
+pub mod server;
+
+pub use request::Gateway;
