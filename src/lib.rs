@@ -31,11 +31,11 @@
 //! - [`replay`]: `tollgate replay`, traces through the same limiter code on a virtual clock.
 //! - [`fleet`]: `tollgate fleet`, N gateway processes on one store under the spec's storm.
 
+pub use tollgate_fleet as fleet;
 pub use tollgate_gateway::admin;
 pub use tollgate_gateway::app;
 pub use tollgate_gateway::config;
 pub use tollgate_gateway::demo;
-pub mod fleet;
 pub use tollgate_gateway::proxy;
 pub use tollgate_gateway::reload;
 pub use tollgate_gateway::request as gateway;

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 
-use crate::config::parse_duration;
+use tollgate_gateway::config::parse_duration;
 
 /// How the gateways of one run share k-7's limit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, serde::Serialize)]

@@ -10,8 +10,8 @@ use serde::Serialize;
 
 use super::load::{NO_ANSWER, Record, STORM};
 use super::rules::Contract;
-use crate::limit::bucket::US_PER_S;
-use crate::replay::report::BusiestWindow;
+use tollgate_limit::bucket::US_PER_S;
+use tollgate_replay::report::BusiestWindow;
 
 /// Below this share of the target rate the report says the machine could not drive the storm.
 pub const REACHED: f64 = 0.9;
@@ -466,7 +466,7 @@ pub fn text(header: &str, runs: &[RunReport]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limit::bucket::Rate;
+    use tollgate_limit::bucket::Rate;
 
     fn contract() -> Contract {
         Contract {

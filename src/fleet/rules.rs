@@ -7,8 +7,8 @@ use std::path::Path;
 use serde_json::Value;
 
 use super::args::{Mode, Policy, RunSpec};
-use crate::limit::bucket::Rate;
-use crate::rules::{self, CompileOptions, Snapshot};
+use tollgate_limit::bucket::Rate;
+use tollgate_rules::{CompileOptions, Snapshot};
 
 /// rules/fleet.json, built in so `tollgate fleet` runs from any directory.
 pub const BUILTIN: &str = include_str!("../../rules/fleet.json");
@@ -59,7 +59,8 @@ impl BaseRules {
             None => (BUILTIN.to_string(), "rules/fleet.json (built in)".to_string()),
         };
         // Compile once as given, so a broken file is reported against its own name.
-        rules::compile(text.as_bytes(), &label, CompileOptions::default()).map_err(|e| e.to_string())?;
+        tollgate_rules::compile(text.as_bytes(), &label, CompileOptions::default())
+            .map_err(|e| e.to_string())?;
         let value: Value = serde_json::from_str(&text).map_err(|e| format!("{label}: not JSON: {e}"))?;
         Ok(BaseRules { value, label })
     }
@@ -76,13 +77,15 @@ impl BaseRules {
             set_policy(&mut v, p);
         }
         let text = serde_json::to_string_pretty(&v).map_err(|e| format!("{label}: {e}"))?;
-        rules::compile(text.as_bytes(), &label, CompileOptions::default()).map_err(|e| e.to_string())?;
+        tollgate_rules::compile(text.as_bytes(), &label, CompileOptions::default())
+            .map_err(|e| e.to_string())?;
         Ok(text)
     }
 
     pub fn compiled(&self) -> Result<Snapshot, String> {
         let text = serde_json::to_string(&self.value).map_err(|e| e.to_string())?;
-        rules::compile(text.as_bytes(), &self.label, CompileOptions::default()).map_err(|e| e.to_string())
+        tollgate_rules::compile(text.as_bytes(), &self.label, CompileOptions::default())
+            .map_err(|e| e.to_string())
     }
 }
 
@@ -163,7 +166,7 @@ fn set_policy(v: &mut Value, p: Policy) {
 pub fn policy_limits(snap: &Snapshot) -> Vec<String> {
     snap.limits
         .iter()
-        .filter(|l| l.class != crate::rules::LimitClass::Security)
+        .filter(|l| l.class != tollgate_rules::LimitClass::Security)
         .map(|l| l.name.to_string())
         .collect()
 }
@@ -182,7 +185,7 @@ pub fn contract(snap: &Snapshot, secret: &str) -> Result<Contract, String> {
     let mut best: Option<Contract> = None;
     for &(li, cost) in &snap.routes[route].costs {
         let limit = &snap.limits[li as usize];
-        if limit.mode != crate::rules::Mode::Enforce || cost == 0 {
+        if limit.mode != tollgate_rules::Mode::Enforce || cost == 0 {
             continue;
         }
         let Some(nums) = key.numbers(limit, li as usize) else {
@@ -211,7 +214,7 @@ pub fn contract(snap: &Snapshot, secret: &str) -> Result<Contract, String> {
 
 /// The key a secret names, or an error saying which flag named a key the rules lack.
 pub fn key_index(snap: &Snapshot, secret: &str, flag: &str) -> Result<usize, String> {
-    snap.key_by_hash(&rules::hash_secret(secret.as_bytes()))
+    snap.key_by_hash(&tollgate_rules::hash_secret(secret.as_bytes()))
         .ok_or_else(|| {
             format!(
                 "{flag}: {}: no key in the rules has this secret's SHA-256",
@@ -237,7 +240,7 @@ mod tests {
         let base = BaseRules::load(None).unwrap();
         let addr: SocketAddr = "127.0.0.1:9".parse().unwrap();
         let text = base.variant(addr, run(Mode::Shares, None), 20).unwrap();
-        let snap = rules::compile(text.as_bytes(), "t", CompileOptions::default()).unwrap();
+        let snap = tollgate_rules::compile(text.as_bytes(), "t", CompileOptions::default()).unwrap();
         let c = contract(&snap, "k7-demo-key").unwrap();
         assert_eq!(c.burst, 1);
         assert!((c.per_second() - 0.5).abs() < 1e-12, "{}", c.per_second());
@@ -259,12 +262,12 @@ mod tests {
         let addr: SocketAddr = "127.0.0.1:9".parse().unwrap();
         for p in [Policy::Open, Policy::Closed, Policy::Local] {
             let text = base.variant(addr, run(Mode::Central, Some(p)), 20).unwrap();
-            let snap = rules::compile(text.as_bytes(), "t", CompileOptions::default()).unwrap();
+            let snap = tollgate_rules::compile(text.as_bytes(), "t", CompileOptions::default()).unwrap();
             let plan = snap.limits.iter().find(|l| &*l.name == "plan").unwrap();
             let want = match p {
-                Policy::Open => crate::store::FailurePolicy::Open,
-                Policy::Closed => crate::store::FailurePolicy::Closed,
-                Policy::Local => crate::store::FailurePolicy::Local,
+                Policy::Open => tollgate_store::FailurePolicy::Open,
+                Policy::Closed => tollgate_store::FailurePolicy::Closed,
+                Policy::Local => tollgate_store::FailurePolicy::Local,
             };
             assert_eq!(plan.policy, want);
         }

@@ -107,7 +107,7 @@ pub fn load_average() -> String {
 
 /// The longest any bucket of the rules takes to refill from empty, plus a second: a store
 /// bucket left unused this long is full again (and expired), as at the start of a run.
-fn refill_time(snap: &crate::rules::Snapshot) -> Duration {
+fn refill_time(snap: &tollgate_rules::Snapshot) -> Duration {
     let mut longest = 0f64;
     for (li, limit) in snap.limits.iter().enumerate() {
         let mut all: Vec<_> = limit.numbers.iter().collect();
