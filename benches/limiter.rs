@@ -9,14 +9,14 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use http::{HeaderMap, Method};
-use tollgate::limit::bucket::{BucketParams, BucketState, BucketVerdict, Charge, Rate, check_all, refill};
-use tollgate::limit::clock::{Clock, ManualClock};
-use tollgate::limit::decision::decide;
-use tollgate::rules::headers::{policy_value, state_value};
-use tollgate::rules::plan;
-use tollgate::rules::{CompileOptions, compile};
-use tollgate::store::memory::MemoryStore;
-use tollgate::store::{CheckItem, FailurePolicy};
+use tollgate_limit::bucket::{BucketParams, BucketState, BucketVerdict, Charge, Rate, check_all, refill};
+use tollgate_limit::clock::{Clock, ManualClock};
+use tollgate_limit::decision::decide;
+use tollgate_rules::headers::{policy_value, state_value};
+use tollgate_rules::plan;
+use tollgate_rules::{CompileOptions, compile};
+use tollgate_store::memory::MemoryStore;
+use tollgate_store::{CheckItem, FailurePolicy};
 
 fn params(rate: &str, burst: u64) -> BucketParams {
     BucketParams::new(Rate::parse(rate).unwrap(), burst).unwrap()
@@ -140,7 +140,7 @@ fn rules_and_plans(c: &mut Criterion) {
         b.iter(|| black_box(snap.route(black_box(&get), black_box("/v1/orders/123"))))
     });
     c.bench_function("rules/key lookup by SHA-256", |b| {
-        b.iter(|| black_box(snap.key_by_hash(&tollgate::rules::hash_secret(black_box(b"k7-demo-key")))))
+        b.iter(|| black_box(snap.key_by_hash(&tollgate_rules::hash_secret(black_box(b"k7-demo-key")))))
     });
     let headers = HeaderMap::new();
     let ip: IpAddr = "203.0.113.9".parse().unwrap();

@@ -1,10 +1,10 @@
 //! Embedded store memory per key, measured by RSS growth: a million distinct buckets checked
 //! once each. `cargo bench --bench memory`; figure in benches/README.md.
 
-use tollgate::limit::bucket::{BucketParams, Charge, Rate};
-use tollgate::limit::clock::ManualClock;
-use tollgate::store::memory::MemoryStore;
-use tollgate::store::{CheckItem, FailurePolicy};
+use tollgate_limit::bucket::{BucketParams, Charge, Rate};
+use tollgate_limit::clock::ManualClock;
+use tollgate_store::memory::MemoryStore;
+use tollgate_store::{CheckItem, FailurePolicy};
 
 fn rss_bytes() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");

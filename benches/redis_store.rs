@@ -12,9 +12,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use tollgate::limit::bucket::{BucketParams, Charge, Rate};
-use tollgate::store::redis::{RedisStore, Target};
-use tollgate::store::{CheckItem, FailurePolicy, Store};
+use tollgate_limit::bucket::{BucketParams, Charge, Rate};
+use tollgate_store::redis::{RedisStore, Target};
+use tollgate_store::{CheckItem, FailurePolicy, Store};
 
 struct Opts {
     rounds: usize,
@@ -357,7 +357,7 @@ fn main() {
     );
 
     let connections = if o.connections == 0 {
-        tollgate::store::redis::DEFAULT_CONNECTIONS
+        tollgate_store::redis::DEFAULT_CONNECTIONS
     } else {
         o.connections
     };

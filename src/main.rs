@@ -5,12 +5,12 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use tollgate::app::{self, GatewayConfig, RulesSource};
+use tollgate_gateway::app::{self, GatewayConfig, RulesSource};
 
 use clap::{Parser, Subcommand};
-use tollgate::config::{CommonArgs, DemoArgs, LogFormat, ServeArgs, StoreUrl};
-use tollgate::identity::TrustedProxies;
-use tollgate::server::{self, ServerLimits};
+use tollgate_gateway::config::{CommonArgs, DemoArgs, LogFormat, ServeArgs, StoreUrl};
+use tollgate_gateway::server::{self, ServerLimits};
+use tollgate_rules::identity::TrustedProxies;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -43,11 +43,11 @@ pub enum Command {
         listen: SocketAddr,
     },
     /// Replay a trace through the gateway's limiter code on a virtual clock (offline what-if).
-    Replay(tollgate::replay::ReplayArgs),
+    Replay(tollgate_replay::ReplayArgs),
     /// Start redis-server, the demo upstream and N gateways, drive a retry storm through each
     /// design (one shared bucket, a bucket per gateway, shares) or a store outage, report them
     /// side by side, and stop everything.
-    Fleet(tollgate::fleet::FleetArgs),
+    Fleet(tollgate_fleet::FleetArgs),
 }
 
 fn init_logging(format: LogFormat) {
@@ -144,7 +144,7 @@ fn main() -> Result<()> {
     if let Command::Replay(a) = &cli.command {
         // Offline and single-threaded: no logging, no async runtime. The error names the
         // file, row and column already; a backtrace would only bury it.
-        if let Err(e) = tollgate::replay::args::main(a) {
+        if let Err(e) = tollgate_replay::args::main(a) {
             eprintln!("tollgate replay: {e}");
             std::process::exit(1);
         }
@@ -152,17 +152,17 @@ fn main() -> Result<()> {
     }
     if let Command::Fleet(a) = &cli.command {
         // Runs its own runtime and child processes, and reports on stdout.
-        if let Err(e) = tollgate::fleet::main(a) {
+        if let Err(e) = tollgate_fleet::main(a) {
             eprintln!("tollgate fleet: {e}");
             std::process::exit(1);
         }
         return Ok(());
     }
     if let Command::CheckRules { file, cluster } = &cli.command {
-        let opts = tollgate::rules::CompileOptions { cluster: *cluster };
-        match tollgate::rules::load(file, opts) {
+        let opts = tollgate_rules::CompileOptions { cluster: *cluster };
+        match tollgate_rules::load(file, opts) {
             Ok(snap) => {
-                print!("{}", tollgate::rules::summary::summary(&snap));
+                print!("{}", tollgate_rules::summary::summary(&snap));
                 return Ok(());
             }
             Err(e) => {
@@ -218,7 +218,7 @@ fn main() -> Result<()> {
                 server::run(
                     l,
                     None,
-                    Arc::new(tollgate::demo::DemoUpstream),
+                    Arc::new(tollgate_gateway::demo::DemoUpstream),
                     ServerLimits::default(),
                     shutdown_signal(),
                 )

@@ -3,10 +3,10 @@
 //! multi-bucket check charges nothing.
 
 use proptest::prelude::*;
-use tollgate::limit::bucket::{BucketParams, BucketState, BucketVerdict, Charge, Rate, check_all, refill};
-use tollgate::limit::clock::{Clock, ManualClock};
-use tollgate::store::memory::MemoryStore;
-use tollgate::store::{CheckItem, FailurePolicy};
+use tollgate_limit::bucket::{BucketParams, BucketState, BucketVerdict, Charge, Rate, check_all, refill};
+use tollgate_limit::clock::{Clock, ManualClock};
+use tollgate_store::memory::MemoryStore;
+use tollgate_store::{CheckItem, FailurePolicy};
 
 fn params() -> impl Strategy<Value = BucketParams> {
     (

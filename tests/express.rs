@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use common::{Answer, Http, KBIG};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tollgate::app::{self, GatewayConfig, RulesSource, Running};
+use tollgate_gateway::app::{self, GatewayConfig, RulesSource, Running};
 
 /// An upstream that answers by path with hand-written bytes, and records every request head
 /// and every connection it accepts.
@@ -118,7 +118,7 @@ fn content_length(head: &str) -> usize {
 async fn gateway(upstream: SocketAddr, express: bool) -> (Running, tempfile::TempDir) {
     let (dir, path) = common::rules_file(&common::demo_rules_for(upstream));
     let mut cfg = GatewayConfig::new(RulesSource::File(path));
-    cfg.clock = tollgate::limit::clock::ManualClock::new(1_000_000);
+    cfg.clock = tollgate_limit::clock::ManualClock::new(1_000_000);
     cfg.limits.express = express;
     (app::start(cfg).await.expect("gateway starts"), dir)
 }

@@ -12,7 +12,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tollgate::rules::{self, CompileOptions};
+use tollgate_rules::{self as rules, CompileOptions};
 
 /// The storm's target: 40 workers padded to 100 ms.
 const TARGET: f64 = 400.0;

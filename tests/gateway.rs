@@ -295,8 +295,11 @@ fn rules_with_upstream(addr: String, timeout_ms: u64) -> String {
     )
 }
 
-async fn gateway_for(upstream: String, timeout_ms: u64) -> (tollgate::app::Running, tempfile::TempDir) {
-    let clock = tollgate::limit::clock::ManualClock::new(1_000_000);
+async fn gateway_for(
+    upstream: String,
+    timeout_ms: u64,
+) -> (tollgate_gateway::app::Running, tempfile::TempDir) {
+    let clock = tollgate_limit::clock::ManualClock::new(1_000_000);
     common::start_gateway(&rules_with_upstream(upstream, timeout_ms), clock).await
 }
 

@@ -11,11 +11,11 @@ use std::time::{Duration, Instant};
 use common::lease_load::{self, BucketWatch, Load};
 use common::{Http, KBIG, RedisServer, Tollgate};
 use http::{Method, StatusCode};
-use tollgate::app::{self, GatewayConfig, RulesSource};
-use tollgate::config::StoreUrl;
-use tollgate::limit::bucket::{BucketParams, BucketState, Rate};
-use tollgate::limit::lease::give_back;
-use tollgate::rules::{CompileOptions, LeaseBlock, compile};
+use tollgate_gateway::app::{self, GatewayConfig, RulesSource};
+use tollgate_gateway::config::StoreUrl;
+use tollgate_limit::bucket::{BucketParams, BucketState, Rate};
+use tollgate_limit::lease::give_back;
+use tollgate_rules::{CompileOptions, LeaseBlock, compile};
 
 /// SHA-256 of `kbig-demo-key`, as in rules/demo.json.
 const KBIG_SHA: &str = "3192d083bcbdda7385b5570eb52766ded7d5cbb554f1104918ddc5b2250cca03";
@@ -456,6 +456,6 @@ async fn sigterm_gives_every_unused_leased_token_back_to_redis() {
         tokens < p.capacity,
         "the give-back is visible, not hidden by a full bucket"
     );
-    let refilled = tollgate::limit::bucket::refill(&p, Some(before), ts);
+    let refilled = tollgate_limit::bucket::refill(&p, Some(before), ts);
     assert_eq!(tokens - refilled, 50_000 * p.scale);
 }

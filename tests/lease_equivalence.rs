@@ -13,11 +13,11 @@ use std::sync::Arc;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use tollgate::limit::bucket::{BucketParams, BucketState, BucketVerdict, Charge, Rate, check_all};
-use tollgate::limit::clock::{Clock, ManualClock};
-use tollgate::limit::lease::{Grant, LeaseConfig, block_cycle_us, give_back, lease};
-use tollgate::store::redis::{RedisStore, Target};
-use tollgate::store::{CheckItem, FailurePolicy, Store};
+use tollgate_limit::bucket::{BucketParams, BucketState, BucketVerdict, Charge, Rate, check_all};
+use tollgate_limit::clock::{Clock, ManualClock};
+use tollgate_limit::lease::{Grant, LeaseConfig, block_cycle_us, give_back, lease};
+use tollgate_store::redis::{RedisStore, Target};
+use tollgate_store::{CheckItem, FailurePolicy, Store};
 
 const STEPS: usize = 3_000;
 const BUCKETS: usize = 6;

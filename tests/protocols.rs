@@ -14,7 +14,7 @@ use hyper::body::Frame;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
-use tollgate::app::{self, GatewayConfig, RulesSource};
+use tollgate_gateway::app::{self, GatewayConfig, RulesSource};
 
 async fn tls_gateway() -> (app::Running, tempfile::TempDir) {
     let upstream = common::start_demo_upstream().await;

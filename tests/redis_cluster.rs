@@ -7,7 +7,7 @@ mod common;
 
 use common::{Http, K7, K8, KBIG, RedisCluster, RedisServer, Tollgate};
 use http::{Method, StatusCode};
-use tollgate::config::StoreUrl;
+use tollgate_gateway::config::StoreUrl;
 
 /// A keyed route that pays a tenant bucket and a per-IP bucket: two hash tags in one request.
 const CROSS_SLOT_RULES: &str = r#"{

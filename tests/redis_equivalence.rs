@@ -14,12 +14,12 @@ use std::sync::Arc;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use tollgate::limit::bucket::{
+use tollgate_limit::bucket::{
     BucketParams, BucketState, BucketVerdict, Charge, MAX_EXACT, Rate, charged, check_all, refund_all,
 };
-use tollgate::limit::clock::ManualClock;
-use tollgate::store::redis::{RedisStore, Target};
-use tollgate::store::{CheckItem, FailurePolicy, Outcome, Store};
+use tollgate_limit::clock::ManualClock;
+use tollgate_store::redis::{RedisStore, Target};
+use tollgate_store::{CheckItem, FailurePolicy, Outcome, Store};
 
 const STEPS: usize = 4_000;
 const BUCKETS: usize = 12;
@@ -81,7 +81,7 @@ fn random_cost(rng: &mut StdRng, p: &BucketParams) -> u64 {
 /// Moves the manual clock: mostly forward by anything from nothing to hours, sometimes back
 /// (a gateway clock may step back; elapsed time is then clamped at zero on both sides).
 fn move_clock(rng: &mut StdRng, clock: &ManualClock) {
-    use tollgate::limit::clock::Clock;
+    use tollgate_limit::clock::Clock;
     let now = clock.now_us();
     let next = match rng.random_range(0..20) {
         0 => now.saturating_sub(rng.random_range(1..=5_000_000)),

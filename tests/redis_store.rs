@@ -8,12 +8,12 @@ use std::sync::Arc;
 
 use common::{Http, K7, K8, RedisServer, Tollgate};
 use http::{Method, StatusCode};
-use tollgate::config::StoreUrl;
-use tollgate::limit::bucket::{BucketParams, Charge, Rate};
-use tollgate::rules::plan;
-use tollgate::rules::{Snapshot, hash_secret};
-use tollgate::store::redis::{RedisStore, Target};
-use tollgate::store::{Batch, CheckItem, FailurePolicy, Store, StoreError};
+use tollgate_gateway::config::StoreUrl;
+use tollgate_limit::bucket::{BucketParams, Charge, Rate};
+use tollgate_rules::plan;
+use tollgate_rules::{Snapshot, hash_secret};
+use tollgate_store::redis::{RedisStore, Target};
+use tollgate_store::{Batch, CheckItem, FailurePolicy, Store, StoreError};
 
 fn item(key: &str, rate: &str, burst: u64, cost: u64) -> CheckItem {
     let params = BucketParams::new(Rate::parse(rate).unwrap(), burst).unwrap();
@@ -142,7 +142,7 @@ fn expected_batch(
     let ip = "127.0.0.1".parse().unwrap();
     let route = &snap.routes[snap.route(method, path).expect("route")];
     let key = secret.map(|s| snap.key_by_hash(&hash_secret(s.as_bytes())).expect("known key"));
-    if key.is_none() && route.key == tollgate::rules::KeyRequirement::Required {
+    if key.is_none() && route.key == tollgate_rules::KeyRequirement::Required {
         return plan::unauthenticated_only(snap, ip);
     }
     plan::build(snap, route, key, ip, headers, None).expect("plan")
@@ -449,7 +449,7 @@ async fn checks_queued_behind_a_busy_store_share_calls_and_abandoned_ones_charge
     assert_eq!(redis.cli(&["CLIENT", "PAUSE", "60000", "WRITE"]), "OK");
     // One at a time, so each takes a call slot of its own, until every slot is taken.
     let mut first = Vec::new();
-    for i in &items[..tollgate::store::redis::MAX_IN_FLIGHT] {
+    for i in &items[..tollgate_store::redis::MAX_IN_FLIGHT] {
         first.push(Box::pin(store.check(std::slice::from_ref(i))));
         let last = first.len() - 1;
         common::queue_all(&mut first[last..]).await;

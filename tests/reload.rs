@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 use common::{Http, K7, KBIG};
 use http::StatusCode;
 use serde_json::{Value, json};
-use tollgate::app::Running;
-use tollgate::limit::clock::ManualClock;
-use tollgate::reload::Reload;
+use tollgate_gateway::app::Running;
+use tollgate_gateway::reload::Reload;
+use tollgate_limit::clock::ManualClock;
 
 fn demo_value(upstream: std::net::SocketAddr) -> Value {
     serde_json::from_str(&common::demo_rules_for(upstream)).unwrap()

@@ -5,11 +5,11 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-use tollgate::limit::bucket::{Rate, US_PER_S};
-use tollgate::replay::algorithms::Verdict;
-use tollgate::replay::generate::{self, GenRow, HOT_START_US, STORM_END_US, STORM_START_US};
-use tollgate::replay::report::Summary;
-use tollgate::replay::{Algorithm, Design, Replay, Request, Settings};
+use tollgate_limit::bucket::{Rate, US_PER_S};
+use tollgate_replay::algorithms::Verdict;
+use tollgate_replay::generate::{self, GenRow, HOT_START_US, STORM_END_US, STORM_START_US};
+use tollgate_replay::report::Summary;
+use tollgate_replay::{Algorithm, Design, Replay, Request, Settings};
 
 mod common;
 

@@ -1,6 +1,6 @@
 //! Every rules file shipped in rules/ compiles, and the list is not empty.
 
-use tollgate::rules::{self, CompileOptions};
+use tollgate_rules::{self as rules, CompileOptions};
 
 mod common;
 

@@ -9,12 +9,12 @@ mod common;
 
 use std::sync::Arc;
 
-use tollgate::limit::bucket::{BucketParams, Charge, Rate, rescale};
-use tollgate::limit::clock::ManualClock;
-use tollgate::limit::decision::decide;
-use tollgate::store::memory::MemoryStore;
-use tollgate::store::redis::{RedisStore, Target};
-use tollgate::store::{CheckItem, FailurePolicy, Outcome, Store};
+use tollgate_limit::bucket::{BucketParams, Charge, Rate, rescale};
+use tollgate_limit::clock::ManualClock;
+use tollgate_limit::decision::decide;
+use tollgate_store::memory::MemoryStore;
+use tollgate_store::redis::{RedisStore, Target};
+use tollgate_store::{CheckItem, FailurePolicy, Outcome, Store};
 
 /// A store under test, and its clock when the test can move it.
 struct Subject<'a> {
@@ -67,7 +67,7 @@ impl Subject<'_> {
             self.name
         );
         if let Some(c) = self.clock {
-            use tollgate::limit::clock::Clock;
+            use tollgate_limit::clock::Clock;
             assert_eq!(
                 o.now_us,
                 c.now_us(),

@@ -318,7 +318,7 @@ fn an_open_security_limit_fails_validation() {
         serde_json::from_str(&std::fs::read_to_string(common::repo().join("rules/demo.json")).unwrap())
             .unwrap();
     r["limits"]["login"]["on_store_failure"] = json!("open");
-    let err = tollgate::rules::compile(r.to_string().as_bytes(), "open-login.json", Default::default())
+    let err = tollgate_rules::compile(r.to_string().as_bytes(), "open-login.json", Default::default())
         .expect_err("an open security limit must be refused");
     assert_eq!(err.field, "limits.login.on_store_failure");
     assert!(err.reason.contains("may not fail open"), "{err}");

@@ -9,13 +9,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tollgate::limit::bucket::{BucketParams, BucketState, Charge, Rate, refill};
-use tollgate::metrics::{Kind, Metrics};
-use tollgate::rules::LeaseBlock;
-use tollgate::store::guard::FleetSize;
-use tollgate::store::lease::{GiveBackReply, LeaseReply, Leases, Lessor};
-use tollgate::store::redis::{RedisStore, Target};
-use tollgate::store::{BoxFuture, CheckFuture, CheckItem, FailurePolicy, Outcome, Store, StoreError};
+use tollgate_limit::bucket::{BucketParams, BucketState, Charge, Rate, refill};
+use tollgate_rules::LeaseBlock;
+use tollgate_store::guard::FleetSize;
+use tollgate_store::lease::{GiveBackReply, LeaseReply, Leases, Lessor};
+use tollgate_store::redis::{RedisStore, Target};
+use tollgate_store::{BoxFuture, CheckFuture, CheckItem, FailurePolicy, Outcome, Store, StoreError};
+use tollgate_telemetry::metrics::{Kind, Metrics};
 
 /// The hot key's bucket, as the gateway names a key limit `plan` of tenant `kbig`.
 pub const KEY: &str = "rl:{kbig}:plan";

@@ -17,8 +17,8 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use tollgate::app::{self, GatewayConfig, RulesSource, Running};
-use tollgate::limit::clock::{Clock, ManualClock};
+use tollgate_gateway::app::{self, GatewayConfig, RulesSource, Running};
+use tollgate_limit::clock::{Clock, ManualClock};
 
 pub const K7: &str = "k7-demo-key";
 pub const K8: &str = "k8-demo-key";
@@ -56,7 +56,7 @@ pub async fn start_gateway(rules: &str, clock: Arc<dyn Clock>) -> (Running, temp
 /// A gateway in this process on 127.0.0.1:0 with an admin listener, on the given store.
 pub async fn start_gateway_on(
     rules: &str,
-    store: tollgate::config::StoreUrl,
+    store: tollgate_gateway::config::StoreUrl,
 ) -> (Running, tempfile::TempDir) {
     let (dir, path) = rules_file(rules);
     let mut cfg = GatewayConfig::new(RulesSource::File(path));
@@ -75,11 +75,11 @@ pub async fn start_gateway_on(
 pub async fn start_demo_upstream() -> SocketAddr {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
-    tokio::spawn(tollgate::server::run(
+    tokio::spawn(tollgate_gateway::server::run(
         l,
         None,
-        Arc::new(tollgate::demo::DemoUpstream),
-        tollgate::server::ServerLimits::default(),
+        Arc::new(tollgate_gateway::demo::DemoUpstream),
+        tollgate_gateway::server::ServerLimits::default(),
         std::future::pending::<()>(),
     ));
     addr
@@ -399,7 +399,7 @@ pub fn serve_and_exit(rules: &str, args: &[&str]) -> (bool, String) {
 }
 
 /// Polls every future once, so each check is queued in the order given, without waiting.
-pub async fn queue_all(futures: &mut [std::pin::Pin<Box<tollgate::store::CheckFuture<'_>>>]) {
+pub async fn queue_all(futures: &mut [std::pin::Pin<Box<tollgate_store::CheckFuture<'_>>>]) {
     use std::future::Future;
     std::future::poll_fn(|cx| {
         for f in futures.iter_mut() {

@@ -9,15 +9,15 @@ use std::sync::LazyLock;
 
 use arbitrary::{Arbitrary, Unstructured};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
-use tollgate::gateway::{self, Early};
-use tollgate::identity::{self, TrustedProxies};
-use tollgate::limit::clock::ManualClock;
-use tollgate::limit::decision::decide;
-use tollgate::respond::{Refusal, budget_headers};
-use tollgate::rules::plan;
-use tollgate::rules::{self, CompileOptions, Snapshot};
-use tollgate::store::CheckItem;
-use tollgate::store::memory::MemoryStore;
+use tollgate_gateway::request::{self as gateway, Early};
+use tollgate_gateway::respond::{Refusal, budget_headers};
+use tollgate_limit::clock::ManualClock;
+use tollgate_limit::decision::decide;
+use tollgate_rules::identity::{self, TrustedProxies};
+use tollgate_rules::plan;
+use tollgate_rules::{self as rules, CompileOptions, Snapshot};
+use tollgate_store::CheckItem;
+use tollgate_store::memory::MemoryStore;
 
 /// The name compile errors must carry.
 const FILE: &str = "fuzz.json";
@@ -227,7 +227,7 @@ pub fn classify(data: &[u8]) {
     let trusted = &TRUSTED[head.trusted as usize % TRUSTED.len()];
 
     // The pieces on their own, then together as the gateway calls them.
-    let _ = tollgate::http1::sanitize::check_head(&headers);
+    let _ = tollgate_http1::sanitize::check_head(&headers);
     let _ = identity::credential(&headers);
     let ip = identity::client_ip(peer, &headers, trusted);
     let canonical = identity::canonical(peer);
