@@ -146,7 +146,7 @@ pub struct FleetArgs {
 
 /// One run: a mode, and for the outage run the failure policy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RunSpec {
+pub(crate) struct RunSpec {
     pub mode: Mode,
     pub policy: Option<Policy>,
 }
@@ -162,7 +162,7 @@ impl RunSpec {
 
 /// The checked settings of a fleet run.
 #[derive(Clone, Debug)]
-pub struct Plan {
+pub(crate) struct Plan {
     pub gateways: u32,
     pub duration: Duration,
     pub workers: u32,
@@ -184,7 +184,7 @@ pub struct Plan {
 }
 
 impl Plan {
-    pub fn from_args(a: &FleetArgs) -> Result<Plan, String> {
+    pub(crate) fn from_args(a: &FleetArgs) -> Result<Plan, String> {
         let duration = if a.quick {
             Duration::from_secs(20)
         } else {
@@ -280,11 +280,11 @@ impl Plan {
     }
 
     /// The storm rate the workers offer when every answer is faster than the padding.
-    pub fn target_rate(&self) -> Option<f64> {
+    pub(crate) fn target_rate(&self) -> Option<f64> {
         self.pad.map(|p| f64::from(self.workers) / p.as_secs_f64())
     }
 
-    pub fn needs_store(&self) -> bool {
+    pub(crate) fn needs_store(&self) -> bool {
         self.runs.iter().any(|r| r.mode == Mode::Central)
     }
 }

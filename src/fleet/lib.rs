@@ -99,7 +99,7 @@ fn progress(msg: &str) {
 }
 
 /// `/proc/loadavg`'s three averages, the machine's load while figures were taken.
-pub fn load_average() -> String {
+pub(crate) fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_else(|_| "unknown".into())

@@ -18,10 +18,10 @@ use tollgate_testkit::HttpClient;
 /// A request that gets no answer within this long counts as a transport error.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// Status recorded for a request that got no HTTP answer (refused, reset, timed out).
-pub const NO_ANSWER: u16 = 0;
+pub(crate) const NO_ANSWER: u16 = 0;
 /// Who sent a request: the storm, or partner `i` as `PARTNER0 + i`.
-pub const STORM: u16 = 0;
-pub const PARTNER0: u16 = 1;
+pub(crate) const STORM: u16 = 0;
+pub(crate) const PARTNER0: u16 = 1;
 /// The other partners' workers each send every this long, like the storm's padding.
 const PARTNER_PERIOD_MS: u64 = 100;
 

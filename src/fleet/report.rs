@@ -14,7 +14,7 @@ use tollgate_limit::bucket::US_PER_S;
 use tollgate_replay::report::BusiestWindow;
 
 /// Below this share of the target rate the report says the machine could not drive the storm.
-pub const REACHED: f64 = 0.9;
+pub(crate) const REACHED: f64 = 0.9;
 
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Latency {
@@ -121,7 +121,7 @@ pub struct RunReport {
 }
 
 /// What the analysis needs besides the records.
-pub struct RunFacts<'a> {
+pub(crate) struct RunFacts<'a> {
     pub run: String,
     pub mode: &'static str,
     pub policy: Option<&'static str>,
@@ -141,7 +141,7 @@ fn ok(status: u16) -> bool {
     (200..300).contains(&status)
 }
 
-pub fn analyse(records: &[Record], f: RunFacts<'_>) -> RunReport {
+pub(crate) fn analyse(records: &[Record], f: RunFacts<'_>) -> RunReport {
     let mut storm: Vec<&Record> = records.iter().filter(|r| r.who == STORM).collect();
     storm.sort_by_key(|r| r.recv_us);
     let others: Vec<&Record> = records.iter().filter(|r| r.who != STORM).collect();
@@ -302,7 +302,7 @@ pub fn scrape(text: &str, into: &mut StoreCounters) {
 }
 
 /// `39 10x118 3`: runs of equal seconds collapsed.
-pub fn compact(series: &[u64]) -> String {
+pub(crate) fn compact(series: &[u64]) -> String {
     let mut out = String::new();
     let mut i = 0;
     while i < series.len() {

@@ -11,13 +11,13 @@ use tollgate_limit::bucket::Rate;
 use tollgate_rules::{CompileOptions, Snapshot};
 
 /// rules/fleet.json, built in so `tollgate fleet` runs from any directory.
-pub const BUILTIN: &str = include_str!("../../rules/fleet.json");
+pub(crate) const BUILTIN: &str = include_str!("../../rules/fleet.json");
 
 /// The route every request of the harness takes.
 pub const PATH: &str = "/v1/orders";
 
 /// The rules as parsed JSON, edited per run and compiled before any gateway sees them.
-pub struct BaseRules {
+pub(crate) struct BaseRules {
     value: Value,
     pub label: String,
 }
@@ -109,7 +109,7 @@ fn point_upstreams(v: &mut Value, upstream: SocketAddr, label: &str) -> Result<(
 }
 
 /// One gateway's exact share of `rate`: the same tokens over N times the period.
-pub fn share_rate(rate: &str, n: u32) -> Result<String, String> {
+pub(crate) fn share_rate(rate: &str, n: u32) -> Result<String, String> {
     let r = Rate::parse(rate)?;
     let period = r
         .period_us
@@ -118,7 +118,7 @@ pub fn share_rate(rate: &str, n: u32) -> Result<String, String> {
     Ok(format!("{}/{}us", r.tokens, period))
 }
 
-pub fn share_burst(burst: u64, n: u32) -> u64 {
+pub(crate) fn share_burst(burst: u64, n: u32) -> u64 {
     (burst / u64::from(n)).max(1)
 }
 
@@ -160,15 +160,6 @@ fn set_policy(v: &mut Value, p: Policy) {
             }
         }
     }
-}
-
-/// The capacity limits a policy was set on, for the report.
-pub fn policy_limits(snap: &Snapshot) -> Vec<String> {
-    snap.limits
-        .iter()
-        .filter(|l| l.class != tollgate_rules::LimitClass::Security)
-        .map(|l| l.name.to_string())
-        .collect()
 }
 
 /// The storm key's contract on the harness's route: of the enforced limits the route charges

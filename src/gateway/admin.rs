@@ -14,7 +14,7 @@ use tollgate_rules::Snapshot;
 use tollgate_store::{FailurePolicy, Store};
 use tollgate_telemetry::metrics::Metrics;
 
-pub struct Admin {
+pub(crate) struct Admin {
     pub rules: Arc<ArcSwap<Snapshot>>,
     pub store: Arc<dyn Store>,
     pub metrics: Arc<Metrics>,

@@ -137,11 +137,6 @@ impl Running {
         self.wait().await
     }
 
-    /// Signals shutdown without waiting.
-    pub fn trigger_shutdown(&self) {
-        let _ = self.stop.send(true);
-    }
-
     /// Resolves when every listener has finished, then gives leased tokens back.
     pub async fn wait(self) -> usize {
         let mut open = 0;

@@ -14,14 +14,14 @@ use tollgate_rules::headers::state_value;
 use tollgate_store::CheckItem;
 
 /// Bodies the gateway sends: an upstream's streamed through, or one of its own.
-pub type Body = Either<UpstreamBody, Full<Bytes>>;
+pub(crate) type Body = Either<UpstreamBody, Full<Bytes>>;
 
 /// Bodies the gateway sends upstream: the client's streamed through under the route's size
 /// limit, or one it had to read first (to find a limit's body field).
 pub type UpBody = Either<LimitedBody, Full<Bytes>>;
 
-pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
-pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+pub(crate) static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+pub(crate) static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 
 /// A request the gateway answers itself instead of forwarding.
 #[derive(Debug, thiserror::Error)]
@@ -122,10 +122,10 @@ impl Refusal {
 
 /// The `408` for a request head not finished in time, as HTTP/1.1 bytes: it is written where no
 /// request exists yet to answer through either path. Its body is `Refusal::RequestTimeout`'s.
-pub const REQUEST_TIMEOUT_HTTP1: &[u8] = b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncache-control: no-store\r\nconnection: close\r\ncontent-length: 76\r\n\r\n{\"error\":\"request_timeout\",\"message\":\"the request was not received in time\"}";
+pub(crate) const REQUEST_TIMEOUT_HTTP1: &[u8] = b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncache-control: no-store\r\nconnection: close\r\ncontent-length: 76\r\n\r\n{\"error\":\"request_timeout\",\"message\":\"the request was not received in time\"}";
 
 /// A JSON response the gateway makes itself.
-pub fn json_response(status: StatusCode, body: String) -> Response<Body> {
+pub(crate) fn json_response(status: StatusCode, body: String) -> Response<Body> {
     let mut resp = Response::new(Either::Right(Full::new(Bytes::from(body))));
     *resp.status_mut() = status;
     resp.headers_mut()
@@ -158,7 +158,7 @@ pub struct Budget {
 }
 
 impl Budget {
-    pub fn apply(self, headers: &mut HeaderMap) {
+    pub(crate) fn apply(self, headers: &mut HeaderMap) {
         let state = state_value(&self.name, self.remaining, self.reset_secs);
         if let Some(p) = self.policy {
             headers.insert(RATELIMIT_POLICY.clone(), p);
@@ -174,7 +174,7 @@ impl Budget {
 
 /// The values of `RateLimit-Policy` (when the limit has numbers) and `RateLimit` for the
 /// deciding bucket of a decision; `None` when no bucket decided.
-pub fn budget_values(
+pub(crate) fn budget_values(
     snap: &Snapshot,
     batch: &[CheckItem],
     key: Option<usize>,

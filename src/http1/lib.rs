@@ -26,7 +26,7 @@ pub static HOP_BY_HOP: [HeaderName; 9] = [
 ];
 
 /// Whether a header name (raw bytes, any case) is hop-by-hop.
-pub fn hop_by_hop(name: &[u8]) -> bool {
+pub(crate) fn hop_by_hop(name: &[u8]) -> bool {
     HOP_BY_HOP
         .iter()
         .any(|n| n.as_str().as_bytes().eq_ignore_ascii_case(name))
@@ -54,7 +54,7 @@ pub fn idempotent(m: &http::Method) -> bool {
 }
 
 /// Whether the last transfer coding of a `Transfer-Encoding` value is `chunked`.
-pub fn chunked_last(value: &[u8]) -> bool {
+pub(crate) fn chunked_last(value: &[u8]) -> bool {
     value
         .rsplit(|&c| c == b',')
         .next()

@@ -94,7 +94,7 @@ impl LeaseConfig {
     /// Whether a holder with `held` tokens should ask for the next block: at or below 20% of
     /// `B`, compared exactly (`5 × held ≤ B`).
     #[inline]
-    pub fn is_low(&self, held: u64) -> bool {
+    pub(crate) fn is_low(&self, held: u64) -> bool {
         held.saturating_mul(5) <= self.block
     }
 }
@@ -197,11 +197,6 @@ impl Holder {
             }
         });
         back
-    }
-
-    /// The earliest time a held block expires, if any, for a caller that schedules expiry.
-    pub fn next_expiry(&self) -> Option<u64> {
-        self.blocks.iter().map(|b| b.expires_at).min()
     }
 
     /// SPEND: pays `cost` from held tokens or refuses locally, then says whether to ask for
@@ -409,7 +404,10 @@ mod tests {
         assert!(h.spend(&c, 6, 20).admitted);
         // The old block (15 left) paid first, then 5 from the new one.
         assert_eq!(h.held(), 120);
-        assert_eq!(h.next_expiry(), Some(5 + BLOCK_TTL_US));
+        assert_eq!(
+            h.blocks.iter().map(|b| b.expires_at).min(),
+            Some(5 + BLOCK_TTL_US)
+        );
         assert_eq!(h.expire(BLOCK_TTL_US + 4), 0);
         assert_eq!(h.expire(BLOCK_TTL_US + 5), 120);
         assert_eq!(h.held(), 0);

@@ -24,7 +24,7 @@ pub struct Verdict {
 }
 
 impl Verdict {
-    pub const ALLOW: Verdict = Verdict {
+    pub(crate) const ALLOW: Verdict = Verdict {
         admitted: true,
         retry_after: Some(0),
     };
@@ -39,7 +39,7 @@ impl Verdict {
 }
 
 /// Per-instance state and the check of one comparison algorithm.
-pub trait Meter {
+pub(crate) trait Meter {
     type State: Default;
     fn check(&self, s: &mut Self::State, now: u64, cost: u64) -> Verdict;
 }
@@ -93,7 +93,7 @@ pub struct FixedWindow {
 }
 
 #[derive(Clone, Copy, Debug, Default)]
-pub struct FixedState {
+pub(crate) struct FixedState {
     window: u64,
     count: u64,
 }
@@ -127,7 +127,7 @@ pub struct SlidingLog {
 }
 
 #[derive(Clone, Debug, Default)]
-pub struct LogState {
+pub(crate) struct LogState {
     /// (admission time, running total of cost up to and including this entry), oldest first.
     entries: VecDeque<(u64, u64)>,
     /// Running total of every cost ever admitted.
@@ -142,13 +142,9 @@ impl LogState {
         self.total - self.gone
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// Cost the log would hold at `now` (entries at least `period` old have left), without
     /// changing it.
-    pub fn len_at(&self, now: u64, period: u64) -> u64 {
+    pub(crate) fn len_at(&self, now: u64, period: u64) -> u64 {
         let i = self.entries.partition_point(|&(t, _)| t + period <= now);
         let gone = if i == 0 { self.gone } else { self.entries[i - 1].1 };
         self.total - gone
@@ -193,7 +189,7 @@ pub struct SlidingCounter {
 }
 
 #[derive(Clone, Copy, Debug, Default)]
-pub struct CounterState {
+pub(crate) struct CounterState {
     window: u64,
     cur: u64,
     prev: u64,
@@ -237,7 +233,7 @@ impl Meter for SlidingCounter {
 }
 
 /// A meter's state per instance (a key, or a key on one gateway).
-pub struct Metered<M: Meter> {
+pub(crate) struct Metered<M: Meter> {
     pub meter: M,
     states: Vec<M::State>,
 }

@@ -112,7 +112,7 @@ fn parse_time(text: &str) -> Result<u64, String> {
 }
 
 /// `250us`, `1ms`, `2s`, or `0`.
-pub fn parse_micros(text: &str) -> Result<u64, String> {
+pub(crate) fn parse_micros(text: &str) -> Result<u64, String> {
     let t = text.trim();
     if t == "0" {
         return Ok(0);

@@ -37,11 +37,10 @@ const fn hms(h: u64, m: u64, s: u64) -> u64 {
 pub const STORM_START_US: u64 = hms(9, 0, 0);
 /// 09:02:00.000, when the storm has ended.
 pub const STORM_END_US: u64 = hms(9, 2, 0);
-/// 09:10:00.000 and 09:11:00.000: replay H's minute.
+/// 09:10:00.000: replay H's minute starts.
 pub const HOT_START_US: u64 = hms(9, 10, 0);
-pub const HOT_END_US: u64 = hms(9, 11, 0);
 /// Rows in the hot trace.
-pub const HOT_ROWS: u64 = 6_000_000;
+pub(crate) const HOT_ROWS: u64 = 6_000_000;
 
 /// The storm trace, in time order (48,615 rows).
 pub fn storm(gateways: u64) -> Vec<GenRow> {
@@ -87,7 +86,7 @@ pub fn hot(gateways: u64) -> impl Iterator<Item = GenRow> {
 }
 
 /// Writes rows as a trace CSV: `time,key,gateway`.
-pub fn write_csv(rows: impl Iterator<Item = GenRow>, out: &mut impl Write) -> io::Result<()> {
+pub(crate) fn write_csv(rows: impl Iterator<Item = GenRow>, out: &mut impl Write) -> io::Result<()> {
     out.write_all(b"time,key,gateway\n")?;
     let mut n = itoa::Buffer::new();
     let mut frac = [b'0'; 6];

@@ -185,7 +185,7 @@ impl LeaseFleet {
     }
 
     /// Whole tokens in the store's bucket for `key`, refilled to `now`.
-    pub fn bucket_tokens(&self, key: u32, now: u64) -> u64 {
+    pub(crate) fn bucket_tokens(&self, key: u32, now: u64) -> u64 {
         let p = &self.cfg.params;
         let state = self.buckets.get(key as usize).copied().flatten();
         tollgate_limit::bucket::refill(p, state, now) / p.scale

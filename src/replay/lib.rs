@@ -367,7 +367,7 @@ impl Replay {
     }
 
     /// Whether rows need `method` and `path` (a `--rules` replay).
-    pub fn needs_routes(&self) -> bool {
+    pub(crate) fn needs_routes(&self) -> bool {
         matches!(self.engine, Engine::Rules(_))
     }
 
@@ -564,12 +564,12 @@ impl Replay {
 }
 
 /// How often a long replay reports progress on stderr.
-pub const PROGRESS_EVERY: u64 = 1_000_000;
+pub(crate) const PROGRESS_EVERY: u64 = 1_000_000;
 
 /// Replays every row of a trace; `on_row` gets each row's time and verdict in trace order.
 /// With `total_bytes` known, progress lines on stderr show a percentage; they start after a
 /// million rows, and only when `progress` is set.
-pub fn run_trace<R: BufRead>(
+pub(crate) fn run_trace<R: BufRead>(
     replay: &mut Replay,
     reader: &mut TraceReader<R>,
     progress: bool,

@@ -51,7 +51,7 @@ impl BusiestWindow {
 /// `t_i` to just past another `t_j`: `(C_j − C_{i−1}) − r·(t_j − t_i)`. Scaled by the rate's
 /// period `P` (µs), with `r = N / P`, every term is an integer.
 #[derive(Clone, Debug)]
-pub struct Excess {
+pub(crate) struct Excess {
     tokens: i128,
     period: i128,
     from: u64,
@@ -99,7 +99,7 @@ impl Excess {
 
 /// Everything counted for one key.
 #[derive(Clone, Debug)]
-pub struct KeyStats {
+pub(crate) struct KeyStats {
     pub requests: u64,
     pub admitted: u64,
     pub limited: u64,
@@ -185,12 +185,12 @@ impl Summary {
         (b > a).then(|| self.store_calls as f64 * US_PER_S as f64 / (b - a) as f64)
     }
 
-    pub fn to_json(&self) -> String {
+    pub(crate) fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
     }
 
     /// The human table.
-    pub fn write_table(&self, out: &mut impl Write) -> io::Result<()> {
+    pub(crate) fn write_table(&self, out: &mut impl Write) -> io::Result<()> {
         writeln!(
             out,
             "replay: design {}, algorithm {}, limit {}, {} gateways",
@@ -259,7 +259,7 @@ impl Summary {
 }
 
 /// `48615` → `48,615`.
-pub fn group(n: u64) -> String {
+pub(crate) fn group(n: u64) -> String {
     let s = n.to_string();
     let mut out = String::with_capacity(s.len() + s.len() / 3);
     for (i, c) in s.chars().enumerate() {
@@ -273,7 +273,7 @@ pub fn group(n: u64) -> String {
 
 /// Writes `admitted,retry_after` rows: `1,0` when admitted, `0,N` when limited, `0,` when no
 /// wait can help.
-pub struct DecisionWriter<W: Write> {
+pub(crate) struct DecisionWriter<W: Write> {
     out: W,
 }
 

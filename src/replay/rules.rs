@@ -22,7 +22,7 @@ use tollgate_rules::{Dimension, Snapshot};
 use tollgate_store::fingerprint;
 use tollgate_store::memory::MemoryStore;
 
-pub struct RulesFleet {
+pub(crate) struct RulesFleet {
     snap: Arc<Snapshot>,
     store: MemoryStore,
     design: Design,
@@ -55,10 +55,6 @@ impl RulesFleet {
         }
     }
 
-    pub fn snapshot(&self) -> &Arc<Snapshot> {
-        &self.snap
-    }
-
     /// The key's id to its index in the rules, or an error listing the known ids.
     pub fn key(&self, id: &str) -> Result<usize, RowError> {
         if id.is_empty() {
@@ -82,7 +78,7 @@ impl RulesFleet {
 
     /// The limit and rate that the excess statistic of a key follows: its first enforced
     /// key-dimension limit (the plan, in the demo rules).
-    pub fn excess_limit(&self, key: usize) -> Option<(u16, Rate)> {
+    pub(crate) fn excess_limit(&self, key: usize) -> Option<(u16, Rate)> {
         let k = &self.snap.keys[key];
         self.snap.limits.iter().enumerate().find_map(|(i, l)| {
             if l.dimension != Dimension::Key || l.shadow() {

@@ -37,18 +37,18 @@ pub struct RulesError {
 }
 
 /// The default time an upstream has to send its response headers.
-pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long opening a connection to an upstream may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a kept upstream connection may idle: below the 5 s keep-alive timeout of Node.js
 /// and Apache, so the gateway closes first. An upstream that closes sooner (gunicorn: 2 s)
 /// wants its own `idle_timeout_ms`; the check before reuse catches most of its closes anyway.
-pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
+pub(crate) const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 /// The default wait for a place under an upstream's `max_in_flight`.
-pub const DEFAULT_QUEUE_TIMEOUT: Duration = Duration::from_millis(50);
+pub(crate) const DEFAULT_QUEUE_TIMEOUT: Duration = Duration::from_millis(50);
 /// A route's largest request body when its rules don't say: an upstream behind a gateway should
 /// not have to guard its own memory against one client's body.
-pub const DEFAULT_MAX_BODY_BYTES: u64 = 1 << 20;
+pub(crate) const DEFAULT_MAX_BODY_BYTES: u64 = 1 << 20;
 
 #[derive(Debug)]
 pub struct Upstream {
@@ -181,7 +181,7 @@ pub struct Route {
 
 impl Route {
     /// Whether `path` (canonical) is under this route's prefix, on segment boundaries.
-    pub fn matches_path(&self, path: &str) -> bool {
+    pub(crate) fn matches_path(&self, path: &str) -> bool {
         let p = self.prefix.as_bytes();
         let Some(head) = path.as_bytes().get(..p.len()) else {
             return false;
@@ -197,7 +197,7 @@ impl Route {
 
     /// Whether a request of this method may take this route. TRACE echoes a request back,
     /// credentials and all, so only a route that names it takes it; `*` does not.
-    pub fn matches_method(&self, method: &Method) -> bool {
+    pub(crate) fn matches_method(&self, method: &Method) -> bool {
         match &self.method {
             Some(m) => m == method,
             None => method != Method::TRACE,
@@ -250,10 +250,6 @@ impl Snapshot {
     ) -> Option<&str> {
         d.deciding.map(|i| &*self.limits[batch[i].limit as usize].name)
     }
-
-    pub fn limit_index(&self, name: &str) -> Option<usize> {
-        self.limits.iter().position(|l| &*l.name == name)
-    }
 }
 
 /// How to compile: what the store needs of the rules.
@@ -264,7 +260,7 @@ pub struct CompileOptions {
 }
 
 /// The demo rules, built in so `tollgate demo` works from any directory.
-pub const DEMO_RULES: &[u8] = include_bytes!("../../rules/demo.json");
+pub(crate) const DEMO_RULES: &[u8] = include_bytes!("../../rules/demo.json");
 
 /// Where the rules come from.
 #[derive(Debug, Clone)]

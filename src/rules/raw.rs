@@ -8,7 +8,7 @@ use tollgate_limit::batch::FailurePolicy;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawRules {
+pub(crate) struct RawRules {
     /// Only goes up: a running gateway ignores a file whose version is not above its own.
     pub version: u64,
     pub upstreams: BTreeMap<String, RawUpstream>,
@@ -24,7 +24,7 @@ pub struct RawRules {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawUpstream {
+pub(crate) struct RawUpstream {
     /// Base URL: `http://host:port[/prefix]`.
     pub url: String,
     /// How long the upstream may take to send its response headers.
@@ -50,7 +50,7 @@ pub struct RawUpstream {
 
 #[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
-pub enum RawEncodedSlashes {
+pub(crate) enum RawEncodedSlashes {
     /// A 400, so an upstream can't decode them into separators the gateway didn't route on.
     Refuse,
     /// Kept encoded, as data inside one segment.
@@ -59,7 +59,7 @@ pub enum RawEncodedSlashes {
 
 #[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq, Default)]
 #[serde(rename_all = "kebab-case")]
-pub enum RawPathMatch {
+pub(crate) enum RawPathMatch {
     #[default]
     Exact,
     /// For upstreams that serve `/V1/Exports` as `/v1/exports`, so limits can't be dodged by
@@ -69,7 +69,7 @@ pub enum RawPathMatch {
 
 #[derive(Debug, Deserialize, Clone, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
-pub enum RawDimensionName {
+pub(crate) enum RawDimensionName {
     /// One bucket per tenant (the key's plan).
     Key,
     /// One bucket per tenant (or client IP, without a key) per route.
@@ -80,14 +80,14 @@ pub enum RawDimensionName {
 
 #[derive(Debug, Deserialize, Clone, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
-pub struct RawHeaderDimension {
+pub(crate) struct RawHeaderDimension {
     /// One bucket per value of this request header.
     pub header: String,
 }
 
 #[derive(Debug, Deserialize, Clone, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
-pub struct RawBodyFieldDimension {
+pub(crate) struct RawBodyFieldDimension {
     /// One bucket per value of this top-level field of a JSON request body (read at most
     /// 16 KiB of it), e.g. the account of a login.
     pub body_field: String,
@@ -95,7 +95,7 @@ pub struct RawBodyFieldDimension {
 
 #[derive(Debug, Deserialize, Clone, PartialEq, Eq)]
 #[serde(untagged)]
-pub enum RawDimension {
+pub(crate) enum RawDimension {
     Named(RawDimensionName),
     Header(RawHeaderDimension),
     BodyField(RawBodyFieldDimension),
@@ -123,21 +123,21 @@ pub enum LimitClass {
 
 #[derive(Debug, Deserialize, Clone, PartialEq, Eq)]
 #[serde(untagged)]
-pub enum RawBlock {
+pub(crate) enum RawBlock {
     Fixed(u64),
     Auto(String),
 }
 
 #[derive(Debug, Deserialize, Clone, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
-pub struct RawLease {
+pub(crate) struct RawLease {
     /// `"auto"` or a fixed number of tokens per block.
     pub block: RawBlock,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawLimit {
+pub(crate) struct RawLimit {
     pub dimension: RawDimension,
     /// `N/P`, e.g. `600/60s`. Optional for `key` limits whose numbers every key sets.
     #[serde(default)]
@@ -152,20 +152,22 @@ pub struct RawLimit {
     pub on_store_failure: Option<FailurePolicy>,
     #[serde(default)]
     pub lease: Option<RawLease>,
+    /// Accepted so a rules file can say what a limit is for; the gateway never reads it.
     #[serde(default)]
+    #[allow(dead_code)]
     pub description: Option<String>,
 }
 
 #[derive(Debug, Deserialize, Clone)]
 #[serde(deny_unknown_fields)]
-pub struct RawNumbers {
+pub(crate) struct RawNumbers {
     pub rate: String,
     pub burst: u64,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawKey {
+pub(crate) struct RawKey {
     /// The key's public id, as in access logs and replay traces (`k-7`). Never the secret.
     pub id: String,
     /// Buckets of `key` and `route` limits are per tenant; defaults to the id.
@@ -192,7 +194,7 @@ pub enum KeyRequirement {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawRoute {
+pub(crate) struct RawRoute {
     #[serde(default)]
     pub name: Option<String>,
     /// An HTTP method, or `*` for any.
@@ -215,7 +217,7 @@ pub struct RawRoute {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawUnauthenticated {
+pub(crate) struct RawUnauthenticated {
     pub limit: String,
     #[serde(default = "one")]
     pub cost: u64,

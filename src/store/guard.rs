@@ -30,9 +30,9 @@ use tollgate_telemetry::logsample::Sampler;
 use tollgate_telemetry::metrics::{Kind, LimitPolicy, Metrics};
 
 /// Failures in a row that open the breaker.
-pub const FAILURES_TO_OPEN: u32 = 5;
+pub(crate) const FAILURES_TO_OPEN: u32 = 5;
 /// How often an open breaker lets one check through to the store.
-pub const PROBE_EVERY: Duration = Duration::from_secs(1);
+pub(crate) const PROBE_EVERY: Duration = Duration::from_secs(1);
 
 /// Whether a check may go to the store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -53,11 +53,11 @@ use tollgate_telemetry::metrics::{Kind, Metrics};
 
 /// A lease call that has not answered in this long counts as failed. Longer than a check's
 /// budget: it runs off the request path, and a late grant is still tokens to spend.
-pub const LEASE_CALL_TIMEOUT: Duration = Duration::from_secs(1);
+pub(crate) const LEASE_CALL_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// After a failed lease call, the key is checked through the guard, and no lease is sent for
 /// it, for this long.
-pub const RETRY_AFTER_FAILURE: Duration = Duration::from_secs(1);
+pub(crate) const RETRY_AFTER_FAILURE: Duration = Duration::from_secs(1);
 
 /// The store's answer to a LEASE.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -182,13 +182,13 @@ impl MemoryStore {
     }
 
     /// Refunds a check of `batch` at the clock's now; see [`Store::refund`].
-    pub fn refund_now(&self, batch: &[CheckItem], outcome: &Outcome) {
+    pub(crate) fn refund_now(&self, batch: &[CheckItem], outcome: &Outcome) {
         self.refund_at(batch, outcome, self.clock.now_us());
     }
 
     /// Gives back at `now` what the check that answered `outcome` took from `batch`, under the
     /// locks of every shard it touches, so no check sees half a refund.
-    pub fn refund_at(&self, batch: &[CheckItem], outcome: &Outcome, now: u64) {
+    pub(crate) fn refund_at(&self, batch: &[CheckItem], outcome: &Outcome, now: u64) {
         if !outcome.admitted || batch.len() != outcome.buckets.len() {
             return;
         }

@@ -40,19 +40,19 @@ pub const SCRIPT: &str = concat!(
 );
 
 /// The lease script (hot keys): LEASE and GIVE BACK on the same buckets, same encoding.
-pub const LEASE_SCRIPT: &str = concat!(
+pub(crate) const LEASE_SCRIPT: &str = concat!(
     include_str!("../../lua/bucket.lua"),
     include_str!("../../lua/lease.lua")
 );
 
 /// The refund script: gives back what a check charged, for a request that was not delivered.
-pub const REFUND_SCRIPT: &str = concat!(
+pub(crate) const REFUND_SCRIPT: &str = concat!(
     include_str!("../../lua/bucket.lua"),
     include_str!("../../lua/refund.lua")
 );
 
 /// ARGV per bucket: scale, refill, capacity, need, ttl, shadow.
-pub const ARGS_PER_BUCKET: usize = 6;
+pub(crate) const ARGS_PER_BUCKET: usize = 6;
 
 /// Calls out at once before checks start to share calls. A few keep every connection busy
 /// without making a lone check wait.
@@ -64,7 +64,7 @@ const MAX_REQUESTS_PER_CALL: usize = 64;
 const MAX_KEYS_PER_CALL: usize = 256;
 
 /// ARGV[1] that tells the script to read the store's TIME.
-pub const STORE_CLOCK: i64 = -1;
+pub(crate) const STORE_CLOCK: i64 = -1;
 
 /// Connections per node. With at most [`MAX_IN_FLIGHT`] calls out, one is enough: 1 and 2
 /// measured the same (benches/README.md).

@@ -247,14 +247,6 @@ impl Metrics {
     pub fn reload(&self, result: &'static str) {
         self.rules_reloads.get_or_create(&ResultLabel { result }).inc();
     }
-
-    pub fn observe_upstream(&self, upstream: &Arc<str>, took: Duration) {
-        self.upstream_seconds
-            .get_or_create(&UpstreamLabel {
-                upstream: upstream.clone(),
-            })
-            .observe(took.as_secs_f64());
-    }
 }
 
 /// The content type of [`Metrics::render`].

@@ -66,7 +66,7 @@ impl Failure {
 }
 
 /// The request's body and how it goes upstream.
-pub struct Outgoing<'a, B> {
+pub(crate) struct Outgoing<'a, B> {
     pub body: &'a mut B,
     /// Chunked when the client's length is unknown (HTTP/2 without `content-length`, or a
     /// chunked HTTP/1 body, which hyper decoded).
@@ -77,7 +77,12 @@ pub struct Outgoing<'a, B> {
 
 /// Writes the upstream's request head: the method, the routed target and the client's headers
 /// through `edits`.
-pub fn render_request(out: &mut BytesMut, parts: &http::request::Parts, edits: &HeaderEdits, chunked: bool) {
+pub(crate) fn render_request(
+    out: &mut BytesMut,
+    parts: &http::request::Parts,
+    edits: &HeaderEdits,
+    chunked: bool,
+) {
     out.extend_from_slice(parts.method.as_str().as_bytes());
     out.extend_from_slice(b" ");
     out.extend_from_slice(parts.uri.path_and_query().map_or("/", |p| p.as_str()).as_bytes());
@@ -96,7 +101,7 @@ pub fn render_request(out: &mut BytesMut, parts: &http::request::Parts, edits: &
     out.extend_from_slice(b"\r\n");
 }
 
-pub fn header_line(out: &mut BytesMut, name: &[u8], value: &[u8]) {
+pub(crate) fn header_line(out: &mut BytesMut, name: &[u8], value: &[u8]) {
     out.extend_from_slice(name);
     out.extend_from_slice(b": ");
     out.extend_from_slice(value);
@@ -111,7 +116,7 @@ pub fn header_line(out: &mut BytesMut, name: &[u8], value: &[u8]) {
 /// the request is sent. A client's slow body is its own timeout's business, not the
 /// upstream's. `None` when the caller bounds the whole (a request without a body).
 #[allow(clippy::too_many_arguments)]
-pub async fn exchange<B, R>(
+pub(crate) async fn exchange<B, R>(
     pool: &ConnPool,
     head: &[u8],
     mut body: Option<Outgoing<'_, B>>,
@@ -269,14 +274,14 @@ async fn read_head<R>(
 
 /// Where a response body is, as its bytes arrive.
 #[derive(Debug, Clone)]
-pub struct BodyState {
+pub(crate) struct BodyState {
     framing: Framing,
     left: u64,
     chunks: Decoder,
 }
 
 /// One step of a response body over the bytes read so far.
-pub struct Step {
+pub(crate) struct Step {
     /// Bytes of `buf` that belong to the body (framing included, for a verbatim relay).
     pub take: usize,
     /// Whether the body ends within them.
@@ -339,7 +344,7 @@ impl BodyState {
 
     /// What end of stream means here: the body's end for a close-delimited body, a cut body
     /// for any other.
-    pub fn eof_ends(&self) -> bool {
+    pub(crate) fn eof_ends(&self) -> bool {
         self.framing == Framing::Close
     }
 
@@ -354,7 +359,7 @@ impl BodyState {
 
 /// Raised when an upstream's body is cut or malformed.
 #[derive(Debug, thiserror::Error)]
-pub enum BodyError {
+pub(crate) enum BodyError {
     #[error("upstream body stalled for {0:?}")]
     Stalled(Duration),
     #[error("upstream closed the connection mid-body")]
@@ -511,6 +516,6 @@ impl Body for UpstreamBody {
 
 /// A `HeaderValue` for a forwarded upstream header; httparse already refused the bytes a
 /// header value can't hold.
-pub fn header_value(v: &[u8]) -> Option<HeaderValue> {
+pub(crate) fn header_value(v: &[u8]) -> Option<HeaderValue> {
     HeaderValue::from_bytes(v).ok()
 }

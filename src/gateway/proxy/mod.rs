@@ -16,12 +16,12 @@ use tollgate_rules::identity::{KeySource, X_API_KEY};
 
 pub(crate) use tollgate_http1::HOP_BY_HOP;
 
-pub static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
-pub static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
-pub static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+pub(crate) static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+pub(crate) static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+pub(crate) static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 /// The authenticated key's public id, for the upstream; never the secret.
-pub static X_TOLLGATE_KEY_ID: HeaderName = HeaderName::from_static("x-tollgate-key-id");
-pub static X_TOLLGATE_TENANT: HeaderName = HeaderName::from_static("x-tollgate-tenant");
+pub(crate) static X_TOLLGATE_KEY_ID: HeaderName = HeaderName::from_static("x-tollgate-key-id");
+pub(crate) static X_TOLLGATE_TENANT: HeaderName = HeaderName::from_static("x-tollgate-tenant");
 
 /// The header names the `Connection` headers list, which are hop-by-hop too.
 fn connection_named(headers: &HeaderMap) -> smallvec::SmallVec<[HeaderName; 2]> {
@@ -144,7 +144,7 @@ fn response_parts(
 
 /// The gateway's answer when an exchange with `up` failed, the same on both paths: it names the
 /// upstream by its name in the rules; the address and the OS's error go to the log only.
-pub fn failure_answer(up: &Upstream, failure: &client::Failure) -> Refusal {
+pub(crate) fn failure_answer(up: &Upstream, failure: &client::Failure) -> Refusal {
     use client::Failure as F;
     tracing::debug!(upstream = &*up.name, authority = %up.authority, error = %failure, "upstream failed");
     let name = &*up.name;
@@ -167,7 +167,7 @@ pub fn failure_answer(up: &Upstream, failure: &client::Failure) -> Refusal {
 
 /// Points the request target at the upstream: origin form (the connection already names the
 /// upstream, and `Host` says it again), under its path prefix.
-pub fn retarget(up: &Upstream, parts: &mut http::request::Parts) -> Result<(), Refusal> {
+pub(crate) fn retarget(up: &Upstream, parts: &mut http::request::Parts) -> Result<(), Refusal> {
     parts.version = Version::HTTP_11;
     let u = &parts.uri;
     if up.path_prefix.is_empty()

@@ -136,11 +136,6 @@ impl ConnPool {
             .retain(|i| now.duration_since(i.since) < self.idle_timeout && clean(&i.conn.tcp));
     }
 
-    /// How many connections are kept now.
-    pub fn idle_count(&self) -> usize {
-        self.list().len()
-    }
-
     /// A new connection.
     pub async fn connect(&self) -> Result<RawConn, ConnectError> {
         let host = self
@@ -168,6 +163,13 @@ impl ConnPool {
 
 #[cfg(test)]
 mod tests {
+    impl ConnPool {
+        /// How many connections are kept now.
+        fn idle_count(&self) -> usize {
+            self.list().len()
+        }
+    }
+
     use super::*;
     use tokio::io::AsyncWriteExt;
     use tokio::net::TcpListener;

@@ -30,7 +30,7 @@ use tollgate_store::{Batch, Outcome, Store, StoreError};
 use tollgate_telemetry::logsample::Sampler;
 use tollgate_telemetry::metrics::{Handles, Metrics};
 
-pub static X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
+pub(crate) static X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
 
 /// Everything a request needs, shared by all connections.
 pub struct Gateway {
@@ -124,7 +124,7 @@ impl Gateway {
     }
 
     /// Closes kept upstream connections that expired or that their upstream closed.
-    pub fn sweep_upstreams(&self) {
+    pub(crate) fn sweep_upstreams(&self) {
         for u in &self.live.load().upstreams {
             u.pool.sweep();
         }
@@ -166,7 +166,11 @@ impl Gateway {
     /// Gives an admitted request's charge back when it never reached its upstream, in the same
     /// all-or-nothing way it was taken. A refund that fails is logged and counted by the store's
     /// guard; the request's answer does not wait on a retry.
-    pub async fn refund_undelivered(&self, paid: Option<Box<Paid>>, failure: &crate::proxy::client::Failure) {
+    pub(crate) async fn refund_undelivered(
+        &self,
+        paid: Option<Box<Paid>>,
+        failure: &crate::proxy::client::Failure,
+    ) {
         let Some(paid) = paid.filter(|_| failure.undelivered()) else {
             return;
         };
@@ -373,7 +377,7 @@ impl Gateway {
 
     /// Starts a request: its snapshot (kept to the end, whatever reloads meanwhile), its
     /// request id (the client's when valid, else a new one, also sent upstream) and its clock.
-    pub fn begin(&self, method: http::Method, headers: &mut http::HeaderMap) -> Begun<'_> {
+    pub(crate) fn begin(&self, method: http::Method, headers: &mut http::HeaderMap) -> Begun<'_> {
         let started = Instant::now();
         let in_flight = InFlight::new(&self.metrics.in_flight);
         let snap = self.rules.load_full();
@@ -405,7 +409,7 @@ impl Gateway {
     }
 
     /// Ends a request that another path will begin again: nothing is recorded for it here.
-    pub fn hand_off(&self, mut b: Begun<'_>) {
+    pub(crate) fn hand_off(&self, mut b: Begun<'_>) {
         b.end = End::HandedOff;
     }
 
@@ -454,7 +458,7 @@ impl Gateway {
     /// is the canonical one, which is what the upstream will get, and an HTTP/2 request's
     /// authority is its `Host`. A request without a usable key is answered here, after paying
     /// its address's unauthenticated bucket.
-    pub async fn identify(
+    pub(crate) async fn identify(
         &self,
         b: &mut Begun<'_>,
         parts: &mut http::request::Parts,
@@ -521,12 +525,12 @@ impl Gateway {
     }
 
     /// `RateLimit-Policy` and `RateLimit` for a forwarded request's response.
-    pub fn forward_headers(&self, f: &Forward, headers: &mut http::HeaderMap) {
+    pub(crate) fn forward_headers(&self, f: &Forward, headers: &mut http::HeaderMap) {
         apply_budget(headers, f.budget.clone());
     }
 
     /// How the client's headers become the upstream's for a forwarded request.
-    pub fn edits(
+    pub(crate) fn edits(
         &self,
         b: &Begun<'_>,
         f: &Forward,
@@ -538,7 +542,7 @@ impl Gateway {
     }
 
     /// Records how long an upstream took to answer the head.
-    pub fn upstream_answered(&self, b: &Begun<'_>, f: &Forward, took: std::time::Duration) {
+    pub(crate) fn upstream_answered(&self, b: &Begun<'_>, f: &Forward, took: std::time::Duration) {
         b.live.handles.upstream(&self.metrics, f.upstream, took);
     }
 }
@@ -682,7 +686,7 @@ pub struct Forward {
 }
 
 /// The most of a body read to find a limit's JSON field.
-pub const MAX_FIELD_BODY: u64 = 16 * 1024;
+pub(crate) const MAX_FIELD_BODY: u64 = 16 * 1024;
 
 static NO_ROUTE: std::sync::LazyLock<Arc<str>> = std::sync::LazyLock::new(|| Arc::from("(none)"));
 static OVERLOADED: std::sync::LazyLock<Arc<str>> =
@@ -785,7 +789,7 @@ pub fn classify(
 }
 
 /// Puts a canonical path in place of the client's, keeping the query byte for byte.
-pub fn set_path(uri: &mut http::Uri, path: String) -> Result<(), Refusal> {
+pub(crate) fn set_path(uri: &mut http::Uri, path: String) -> Result<(), Refusal> {
     let mut pq = path;
     // From the '?' on, as the client sent it, even an empty query.
     if let Some(q) = uri

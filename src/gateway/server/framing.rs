@@ -38,7 +38,7 @@ pub struct Framing {
 
 impl Framing {
     /// Called once per request, in order: the watcher's verdict on this request's head.
-    pub fn next_request(&self) -> Option<HeadError> {
+    pub(crate) fn next_request(&self) -> Option<HeadError> {
         let index = self.served.fetch_add(1, Ordering::AcqRel);
         let mut flagged = self.flagged.lock().unwrap_or_else(PoisonError::into_inner);
         let at = flagged.iter().position(|(i, _)| *i == index)?;
@@ -214,7 +214,7 @@ impl Watcher {
 /// A connection whose reads pass through the watcher. It also keeps the head timeout for
 /// hyper's path: a head started and not finished within it gets `408` before the connection
 /// ends (hyper's own timeout, a little later, would close it without a word).
-pub struct Watched<IO> {
+pub(crate) struct Watched<IO> {
     io: IO,
     watcher: Watcher,
     head_timeout: Duration,

@@ -17,7 +17,7 @@ pub struct TlsError {
 }
 
 /// Builds the acceptor from PEM files.
-pub fn acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor, TlsError> {
+pub(crate) fn acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor, TlsError> {
     let cert_err = |reason: String| TlsError {
         file: cert.display().to_string(),
         reason,
