@@ -13,6 +13,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("tollgate-telemetry", 1),
     ("tollgate-rules", 1),
     ("tollgate-store", 2),
+    ("tollgate-meter", 2),
     ("tollgate-gateway", 3),
     ("tollgate-replay", 3),
     ("tollgate-fleet", 4),
