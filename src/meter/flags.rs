@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use crate::period::Per;
+use tollgate_rules::quota::Per;
 
 /// The Redis hash of flags: field = key id, value = a [`Flag`] as JSON.
 pub const FLAGS: &str = "tollgate:quota:flags";

@@ -3,10 +3,9 @@
 //! request it admitted per key, whatever decided it, and appends its running totals as
 //! records ([`record`]) to the Redis stream `tollgate:usage` or, on the embedded store, to a
 //! SQLite file ([`sqlite`]). A record carries a running total, not a delta, so a record read
-//! twice changes nothing. Quotas ([`period`]) are calendar days and months in a time zone;
+//! twice changes nothing. Quotas (`tollgate_rules::quota`) are calendar days and months in a time zone;
 //! the consumer that adds records up sets `near`/`over` flags ([`flags`]) that gateways read.
 
 pub mod flags;
-pub mod period;
 pub mod record;
 pub mod sqlite;

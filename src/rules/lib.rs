@@ -8,6 +8,7 @@
 pub mod headers;
 pub mod identity;
 pub mod plan;
+pub mod quota;
 pub mod raw;
 pub mod summary;
 

@@ -1,4 +1,4 @@
-//! Quota periods: calendar days and months in the quota's own time zone, so a partner's day
+//! Billing quotas and their periods: calendar days and months in the quota's own time zone, so a partner's day
 //! resets at its midnight, with daylight-saving days 23 or 25 hours long.
 
 use jiff::civil::Date;
