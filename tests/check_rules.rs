@@ -96,6 +96,14 @@ fn each_broken_file_fails_with_its_own_message() {
             "upstreams.orders.encoded_slashes: unknown variant `decode`",
         ),
         (
+            "quota-timezone-unknown.json",
+            "keys[0].quota.timezone: key k-1: \"Europe/Pariss\" is not an IANA time zone name",
+        ),
+        (
+            "quota-per-unknown.json",
+            "keys[0].quota.per: unknown variant `week`, expected `day` or `month`",
+        ),
+        (
             "paths-unknown.json",
             "upstreams.orders.paths: unknown variant `insensitive`",
         ),

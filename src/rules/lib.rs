@@ -149,6 +149,8 @@ pub struct ApiKey {
     /// `X-Tollgate-Key-Id` and `X-Tollgate-Tenant` for the upstream, made once.
     pub id_header: HeaderValue,
     pub tenant_header: HeaderValue,
+    /// The key's billing quota: counted by metering, enforced from its flags.
+    pub quota: Option<quota::Quota>,
 }
 
 impl ApiKey {
@@ -573,6 +575,20 @@ impl Compiler<'_> {
             if tenant.is_empty() || tenant.contains(['{', '}']) {
                 return Err(self.err(format!("{field}.tenant"), "must be non-empty, without braces"));
             }
+            let quota = k
+                .quota
+                .as_ref()
+                .map(|q| {
+                    let zone = q.timezone.as_deref().unwrap_or("UTC");
+                    quota::Quota::new(q.per, q.limit, zone).map_err(|e| {
+                        let part = match e {
+                            quota::QuotaError::Zone(_) => "timezone",
+                            quota::QuotaError::Zero => "limit",
+                        };
+                        self.err(format!("{field}.quota.{part}"), format!("key {}: {e}", k.id))
+                    })
+                })
+                .transpose()?;
             let mut numbers = vec![None; limits.len()];
             let mut seen = BTreeMap::new();
             for (lname, RawNumbers { rate, burst }) in &k.limits {
@@ -636,6 +652,7 @@ impl Compiler<'_> {
                 key_buckets,
                 id_header,
                 tenant_header,
+                quota,
             });
         }
 

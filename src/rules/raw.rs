@@ -180,6 +180,20 @@ pub(crate) struct RawKey {
     /// This key's own numbers for some limits.
     #[serde(default)]
     pub limits: BTreeMap<String, RawNumbers>,
+    /// A billing quota, enforced from metering, not from a bucket.
+    #[serde(default)]
+    pub quota: Option<RawQuota>,
+}
+
+/// `{"per": "day", "limit": 100000, "timezone": "Europe/Paris"}`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawQuota {
+    pub per: crate::quota::Per,
+    pub limit: u64,
+    /// An IANA name; UTC when absent.
+    #[serde(default)]
+    pub timezone: Option<String>,
 }
 
 #[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq, Default)]
