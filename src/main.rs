@@ -5,10 +5,10 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use tollgate_gateway::app::{self, GatewayConfig, RulesSource};
+use tollgate_gateway::app::{self, GatewayConfig, MeterConfig, RulesSource};
 
 use clap::{Parser, Subcommand};
-use tollgate_gateway::config::{CommonArgs, DemoArgs, LogFormat, ServeArgs, StoreUrl};
+use tollgate_gateway::config::{CommonArgs, DemoArgs, LogFormat, ServeArgs, StoreUrl, host_name};
 use tollgate_gateway::server::{self, ServerLimits};
 use tollgate_rules::identity::TrustedProxies;
 
@@ -85,6 +85,11 @@ fn config(rules: RulesSource, c: &CommonArgs, demo: bool) -> Result<GatewayConfi
     cfg.demo = demo;
     cfg.store_timeout = c.store_timeout;
     cfg.fleet_size = c.fleet_size;
+    cfg.meter = (!c.no_meter).then(|| MeterConfig {
+        instance: c.instance.clone().unwrap_or_else(host_name),
+        interval: c.meter_interval,
+        file: c.meter_file.clone(),
+    });
     Ok(cfg)
 }
 

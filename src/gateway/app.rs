@@ -18,6 +18,9 @@ use crate::reload::{Reloader, WatchHandle};
 use crate::request::Gateway;
 use crate::server::{self, ServerLimits, tls};
 use tollgate_limit::clock::{Clock, SystemClock};
+use tollgate_meter::counter::{self, Meter, Sink};
+use tollgate_meter::record::Identity;
+use tollgate_meter::sink::{RedisSink, SqliteSink};
 use tollgate_rules::identity::TrustedProxies;
 use tollgate_rules::{CompileOptions, RulesError, Snapshot};
 pub use tollgate_rules::{RulesLoader, RulesSource};
@@ -25,7 +28,7 @@ use tollgate_store::Store;
 use tollgate_store::guard::{FleetSize, Guard};
 use tollgate_store::lease::Leases;
 use tollgate_store::memory::MemoryStore;
-use tollgate_store::redis::{ConnectError, RedisStore, Target};
+use tollgate_store::redis::{ConnectError, RedisStore, Target, side_client};
 use tollgate_telemetry::metrics::Metrics;
 
 /// A validated configuration.
@@ -47,6 +50,18 @@ pub struct GatewayConfig {
     pub fleet_size: Option<u32>,
     /// Whose clock a Redis store's check reads (the store's unless `--clock gateway`).
     pub clock_source: ClockSource,
+    /// Metering of admitted requests for billing; off when `None`.
+    pub meter: Option<MeterConfig>,
+}
+
+/// Where and how often this gateway writes its usage records.
+#[derive(Debug, Clone)]
+pub struct MeterConfig {
+    /// This gateway's name in its records (its identity adds a boot id made at start).
+    pub instance: String,
+    pub interval: Duration,
+    /// The SQLite file for the embedded store; a Redis store takes the records on its stream.
+    pub file: PathBuf,
 }
 
 impl GatewayConfig {
@@ -65,6 +80,7 @@ impl GatewayConfig {
             store_timeout: Duration::from_millis(3),
             fleet_size: None,
             clock_source: ClockSource::Store,
+            meter: None,
         }
     }
 }
@@ -84,6 +100,8 @@ pub enum StartError {
     Store(String),
     #[error("rules file watch: {0}")]
     Watch(String),
+    #[error("metering: {0}")]
+    Meter(String),
 }
 
 /// Closes kept upstream connections that expired or that their upstream closed, once a second,
@@ -124,9 +142,13 @@ pub struct Running {
     pub leases: Option<Arc<Leases>>,
     pub metrics: Arc<Metrics>,
     pub reloader: Arc<Reloader>,
+    /// This gateway's usage counts, when metering is on.
+    pub meter: Option<Arc<Meter>>,
     _watch: WatchHandle,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<usize>>,
+    /// Stopped after the listeners, so the last records hold every admitted request.
+    meter_task: Option<(watch::Sender<bool>, JoinHandle<()>)>,
 }
 
 impl Running {
@@ -143,6 +165,14 @@ impl Running {
         for t in self.tasks {
             open += t.await.unwrap_or(1);
         }
+        if let Some((stop, task)) = self.meter_task {
+            let _ = stop.send(true);
+            if tokio::time::timeout(METER_END, task).await.is_err() {
+                tracing::error!(
+                    "the last usage records were not written in time; the meter reports an unclean end"
+                );
+            }
+        }
         if let Some(l) = &self.leases {
             let back = l.drain(LEASE_DRAIN).await;
             tracing::info!(tokens = back, "leased tokens given back");
@@ -150,6 +180,9 @@ impl Running {
         open
     }
 }
+
+/// How long shutdown waits for the last usage records.
+const METER_END: Duration = Duration::from_secs(5);
 
 /// How long shutdown waits for lease and give-back calls to finish.
 const LEASE_DRAIN: Duration = Duration::from_secs(3);
@@ -190,6 +223,30 @@ async fn redis_store(target: Target<'_>, cfg: &GatewayConfig) -> Result<Arc<Redi
         }
         Err(e) => Err(StartError::Store(e.to_string())),
     }
+}
+
+/// Starts counting for billing: records go to the Redis store's stream, or to the SQLite file
+/// beside the embedded store. A Redis store that is down now only delays records: the sink
+/// connects in the background and every flush retries with the newest totals.
+async fn start_meter(
+    m: &MeterConfig,
+    store: &StoreUrl,
+) -> Result<(Arc<Meter>, (watch::Sender<bool>, JoinHandle<()>)), StartError> {
+    let sink: Arc<dyn Sink> = match store {
+        StoreUrl::Memory => Arc::new(SqliteSink::open(&m.file).map_err(StartError::Meter)?),
+        StoreUrl::Redis(url) => redis_sink(Target::Node(url))?,
+        StoreUrl::RedisCluster(nodes) => redis_sink(Target::Cluster(nodes))?,
+    };
+    let meter = Meter::new(Identity::new(m.instance.clone()));
+    tracing::info!(identity = %meter.identity(), every = ?m.interval, "metering admitted requests");
+    let (stop, stop_rx) = watch::channel(false);
+    let task = tokio::spawn(counter::run(meter.clone(), sink, m.interval, stop_rx));
+    Ok((meter, (stop, task)))
+}
+
+fn redis_sink(target: Target<'_>) -> Result<Arc<dyn Sink>, StartError> {
+    let client = side_client(target).map_err(|e| StartError::Meter(format!("{target}: {e}")))?;
+    Ok(Arc::new(RedisSink::start(client)))
 }
 
 /// Starts every listener. Fails before serving anything if a part can't start.
@@ -304,8 +361,17 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         None => None,
     };
 
+    let (meter, meter_task) = match &cfg.meter {
+        Some(m) => {
+            let (meter, task) = start_meter(m, &cfg.store).await?;
+            (Some(meter), Some(task))
+        }
+        None => (None, None),
+    };
+
     let mut gateway = Gateway::new(rules.clone(), store.clone(), cfg.trusted.clone(), metrics.clone());
     gateway.proxy.body_timeout = cfg.limits.body_read_timeout;
+    gateway.meter = meter.clone();
     let gateway = Arc::new(gateway);
     tasks.push(tokio::spawn(sweep_upstreams(
         gateway.clone(),
@@ -348,8 +414,10 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         leases,
         metrics,
         reloader,
+        meter,
         _watch: watch,
         stop,
         tasks,
+        meter_task,
     })
 }

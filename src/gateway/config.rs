@@ -97,6 +97,28 @@ pub struct CommonArgs {
     /// HTTP/1.1 requests without a body (README "The express lane"); for comparison.
     #[arg(long, env = "TOLLGATE_NO_EXPRESS")]
     pub no_express: bool,
+    /// This gateway's name in its usage records (default: the host name).
+    #[arg(long, env = "TOLLGATE_INSTANCE")]
+    pub instance: Option<String>,
+    /// How often usage records are written (README "Metering and quotas").
+    #[arg(long, env = "TOLLGATE_METER_INTERVAL", default_value = "5s", value_parser = parse_positive_duration)]
+    pub meter_interval: Duration,
+    /// The SQLite file that takes usage records on the embedded store.
+    #[arg(long, env = "TOLLGATE_METER_FILE", default_value = "tollgate-usage.db")]
+    pub meter_file: PathBuf,
+    /// Count nothing for billing (for comparison; quotas then see no usage from this gateway).
+    #[arg(long, env = "TOLLGATE_NO_METER")]
+    pub no_meter: bool,
+}
+
+/// The host's name, for a gateway started without `--instance`.
+pub fn host_name() -> String {
+    std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "tollgate".into())
 }
 
 /// Parses `250ms`, `3s`, `2m` or `1h`.
@@ -117,6 +139,15 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         _ => return Err(format!("{text:?}: unknown unit {unit:?} (use ms, s, m or h)")),
     };
     Ok(Duration::from_millis(ms))
+}
+
+/// A duration above zero.
+pub fn parse_positive_duration(text: &str) -> Result<Duration, String> {
+    let d = parse_duration(text)?;
+    if d.is_zero() {
+        return Err(format!("{text:?} must be above zero"));
+    }
+    Ok(d)
 }
 
 /// Which store holds the buckets.

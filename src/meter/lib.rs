@@ -6,6 +6,8 @@
 //! twice changes nothing. Quotas (`tollgate_rules::quota`) are calendar days and months in a time zone;
 //! the consumer that adds records up sets `near`/`over` flags ([`flags`]) that gateways read.
 
+pub mod counter;
 pub mod flags;
 pub mod record;
+pub mod sink;
 pub mod sqlite;

@@ -67,6 +67,40 @@ pub fn append(conn: &mut Connection, at_ms: i64, records: &[Record]) -> rusqlite
     tx.commit()
 }
 
+/// Every record in the order written, with its `at_ms`.
+pub fn read_records(conn: &Connection) -> rusqlite::Result<Vec<(i64, Record)>> {
+    let mut q = conn.prepare_cached(
+        "SELECT at_ms, gateway, boot, seq, kind, key, total FROM usage_records ORDER BY id",
+    )?;
+    let rows = q.query_map([], |r| {
+        let identity = crate::record::Identity {
+            gateway: r.get(1)?,
+            boot: r.get(2)?,
+        };
+        let kind: String = r.get(4)?;
+        let kind = match (
+            kind.as_str(),
+            r.get::<_, Option<String>>(5)?,
+            r.get::<_, Option<i64>>(6)?,
+        ) {
+            ("usage", Some(key), Some(total)) => Kind::Usage {
+                key,
+                total: total as u64,
+            },
+            _ => Kind::End,
+        };
+        Ok((
+            r.get(0)?,
+            Record {
+                identity,
+                seq: r.get::<_, i64>(3)? as u64,
+                kind,
+            },
+        ))
+    })?;
+    rows.collect()
+}
+
 /// Every flag as stored: key id → JSON.
 pub fn read_flags(conn: &Connection) -> rusqlite::Result<Vec<(String, String)>> {
     let mut q = conn.prepare_cached("SELECT key, flag FROM quota_flags")?;

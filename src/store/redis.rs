@@ -928,6 +928,21 @@ redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[2]))
 return redis.call('ZCARD', KEYS[1])
 "#;
 
+/// A client to the same store for work beside the limiter (metering's records and flags): it
+/// reconnects on its own and retries, unlike the check's at-most-once connections, because
+/// what it sends is idempotent.
+pub fn side_client(target: Target<'_>) -> Result<fred::clients::Client, String> {
+    let config = fred_config(target)?;
+    Builder::from_config(config)
+        .with_connection_config(|c: &mut ConnectionConfig| {
+            c.connection_timeout = CONNECT_TIMEOUT;
+            c.internal_command_timeout = CONNECT_TIMEOUT;
+        })
+        .set_policy(ReconnectPolicy::new_exponential(0, 100, 5_000, 2))
+        .build()
+        .map_err(|e| e.details().to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

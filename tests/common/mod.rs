@@ -367,7 +367,8 @@ impl RedisCluster {
 
 /// Runs `tollgate serve --rules <rules>` expecting it to exit; returns (success, stderr).
 pub fn serve_and_exit(rules: &str, args: &[&str]) -> (bool, String) {
-    let (_dir, rules) = rules_file(rules);
+    let (dir, rules) = rules_file(rules);
+    let meter_file = dir.path().join("usage.db");
     let mut child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
         .args([
             "serve",
@@ -375,6 +376,8 @@ pub fn serve_and_exit(rules: &str, args: &[&str]) -> (bool, String) {
             rules.to_str().unwrap(),
             "--listen",
             "127.0.0.1:0",
+            "--meter-file",
+            meter_file.to_str().unwrap(),
         ])
         .args(args)
         .stdout(Stdio::null())
@@ -428,8 +431,16 @@ impl Tollgate {
         let dir = tempfile::tempdir().unwrap();
         let stderr_path = dir.path().join("stderr.log");
         let stderr = std::fs::File::create(&stderr_path).unwrap();
+        // Usage records of the embedded store go to the test's own directory.
+        let meter_file = dir.path().join("usage.db");
+        let meter_args: Vec<&str> = if args.contains(&"--meter-file") {
+            vec![]
+        } else {
+            vec!["--meter-file", meter_file.to_str().unwrap()]
+        };
         let mut child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
             .args(args)
+            .args(meter_args)
             .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
             .stdout(Stdio::piped())
             .stderr(stderr)

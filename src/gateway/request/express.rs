@@ -146,7 +146,7 @@ pub async fn serve(
         let (mut conn, shape) = match answered {
             Ok(r) => r,
             Err(failure) => {
-                gw.refund_undelivered(f.paid.take(), &failure).await;
+                gw.refund_undelivered(&mut b.trace, f.paid.take(), &failure).await;
                 let mut resp = crate::proxy::failure_answer(up, &failure).into_response();
                 gw.forward_headers(&f, resp.headers_mut());
                 answer(gw, &mut out, b, resp, closing, is_head);

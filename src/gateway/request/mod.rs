@@ -6,6 +6,7 @@ pub mod express;
 use std::borrow::Cow;
 use std::net::IpAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use arc_swap::ArcSwap;
@@ -23,6 +24,7 @@ use crate::server::{ConnInfo, Handler};
 use tollgate_http1::path::{EncodedSlashes, PathError, canonical, has_encoded_slash};
 use tollgate_http1::sanitize;
 use tollgate_limit::decision::{Decision, decide};
+use tollgate_meter::counter::Meter;
 use tollgate_rules::identity::{self, KeySource, TrustedProxies};
 use tollgate_rules::plan;
 use tollgate_rules::{KeyRequirement, Snapshot, hash_secret};
@@ -39,6 +41,8 @@ pub struct Gateway {
     pub proxy: Proxy,
     pub trusted: TrustedProxies,
     pub metrics: Arc<Metrics>,
+    /// Counts admitted requests per key for billing, apart from the limiter; `None`: off.
+    pub meter: Option<Arc<Meter>>,
     shadow_log: Sampler,
     live: ArcSwap<Live>,
     building: std::sync::Mutex<()>,
@@ -58,6 +62,8 @@ struct Trace {
     route: Option<usize>,
     limit: Option<Arc<str>>,
     key_id: Option<Arc<str>>,
+    /// The key an admitted request is billed to, until a refund says it never arrived.
+    metered: Option<usize>,
 }
 
 /// A client's `X-Request-Id` is kept when it is 1 to 128 characters of `[A-Za-z0-9._:-]`;
@@ -90,6 +96,7 @@ impl Gateway {
             proxy: Proxy::new(),
             trusted,
             metrics,
+            meter: None,
             shadow_log: Sampler::new(std::time::Duration::from_secs(1)),
             live: ArcSwap::from_pointee(Live::default()),
             building: std::sync::Mutex::new(()),
@@ -114,7 +121,7 @@ impl Gateway {
         if current.handles.snapshot == snap.version {
             return current;
         }
-        let fresh = Arc::new(Live::new(snap, &current));
+        let fresh = Arc::new(Live::new(snap, &current, self.meter.as_deref()));
         // A request that loaded its snapshot just before a reload gets state for it (sharing
         // the current pools and gates by name) without pushing the newer one out.
         if snap.version > current.handles.snapshot {
@@ -166,12 +173,18 @@ impl Gateway {
     /// Gives an admitted request's charge back when it never reached its upstream, in the same
     /// all-or-nothing way it was taken. A refund that fails is logged and counted by the store's
     /// guard; the request's answer does not wait on a retry.
-    pub(crate) async fn refund_undelivered(
+    async fn refund_undelivered(
         &self,
+        trace: &mut Trace,
         paid: Option<Box<Paid>>,
         failure: &crate::proxy::client::Failure,
     ) {
-        let Some(paid) = paid.filter(|_| failure.undelivered()) else {
+        if !failure.undelivered() {
+            return;
+        }
+        // What never reached its upstream is not billed either.
+        trace.metered = None;
+        let Some(paid) = paid else {
             return;
         };
         let Paid { batch, outcome } = *paid;
@@ -367,7 +380,8 @@ impl Gateway {
         let mut resp = match forwarded {
             Ok(r) => r.map(Either::Left),
             Err(failure) => {
-                self.refund_undelivered(f.paid.take(), &failure).await;
+                self.refund_undelivered(&mut b.trace, f.paid.take(), &failure)
+                    .await;
                 crate::proxy::failure_answer(upstream, &failure).into_response()
             }
         };
@@ -414,6 +428,9 @@ impl Gateway {
     }
 
     fn record(&self, b: &Begun<'_>, status: u16) {
+        if let Some(counter) = b.trace.metered.and_then(|k| b.live.meter.get(k)) {
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
         b.live
             .handles
             .request(&self.metrics, b.trace.route, &NO_ROUTE, status);
@@ -515,6 +532,7 @@ impl Gateway {
             .gate(upstream, &live.upstreams[route.upstream], trace)
             .await?;
         crate::proxy::retarget(upstream, parts).map_err(Refusal::into_response)?;
+        trace.metered = c.key.map(|(k, _)| k);
         Ok(Forward {
             upstream: route.upstream,
             budget,
@@ -554,6 +572,9 @@ pub struct Live {
     pub handles: Handles,
     /// Per upstream, in the snapshot's order.
     pub upstreams: Vec<LiveUpstream>,
+    /// Per key, in the snapshot's order, its metering counter (the same one across reloads);
+    /// empty when metering is off.
+    meter: Vec<Arc<AtomicU64>>,
 }
 
 pub struct LiveUpstream {
@@ -571,12 +592,13 @@ impl Default for Live {
         Live {
             handles: Handles::new(0, vec![], vec![], vec![]),
             upstreams: vec![],
+            meter: vec![],
         }
     }
 }
 
 impl Live {
-    fn new(snap: &Snapshot, prev: &Live) -> Live {
+    fn new(snap: &Snapshot, prev: &Live, meter: Option<&Meter>) -> Live {
         let upstreams = snap
             .upstreams
             .iter()
@@ -616,6 +638,7 @@ impl Live {
                 snap.upstreams.iter().map(|u| u.name.clone()).collect(),
             ),
             upstreams,
+            meter: meter.map_or_else(Vec::new, |m| snap.keys.iter().map(|k| m.counter(&k.id)).collect()),
         }
     }
 }

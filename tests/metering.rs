@@ -1,0 +1,214 @@
+//! Metering in real gateway processes: every admitted request is counted once per key, apart
+//! from the limiter; the records land on a real redis-server's stream or in the embedded
+//! store's SQLite file; a clean stop ends with an `end` record, and `kill -9` loses at most the
+//! last interval: an under-bill, never an over-bill.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::{Http, K7, RedisServer, Tollgate};
+use http::StatusCode;
+use tollgate_meter::record::{Identity, Kind, Record};
+
+/// Sends `n` requests of k-7 and returns how many were admitted (200); a 429 is the limit.
+async fn send_k7(http: &Http, gw: &Tollgate, n: usize) -> u64 {
+    let mut admitted = 0;
+    for i in 0..n {
+        let r = http.get(&gw.url("/v1/orders"), &[("x-api-key", K7)]).await;
+        match r.status {
+            StatusCode::OK => admitted += 1,
+            StatusCode::TOO_MANY_REQUESTS => {}
+            other => panic!("request {i}: {other} {:?}", r.body),
+        }
+    }
+    admitted
+}
+
+/// Waits for a process to exit after a signal, without guessing how long it takes.
+fn wait_exit(gw: &mut Tollgate) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while gw.child.try_wait().unwrap().is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "gateway still runs 30 s after the signal"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Per identity: the records in order.
+fn by_identity(records: impl IntoIterator<Item = Record>) -> HashMap<Identity, Vec<Record>> {
+    let mut m: HashMap<Identity, Vec<Record>> = HashMap::new();
+    for r in records {
+        m.entry(r.identity.clone()).or_default().push(r);
+    }
+    m
+}
+
+/// The largest total an identity reported for `key`, and whether it ended cleanly; its
+/// sequence numbers must run 1, 2, 3… without a gap.
+fn summary(records: &[Record], key: &str) -> (u64, bool) {
+    for (i, r) in records.iter().enumerate() {
+        assert_eq!(r.seq, i as u64 + 1, "sequence of {}: {records:?}", r.identity);
+    }
+    let total = records
+        .iter()
+        .filter_map(|r| match &r.kind {
+            Kind::Usage { key: k, total } if k == key => Some(*total),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0);
+    let ended = matches!(records.last().map(|r| &r.kind), Some(Kind::End));
+    (total, ended)
+}
+
+fn sqlite_records(file: &Path) -> Vec<Record> {
+    let conn = tollgate_meter::sqlite::open(file).expect("the metering file opens");
+    tollgate_meter::sqlite::read_records(&conn)
+        .expect("records read")
+        .into_iter()
+        .map(|(_, r)| r)
+        .collect()
+}
+
+/// `XRANGE tollgate:usage - +` through redis-cli, parsed back into records.
+fn stream_records(redis: &RedisServer) -> Vec<Record> {
+    let out = redis.cli(&["XRANGE", "tollgate:usage", "-", "+"]);
+    let mut records = Vec::new();
+    let mut fields: Vec<String> = Vec::new();
+    let flush = |fields: &mut Vec<String>, records: &mut Vec<Record>| {
+        if fields.is_empty() {
+            return;
+        }
+        let pairs = fields.chunks(2).map(|p| (p[0].as_str(), p[1].as_str()));
+        records.push(Record::from_fields(pairs).unwrap_or_else(|e| panic!("{e}: {fields:?}")));
+        fields.clear();
+    };
+    for line in out.lines() {
+        let is_id = line.split_once('-').is_some_and(|(a, b)| {
+            !a.is_empty() && a.bytes().all(|c| c.is_ascii_digit()) && b.bytes().all(|c| c.is_ascii_digit())
+        });
+        if is_id && fields.len() % 2 == 0 {
+            flush(&mut fields, &mut records);
+        } else {
+            fields.push(line.to_string());
+        }
+    }
+    flush(&mut fields, &mut records);
+    records
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_embedded_store_counts_admitted_requests_across_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("usage.db");
+    let file_arg = file.to_str().unwrap();
+    let http = Http::new();
+    let mut admitted = 0;
+    for run in 0..2 {
+        let mut gw = Tollgate::spawn(&["demo", "--meter-file", file_arg, "--instance", "gw-embedded"]);
+        // 25 at once on a burst of 20: some are limited, and those must not count.
+        let ok = send_k7(&http, &gw, 25).await;
+        assert!(
+            ok < 25,
+            "run {run}: every request admitted; the test needs some limited"
+        );
+        admitted += ok;
+        gw.signal("TERM");
+        wait_exit(&mut gw);
+    }
+    let ids = by_identity(sqlite_records(&file));
+    assert_eq!(ids.len(), 2, "one identity per start: {ids:?}");
+    let mut billed = 0;
+    for (id, recs) in &ids {
+        assert_eq!(id.gateway, "gw-embedded");
+        let (total, ended) = summary(recs, "k-7");
+        assert!(ended, "{id} stopped cleanly but has no end record: {recs:?}");
+        billed += total;
+    }
+    assert_eq!(billed, admitted, "billed totals against admitted requests");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gateways_on_redis_bill_what_they_admitted_and_a_killed_one_under_bills() {
+    let redis = RedisServer::start();
+    let upstream = common::start_demo_upstream().await;
+    let (_rules_dir, rules) = common::rules_file(&common::demo_rules_for(upstream));
+    let url = redis.url();
+    let args = |name: &'static str| {
+        vec![
+            "serve".to_string(),
+            "--rules".into(),
+            rules.to_str().unwrap().into(),
+            "--store".into(),
+            url.clone(),
+            "--store-timeout".into(),
+            "1s".into(),
+            "--instance".into(),
+            name.into(),
+            "--meter-interval".into(),
+            "100ms".into(),
+        ]
+    };
+    let spawn = |name| {
+        let a = args(name);
+        Tollgate::spawn(&a.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    let mut a = spawn("gw-a");
+    let mut b = spawn("gw-b");
+    let http = Http::new();
+    let a_ok = send_k7(&http, &a, 8).await;
+    let b_first = send_k7(&http, &b, 8).await;
+
+    // Both report their totals within a few intervals; polled, not slept for.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let ids = by_identity(stream_records(&redis));
+        let reported: HashMap<&str, u64> = ids
+            .iter()
+            .map(|(id, recs)| (id.gateway.as_str(), summary(recs, "k-7").0))
+            .collect();
+        if reported.get("gw-a") == Some(&a_ok) && reported.get("gw-b") == Some(&b_first) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "totals never reached the stream: {reported:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // b admits more, then dies before it can flush them all.
+    let b_second = send_k7(&http, &b, 6).await;
+    b.signal("KILL");
+    wait_exit(&mut b);
+    a.signal("TERM");
+    wait_exit(&mut a);
+
+    let ids = by_identity(stream_records(&redis));
+    let find = |name: &str| {
+        ids.iter()
+            .find(|(id, _)| id.gateway == name)
+            .unwrap_or_else(|| panic!("no records of {name}: {ids:?}"))
+            .1
+    };
+    let (a_total, a_ended) = summary(find("gw-a"), "k-7");
+    assert_eq!(
+        a_total, a_ok,
+        "gw-a stopped cleanly: billed exactly what it admitted"
+    );
+    assert!(a_ended, "gw-a has an end record");
+    let (b_total, b_ended) = summary(find("gw-b"), "k-7");
+    assert!(
+        !b_ended,
+        "gw-b was killed: no end record, so the meter can report it"
+    );
+    assert!(
+        (b_first..=b_first + b_second).contains(&b_total),
+        "gw-b billed {b_total}; it admitted {b_first} before its last flush and {b_second} after"
+    );
+}
