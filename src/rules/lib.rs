@@ -22,7 +22,10 @@ use sha2::{Digest, Sha256};
 
 use headers::policy_value;
 pub use raw::{KeyRequirement, LimitClass, Mode};
-use raw::{RawBlock, RawDimension, RawDimensionName, RawEncodedSlashes, RawNumbers, RawPathMatch, RawRules};
+use raw::{
+    RawBlock, RawDimension, RawDimensionName, RawEncodedSlashes, RawKey, RawLimit, RawNumbers, RawPathMatch,
+    RawRoute, RawRules, RawUpstream,
+};
 use tollgate_http1::path::{self, EncodedSlashes};
 pub use tollgate_limit::batch::LeaseBlock;
 use tollgate_limit::batch::{FailurePolicy, fingerprint};
@@ -363,6 +366,33 @@ struct Compiler<'a> {
     opts: CompileOptions,
 }
 
+/// The compiled upstreams, and where each is by name for the routes that name it.
+struct Upstreams {
+    list: Vec<Upstream>,
+    by_name: HashMap<String, usize>,
+}
+
+/// The compiled limits, and where each is by name for the keys, routes and
+/// `unauthenticated` that name it.
+struct Limits<'r> {
+    list: Vec<Limit>,
+    by_name: BTreeMap<&'r str, usize>,
+}
+
+/// The compiled keys, found by the hash of a secret and by public id.
+struct Keys {
+    list: Vec<ApiKey>,
+    by_hash: HashMap<[u8; 32], usize>,
+    by_id: HashMap<Arc<str>, usize>,
+}
+
+/// A key's numbers per limit, compiled and also as written: keys of one tenant are compared
+/// on what they wrote.
+struct KeyLimits {
+    numbers: Vec<Option<Numbers>>,
+    written: KeyNumbers,
+}
+
 impl Compiler<'_> {
     fn err(&self, field: impl Into<String>, reason: impl Into<String>) -> RulesError {
         RulesError {
@@ -383,282 +413,369 @@ impl Compiler<'_> {
         if raw.version == 0 {
             return Err(self.err("version", "must be a positive integer (1 or more)"));
         }
+        // Each step looks names up in what the steps before it compiled: keys name limits;
+        // routes name upstreams and limits, and are checked against every key's numbers.
+        let upstreams = self.upstreams(&raw)?;
+        let limits = self.limits(&raw)?;
+        let keys = self.keys(&raw, &limits)?;
+        let mut routes = self.routes(&raw, &upstreams, &limits, &keys)?;
+        sort_routes(&mut routes);
+        let unauthenticated = self.unauthenticated(&raw, &limits)?;
+        if self.opts.cluster {
+            self.check_one_slot(&routes, &limits.list, unauthenticated)?;
+        }
+        Ok(Snapshot {
+            version: raw.version,
+            digest,
+            source: self.file.to_string(),
+            loaded_at: SystemTime::now(),
+            upstreams: upstreams.list,
+            limits: limits.list,
+            keys: keys.list,
+            key_index: keys.by_hash,
+            key_ids: keys.by_id,
+            routes,
+            unauthenticated,
+        })
+    }
 
-        // Upstreams.
-        let mut upstreams = Vec::new();
-        let mut upstream_index = HashMap::new();
+    fn upstreams(&self, raw: &RawRules) -> Result<Upstreams, RulesError> {
+        let mut upstreams = Upstreams {
+            list: Vec::new(),
+            by_name: HashMap::new(),
+        };
         for (name, u) in &raw.upstreams {
-            let field = format!("upstreams.{name}");
-            let uri: http::Uri = u
-                .url
-                .parse()
-                .map_err(|e| self.err(format!("{field}.url"), format!("{:?} is not a URL: {e}", u.url)))?;
-            let scheme = uri.scheme().cloned().ok_or_else(|| {
-                self.err(
-                    format!("{field}.url"),
-                    format!("{:?} needs a scheme, http://", u.url),
-                )
-            })?;
-            if scheme != http::uri::Scheme::HTTP {
-                return Err(self.err(
-                    format!("{field}.url"),
-                    format!("{:?}: only http:// upstreams are supported", u.url),
-                ));
-            }
-            let authority = uri
-                .authority()
-                .cloned()
-                .ok_or_else(|| self.err(format!("{field}.url"), format!("{:?} needs a host", u.url)))?;
-            if uri.query().is_some() {
-                return Err(self.err(format!("{field}.url"), "a base URL can't have a query"));
-            }
-            let path_prefix = uri.path().trim_end_matches('/').to_string();
-            let timeout = match u.timeout_ms {
-                Some(0) => return Err(self.err(format!("{field}.timeout_ms"), "must be above zero")),
-                Some(ms) => Duration::from_millis(ms),
-                None => DEFAULT_UPSTREAM_TIMEOUT,
-            };
-            if u.max_in_flight == Some(0) {
-                return Err(self.err(format!("{field}.max_in_flight"), "must be above zero"));
-            }
-            let queue_timeout = u
-                .queue_timeout_ms
-                .map(Duration::from_millis)
-                .unwrap_or(DEFAULT_QUEUE_TIMEOUT);
-            let host_header = HeaderValue::from_str(authority.as_str())
-                .map_err(|_| self.err(format!("{field}.url"), "the host can't be a Host header"))?;
-            let idle_timeout = match u.idle_timeout_ms {
-                Some(0) => return Err(self.err(format!("{field}.idle_timeout_ms"), "must be above zero")),
-                Some(ms) => Duration::from_millis(ms),
-                None => DEFAULT_IDLE_TIMEOUT,
-            };
-            upstream_index.insert(name.clone(), upstreams.len());
-            upstreams.push(Upstream {
-                idle_timeout,
-                name: name.as_str().into(),
-                scheme,
-                authority,
-                path_prefix,
-                timeout,
-                max_in_flight: u.max_in_flight,
-                queue_timeout,
-                host_header,
-                encoded_slashes: slashes(u.encoded_slashes).unwrap_or_default(),
-                case_insensitive: u.paths == RawPathMatch::CaseInsensitive,
-            });
+            let upstream = self.upstream(name, u)?;
+            upstreams.by_name.insert(name.clone(), upstreams.list.len());
+            upstreams.list.push(upstream);
         }
+        Ok(upstreams)
+    }
 
-        // Limits.
-        let mut limits = Vec::new();
-        let mut limit_index: BTreeMap<&str, usize> = BTreeMap::new();
-        for (name, l) in &raw.limits {
-            let field = format!("limits.{name}");
-            if name.is_empty()
-                || !name
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
-            {
-                return Err(self.err(&field, "a limit name uses only letters, digits, '-', '_' and '.'"));
-            }
-            let dimension = match &l.dimension {
-                RawDimension::Named(RawDimensionName::Key) => Dimension::Key,
-                RawDimension::Named(RawDimensionName::Route) => Dimension::Route,
-                RawDimension::Named(RawDimensionName::Ip) => Dimension::Ip,
-                RawDimension::BodyField(b) => {
-                    if b.body_field.is_empty() {
-                        return Err(self.err(format!("{field}.dimension.body_field"), "must not be empty"));
-                    }
-                    Dimension::BodyField(b.body_field.clone())
-                }
-                RawDimension::Header(h) => {
-                    Dimension::Header(HeaderName::from_bytes(h.header.as_bytes()).map_err(|_| {
-                        self.err(
-                            format!("{field}.dimension.header"),
-                            format!("{:?} is not a header name", h.header),
-                        )
-                    })?)
-                }
-            };
-            let numbers = match (&l.rate, l.burst) {
-                (Some(rate), Some(burst)) => Some(self.numbers(&field, name, rate, burst)?),
-                (None, None) if dimension == Dimension::Key => None,
-                (None, None) => {
-                    return Err(self.err(
-                        &field,
-                        "needs \"rate\" and \"burst\" (only key limits may leave them to each key)",
-                    ));
-                }
-                (Some(_), None) => {
-                    return Err(self.err(format!("{field}.burst"), "missing: a rate needs a burst"));
-                }
-                (None, Some(_)) => {
-                    return Err(self.err(format!("{field}.rate"), "missing: a burst needs a rate"));
-                }
-            };
-            let policy = l.on_store_failure.unwrap_or(FailurePolicy::Local);
-            if l.class == LimitClass::Security && policy == FailurePolicy::Open {
-                return Err(self.err(
-                    format!("{field}.on_store_failure"),
-                    "a security limit may not fail open; use \"local\" or \"closed\"",
-                ));
-            }
-            let lease = match &l.lease {
-                None => None,
-                Some(lease) => {
-                    if l.class == LimitClass::Security {
-                        return Err(self.err(format!("{field}.lease"), "a security limit is never leased"));
-                    }
-                    if dimension != Dimension::Key {
-                        return Err(self.err(format!("{field}.lease"), "only key limits can be leased"));
-                    }
-                    match &lease.block {
-                        RawBlock::Fixed(0) => {
-                            return Err(
-                                self.err(format!("{field}.lease.block"), "must be \"auto\" or at least 1")
-                            );
-                        }
-                        RawBlock::Fixed(n) => Some(LeaseBlock::Fixed(*n)),
-                        RawBlock::Auto(s) if s == "auto" => Some(LeaseBlock::Auto),
-                        RawBlock::Auto(s) => {
-                            return Err(self.err(
-                                format!("{field}.lease.block"),
-                                format!("{s:?} is neither \"auto\" nor a number"),
-                            ));
-                        }
-                    }
-                }
-            };
-            if let (Some(block), Some(n)) = (lease, &numbers) {
-                self.check_leasable(&field, &n.params, block)?;
-            }
-            limit_index.insert(name.as_str(), limits.len());
-            limits.push(Limit {
-                name: name.as_str().into(),
-                dimension,
-                numbers,
-                mode: l.mode,
-                class: l.class,
-                policy,
-                lease,
-            });
+    fn upstream(&self, name: &str, u: &RawUpstream) -> Result<Upstream, RulesError> {
+        let field = format!("upstreams.{name}");
+        let uri: http::Uri = u
+            .url
+            .parse()
+            .map_err(|e| self.err(format!("{field}.url"), format!("{:?} is not a URL: {e}", u.url)))?;
+        let scheme = uri.scheme().cloned().ok_or_else(|| {
+            self.err(
+                format!("{field}.url"),
+                format!("{:?} needs a scheme, http://", u.url),
+            )
+        })?;
+        if scheme != http::uri::Scheme::HTTP {
+            return Err(self.err(
+                format!("{field}.url"),
+                format!("{:?}: only http:// upstreams are supported", u.url),
+            ));
         }
-        if limits.len() > u16::MAX as usize {
+        let authority = uri
+            .authority()
+            .cloned()
+            .ok_or_else(|| self.err(format!("{field}.url"), format!("{:?} needs a host", u.url)))?;
+        if uri.query().is_some() {
+            return Err(self.err(format!("{field}.url"), "a base URL can't have a query"));
+        }
+        let path_prefix = uri.path().trim_end_matches('/').to_string();
+        let timeout = match u.timeout_ms {
+            Some(0) => return Err(self.err(format!("{field}.timeout_ms"), "must be above zero")),
+            Some(ms) => Duration::from_millis(ms),
+            None => DEFAULT_UPSTREAM_TIMEOUT,
+        };
+        if u.max_in_flight == Some(0) {
+            return Err(self.err(format!("{field}.max_in_flight"), "must be above zero"));
+        }
+        let queue_timeout = u
+            .queue_timeout_ms
+            .map(Duration::from_millis)
+            .unwrap_or(DEFAULT_QUEUE_TIMEOUT);
+        let host_header = HeaderValue::from_str(authority.as_str())
+            .map_err(|_| self.err(format!("{field}.url"), "the host can't be a Host header"))?;
+        let idle_timeout = match u.idle_timeout_ms {
+            Some(0) => return Err(self.err(format!("{field}.idle_timeout_ms"), "must be above zero")),
+            Some(ms) => Duration::from_millis(ms),
+            None => DEFAULT_IDLE_TIMEOUT,
+        };
+        Ok(Upstream {
+            idle_timeout,
+            name: name.into(),
+            scheme,
+            authority,
+            path_prefix,
+            timeout,
+            max_in_flight: u.max_in_flight,
+            queue_timeout,
+            host_header,
+            encoded_slashes: slashes(u.encoded_slashes).unwrap_or_default(),
+            case_insensitive: u.paths == RawPathMatch::CaseInsensitive,
+        })
+    }
+
+    fn limits<'r>(&self, raw: &'r RawRules) -> Result<Limits<'r>, RulesError> {
+        let mut limits = Limits {
+            list: Vec::new(),
+            by_name: BTreeMap::new(),
+        };
+        for (name, l) in &raw.limits {
+            let limit = self.limit(name, l)?;
+            limits.by_name.insert(name.as_str(), limits.list.len());
+            limits.list.push(limit);
+        }
+        // Routes and the unauthenticated charge name a limit by a u16 index.
+        if limits.list.len() > u16::MAX as usize {
             return Err(self.err("limits", "too many limits"));
         }
+        Ok(limits)
+    }
 
-        // Keys.
-        let mut keys: Vec<ApiKey> = Vec::new();
-        let mut key_index = HashMap::new();
-        let mut key_ids: HashMap<Arc<str>, usize> = HashMap::new();
-        let mut tenant_numbers: HashMap<String, (String, KeyNumbers)> = HashMap::new();
+    fn limit(&self, name: &str, l: &RawLimit) -> Result<Limit, RulesError> {
+        let field = format!("limits.{name}");
+        if name.is_empty()
+            || !name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+        {
+            return Err(self.err(&field, "a limit name uses only letters, digits, '-', '_' and '.'"));
+        }
+        let dimension = self.dimension(&field, &l.dimension)?;
+        let numbers = match (&l.rate, l.burst) {
+            (Some(rate), Some(burst)) => Some(self.numbers(&field, name, rate, burst)?),
+            (None, None) if dimension == Dimension::Key => None,
+            (None, None) => {
+                return Err(self.err(
+                    &field,
+                    "needs \"rate\" and \"burst\" (only key limits may leave them to each key)",
+                ));
+            }
+            (Some(_), None) => {
+                return Err(self.err(format!("{field}.burst"), "missing: a rate needs a burst"));
+            }
+            (None, Some(_)) => {
+                return Err(self.err(format!("{field}.rate"), "missing: a burst needs a rate"));
+            }
+        };
+        let policy = l.on_store_failure.unwrap_or(FailurePolicy::Local);
+        if l.class == LimitClass::Security && policy == FailurePolicy::Open {
+            return Err(self.err(
+                format!("{field}.on_store_failure"),
+                "a security limit may not fail open; use \"local\" or \"closed\"",
+            ));
+        }
+        let lease = self.lease(&field, l, &dimension)?;
+        if let (Some(block), Some(n)) = (lease, &numbers) {
+            self.check_leasable(&field, &n.params, block)?;
+        }
+        Ok(Limit {
+            name: name.into(),
+            dimension,
+            numbers,
+            mode: l.mode,
+            class: l.class,
+            policy,
+            lease,
+        })
+    }
+
+    fn dimension(&self, field: &str, raw: &RawDimension) -> Result<Dimension, RulesError> {
+        Ok(match raw {
+            RawDimension::Named(RawDimensionName::Key) => Dimension::Key,
+            RawDimension::Named(RawDimensionName::Route) => Dimension::Route,
+            RawDimension::Named(RawDimensionName::Ip) => Dimension::Ip,
+            RawDimension::BodyField(b) => {
+                if b.body_field.is_empty() {
+                    return Err(self.err(format!("{field}.dimension.body_field"), "must not be empty"));
+                }
+                Dimension::BodyField(b.body_field.clone())
+            }
+            RawDimension::Header(h) => {
+                Dimension::Header(HeaderName::from_bytes(h.header.as_bytes()).map_err(|_| {
+                    self.err(
+                        format!("{field}.dimension.header"),
+                        format!("{:?} is not a header name", h.header),
+                    )
+                })?)
+            }
+        })
+    }
+
+    fn lease(
+        &self,
+        field: &str,
+        l: &RawLimit,
+        dimension: &Dimension,
+    ) -> Result<Option<LeaseBlock>, RulesError> {
+        let Some(lease) = &l.lease else {
+            return Ok(None);
+        };
+        if l.class == LimitClass::Security {
+            return Err(self.err(format!("{field}.lease"), "a security limit is never leased"));
+        }
+        if *dimension != Dimension::Key {
+            return Err(self.err(format!("{field}.lease"), "only key limits can be leased"));
+        }
+        match &lease.block {
+            RawBlock::Fixed(0) => {
+                Err(self.err(format!("{field}.lease.block"), "must be \"auto\" or at least 1"))
+            }
+            RawBlock::Fixed(n) => Ok(Some(LeaseBlock::Fixed(*n))),
+            RawBlock::Auto(s) if s == "auto" => Ok(Some(LeaseBlock::Auto)),
+            RawBlock::Auto(s) => Err(self.err(
+                format!("{field}.lease.block"),
+                format!("{s:?} is neither \"auto\" nor a number"),
+            )),
+        }
+    }
+
+    fn keys(&self, raw: &RawRules, limits: &Limits) -> Result<Keys, RulesError> {
+        let mut keys = Keys {
+            list: Vec::new(),
+            by_hash: HashMap::new(),
+            by_id: HashMap::new(),
+        };
+        let mut tenants = HashMap::new();
         for (i, k) in raw.keys.iter().enumerate() {
             let field = format!("keys[{i}]");
-            if k.id.is_empty() {
-                return Err(self.err(format!("{field}.id"), "must not be empty"));
-            }
-            if key_ids.contains_key(k.id.as_str()) {
-                return Err(self.err(format!("{field}.id"), format!("duplicate key id {:?}", k.id)));
-            }
-            let hash = parse_sha256(&k.sha256)
-                .map_err(|reason| self.err(format!("{field}.sha256"), format!("key {}: {reason}", k.id)))?;
-            if let Some(&other) = key_index.get(&hash) {
-                let other: &ApiKey = &keys[other];
+            let hash = self.key_hash(&field, k, &keys)?;
+            let key = self.key(&field, k, hash, limits, &mut tenants)?;
+            keys.by_hash.insert(hash, keys.list.len());
+            keys.by_id.insert(key.id.clone(), keys.list.len());
+            keys.list.push(key);
+        }
+        Ok(keys)
+    }
+
+    /// The hash of a key's secret, once its id and its hash are known to be new: a request
+    /// finds its key by the hash, and logs and replay name it by the id.
+    fn key_hash(&self, field: &str, k: &RawKey, keys: &Keys) -> Result<[u8; 32], RulesError> {
+        if k.id.is_empty() {
+            return Err(self.err(format!("{field}.id"), "must not be empty"));
+        }
+        if keys.by_id.contains_key(k.id.as_str()) {
+            return Err(self.err(format!("{field}.id"), format!("duplicate key id {:?}", k.id)));
+        }
+        let hash = parse_sha256(&k.sha256)
+            .map_err(|reason| self.err(format!("{field}.sha256"), format!("key {}: {reason}", k.id)))?;
+        if let Some(&other) = keys.by_hash.get(&hash) {
+            let other: &ApiKey = &keys.list[other];
+            return Err(self.err(
+                format!("{field}.sha256"),
+                format!(
+                    "duplicate key hash: keys {:?} and {:?} have the same secret",
+                    other.id, k.id
+                ),
+            ));
+        }
+        Ok(hash)
+    }
+
+    /// One key, with `tenants` holding the first key of each tenant and the numbers it set.
+    fn key(
+        &self,
+        field: &str,
+        k: &RawKey,
+        hash: [u8; 32],
+        limits: &Limits,
+        tenants: &mut HashMap<String, (String, KeyNumbers)>,
+    ) -> Result<ApiKey, RulesError> {
+        let tenant = k.tenant.clone().unwrap_or_else(|| k.id.clone());
+        if tenant.is_empty() || tenant.contains(['{', '}']) {
+            return Err(self.err(format!("{field}.tenant"), "must be non-empty, without braces"));
+        }
+        let quota = k
+            .quota
+            .as_ref()
+            .map(|q| {
+                let zone = q.timezone.as_deref().unwrap_or("UTC");
+                quota::Quota::new(q.per, q.limit, zone).map_err(|e| {
+                    let part = match e {
+                        quota::QuotaError::Zone(_) => "timezone",
+                        quota::QuotaError::Zero => "limit",
+                    };
+                    self.err(format!("{field}.quota.{part}"), format!("key {}: {e}", k.id))
+                })
+            })
+            .transpose()?;
+        let KeyLimits { numbers, written } = self.key_limits(field, k, limits)?;
+        // Keys of one tenant share buckets, so they must share numbers.
+        match tenants.get(&tenant) {
+            Some((first, theirs)) if *theirs != written => {
                 return Err(self.err(
-                    format!("{field}.sha256"),
+                    format!("{field}.limits"),
                     format!(
-                        "duplicate key hash: keys {:?} and {:?} have the same secret",
-                        other.id, k.id
+                        "keys {first:?} and {:?} share tenant {tenant:?} but set different limits",
+                        k.id
                     ),
                 ));
             }
-            let tenant = k.tenant.clone().unwrap_or_else(|| k.id.clone());
-            if tenant.is_empty() || tenant.contains(['{', '}']) {
-                return Err(self.err(format!("{field}.tenant"), "must be non-empty, without braces"));
+            Some(_) => {}
+            None => {
+                tenants.insert(tenant.clone(), (k.id.clone(), written));
             }
-            let quota = k
-                .quota
-                .as_ref()
-                .map(|q| {
-                    let zone = q.timezone.as_deref().unwrap_or("UTC");
-                    quota::Quota::new(q.per, q.limit, zone).map_err(|e| {
-                        let part = match e {
-                            quota::QuotaError::Zone(_) => "timezone",
-                            quota::QuotaError::Zero => "limit",
-                        };
-                        self.err(format!("{field}.quota.{part}"), format!("key {}: {e}", k.id))
-                    })
-                })
-                .transpose()?;
-            let mut numbers = vec![None; limits.len()];
-            let mut seen = BTreeMap::new();
-            for (lname, RawNumbers { rate, burst }) in &k.limits {
-                let lfield = format!("{field}.limits.{lname}");
-                let Some(&li) = limit_index.get(lname.as_str()) else {
-                    return Err(self.err(&lfield, format!("no limit named {lname:?}")));
-                };
-                if limits[li].dimension == Dimension::Ip {
-                    return Err(self.err(&lfield, "ip limits are per address and can't be set per key"));
-                }
-                let n = self.numbers(&lfield, lname, rate, *burst)?;
-                if let Some(block) = limits[li].lease {
-                    self.check_leasable(&lfield, &n.params, block)?;
-                }
-                numbers[li] = Some(n);
-                seen.insert(lname.clone(), (rate.clone(), *burst));
-            }
-            // Keys of one tenant share buckets, so they must share numbers.
-            match tenant_numbers.get(&tenant) {
-                Some((first, theirs)) if *theirs != seen => {
-                    return Err(self.err(
-                        format!("{field}.limits"),
-                        format!(
-                            "keys {first:?} and {:?} share tenant {tenant:?} but set different limits",
-                            k.id
-                        ),
-                    ));
-                }
-                Some(_) => {}
-                None => {
-                    tenant_numbers.insert(tenant.clone(), (k.id.clone(), seen));
-                }
-            }
-            let key_buckets = limits
-                .iter()
-                .map(|l| {
-                    (l.dimension == Dimension::Key)
-                        .then(|| Prepared::new(format!("rl:{{{tenant}}}:{}", l.name)))
-                })
-                .collect();
-            let id_header = HeaderValue::from_str(&k.id).map_err(|_| {
-                self.err(
-                    format!("{field}.id"),
-                    "must be printable ASCII (it is sent upstream)",
-                )
-            })?;
-            let tenant_header = HeaderValue::from_str(&tenant).map_err(|_| {
-                self.err(
-                    format!("{field}.tenant"),
-                    "must be printable ASCII (it is sent upstream)",
-                )
-            })?;
-            key_index.insert(hash, keys.len());
-            key_ids.insert(k.id.as_str().into(), keys.len());
-            keys.push(ApiKey {
-                id: k.id.as_str().into(),
-                tenant: tenant.into(),
-                name: k.name.clone(),
-                hash_prefix: hex::encode(&hash[..4]),
-                numbers,
-                key_buckets,
-                id_header,
-                tenant_header,
-                quota,
-            });
         }
+        let key_buckets = limits
+            .list
+            .iter()
+            .map(|l| {
+                (l.dimension == Dimension::Key).then(|| Prepared::new(format!("rl:{{{tenant}}}:{}", l.name)))
+            })
+            .collect();
+        let id_header = HeaderValue::from_str(&k.id).map_err(|_| {
+            self.err(
+                format!("{field}.id"),
+                "must be printable ASCII (it is sent upstream)",
+            )
+        })?;
+        let tenant_header = HeaderValue::from_str(&tenant).map_err(|_| {
+            self.err(
+                format!("{field}.tenant"),
+                "must be printable ASCII (it is sent upstream)",
+            )
+        })?;
+        Ok(ApiKey {
+            id: k.id.as_str().into(),
+            tenant: tenant.into(),
+            name: k.name.clone(),
+            hash_prefix: hex::encode(&hash[..4]),
+            numbers,
+            key_buckets,
+            id_header,
+            tenant_header,
+            quota,
+        })
+    }
 
-        // Routes.
-        let mut routes = Vec::new();
-        let mut seen_routes = HashMap::new();
+    fn key_limits(&self, field: &str, k: &RawKey, limits: &Limits) -> Result<KeyLimits, RulesError> {
+        let mut numbers = vec![None; limits.list.len()];
+        let mut written = BTreeMap::new();
+        for (lname, RawNumbers { rate, burst }) in &k.limits {
+            let lfield = format!("{field}.limits.{lname}");
+            let Some(&li) = limits.by_name.get(lname.as_str()) else {
+                return Err(self.err(&lfield, format!("no limit named {lname:?}")));
+            };
+            let limit = &limits.list[li];
+            if limit.dimension == Dimension::Ip {
+                return Err(self.err(&lfield, "ip limits are per address and can't be set per key"));
+            }
+            let n = self.numbers(&lfield, lname, rate, *burst)?;
+            if let Some(block) = limit.lease {
+                self.check_leasable(&lfield, &n.params, block)?;
+            }
+            numbers[li] = Some(n);
+            written.insert(lname.clone(), (rate.clone(), *burst));
+        }
+        Ok(KeyLimits { numbers, written })
+    }
+
+    fn routes(
+        &self,
+        raw: &RawRules,
+        upstreams: &Upstreams,
+        limits: &Limits,
+        keys: &Keys,
+    ) -> Result<Vec<Route>, RulesError> {
+        let mut routes: Vec<Route> = Vec::new();
+        let mut seen = HashMap::new();
         for (i, r) in raw.routes.iter().enumerate() {
             let field = format!("routes[{i}]");
             let method = if r.method == "*" {
@@ -666,25 +783,8 @@ impl Compiler<'_> {
             } else {
                 Some(self.route_method(&field, &r.method)?)
             };
-            if !r.path.starts_with('/') {
-                return Err(self.err(
-                    format!("{field}.path"),
-                    format!("{:?} must start with '/'", r.path),
-                ));
-            }
-            // Requests are routed on canonical paths, so a prefix spelled any other way would
-            // never match.
-            match path::canonical(&r.path, EncodedSlashes::Keep) {
-                Ok(c) if c == r.path => {}
-                Ok(c) => {
-                    return Err(self.err(
-                        format!("{field}.path"),
-                        format!("{:?} is not in canonical form; write {c:?}", r.path),
-                    ));
-                }
-                Err(e) => return Err(self.err(format!("{field}.path"), format!("{:?}: {e}", r.path))),
-            }
-            let Some(&upstream) = upstream_index.get(&r.upstream) else {
+            self.route_path(&field, &r.path)?;
+            let Some(&upstream) = upstreams.by_name.get(&r.upstream) else {
                 return Err(self.err(
                     format!("{field}.upstream"),
                     format!(
@@ -698,71 +798,15 @@ impl Compiler<'_> {
                 .name
                 .clone()
                 .unwrap_or_else(|| format!("{} {}", r.method, r.path));
-            if let Some(prev) = seen_routes.insert((r.method.clone(), r.path.clone()), i) {
+            if let Some(prev) = seen.insert((r.method.clone(), r.path.clone()), i) {
                 return Err(self.err(&field, format!("same method and path as routes[{prev}]")));
             }
-            if routes.iter().any(|x: &Route| *x.name == *name) {
+            if routes.iter().any(|x| *x.name == *name) {
                 return Err(self.err(format!("{field}.name"), format!("duplicate route name {name:?}")));
             }
-            let mut costs = Vec::new();
-            for (lname, &cost) in &r.cost {
-                let cfield = format!("{field}.cost.{lname}");
-                let Some(&li) = limit_index.get(lname.as_str()) else {
-                    return Err(self.err(&cfield, format!("no limit named {lname:?}")));
-                };
-                if cost == 0 {
-                    return Err(self.err(&cfield, "a cost must be at least 1; leave the limit out instead"));
-                }
-                let limit = &limits[li];
-                let check = |n: &Numbers, who: &str| {
-                    if cost > n.params.burst {
-                        Err(self.err(
-                            &cfield,
-                            format!(
-                                "route {name:?} costs {cost} in limit {lname:?}, above its burst {}{who}: it could never pass",
-                                n.params.burst
-                            ),
-                        ))
-                    } else {
-                        Ok(())
-                    }
-                };
-                if let Some(n) = &limit.numbers {
-                    check(n, "")?;
-                }
-                for k in &keys {
-                    match k.numbers(limit, li) {
-                        Some(n) => check(n, &format!(" for key {:?}", k.id))?,
-                        None if r.key == KeyRequirement::Required || limit.dimension == Dimension::Key => {
-                            return Err(self.err(
-                                format!("keys[{}].limits.{lname}", key_ids[&k.id]),
-                                format!(
-                                    "limit {lname:?} has no numbers of its own and key {:?} sets none, but route {name:?} charges it",
-                                    k.id
-                                ),
-                            ));
-                        }
-                        None => {}
-                    }
-                }
-                costs.push((li as u16, cost));
-            }
-            let mut body_fields: Vec<&String> = costs
-                .iter()
-                .filter_map(|&(li, _)| match &limits[li as usize].dimension {
-                    Dimension::BodyField(f) => Some(f),
-                    _ => None,
-                })
-                .collect();
-            body_fields.dedup();
-            if body_fields.len() > 1 {
-                return Err(self.err(
-                    format!("{field}.cost"),
-                    format!("limits keyed on different body fields {body_fields:?}; one route can read one"),
-                ));
-            }
-            let body_field = body_fields.first().map(|f| f.to_string());
-            let up = &upstreams[upstream];
+            let costs = self.costs(&field, r, &name, limits, keys)?;
+            let body_field = self.body_field(&field, &costs, &limits.list)?;
+            let up = &upstreams.list[upstream];
             routes.push(Route {
                 name: name.into(),
                 body_field,
@@ -776,61 +820,135 @@ impl Compiler<'_> {
                 case_insensitive: up.case_insensitive,
             });
         }
-        // Longest prefix first; a route with a method before the catch-all of the same prefix.
-        routes.sort_by(|a, b| {
-            b.prefix
-                .len()
-                .cmp(&a.prefix.len())
-                .then_with(|| a.method.is_none().cmp(&b.method.is_none()))
-        });
+        Ok(routes)
+    }
 
-        let unauthenticated = match &raw.unauthenticated {
-            None => None,
-            Some(u) => {
-                let Some(&li) = limit_index.get(u.limit.as_str()) else {
-                    return Err(self.err("unauthenticated.limit", format!("no limit named {:?}", u.limit)));
-                };
-                if limits[li].dimension != Dimension::Ip {
-                    return Err(self.err(
-                        "unauthenticated.limit",
-                        format!("limit {:?} must have dimension \"ip\"", u.limit),
-                    ));
-                }
-                if u.cost == 0 {
-                    return Err(self.err("unauthenticated.cost", "must be at least 1"));
-                }
-                if let Some(n) = &limits[li].numbers
-                    && u.cost > n.params.burst
-                {
-                    return Err(self.err(
-                        "unauthenticated.cost",
-                        format!(
-                            "cost {} is above the burst {} of limit {:?}",
-                            u.cost, n.params.burst, u.limit
-                        ),
-                    ));
-                }
-                Some((li as u16, u.cost))
-            }
-        };
-
-        if self.opts.cluster {
-            self.check_one_slot(&routes, &limits, unauthenticated)?;
+    fn route_path(&self, field: &str, path: &str) -> Result<(), RulesError> {
+        if !path.starts_with('/') {
+            return Err(self.err(format!("{field}.path"), format!("{path:?} must start with '/'")));
         }
+        // Requests are routed on canonical paths, so a prefix spelled any other way would
+        // never match.
+        match path::canonical(path, EncodedSlashes::Keep) {
+            Ok(c) if c == path => Ok(()),
+            Ok(c) => Err(self.err(
+                format!("{field}.path"),
+                format!("{path:?} is not in canonical form; write {c:?}"),
+            )),
+            Err(e) => Err(self.err(format!("{field}.path"), format!("{path:?}: {e}"))),
+        }
+    }
 
-        Ok(Snapshot {
-            version: raw.version,
-            digest,
-            source: self.file.to_string(),
-            loaded_at: SystemTime::now(),
-            upstreams,
-            limits,
-            keys,
-            key_index,
-            key_ids,
-            routes,
-            unauthenticated,
-        })
+    /// A route's (limit index, cost) pairs. A charge no request could pay (above a burst,
+    /// the limit's own or a key's, or in a limit with no numbers for some key) is refused
+    /// at load rather than failing every request.
+    fn costs(
+        &self,
+        field: &str,
+        r: &RawRoute,
+        name: &str,
+        limits: &Limits,
+        keys: &Keys,
+    ) -> Result<Vec<(u16, u64)>, RulesError> {
+        let mut costs = Vec::new();
+        for (lname, &cost) in &r.cost {
+            let cfield = format!("{field}.cost.{lname}");
+            let Some(&li) = limits.by_name.get(lname.as_str()) else {
+                return Err(self.err(&cfield, format!("no limit named {lname:?}")));
+            };
+            if cost == 0 {
+                return Err(self.err(&cfield, "a cost must be at least 1; leave the limit out instead"));
+            }
+            let limit = &limits.list[li];
+            let check = |n: &Numbers, who: &str| {
+                if cost > n.params.burst {
+                    Err(self.err(
+                        &cfield,
+                        format!(
+                            "route {name:?} costs {cost} in limit {lname:?}, above its burst {}{who}: it could never pass",
+                            n.params.burst
+                        ),
+                    ))
+                } else {
+                    Ok(())
+                }
+            };
+            if let Some(n) = &limit.numbers {
+                check(n, "")?;
+            }
+            for k in &keys.list {
+                match k.numbers(limit, li) {
+                    Some(n) => check(n, &format!(" for key {:?}", k.id))?,
+                    None if r.key == KeyRequirement::Required || limit.dimension == Dimension::Key => {
+                        return Err(self.err(
+                            format!("keys[{}].limits.{lname}", keys.by_id[&k.id]),
+                            format!(
+                                "limit {lname:?} has no numbers of its own and key {:?} sets none, but route {name:?} charges it",
+                                k.id
+                            ),
+                        ));
+                    }
+                    None => {}
+                }
+            }
+            costs.push((li as u16, cost));
+        }
+        Ok(costs)
+    }
+
+    /// The JSON body field a route's limits are keyed on, if any.
+    fn body_field(
+        &self,
+        field: &str,
+        costs: &[(u16, u64)],
+        limits: &[Limit],
+    ) -> Result<Option<String>, RulesError> {
+        let mut body_fields: Vec<&String> = costs
+            .iter()
+            .filter_map(|&(li, _)| match &limits[li as usize].dimension {
+                Dimension::BodyField(f) => Some(f),
+                _ => None,
+            })
+            .collect();
+        body_fields.dedup();
+        if body_fields.len() > 1 {
+            return Err(self.err(
+                format!("{field}.cost"),
+                format!("limits keyed on different body fields {body_fields:?}; one route can read one"),
+            ));
+        }
+        Ok(body_fields.first().map(|f| f.to_string()))
+    }
+
+    fn unauthenticated(&self, raw: &RawRules, limits: &Limits) -> Result<Option<(u16, u64)>, RulesError> {
+        let Some(u) = &raw.unauthenticated else {
+            return Ok(None);
+        };
+        let Some(&li) = limits.by_name.get(u.limit.as_str()) else {
+            return Err(self.err("unauthenticated.limit", format!("no limit named {:?}", u.limit)));
+        };
+        let limit = &limits.list[li];
+        if limit.dimension != Dimension::Ip {
+            return Err(self.err(
+                "unauthenticated.limit",
+                format!("limit {:?} must have dimension \"ip\"", u.limit),
+            ));
+        }
+        if u.cost == 0 {
+            return Err(self.err("unauthenticated.cost", "must be at least 1"));
+        }
+        if let Some(n) = &limit.numbers
+            && u.cost > n.params.burst
+        {
+            return Err(self.err(
+                "unauthenticated.cost",
+                format!(
+                    "cost {} is above the burst {} of limit {:?}",
+                    u.cost, n.params.burst, u.limit
+                ),
+            ));
+        }
+        Ok(Some((li as u16, u.cost)))
     }
 
     /// A route's method: a token the way clients must send it. A lower-case `post` would match
@@ -943,6 +1061,17 @@ impl Compiler<'_> {
         }
         Ok(())
     }
+}
+
+/// Longest prefix first, and a route with a method before the catch-all of the same prefix:
+/// [`Snapshot::route`] takes the first route that matches.
+fn sort_routes(routes: &mut [Route]) {
+    routes.sort_by(|a, b| {
+        b.prefix
+            .len()
+            .cmp(&a.prefix.len())
+            .then_with(|| a.method.is_none().cmp(&b.method.is_none()))
+    });
 }
 
 fn slashes(raw: Option<RawEncodedSlashes>) -> Option<EncodedSlashes> {
