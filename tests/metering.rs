@@ -212,3 +212,154 @@ async fn two_gateways_on_redis_bill_what_they_admitted_and_a_killed_one_under_bi
         "gw-b billed {b_total}; it admitted {b_first} before its last flush and {b_second} after"
     );
 }
+
+/// The demo rules with a daily quota of 100 on k-7, counted in Paris.
+fn rules_with_quota(upstream: std::net::SocketAddr) -> String {
+    let mut rules: serde_json::Value = serde_json::from_str(&common::demo_rules_for(upstream)).unwrap();
+    let k7 = rules["keys"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|k| k["id"] == "k-7")
+        .unwrap();
+    k7["quota"] = serde_json::json!({"per": "day", "limit": 100, "timezone": "Europe/Paris"});
+    rules.to_string()
+}
+
+fn at(rfc3339: &str) -> u64 {
+    let ms = rfc3339.parse::<jiff::Timestamp>().unwrap().as_millisecond();
+    ms as u64 * 1000
+}
+
+/// A key flagged over its daily quota gets 429 `quota_exceeded` until midnight in the quota's
+/// zone, and every answer lists the quota; the clock is moved, not waited for. Both paths
+/// answer alike: the express lane and hyper's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_over_quota_key_is_refused_until_its_midnight() {
+    over_quota_until_midnight(true).await;
+    over_quota_until_midnight(false).await;
+}
+
+async fn over_quota_until_midnight(express: bool) {
+    use tollgate_gateway::app::{self, GatewayConfig, MeterConfig, RulesSource};
+    use tollgate_limit::clock::ManualClock;
+    use tollgate_meter::flags::{Flag, State};
+    use tollgate_rules::quota::Per;
+
+    let upstream = common::start_demo_upstream().await;
+    let (dir, rules) = common::rules_file(&rules_with_quota(upstream));
+    let file = dir.path().join("usage.db");
+    // 23:30 in Paris on 1 December: half an hour before the quota's day ends.
+    let clock = ManualClock::new(at("2026-12-01T22:30:00Z"));
+    let mut cfg = GatewayConfig::new(RulesSource::File(rules));
+    cfg.clock = clock.clone();
+    cfg.limits.express = express;
+    cfg.admin_listen = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
+    cfg.meter = Some(MeterConfig {
+        instance: "gw-quota".into(),
+        interval: Duration::from_secs(5),
+        file: file.clone(),
+    });
+    let gw = app::start(cfg).await.expect("gateway starts");
+    let url = format!("http://{}/v1/orders", gw.addr);
+    let http = Http::new();
+
+    // Under quota: the answer lists it, with all 100 left and 30 minutes to the reset.
+    let r = http.get(&url, &[("x-api-key", K7)]).await;
+    assert_eq!(r.status, StatusCode::OK);
+    let mut k7_admitted = 1;
+    let policy = r.header("ratelimit-policy").unwrap_or_default();
+    assert!(policy.ends_with(", \"day\";q=100;w=86400"), "{policy}");
+    let state = r.header("ratelimit").unwrap_or_default();
+    assert!(state.ends_with(", \"day\";r=100;t=1800"), "{state}");
+
+    // The metering side flags k-7 over for its Paris day.
+    let flag = Flag {
+        state: State::Over,
+        quota: Per::Day,
+        period: "2026-12-01".into(),
+        used: 100,
+        limit: 100,
+        resets_at_ms: at("2026-12-01T23:00:00Z") as i64 / 1000,
+        resets_at: "2026-12-02T00:00:00+01:00".into(),
+    };
+    let conn = tollgate_meter::sqlite::open(&file).unwrap();
+    tollgate_meter::sqlite::write_flag(&conn, "k-7", &flag).unwrap();
+
+    // Gateways read flags every second: poll until this one has.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let refused = loop {
+        let r = http.get(&url, &[("x-api-key", K7)]).await;
+        if r.status == StatusCode::TOO_MANY_REQUESTS {
+            break r;
+        }
+        assert_eq!(r.status, StatusCode::OK);
+        k7_admitted += 1;
+        assert!(Instant::now() < deadline, "the over flag was never read");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        refused.json(),
+        serde_json::json!({"error": "quota_exceeded", "quota": "day", "resets_at": "2026-12-02T00:00:00+01:00"})
+    );
+    assert_eq!(refused.header("retry-after"), Some("1800"));
+    assert!(
+        refused
+            .header("ratelimit")
+            .is_some_and(|s| s.contains("\"day\";r=0;t=1800")),
+        "{:?}",
+        refused.headers
+    );
+    // Another key is not touched by k-7's quota.
+    let other = http.get(&url, &[("x-api-key", common::K8)]).await;
+    assert_eq!(other.status, StatusCode::OK);
+    assert!(
+        other
+            .header("ratelimit-policy")
+            .is_some_and(|p| !p.contains("\"day\""))
+    );
+
+    // One second before Paris midnight: still refused, for one second.
+    clock.set_us(at("2026-12-01T22:59:59Z"));
+    let r = http.get(&url, &[("x-api-key", K7)]).await;
+    assert_eq!(
+        (r.status, r.header("retry-after")),
+        (StatusCode::TOO_MANY_REQUESTS, Some("1"))
+    );
+    // Midnight in Paris: a new day, the old flag says nothing, the full quota is back.
+    clock.set_us(at("2026-12-01T23:00:00Z"));
+    let r = http.get(&url, &[("x-api-key", K7)]).await;
+    assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+    k7_admitted += 1;
+    assert!(
+        r.header("ratelimit")
+            .is_some_and(|s| s.ends_with("\"day\";r=100;t=86400")),
+        "{:?}",
+        r.headers
+    );
+
+    // The admin listener shows this gateway's count and the quota.
+    let usage = http
+        .get(
+            &format!("http://{}/admin/usage?key=k-7", gw.admin_addr.unwrap()),
+            &[],
+        )
+        .await;
+    assert_eq!(usage.status, StatusCode::OK);
+    let u = usage.json();
+    assert_eq!(u["key"], "k-7");
+    assert_eq!(u["quota"]["period"], "2026-12-02");
+    assert_eq!(u["quota"]["state"], "under");
+    assert_eq!(
+        u["admitted_by_this_gateway"], k7_admitted,
+        "{u}: admitted requests count, the quota refusals must not"
+    );
+    let missing = http
+        .get(
+            &format!("http://{}/admin/usage?key=nope", gw.admin_addr.unwrap()),
+            &[],
+        )
+        .await;
+    assert_eq!(missing.status, StatusCode::NOT_FOUND);
+    gw.shutdown().await;
+}

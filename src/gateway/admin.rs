@@ -1,4 +1,5 @@
-//! The admin listener, never the public port: health, readiness and the running rules.
+//! The admin listener, never the public port: health, readiness, metrics, the running rules
+//! and a key's usage and quota.
 
 use std::sync::Arc;
 use std::time::UNIX_EPOCH;
@@ -10,6 +11,9 @@ use serde_json::json;
 
 use crate::respond::{Body, json_response};
 use crate::server::{ConnInfo, Handler};
+use tollgate_limit::clock::Clock;
+use tollgate_meter::counter::Meter;
+use tollgate_meter::flags::{Flags, State};
 use tollgate_rules::Snapshot;
 use tollgate_store::{FailurePolicy, Store};
 use tollgate_telemetry::metrics::Metrics;
@@ -18,6 +22,10 @@ pub(crate) struct Admin {
     pub rules: Arc<ArcSwap<Snapshot>>,
     pub store: Arc<dyn Store>,
     pub metrics: Arc<Metrics>,
+    /// This gateway's usage counts and the quota flags it last read.
+    pub meter: Option<Arc<Meter>>,
+    pub quota_flags: Arc<ArcSwap<Flags>>,
+    pub clock: Arc<dyn Clock>,
 }
 
 impl Admin {
@@ -81,8 +89,78 @@ impl Admin {
                     .to_string(),
                 )
             }
+            "/admin/usage" => self.usage(req.uri().query()),
             _ => json_response(StatusCode::NOT_FOUND, json!({"error": "not_found"}).to_string()),
         }
+    }
+}
+
+impl Admin {
+    /// `GET /admin/usage?key=ID`: what this gateway has admitted for the key since it started,
+    /// and the key's quota as the last flags read say.
+    fn usage(&self, query: Option<&str>) -> Response<Body> {
+        let bad = |status: StatusCode, message: String| {
+            json_response(
+                status,
+                json!({"error": "bad_request", "message": message}).to_string(),
+            )
+        };
+        let Some(id) = query
+            .unwrap_or("")
+            .split('&')
+            .find_map(|p| p.strip_prefix("key="))
+            .filter(|k| !k.is_empty())
+        else {
+            return bad(
+                StatusCode::BAD_REQUEST,
+                "name the key: /admin/usage?key=ID".into(),
+            );
+        };
+        let snap = self.rules.load();
+        let Some(k) = snap.key_by_id(id) else {
+            return json_response(
+                StatusCode::NOT_FOUND,
+                json!({"error": "not_found", "message": format!("no key with id {id:?}")}).to_string(),
+            );
+        };
+        let key = &snap.keys[k];
+        let admitted = self.meter.as_ref().map(|m| {
+            m.totals()
+                .into_iter()
+                .find(|(kid, _)| **kid == *key.id)
+                .map_or(0, |(_, t)| t)
+        });
+        let now_ms = (self.clock.now_us() / 1000) as i64;
+        let flags = self.quota_flags.load();
+        let flag = flags.get(&*key.id);
+        let quota = key.quota.as_ref().map(|q| {
+            let period = q.period(now_ms);
+            let current = flag.filter(|f| f.in_force(now_ms) && f.period == period.label);
+            json!({
+                "per": q.per.as_str(),
+                "limit": q.limit,
+                "timezone": q.zone_name,
+                "period": period.label,
+                "resets_at": period.resets_at,
+                "used": current.map(|f| f.used),
+                "state": current.map_or("under", |f| match f.state {
+                    State::Under => "under",
+                    State::Near => "near",
+                    State::Over => "over",
+                }),
+            })
+        });
+        json_response(
+            StatusCode::OK,
+            json!({
+                "key": &*key.id,
+                "tenant": &*key.tenant,
+                "metering": self.meter.as_ref().map(|m| m.identity().to_string()),
+                "admitted_by_this_gateway": admitted,
+                "quota": quota,
+            })
+            .to_string(),
+        )
     }
 }
 

@@ -20,7 +20,7 @@ use crate::server::{self, ServerLimits, tls};
 use tollgate_limit::clock::{Clock, SystemClock};
 use tollgate_meter::counter::{self, Meter, Sink};
 use tollgate_meter::record::Identity;
-use tollgate_meter::sink::{RedisSink, SqliteSink};
+use tollgate_meter::sink::{FlagSource, RedisSink, SqliteSink};
 use tollgate_rules::identity::TrustedProxies;
 use tollgate_rules::{CompileOptions, RulesError, Snapshot};
 pub use tollgate_rules::{RulesLoader, RulesSource};
@@ -149,6 +149,7 @@ pub struct Running {
     tasks: Vec<JoinHandle<usize>>,
     /// Stopped after the listeners, so the last records hold every admitted request.
     meter_task: Option<(watch::Sender<bool>, JoinHandle<()>)>,
+    flag_task: Option<JoinHandle<()>>,
 }
 
 impl Running {
@@ -164,6 +165,9 @@ impl Running {
         let mut open = 0;
         for t in self.tasks {
             open += t.await.unwrap_or(1);
+        }
+        if let Some(t) = &self.flag_task {
+            t.abort();
         }
         if let Some((stop, task)) = self.meter_task {
             let _ = stop.send(true);
@@ -228,26 +232,46 @@ async fn redis_store(target: Target<'_>, cfg: &GatewayConfig) -> Result<Arc<Redi
 /// Starts counting for billing: records go to the Redis store's stream, or to the SQLite file
 /// beside the embedded store. A Redis store that is down now only delays records: the sink
 /// connects in the background and every flush retries with the newest totals.
-async fn start_meter(
-    m: &MeterConfig,
-    store: &StoreUrl,
-) -> Result<(Arc<Meter>, (watch::Sender<bool>, JoinHandle<()>)), StartError> {
-    let sink: Arc<dyn Sink> = match store {
-        StoreUrl::Memory => Arc::new(SqliteSink::open(&m.file).map_err(StartError::Meter)?),
-        StoreUrl::Redis(url) => redis_sink(Target::Node(url))?,
-        StoreUrl::RedisCluster(nodes) => redis_sink(Target::Cluster(nodes))?,
+async fn start_meter(m: &MeterConfig, store: &StoreUrl) -> Result<Metering, StartError> {
+    let (sink, flags): (Arc<dyn Sink>, Arc<dyn FlagSource>) = match store {
+        StoreUrl::Memory => {
+            let s = Arc::new(SqliteSink::open(&m.file).map_err(StartError::Meter)?);
+            (s.clone(), s)
+        }
+        StoreUrl::Redis(url) => {
+            let s = redis_sink(Target::Node(url))?;
+            (s.clone(), s)
+        }
+        StoreUrl::RedisCluster(nodes) => {
+            let s = redis_sink(Target::Cluster(nodes))?;
+            (s.clone(), s)
+        }
     };
     let meter = Meter::new(Identity::new(m.instance.clone()));
     tracing::info!(identity = %meter.identity(), every = ?m.interval, "metering admitted requests");
     let (stop, stop_rx) = watch::channel(false);
     let task = tokio::spawn(counter::run(meter.clone(), sink, m.interval, stop_rx));
-    Ok((meter, (stop, task)))
+    Ok(Metering {
+        meter,
+        task: (stop, task),
+        flags,
+    })
 }
 
-fn redis_sink(target: Target<'_>) -> Result<Arc<dyn Sink>, StartError> {
+/// A running meter: its counts, the task that writes them, and where quota flags come from.
+struct Metering {
+    meter: Arc<Meter>,
+    task: (watch::Sender<bool>, JoinHandle<()>),
+    flags: Arc<dyn FlagSource>,
+}
+
+fn redis_sink(target: Target<'_>) -> Result<Arc<RedisSink>, StartError> {
     let client = side_client(target).map_err(|e| StartError::Meter(format!("{target}: {e}")))?;
     Ok(Arc::new(RedisSink::start(client)))
 }
+
+/// How often a gateway reads the quota flags.
+const FLAG_READ: Duration = Duration::from_secs(1);
 
 /// Starts every listener. Fails before serving anything if a part can't start.
 pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
@@ -361,17 +385,23 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         None => None,
     };
 
-    let (meter, meter_task) = match &cfg.meter {
-        Some(m) => {
-            let (meter, task) = start_meter(m, &cfg.store).await?;
-            (Some(meter), Some(task))
-        }
-        None => (None, None),
-    };
-
     let mut gateway = Gateway::new(rules.clone(), store.clone(), cfg.trusted.clone(), metrics.clone());
     gateway.proxy.body_timeout = cfg.limits.body_read_timeout;
+    gateway.clock = cfg.clock.clone();
+    let (meter, meter_task, flag_task) = match &cfg.meter {
+        Some(m) => {
+            let metering = start_meter(m, &cfg.store).await?;
+            let follow = tokio::spawn(tollgate_meter::flags::follow(
+                metering.flags,
+                gateway.quota_flags.clone(),
+                FLAG_READ,
+            ));
+            (Some(metering.meter), Some(metering.task), Some(follow))
+        }
+        None => (None, None, None),
+    };
     gateway.meter = meter.clone();
+    let quota_flags = gateway.quota_flags.clone();
     let gateway = Arc::new(gateway);
     tasks.push(tokio::spawn(sweep_upstreams(
         gateway.clone(),
@@ -390,6 +420,9 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
                 rules: rules.clone(),
                 store: store.clone(),
                 metrics: metrics.clone(),
+                meter: meter.clone(),
+                quota_flags,
+                clock: cfg.clock.clone(),
             });
             tasks.push(tokio::spawn(server::run(
                 l,
@@ -419,5 +452,6 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         stop,
         tasks,
         meter_task,
+        flag_task,
     })
 }

@@ -9,8 +9,10 @@ use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use http_body_util::{Either, Full};
 
 use tollgate_limit::decision::Decision;
+use tollgate_meter::flags::Flag;
 use tollgate_rules::Snapshot;
 use tollgate_rules::headers::state_value;
+use tollgate_rules::quota::Quota;
 use tollgate_store::CheckItem;
 
 /// Bodies the gateway sends: an upstream's streamed through, or one of its own.
@@ -38,6 +40,12 @@ pub enum Refusal {
     PayloadTooLarge { limit: u64 },
     #[error("rate limited by {limit}")]
     RateLimited { limit: String, retry_after: Option<u64> },
+    #[error("{quota} quota exceeded")]
+    QuotaExceeded {
+        quota: &'static str,
+        resets_at: String,
+        retry_after: u64,
+    },
     #[error("limiter unavailable")]
     LimiterUnavailable,
     #[error("upstream overloaded")]
@@ -58,7 +66,7 @@ impl Refusal {
             Refusal::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             Refusal::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Refusal::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            Refusal::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Refusal::RateLimited { .. } | Refusal::QuotaExceeded { .. } => StatusCode::TOO_MANY_REQUESTS,
             Refusal::LimiterUnavailable | Refusal::UpstreamOverloaded { .. } => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -82,6 +90,9 @@ impl Refusal {
             }
             Refusal::RateLimited { limit, retry_after } => {
                 json!({"error": "rate_limited", "limit": limit, "retry_after_seconds": retry_after})
+            }
+            Refusal::QuotaExceeded { quota, resets_at, .. } => {
+                json!({"error": "quota_exceeded", "quota": quota, "resets_at": resets_at})
             }
             Refusal::LimiterUnavailable => json!({"error": "limiter_unavailable"}),
             Refusal::UpstreamOverloaded { .. } => json!({"error": "upstream_overloaded"}),
@@ -110,13 +121,61 @@ impl Refusal {
                 h.insert(RETRY_AFTER, HeaderValue::from_static("1"));
                 h.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
             }
-            Refusal::UpstreamOverloaded { retry_after } => {
+            Refusal::UpstreamOverloaded { retry_after } | Refusal::QuotaExceeded { retry_after, .. } => {
                 h.insert(RETRY_AFTER, HeaderValue::from(*retry_after));
                 h.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
             }
             _ => {}
         }
         resp
+    }
+}
+
+/// A key's quota as `RateLimit-Policy` and `RateLimit` list members: `"day";q=100000;w=86400`
+/// and `"day";r=<left>;t=<seconds to the reset>`, from the last flags read.
+#[derive(Debug, Clone)]
+pub struct QuotaHeaders {
+    policy: String,
+    state: String,
+}
+
+impl QuotaHeaders {
+    pub fn new(quota: &Quota, flag: Option<&Flag>, now_ms: i64) -> QuotaHeaders {
+        let period = quota.period(now_ms);
+        // A flag of another period says nothing about this one.
+        let used = flag
+            .filter(|f| f.in_force(now_ms) && f.period == period.label)
+            .map_or(0, |f| f.used);
+        let name = quota.per.as_str();
+        QuotaHeaders {
+            policy: format!("\"{name}\";q={};w={}", quota.limit, period.seconds()),
+            state: format!(
+                "\"{name}\";r={};t={}",
+                quota.limit.saturating_sub(used),
+                period.secs_to_reset(now_ms)
+            ),
+        }
+    }
+
+    /// Adds the quota to the response's lists, after the bucket's members when there are any.
+    pub(crate) fn apply(&self, headers: &mut HeaderMap) {
+        for (name, member) in [(&RATELIMIT_POLICY, &self.policy), (&RATELIMIT, &self.state)] {
+            let value = match headers.get(name).and_then(|v| v.to_str().ok()) {
+                Some(v) if !v.is_empty() => format!("{v}, {member}"),
+                _ => member.clone(),
+            };
+            if let Ok(v) = HeaderValue::from_str(&value) {
+                headers.insert(name.clone(), v);
+            }
+        }
+    }
+
+    pub(crate) fn policy(&self) -> &str {
+        &self.policy
+    }
+
+    pub(crate) fn state(&self) -> &str {
+        &self.state
     }
 }
 

@@ -59,6 +59,42 @@ impl Flag {
     }
 }
 
+/// The flags a gateway last read, swapped whole every second.
+pub type Flags = HashMap<String, Flag>;
+
+/// Reads the flags from `source` every `every` into `into`, until the task is dropped. A read
+/// that fails keeps the last flags: an outage of the store must not lift every quota.
+pub async fn follow(
+    source: std::sync::Arc<dyn crate::sink::FlagSource>,
+    into: std::sync::Arc<arc_swap::ArcSwap<Flags>>,
+    every: std::time::Duration,
+) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut failing = false;
+    loop {
+        tick.tick().await;
+        match source.read_flags().await {
+            Ok(raw) => {
+                let (flags, bad) = parse_all(raw);
+                for b in &bad {
+                    tracing::warn!(problem = %b, "quota flag ignored");
+                }
+                into.store(std::sync::Arc::new(flags));
+                if failing {
+                    tracing::info!("quota flags readable again");
+                    failing = false;
+                }
+            }
+            Err(e) if !failing => {
+                tracing::warn!(error = %e, "quota flags not read; the last ones stay in force");
+                failing = true;
+            }
+            Err(_) => {}
+        }
+    }
+}
+
 /// Parses the flags as stored (key id → JSON); an entry that doesn't parse is reported, not
 /// guessed at, and the others still count.
 pub fn parse_all(raw: impl IntoIterator<Item = (String, String)>) -> (HashMap<String, Flag>, Vec<String>) {

@@ -11,6 +11,12 @@ use crate::counter::{BoxFuture, Sink};
 use crate::flags::FLAGS;
 use crate::record::{Record, STREAM};
 
+/// Where a gateway reads the quota flags the consumer sets.
+pub trait FlagSource: Send + Sync {
+    /// Every flag as stored: key id → JSON.
+    fn read_flags(&self) -> BoxFuture<'_, Result<Vec<(String, String)>, String>>;
+}
+
 /// Appends to `tollgate:usage` with `XADD` in one `MULTI`, so a flush lands whole.
 pub struct RedisSink {
     client: Client,
@@ -23,15 +29,18 @@ impl RedisSink {
         let _task = client.connect();
         RedisSink { client }
     }
+}
 
-    /// The flags hash as stored (key id → JSON).
-    pub async fn read_flags(&self) -> Result<Vec<(String, String)>, String> {
-        let all: std::collections::HashMap<String, String> = self
-            .client
-            .hgetall(FLAGS)
-            .await
-            .map_err(|e| e.details().to_string())?;
-        Ok(all.into_iter().collect())
+impl FlagSource for RedisSink {
+    fn read_flags(&self) -> BoxFuture<'_, Result<Vec<(String, String)>, String>> {
+        Box::pin(async move {
+            let all: std::collections::HashMap<String, String> = self
+                .client
+                .hgetall(FLAGS)
+                .await
+                .map_err(|e| e.details().to_string())?;
+            Ok(all.into_iter().collect())
+        })
     }
 }
 
@@ -61,15 +70,19 @@ impl SqliteSink {
             conn: Arc::new(Mutex::new(crate::sqlite::open(path)?)),
         })
     }
+}
 
-    pub async fn read_flags(&self) -> Result<Vec<(String, String)>, String> {
+impl FlagSource for SqliteSink {
+    fn read_flags(&self) -> BoxFuture<'_, Result<Vec<(String, String)>, String>> {
         let conn = self.conn.clone();
-        tokio::task::spawn_blocking(move || {
-            let c = conn.lock().unwrap_or_else(PoisonError::into_inner);
-            crate::sqlite::read_flags(&c).map_err(|e| e.to_string())
+        Box::pin(async move {
+            tokio::task::spawn_blocking(move || {
+                let c = conn.lock().unwrap_or_else(PoisonError::into_inner);
+                crate::sqlite::read_flags(&c).map_err(|e| e.to_string())
+            })
+            .await
+            .map_err(|e| e.to_string())?
         })
-        .await
-        .map_err(|e| e.to_string())?
     }
 }
 

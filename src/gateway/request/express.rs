@@ -122,6 +122,7 @@ pub async fn serve(
         let pool = &live.upstreams[f.upstream].pool;
         let extra = Extra {
             budget: f.budget.as_ref(),
+            quota: f.quota.as_deref(),
             request_id: &b.request_id,
         };
         head_out.clear();
@@ -314,6 +315,7 @@ impl Head {
 /// The headers the gateway adds to a forwarded response.
 struct Extra<'a> {
     budget: Option<&'a crate::respond::Budget>,
+    quota: Option<&'a crate::respond::QuotaHeaders>,
     request_id: &'a HeaderValue,
 }
 
@@ -321,19 +323,38 @@ impl Extra<'_> {
     /// Whether an upstream header of this name gives way to one of ours.
     fn replaces(&self, name: &[u8]) -> bool {
         name.eq_ignore_ascii_case(X_REQUEST_ID.as_str().as_bytes())
-            || self.budget.is_some_and(|b| {
-                name.eq_ignore_ascii_case(RATELIMIT.as_str().as_bytes())
-                    || (b.policy.is_some() && name.eq_ignore_ascii_case(RATELIMIT_POLICY.as_str().as_bytes()))
-            })
+            || ((self.budget.is_some() || self.quota.is_some())
+                && name.eq_ignore_ascii_case(RATELIMIT.as_str().as_bytes()))
+            || ((self.budget.is_some_and(|b| b.policy.is_some()) || self.quota.is_some())
+                && name.eq_ignore_ascii_case(RATELIMIT_POLICY.as_str().as_bytes()))
     }
 
     fn render(&self, out: &mut BytesMut) {
-        if let Some(b) = self.budget {
-            if let Some(p) = &b.policy {
-                header_line(out, RATELIMIT_POLICY.as_str().as_bytes(), p.as_bytes());
+        let policy = self.budget.and_then(|b| b.policy.as_ref());
+        if policy.is_some() || self.quota.is_some() {
+            out.extend_from_slice(b"ratelimit-policy: ");
+            if let Some(p) = policy {
+                out.extend_from_slice(p.as_bytes());
             }
+            if let Some(q) = self.quota {
+                if policy.is_some() {
+                    out.extend_from_slice(b", ");
+                }
+                out.extend_from_slice(q.policy().as_bytes());
+            }
+            out.extend_from_slice(b"\r\n");
+        }
+        if self.budget.is_some() || self.quota.is_some() {
             out.extend_from_slice(b"ratelimit: ");
-            b.write_state(out);
+            if let Some(b) = self.budget {
+                b.write_state(out);
+            }
+            if let Some(q) = self.quota {
+                if self.budget.is_some() {
+                    out.extend_from_slice(b", ");
+                }
+                out.extend_from_slice(q.state().as_bytes());
+            }
             out.extend_from_slice(b"\r\n");
         }
         header_line(out, X_REQUEST_ID.as_str().as_bytes(), self.request_id.as_bytes());

@@ -19,14 +19,18 @@ use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use crate::proxy::body::LimitedBody;
 use crate::proxy::pool::ConnPool;
 use crate::proxy::{Caller, Proxy};
+use crate::respond::QuotaHeaders;
 use crate::respond::{Body, Budget, Refusal, budget_headers};
 use crate::server::{ConnInfo, Handler};
 use tollgate_http1::path::{EncodedSlashes, PathError, canonical, has_encoded_slash};
 use tollgate_http1::sanitize;
+use tollgate_limit::clock::Clock;
 use tollgate_limit::decision::{Decision, decide};
 use tollgate_meter::counter::Meter;
+use tollgate_meter::flags::Flags;
 use tollgate_rules::identity::{self, KeySource, TrustedProxies};
 use tollgate_rules::plan;
+use tollgate_rules::quota::Quota;
 use tollgate_rules::{KeyRequirement, Snapshot, hash_secret};
 use tollgate_store::{Batch, Outcome, Store, StoreError};
 use tollgate_telemetry::logsample::Sampler;
@@ -43,6 +47,10 @@ pub struct Gateway {
     pub metrics: Arc<Metrics>,
     /// Counts admitted requests per key for billing, apart from the limiter; `None`: off.
     pub meter: Option<Arc<Meter>>,
+    /// The quota flags metering sets, as last read (every second).
+    pub quota_flags: Arc<ArcSwap<Flags>>,
+    /// Wall-clock time for quota periods (tests pass a manual clock).
+    pub clock: Arc<dyn Clock>,
     shadow_log: Sampler,
     live: ArcSwap<Live>,
     building: std::sync::Mutex<()>,
@@ -97,6 +105,8 @@ impl Gateway {
             trusted,
             metrics,
             meter: None,
+            quota_flags: Arc::new(ArcSwap::from_pointee(Flags::default())),
+            clock: tollgate_limit::clock::SystemClock::shared(),
             shadow_log: Sampler::new(std::time::Duration::from_secs(1)),
             live: ArcSwap::from_pointee(Live::default()),
             building: std::sync::Mutex::new(()),
@@ -524,18 +534,34 @@ impl Gateway {
     ) -> Result<Forward, Response<Body>> {
         let (snap, live, trace) = (&*b.snap, &*b.live, &mut b.trace);
         let route = &snap.routes[c.route];
+        let quota = match c
+            .key
+            .and_then(|(k, _)| snap.keys[k].quota.as_ref().map(|q| (k, q)))
+        {
+            Some((k, q)) => Some(Box::new(self.quota(snap, k, q, trace).map_err(|r| *r)?)),
+            None => None,
+        };
+        let with_quota = |mut r: Response<Body>| {
+            if let Some(q) = &quota {
+                q.apply(r.headers_mut());
+            }
+            r
+        };
         let Charged { budget, paid } = self
             .limit(snap, route, &c, &parts.headers, body_value, &live.handles, trace)
-            .await?;
+            .await
+            .map_err(with_quota)?;
         let upstream = &snap.upstreams[route.upstream];
         let permit = self
             .gate(upstream, &live.upstreams[route.upstream], trace)
-            .await?;
+            .await
+            .map_err(with_quota)?;
         crate::proxy::retarget(upstream, parts).map_err(Refusal::into_response)?;
         trace.metered = c.key.map(|(k, _)| k);
         Ok(Forward {
             upstream: route.upstream,
             budget,
+            quota,
             paid,
             classified: c,
             permit,
@@ -545,6 +571,40 @@ impl Gateway {
     /// `RateLimit-Policy` and `RateLimit` for a forwarded request's response.
     pub(crate) fn forward_headers(&self, f: &Forward, headers: &mut http::HeaderMap) {
         apply_budget(headers, f.budget.clone());
+        if let Some(q) = &f.quota {
+            q.apply(headers);
+        }
+    }
+
+    /// A key's quota, from the flags metering set: over in this period is a 429 until the
+    /// reset in the quota's time zone, before any bucket is charged; otherwise the quota's
+    /// headers for the answer.
+    fn quota(
+        &self,
+        snap: &Snapshot,
+        key: usize,
+        quota: &Quota,
+        trace: &mut Trace,
+    ) -> Result<QuotaHeaders, Box<Response<Body>>> {
+        let now_ms = (self.clock.now_us() / 1000) as i64;
+        let flags = self.quota_flags.load();
+        let flag = flags.get(&*snap.keys[key].id);
+        let headers = QuotaHeaders::new(quota, flag, now_ms);
+        let period = quota.period(now_ms);
+        match flag {
+            Some(f) if f.blocks(now_ms) && f.period == period.label => {
+                trace.limit = Some(QUOTA.clone());
+                let mut r = Refusal::QuotaExceeded {
+                    quota: quota.per.as_str(),
+                    retry_after: period.secs_to_reset(now_ms),
+                    resets_at: period.resets_at,
+                }
+                .into_response();
+                headers.apply(r.headers_mut());
+                Err(Box::new(r))
+            }
+            _ => Ok(headers),
+        }
     }
 
     /// How the client's headers become the upstream's for a forwarded request.
@@ -700,6 +760,8 @@ struct Charged {
 pub struct Forward {
     pub upstream: usize,
     pub budget: Option<Budget>,
+    /// The key's quota for `RateLimit-Policy` and `RateLimit`, when it has one.
+    pub quota: Option<Box<QuotaHeaders>>,
     /// What it paid, given back if it never reaches the upstream.
     pub paid: Option<Box<Paid>>,
     classified: Classified,
@@ -710,6 +772,9 @@ pub struct Forward {
 
 /// The most of a body read to find a limit's JSON field.
 pub(crate) const MAX_FIELD_BODY: u64 = 16 * 1024;
+
+/// The access line's `limit` for a request refused by its quota.
+static QUOTA: std::sync::LazyLock<Arc<str>> = std::sync::LazyLock::new(|| Arc::from("(quota)"));
 
 static NO_ROUTE: std::sync::LazyLock<Arc<str>> = std::sync::LazyLock::new(|| Arc::from("(none)"));
 static OVERLOADED: std::sync::LazyLock<Arc<str>> =
