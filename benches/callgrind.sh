@@ -35,7 +35,9 @@ for run in "${runs[@]}"; do
   n=$((n + 1))
   p=$(port)
   out="$work/cg.$n"
-  TOLLGATE_LOG=warn valgrind --tool=callgrind --callgrind-out-file="$out" "$bin" serve \
+  # Run in the scratch directory, where a binary with metering writes its usage file.
+  bin=$(realpath "$bin")
+  env -C "$work" TOLLGATE_LOG=warn valgrind --tool=callgrind --callgrind-out-file="$out" "$bin" serve \
     --rules "$work/rules.json" --listen "127.0.0.1:$p" --threads 1 $flags >/dev/null 2>"$work/err.$n" &
   vg=$!
   wait_port "$p"
