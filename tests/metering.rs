@@ -363,3 +363,82 @@ async fn over_quota_until_midnight(express: bool) {
     assert_eq!(missing.status, StatusCode::NOT_FOUND);
     gw.shutdown().await;
 }
+
+/// Metering counts what was admitted whatever decided it: with the store down, requests the
+/// failure policy admits (open, or each gateway's local share) are billed once the store is
+/// back, from the running totals of the final records; none of it is lost or counted twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn totals_equal_admissions_under_each_failure_policy() {
+    for policy in ["open", "local"] {
+        let port = common::free_port();
+        let redis = RedisServer::start_on(port);
+        let upstream = common::start_demo_upstream().await;
+        let mut rules: serde_json::Value = serde_json::from_str(&common::demo_rules_for(upstream)).unwrap();
+        rules["limits"]["plan"]["on_store_failure"] = serde_json::json!(policy);
+        let (_dir, path) = common::rules_file(&rules.to_string());
+        let url = redis.url();
+        let spawn = |name: &str| {
+            Tollgate::spawn(&[
+                "serve",
+                "--rules",
+                path.to_str().unwrap(),
+                "--store",
+                &url,
+                "--fleet-size",
+                "2",
+                "--store-timeout",
+                "200ms",
+                "--instance",
+                name,
+                "--meter-interval",
+                "100ms",
+            ])
+        };
+        let mut gws = [spawn("gw-1"), spawn("gw-2")];
+        let http = Http::new();
+        let mut admitted = 0;
+        for g in &gws {
+            admitted += send_k7(&http, g, 4).await;
+        }
+        // The store goes away; the failure policy decides.
+        drop(redis);
+        let mut during = 0;
+        for g in &gws {
+            during += send_k7(&http, g, 12).await;
+        }
+        assert!(during > 0, "{policy}: nothing admitted while the store was down");
+        admitted += during;
+        // Back, empty (no persistence): only running totals can make the bill whole.
+        let redis = RedisServer::start_on(port);
+        for g in &mut gws {
+            g.signal("TERM");
+            wait_exit(g);
+        }
+        let ids = by_identity(stream_records(&redis));
+        assert_eq!(ids.len(), 2, "{policy}: {ids:?}");
+        let mut billed = 0;
+        for (id, recs) in &ids {
+            let (total, ended) = summary_tail(recs, "k-7");
+            assert!(ended, "{policy}: {id} has no end record: {recs:?}");
+            billed += total;
+        }
+        assert_eq!(billed, admitted, "{policy}: billed against admitted");
+    }
+}
+
+/// As [`summary`], for a stream that lost its earlier records with the store: sequence
+/// numbers only rise.
+fn summary_tail(records: &[Record], key: &str) -> (u64, bool) {
+    for w in records.windows(2) {
+        assert!(w[0].seq < w[1].seq, "sequence goes back: {records:?}");
+    }
+    let total = records
+        .iter()
+        .filter_map(|r| match &r.kind {
+            Kind::Usage { key: k, total } if k == key => Some(*total),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0);
+    (total, matches!(records.last().map(|r| &r.kind), Some(Kind::End)))
+}

@@ -186,7 +186,7 @@ impl Running {
 }
 
 /// How long shutdown waits for the last usage records.
-const METER_END: Duration = Duration::from_secs(5);
+const METER_END: Duration = Duration::from_secs(6);
 
 /// How long shutdown waits for lease and give-back calls to finish.
 const LEASE_DRAIN: Duration = Duration::from_secs(3);

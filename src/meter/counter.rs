@@ -142,13 +142,27 @@ pub async fn run(
             }
         }
     }
-    match meter.end(&*sink).await {
-        Ok(_) => tracing::info!(identity = %meter.identity(), "usage records ended cleanly"),
-        Err(e) => {
-            tracing::error!(identity = %meter.identity(), error = %e, "final usage records not written")
+    // The store may be coming back from an outage: the last records are worth a few tries.
+    let mut pause = Duration::from_millis(100);
+    for attempt in 1..=END_ATTEMPTS {
+        match meter.end(&*sink).await {
+            Ok(_) => {
+                tracing::info!(identity = %meter.identity(), "usage records ended cleanly");
+                return;
+            }
+            Err(e) if attempt == END_ATTEMPTS => {
+                tracing::error!(identity = %meter.identity(), error = %e, "final usage records not written");
+            }
+            Err(_) => {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(1));
+            }
         }
     }
 }
+
+/// How often the last records are tried at shutdown (about 5 s in all).
+const END_ATTEMPTS: u32 = 8;
 
 #[cfg(test)]
 mod tests {

@@ -938,7 +938,7 @@ pub fn side_client(target: Target<'_>) -> Result<fred::clients::Client, String> 
             c.connection_timeout = CONNECT_TIMEOUT;
             c.internal_command_timeout = CONNECT_TIMEOUT;
         })
-        .set_policy(ReconnectPolicy::new_exponential(0, 100, 5_000, 2))
+        .set_policy(ReconnectPolicy::new_exponential(0, 100, 1_000, 2))
         .build()
         .map_err(|e| e.details().to_string())
 }
