@@ -5,9 +5,16 @@
 //! SQLite file ([`sqlite`]). A record carries a running total, not a delta, so a record read
 //! twice changes nothing. Quotas (`tollgate_rules::quota`) are calendar days and months in a time zone;
 //! the consumer that adds records up sets `near`/`over` flags ([`flags`]) that gateways read.
+//!
+//! That consumer keeps the largest total per identity and key and adds only what a larger
+//! total brings, per key, day and month in the key's quota zone ([`ledger`], in Redis by
+//! `lua/meter_*.lua` or in the SQLite file).
 
 pub mod counter;
 pub mod flags;
+pub mod ledger;
+pub mod ledger_redis;
+pub mod ledger_sqlite;
 pub mod record;
 pub mod sink;
 pub mod sqlite;
