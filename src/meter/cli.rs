@@ -44,7 +44,7 @@ pub struct Source {
     )]
     pub store: Option<String>,
     /// The embedded store's metering file (SQLite), instead of --store.
-    #[arg(long, value_name = "PATH", required_unless_present = "store")]
+    #[arg(long, value_name = "PATH")]
     pub meter_file: Option<PathBuf>,
     /// The rules file: each key's tenant and quota.
     // An Option that clap requires: a plain PathBuf would be wanted before a subcommand too.
