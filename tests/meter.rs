@@ -772,3 +772,95 @@ fn bad_input_names_the_flag_and_the_reason() {
         "{e}"
     );
 }
+
+/// The whole loop with real gateways: two `tollgate serve` processes on one Redis count what
+/// they admit, the meter adds it up and flags k-7 over its daily quota, and a gateway started
+/// afterwards reads the flag and refuses k-7.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateways_meter_and_flags_close_the_loop_on_redis() {
+    use common::{Http, K7, Tollgate};
+    use http::StatusCode;
+
+    let redis = RedisServer::start();
+    let upstream = common::start_demo_upstream().await;
+    let mut rules: serde_json::Value = serde_json::from_str(&common::demo_rules_for(upstream)).unwrap();
+    let k7 = rules["keys"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|k| k["id"] == "k-7")
+        .unwrap();
+    k7["quota"] = serde_json::json!({"per": "day", "limit": 12, "timezone": "Europe/Paris"});
+    let (_rules_dir, rules) = common::rules_file(&rules.to_string());
+    let (rules, url) = (rules.to_str().unwrap().to_string(), redis.url());
+    let spawn = |name: &str| {
+        Tollgate::spawn(&[
+            "serve",
+            "--rules",
+            &rules,
+            "--store",
+            &url,
+            "--store-timeout",
+            "1s",
+            "--instance",
+            name,
+            "--meter-interval",
+            "100ms",
+        ])
+    };
+    let (mut a, mut b) = (spawn("gw-a"), spawn("gw-b"));
+    let http = Http::new();
+    for (gw, n) in [(&a, 8), (&b, 4)] {
+        for i in 0..n {
+            let r = http.get(&gw.url("/v1/orders"), &[("x-api-key", K7)]).await;
+            assert_eq!(r.status, StatusCode::OK, "request {i}: {:?}", r.body);
+        }
+    }
+    // A clean stop writes the last totals and an end record.
+    for gw in [&mut a, &mut b] {
+        gw.signal("TERM");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while gw.child.try_wait().unwrap().is_none() {
+            assert!(Instant::now() < deadline, "gateway still runs after SIGTERM");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    let meter = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_tollgate"))
+            .arg("meter")
+            .args(args)
+            .args(["--store", &url, "--rules", &rules])
+            .output()
+            .unwrap()
+    };
+    let out = meter(&["--once"]);
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{log}");
+    assert!(!log.contains("unclean end"), "both stopped cleanly: {log}");
+    let json = redis.cli(&["HGET", tollgate_meter::flags::FLAGS, "k-7"]);
+    let flag: Flag = serde_json::from_str(&json).unwrap_or_else(|e| panic!("{e}: {json:?}"));
+    assert_eq!((flag.state, flag.used, flag.limit), (State::Over, 12, 12));
+    let out = meter(&["usage", "--key", "k-7", "--day", &flag.period]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let usage: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (usage["admitted"].as_u64(), usage["unclean_ends"].as_u64()),
+        (Some(12), Some(0))
+    );
+
+    // A gateway reads the flags every second: polled, not slept for.
+    let c = spawn("gw-c");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let refused = loop {
+        let r = http.get(&c.url("/v1/orders"), &[("x-api-key", K7)]).await;
+        if r.status == StatusCode::TOO_MANY_REQUESTS {
+            break r;
+        }
+        assert_eq!(r.status, StatusCode::OK);
+        assert!(Instant::now() < deadline, "the over flag was never enforced");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(refused.json()["error"], "quota_exceeded");
+    assert_eq!(refused.json()["resets_at"], flag.resets_at.as_str());
+}
