@@ -459,6 +459,17 @@ fn redis_records_a_dead_consumer_left_pending_are_taken_over() {
 /// Runs the consumer with a metrics listener, waits until `/metrics` shows `want`, stops it
 /// and returns (metrics text, log).
 fn run_until_metrics(w: &World, extra: &[&str], want: &str) -> (String, String) {
+    run_until(w, extra, want, |text| text.contains(want))
+}
+
+/// The value of a sample in a `/metrics` text.
+fn sample(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// As [`run_until_metrics`], until `ok` holds of the text.
+fn run_until(w: &World, extra: &[&str], want: &str, ok: impl Fn(&str) -> bool) -> (String, String) {
     let mut args = vec!["--metrics-listen", "127.0.0.1:0", "--poll", "100ms"];
     args.extend(extra);
     let mut child: Child = meter_command(w, &args)
@@ -484,7 +495,7 @@ fn run_until_metrics(w: &World, extra: &[&str], want: &str) -> (String, String) 
     let mut text = String::new();
     while Instant::now() < deadline {
         text = scrape(&addr);
-        if text.contains(want) {
+        if ok(&text) {
             break;
         }
         std::thread::sleep(Duration::from_millis(50));
@@ -492,10 +503,7 @@ fn run_until_metrics(w: &World, extra: &[&str], want: &str) -> (String, String) 
     let _ = child.kill();
     let out = child.wait_with_output().unwrap();
     let log = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(
-        text.contains(want),
-        "/metrics never showed {want:?}:\n{text}\nlog:\n{log}"
-    );
+    assert!(ok(&text), "/metrics never showed {want}:\n{text}\nlog:\n{log}");
     (text, log)
 }
 
@@ -551,6 +559,38 @@ fn redis_an_identity_without_end_is_an_unclean_end() {
 #[test]
 fn file_an_identity_without_end_is_an_unclean_end() {
     an_identity_without_end_is_an_unclean_end(World::file());
+}
+
+/// A record not yet added up (held by a consumer that stopped) shows as lag, and may be the
+/// identity's next record or its end: silence is judged only up to it.
+#[test]
+fn redis_records_not_yet_added_up_are_lag_and_hold_back_silence() {
+    let mut w = World::redis();
+    let x = id("gw-x", "x1");
+    w.write(AFTER_MIDNIGHT, &[usage(&x, 1, "k-plain", 3)]);
+    // Added up while gw-x still counts as alive (its record is a year old).
+    w.once(&["--silence", "100000h"]);
+    // Its end, taken by a consumer that then stopped: pending, not added up.
+    w.write(AFTER_MIDNIGHT + 5_000, &[end(&x, 2)]);
+    let taken = w.redis_server().cli(&[
+        "XREADGROUP",
+        "GROUP",
+        "tollgate:meter",
+        "dead",
+        "STREAMS",
+        "tollgate:usage",
+        ">",
+    ]);
+    assert!(taken.contains("end"), "{taken}");
+    let (metrics, log) = run_until(&w, &[], "a lag of more than a day", |text| {
+        sample(text, "tollgate_meter_lag_seconds").is_some_and(|lag| lag > 86_400.0)
+    });
+    assert!(!log.contains("unclean end"), "gw-x's end is pending: {log}");
+    assert_eq!(sample(&metrics, "tollgate_meter_unclean_ends_total"), Some(0.0));
+    // Taken over and added up: the end counts, nothing was unclean.
+    let log = w.once(&["--claim-idle", "0ms"]);
+    assert!(!log.contains("unclean end"), "{log}");
+    assert_eq!(w.admitted("k-plain", &["--day", "2025-11-30"]), (3, 0));
 }
 
 fn flags_say_near_and_over(mut w: World) {
