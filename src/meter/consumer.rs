@@ -91,6 +91,7 @@ fn log_pass(r: &PassReport, metrics: &MeterMetrics) {
             repeats = r.repeats,
             ends = r.ends,
             malformed = r.malformed.len(),
+            newest_ms = ?r.newest_ms,
             "usage records added up"
         );
     }
