@@ -48,6 +48,9 @@ pub enum Command {
     /// design (one shared bucket, a bucket per gateway, shares) or a store outage, report them
     /// side by side, and stop everything.
     Fleet(tollgate_fleet::FleetArgs),
+    /// Add up the gateways' usage records into per-key daily and monthly totals, set quota
+    /// flags and report unclean ends; `usage` and `export` read the totals.
+    Meter(tollgate_meter::cli::MeterArgs),
 }
 
 fn init_logging(format: LogFormat) {
@@ -163,6 +166,15 @@ fn main() -> Result<()> {
         }
         return Ok(());
     }
+    if let Command::Meter(a) = &cli.command {
+        // Runs its own runtime; errors name the flag, file or field already.
+        init_logging(LogFormat::Human);
+        if let Err(e) = tollgate_meter::cli::main(a) {
+            eprintln!("tollgate meter: {e}");
+            std::process::exit(1);
+        }
+        return Ok(());
+    }
     if let Command::CheckRules { file, cluster } = &cli.command {
         let opts = tollgate_rules::CompileOptions { cluster: *cluster };
         match tollgate_rules::load(file, opts) {
@@ -182,7 +194,8 @@ fn main() -> Result<()> {
         Command::DemoUpstream { .. }
         | Command::CheckRules { .. }
         | Command::Replay(_)
-        | Command::Fleet(_) => (LogFormat::Human, None),
+        | Command::Fleet(_)
+        | Command::Meter(_) => (LogFormat::Human, None),
     };
     init_logging(format);
     // One thread: the current-thread scheduler, with no work-stealing machinery to pay for.
@@ -214,7 +227,7 @@ fn main() -> Result<()> {
                 run_gateway(cfg, true).await
             }
             // These returned before the runtime started.
-            Command::CheckRules { .. } | Command::Replay(_) | Command::Fleet(_) => Ok(()),
+            Command::CheckRules { .. } | Command::Replay(_) | Command::Fleet(_) | Command::Meter(_) => Ok(()),
             Command::DemoUpstream { listen } => {
                 let l = tokio::net::TcpListener::bind(listen)
                     .await

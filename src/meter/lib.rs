@@ -5,9 +5,20 @@
 //! SQLite file ([`sqlite`]). A record carries a running total, not a delta, so a record read
 //! twice changes nothing. Quotas (`tollgate_rules::quota`) are calendar days and months in a time zone;
 //! the consumer that adds records up sets `near`/`over` flags ([`flags`]) that gateways read.
+//!
+//! That consumer is `tollgate meter` ([`cli`], [`consumer`]): it keeps the largest total per
+//! identity and key and adds only what a larger total brings, per key, day and month in the
+//! key's quota zone ([`ledger`], in Redis by `lua/meter_*.lua` or in the SQLite file), reports
+//! identities that fell silent without an `end` record, and answers `usage` and `export`.
 
+pub mod cli;
+pub mod consumer;
 pub mod counter;
 pub mod flags;
+pub mod ledger;
+pub mod ledger_redis;
+pub mod ledger_sqlite;
+pub mod metrics;
 pub mod record;
 pub mod sink;
 pub mod sqlite;
