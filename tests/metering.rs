@@ -442,3 +442,67 @@ fn summary_tail(records: &[Record], key: &str) -> (u64, bool) {
         .unwrap_or(0);
     (total, matches!(records.last().map(|r| &r.kind), Some(Kind::End)))
 }
+
+/// The spec's event 33: with the default intervals (records every 5 s, flags read every 1 s)
+/// and a meter consumer running, a key is refused within about 11 s of the request that took
+/// it over its daily quota. The requests come at a steady pace, as a partner's would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crossed_quota_is_enforced_within_eleven_seconds() {
+    let redis = RedisServer::start();
+    let upstream = common::start_demo_upstream().await;
+    let (dir, rules) =
+        common::rules_file(&rules_with_quota(upstream).replace("\"limit\":100,", "\"limit\":20,"));
+    assert!(std::fs::read_to_string(&rules).unwrap().contains("\"limit\":20"));
+    let url = redis.url();
+    let mut gw = Tollgate::spawn(&[
+        "serve",
+        "--rules",
+        rules.to_str().unwrap(),
+        "--store",
+        &url,
+        "--store-timeout",
+        "1s",
+        "--instance",
+        "gw-33",
+    ]);
+    let mut meter = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["meter", "--store", &url, "--rules", rules.to_str().unwrap()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(dir.path().join("meter.log")).unwrap())
+        .spawn()
+        .expect("tollgate meter starts");
+    let http = Http::new();
+    let mut admitted = 0;
+    let mut crossed = None;
+    let started = Instant::now();
+    let (after_crossing, delay) = loop {
+        let r = http.get(&gw.url("/v1/orders"), &[("x-api-key", K7)]).await;
+        match r.status {
+            StatusCode::OK => {
+                admitted += 1;
+                if admitted == 20 {
+                    crossed = Some(Instant::now());
+                }
+            }
+            StatusCode::TOO_MANY_REQUESTS if r.json()["error"] == "quota_exceeded" => {
+                let at = crossed.expect("refused for the quota before reaching it");
+                break (admitted - 20, at.elapsed());
+            }
+            other => panic!("{other}: {:?}", r.body),
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "never refused for the quota"
+        );
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    };
+    let _ = meter.kill();
+    let _ = meter.wait();
+    gw.signal("TERM");
+    wait_exit(&mut gw);
+    eprintln!("quota crossed; refused {delay:?} later, after {after_crossing} more admissions");
+    assert!(
+        delay <= Duration::from_secs(13),
+        "refused {delay:?} after the crossing request: the bound is 5 s + 5 s + 1 s, about 11 s"
+    );
+}
