@@ -36,6 +36,8 @@ struct Flushed {
     totals: HashMap<Arc<str>, u64>,
     /// The last sequence number written.
     seq: u64,
+    /// The key of the last usage record written, repeated when nothing moved.
+    last: Option<(Arc<str>, u64)>,
 }
 
 impl Meter {
@@ -99,6 +101,22 @@ impl Meter {
                 moved.push((key, total));
             }
         }
+        // An idle identity repeats its last total under a new sequence number: it changes no
+        // sum, and it tells the consumer this gateway is alive, not gone without an end.
+        if records.is_empty()
+            && !end
+            && let Some((key, total)) = &done.last
+        {
+            seq += 1;
+            records.push(Record {
+                identity: self.identity.clone(),
+                seq,
+                kind: Kind::Usage {
+                    key: key.to_string(),
+                    total: *total,
+                },
+            });
+        }
         if end {
             seq += 1;
             records.push(Record {
@@ -112,6 +130,9 @@ impl Meter {
         }
         sink.append(&records).await?;
         done.seq = seq;
+        if let Some(last) = moved.last() {
+            done.last = Some(last.clone());
+        }
         done.totals.extend(moved);
         Ok(records.len())
     }
@@ -202,7 +223,7 @@ mod tests {
         a.fetch_add(3, Ordering::Relaxed);
         b.fetch_add(1, Ordering::Relaxed);
         assert_eq!(m.flush(&sink).await, Ok(2));
-        assert_eq!(m.flush(&sink).await, Ok(0), "nothing moved");
+        assert_eq!(m.flush(&sink).await, Ok(1), "nothing moved: the last total again");
         a.fetch_add(2, Ordering::Relaxed);
         assert_eq!(m.flush(&sink).await, Ok(1));
         assert_eq!(m.end(&sink).await, Ok(1));
@@ -210,7 +231,13 @@ mod tests {
         let got: Vec<_> = got.iter().map(usage).collect();
         assert_eq!(
             got,
-            [(1, "k-1", 3), (2, "k-2", 1), (3, "k-1", 5), (4, "(end)", 0)]
+            [
+                (1, "k-1", 3),
+                (2, "k-2", 1),
+                (3, "k-2", 1),
+                (4, "k-1", 5),
+                (5, "(end)", 0)
+            ]
         );
     }
 
