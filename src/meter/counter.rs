@@ -88,7 +88,8 @@ impl Meter {
         let mut seq = done.seq;
         let mut moved = Vec::new();
         for (key, total) in self.totals() {
-            if done.totals.get(&key).is_none_or(|&t| total > t) {
+            // A key is known from the rules before it is used: nothing to say until it moves.
+            if total > done.totals.get(&key).copied().unwrap_or(0) {
                 seq += 1;
                 records.push(Record {
                     identity: self.identity.clone(),
@@ -254,6 +255,17 @@ mod tests {
         assert_eq!(m.flush(&sink).await, Ok(1));
         let got = sink.records.lock().unwrap().clone();
         assert_eq!(got.iter().map(usage).collect::<Vec<_>>(), [(1, "k-1", 2)]);
+    }
+
+    #[tokio::test]
+    async fn keys_never_used_write_nothing() {
+        let m = Meter::new(Identity::new("gw"));
+        let sink = Kept::default();
+        let _unused = m.counter(&"k-1".into());
+        assert_eq!(m.flush(&sink).await, Ok(0));
+        assert_eq!(m.end(&sink).await, Ok(1), "only the end record");
+        let got = sink.records.lock().unwrap().clone();
+        assert_eq!(got.iter().map(usage).collect::<Vec<_>>(), [(1, "(end)", 0)]);
     }
 
     #[tokio::test]
