@@ -100,6 +100,14 @@ fn each_broken_file_fails_with_its_own_message() {
             "keys[0].quota.timezone: key k-1: \"Europe/Pariss\" is not an IANA time zone name",
         ),
         (
+            "quota-on-route-limit.json",
+            "limits.exports.quota: only a \"key\" limit may carry a quota",
+        ),
+        (
+            "quota-on-two-limits.json",
+            "limits.plan2.quota: limits \"plan\" and \"plan2\" both carry a quota; a key has one",
+        ),
+        (
             "quota-per-unknown.json",
             "keys[0].quota.per: unknown variant `week`, expected `day` or `month`",
         ),

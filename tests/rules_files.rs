@@ -20,3 +20,26 @@ fn every_rules_file_compiles() {
         assert!(!snap.routes.is_empty(), "{} has no routes", f.display());
     }
 }
+
+/// A quota on the plan limit is every key's; a key's own quota replaces it.
+#[test]
+fn a_plan_quota_is_every_keys_unless_the_key_sets_its_own() {
+    use tollgate_rules::quota::Per;
+    let text = std::fs::read_to_string(common::repo().join("rules/demo.json")).unwrap();
+    let mut r: serde_json::Value = serde_json::from_str(&text).unwrap();
+    r["limits"]["plan"]["quota"] = serde_json::json!({"per": "month", "limit": 1000000});
+    let k8 = r["keys"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|k| k["id"] == "k-8")
+        .unwrap();
+    k8["quota"] = serde_json::json!({"per": "day", "limit": 5, "timezone": "Asia/Tokyo"});
+    let snap = rules::compile(r.to_string().as_bytes(), "t.json", CompileOptions::default()).unwrap();
+    let quota = |id: &str| {
+        let k = &snap.keys[snap.key_by_id(id).unwrap()];
+        k.quota.as_ref().map(|q| (q.per, q.limit, q.zone_name.clone()))
+    };
+    assert_eq!(quota("k-7"), Some((Per::Month, 1_000_000, "UTC".to_string())));
+    assert_eq!(quota("k-8"), Some((Per::Day, 5, "Asia/Tokyo".to_string())));
+}

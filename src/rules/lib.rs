@@ -24,7 +24,7 @@ use headers::policy_value;
 pub use raw::{KeyRequirement, LimitClass, Mode};
 use raw::{
     RawBlock, RawDimension, RawDimensionName, RawEncodedSlashes, RawKey, RawLimit, RawNumbers, RawPathMatch,
-    RawRoute, RawRules, RawUpstream,
+    RawQuota, RawRoute, RawRules, RawUpstream,
 };
 use tollgate_http1::path::{self, EncodedSlashes};
 pub use tollgate_limit::batch::LeaseBlock;
@@ -634,15 +634,52 @@ impl Compiler<'_> {
             by_id: HashMap::new(),
         };
         let mut tenants = HashMap::new();
+        let plan_quota = self.plan_quota(raw)?;
         for (i, k) in raw.keys.iter().enumerate() {
             let field = format!("keys[{i}]");
             let hash = self.key_hash(&field, k, &keys)?;
-            let key = self.key(&field, k, hash, limits, &mut tenants)?;
+            let key = self.key(&field, k, hash, limits, &mut tenants, plan_quota.as_ref())?;
             keys.by_hash.insert(hash, keys.list.len());
             keys.by_id.insert(key.id.clone(), keys.list.len());
             keys.list.push(key);
         }
         Ok(keys)
+    }
+
+    /// A quota set on a limit: the default of every key. Quotas count a key's admitted
+    /// requests, so only a `key` limit may carry one, and only one limit, so each key has one.
+    fn plan_quota(&self, raw: &RawRules) -> Result<Option<quota::Quota>, RulesError> {
+        let mut found: Option<(&str, quota::Quota)> = None;
+        for (name, l) in &raw.limits {
+            let Some(q) = &l.quota else { continue };
+            let field = format!("limits.{name}.quota");
+            if !matches!(l.dimension, RawDimension::Named(RawDimensionName::Key)) {
+                return Err(self.err(
+                    field,
+                    "only a \"key\" limit may carry a quota: a quota counts each key's requests",
+                ));
+            }
+            if let Some((first, _)) = &found {
+                return Err(self.err(
+                    field,
+                    format!("limits {first:?} and {name:?} both carry a quota; a key has one"),
+                ));
+            }
+            found = Some((name, self.quota(&field, &format!("limit {name}"), q)?));
+        }
+        Ok(found.map(|(_, q)| q))
+    }
+
+    /// A quota as written, checked: the error names the field that is wrong.
+    fn quota(&self, field: &str, whose: &str, q: &RawQuota) -> Result<quota::Quota, RulesError> {
+        let zone = q.timezone.as_deref().unwrap_or("UTC");
+        quota::Quota::new(q.per, q.limit, zone).map_err(|e| {
+            let part = match e {
+                quota::QuotaError::Zone(_) => "timezone",
+                quota::QuotaError::Zero => "limit",
+            };
+            self.err(format!("{field}.{part}"), format!("{whose}: {e}"))
+        })
     }
 
     /// The hash of a key's secret, once its id and its hash are known to be new: a request
@@ -677,25 +714,16 @@ impl Compiler<'_> {
         hash: [u8; 32],
         limits: &Limits,
         tenants: &mut HashMap<String, (String, KeyNumbers)>,
+        plan_quota: Option<&quota::Quota>,
     ) -> Result<ApiKey, RulesError> {
         let tenant = k.tenant.clone().unwrap_or_else(|| k.id.clone());
         if tenant.is_empty() || tenant.contains(['{', '}']) {
             return Err(self.err(format!("{field}.tenant"), "must be non-empty, without braces"));
         }
-        let quota = k
-            .quota
-            .as_ref()
-            .map(|q| {
-                let zone = q.timezone.as_deref().unwrap_or("UTC");
-                quota::Quota::new(q.per, q.limit, zone).map_err(|e| {
-                    let part = match e {
-                        quota::QuotaError::Zone(_) => "timezone",
-                        quota::QuotaError::Zero => "limit",
-                    };
-                    self.err(format!("{field}.quota.{part}"), format!("key {}: {e}", k.id))
-                })
-            })
-            .transpose()?;
+        let quota = match &k.quota {
+            Some(q) => Some(self.quota(&format!("{field}.quota"), &format!("key {}", k.id), q)?),
+            None => plan_quota.cloned(),
+        };
         let KeyLimits { numbers, written } = self.key_limits(field, k, limits)?;
         // Keys of one tenant share buckets, so they must share numbers.
         match tenants.get(&tenant) {

@@ -152,6 +152,9 @@ pub(crate) struct RawLimit {
     pub on_store_failure: Option<FailurePolicy>,
     #[serde(default)]
     pub lease: Option<RawLease>,
+    /// A billing quota every key on this plan gets, unless the key sets its own.
+    #[serde(default)]
+    pub quota: Option<RawQuota>,
     /// Accepted so a rules file can say what a limit is for; the gateway never reads it.
     #[serde(default)]
     #[allow(dead_code)]
