@@ -10,7 +10,7 @@ use tollgate_rules::quota::Per;
 pub const FLAGS: &str = "tollgate:quota:flags";
 
 /// The share of a quota from which a key is `near`, in percent.
-pub const NEAR_PERCENT: u64 = 80;
+pub(crate) const NEAR_PERCENT: u64 = 80;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -97,7 +97,7 @@ pub async fn follow(
 
 /// Parses the flags as stored (key id → JSON); an entry that doesn't parse is reported, not
 /// guessed at, and the others still count.
-pub fn parse_all(raw: impl IntoIterator<Item = (String, String)>) -> (HashMap<String, Flag>, Vec<String>) {
+pub(crate) fn parse_all(raw: impl IntoIterator<Item = (String, String)>) -> (HashMap<String, Flag>, Vec<String>) {
     let mut flags = HashMap::new();
     let mut bad = Vec::new();
     for (key, json) in raw {

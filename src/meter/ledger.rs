@@ -17,7 +17,7 @@ use crate::ledger_sqlite::SqliteLedger;
 use crate::record::{Identity, Kind, Record, RecordError};
 
 /// The largest total the ledger adds exactly: Redis scripts count in doubles.
-pub const MAX_TOTAL: u64 = 1 << 53;
+pub(crate) const MAX_TOTAL: u64 = 1 << 53;
 
 /// One stream entry or file row as read, before it is trusted.
 #[derive(Debug, Clone)]
@@ -70,7 +70,7 @@ pub struct PassReport {
 
 /// What a record did, as both ledgers answer it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Liveness {
+pub(crate) enum Liveness {
     Unchanged,
     Resumed,
     EndedAfterReport,
@@ -225,11 +225,11 @@ impl PeriodLabel {
 
 /// How an identity is written where the ledger needs one string: a JSON array, since a
 /// gateway's name may hold any separator.
-pub fn identity_code(id: &Identity) -> String {
+pub(crate) fn identity_code(id: &Identity) -> String {
     serde_json::to_string(&(&id.gateway, &id.boot)).expect("two strings serialize")
 }
 
-pub fn identity_from_code(code: &str) -> Result<Identity, String> {
+pub(crate) fn identity_from_code(code: &str) -> Result<Identity, String> {
     serde_json::from_str::<(String, String)>(code)
         .map(|(gateway, boot)| Identity { gateway, boot })
         .map_err(|e| format!("identity {code:?} in the ledger is not [gateway, boot]: {e}"))
@@ -284,7 +284,7 @@ impl Ledger {
     }
 
     /// The time of the oldest record not yet added up, if any.
-    pub async fn oldest_pending_ms(&self) -> Result<Option<i64>, String> {
+    pub(crate) async fn oldest_pending_ms(&self) -> Result<Option<i64>, String> {
         match self {
             Ledger::Redis(r) => r.oldest_pending_ms().await,
             Ledger::Sqlite(s) => s.oldest_pending_ms(),
@@ -293,7 +293,7 @@ impl Ledger {
 
     /// Reports, once, every live identity whose newest record is older than `before_ms`: it
     /// ended without an `end` record. Returns them with their newest time.
-    pub async fn take_silent(&mut self, before_ms: i64) -> Result<Vec<(Identity, i64)>, String> {
+    pub(crate) async fn take_silent(&mut self, before_ms: i64) -> Result<Vec<(Identity, i64)>, String> {
         match self {
             Ledger::Redis(r) => r.take_silent(before_ms).await,
             Ledger::Sqlite(s) => s.take_silent(before_ms),
@@ -301,7 +301,7 @@ impl Ledger {
     }
 
     /// The time of each key's newest record.
-    pub async fn key_last_ms(&self, keys: &[&str]) -> Result<Vec<Option<i64>>, String> {
+    pub(crate) async fn key_last_ms(&self, keys: &[&str]) -> Result<Vec<Option<i64>>, String> {
         match self {
             Ledger::Redis(r) => r.key_last_ms(keys).await,
             Ledger::Sqlite(s) => s.key_last_ms(keys),
@@ -318,7 +318,7 @@ impl Ledger {
 
     /// Removes the flags of keys not in `keep` (keys whose quota is gone): a stale `over` must
     /// not block a key that no longer has a quota. Returns the keys removed.
-    pub async fn drop_flags_except(&self, keep: &HashSet<&str>) -> Result<Vec<String>, String> {
+    pub(crate) async fn drop_flags_except(&self, keep: &HashSet<&str>) -> Result<Vec<String>, String> {
         match self {
             Ledger::Redis(r) => r.drop_flags_except(keep).await,
             Ledger::Sqlite(s) => s.drop_flags_except(keep),
@@ -333,7 +333,7 @@ impl Ledger {
     }
 
     /// Every key with usage in the period, sorted by key.
-    pub async fn period_rows(&self, period: &PeriodLabel) -> Result<Vec<(String, Usage)>, String> {
+    pub(crate) async fn period_rows(&self, period: &PeriodLabel) -> Result<Vec<(String, Usage)>, String> {
         match self {
             Ledger::Redis(r) => r.period_rows(period).await,
             Ledger::Sqlite(s) => s.period_rows(period),

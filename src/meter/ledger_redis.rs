@@ -29,17 +29,17 @@ const UNCLEAN: &str = "tollgate:meter:unclean";
 const KEY_LAST: &str = "tollgate:meter:key-last";
 
 /// `hash key -> largest total` of one identity.
-pub fn max_key(identity: &Identity) -> String {
+pub(crate) fn max_key(identity: &Identity) -> String {
     format!("tollgate:meter:max:{}", identity_code(identity))
 }
 
 /// `hash key -> admitted` of one period.
-pub fn usage_key(per: Per, label: &str) -> String {
+pub(crate) fn usage_key(per: Per, label: &str) -> String {
     format!("tollgate:meter:usage:{}:{label}", per.as_str())
 }
 
 /// The identities that added to one key in one period.
-pub fn ids_key(per: Per, label: &str, key: &str) -> String {
+pub(crate) fn ids_key(per: Per, label: &str, key: &str) -> String {
     format!("tollgate:meter:ids:{}:{label}:{key}", per.as_str())
 }
 
@@ -398,7 +398,7 @@ impl RedisLedger {
         Ok(report)
     }
 
-    pub async fn oldest_pending_ms(&self) -> Result<Option<i64>, String> {
+    pub(crate) async fn oldest_pending_ms(&self) -> Result<Option<i64>, String> {
         let mut oldest: Option<i64> = None;
         // Delivered to some consumer, not yet acknowledged.
         let pending = self
@@ -447,7 +447,7 @@ impl RedisLedger {
         Ok(oldest)
     }
 
-    pub async fn take_silent(&self, before_ms: i64) -> Result<Vec<(Identity, i64)>, String> {
+    pub(crate) async fn take_silent(&self, before_ms: i64) -> Result<Vec<(Identity, i64)>, String> {
         let mut out = Vec::new();
         loop {
             let found = self
@@ -473,7 +473,7 @@ impl RedisLedger {
         }
     }
 
-    pub async fn key_last_ms(&self, keys: &[&str]) -> Result<Vec<Option<i64>>, String> {
+    pub(crate) async fn key_last_ms(&self, keys: &[&str]) -> Result<Vec<Option<i64>>, String> {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
@@ -501,7 +501,7 @@ impl RedisLedger {
         Ok(int(&written) == Some(1))
     }
 
-    pub async fn drop_flags_except(&self, keep: &HashSet<&str>) -> Result<Vec<String>, String> {
+    pub(crate) async fn drop_flags_except(&self, keep: &HashSet<&str>) -> Result<Vec<String>, String> {
         let all = self.call("HKEYS", vec![FLAGS.into()]).await?.into_array();
         let stale: Vec<String> = all
             .iter()
@@ -542,7 +542,7 @@ impl RedisLedger {
         })
     }
 
-    pub async fn period_rows(&self, period: &PeriodLabel) -> Result<Vec<(String, Usage)>, String> {
+    pub(crate) async fn period_rows(&self, period: &PeriodLabel) -> Result<Vec<(String, Usage)>, String> {
         let all = self
             .call("HGETALL", vec![usage_key(period.per, &period.label).into()])
             .await?

@@ -50,7 +50,7 @@ CREATE TABLE IF NOT EXISTS meter_key_last (
 ";
 
 /// This machine's clock in milliseconds: the file's records are stamped with the gateway's.
-pub fn wall_ms() -> i64 {
+pub(crate) fn wall_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as i64)
@@ -258,7 +258,7 @@ impl SqliteLedger {
         Ok(report)
     }
 
-    pub fn oldest_pending_ms(&self) -> Result<Option<i64>, String> {
+    pub(crate) fn oldest_pending_ms(&self) -> Result<Option<i64>, String> {
         self.conn
             .query_row(
                 "SELECT at_ms FROM usage_records
@@ -271,7 +271,7 @@ impl SqliteLedger {
             .map_err(self.fail("read usage_records"))
     }
 
-    pub fn take_silent(&mut self, before_ms: i64) -> Result<Vec<(Identity, i64)>, String> {
+    pub(crate) fn take_silent(&mut self, before_ms: i64) -> Result<Vec<(Identity, i64)>, String> {
         let path = self.path.display().to_string();
         let fail = |e: rusqlite::Error| format!("--meter-file {path}: report silent identities: {e}");
         let tx = self
@@ -307,7 +307,7 @@ impl SqliteLedger {
         Ok(found)
     }
 
-    pub fn key_last_ms(&self, keys: &[&str]) -> Result<Vec<Option<i64>>, String> {
+    pub(crate) fn key_last_ms(&self, keys: &[&str]) -> Result<Vec<Option<i64>>, String> {
         let mut q = self
             .conn
             .prepare_cached("SELECT at_ms FROM meter_key_last WHERE key = ?1")
@@ -348,7 +348,7 @@ impl SqliteLedger {
         Ok(true)
     }
 
-    pub fn drop_flags_except(&self, keep: &HashSet<&str>) -> Result<Vec<String>, String> {
+    pub(crate) fn drop_flags_except(&self, keep: &HashSet<&str>) -> Result<Vec<String>, String> {
         let all = crate::sqlite::read_flags(&self.conn).map_err(self.fail("read quota_flags"))?;
         let mut stale = Vec::new();
         for (key, _) in all {
@@ -395,7 +395,7 @@ impl SqliteLedger {
         self.usage_of(period, key, admitted as u64)
     }
 
-    pub fn period_rows(&self, period: &PeriodLabel) -> Result<Vec<(String, Usage)>, String> {
+    pub(crate) fn period_rows(&self, period: &PeriodLabel) -> Result<Vec<(String, Usage)>, String> {
         let rows: Vec<(String, i64)> = {
             let mut q = self
                 .conn

@@ -4,7 +4,7 @@
 use std::fmt;
 
 /// The Redis stream every gateway appends its records to.
-pub const STREAM: &str = "tollgate:usage";
+pub(crate) const STREAM: &str = "tollgate:usage";
 
 /// Who counted: the gateway's instance name and the boot id it made at start. A restarted
 /// gateway is a new identity, so its totals and sequence start again from nothing.
