@@ -97,7 +97,9 @@ pub async fn follow(
 
 /// Parses the flags as stored (key id → JSON); an entry that doesn't parse is reported, not
 /// guessed at, and the others still count.
-pub(crate) fn parse_all(raw: impl IntoIterator<Item = (String, String)>) -> (HashMap<String, Flag>, Vec<String>) {
+pub(crate) fn parse_all(
+    raw: impl IntoIterator<Item = (String, String)>,
+) -> (HashMap<String, Flag>, Vec<String>) {
     let mut flags = HashMap::new();
     let mut bad = Vec::new();
     for (key, json) in raw {
