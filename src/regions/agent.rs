@@ -19,6 +19,10 @@ pub struct Params {
     /// How many of this agent's own rebalances a Region's record must stay unchanged before
     /// that Region counts as silent.
     pub silent_after: u32,
+    /// How many ways a reclaimed share is split. `None`: this Region and the others it still
+    /// hears from, so a Region cut off alone takes the whole share. A fixed number is the
+    /// what-if beside it.
+    pub split_silent_by: Option<u32>,
 }
 
 impl Params {
@@ -30,6 +34,7 @@ impl Params {
             floor: limit * 0.05,
             max_raise: limit * 0.10,
             silent_after: 3,
+            split_silent_by: None,
         }
     }
 }
@@ -259,7 +264,9 @@ impl Agent {
             }
             // Every Region on this side of the silence applies the same fixed split, so no
             // part of the share is taken twice without anyone having to agree on it.
-            let side = 1 + self.heard(view.records);
+            let side = p
+                .split_silent_by
+                .map_or_else(|| 1 + self.heard(view.records), |n| n.max(1) as usize);
             let amount = r.share / side as f64;
             self.pool += amount;
             self.reclaimed

@@ -82,6 +82,7 @@ impl Run {
             share: [5_600.0, 3_050.0, 1_350.0],
             changes: vec![(0, 2, 7_200.0)],
             loss: None,
+            split_silent_by: None,
         };
         // Run G1, then B lost or cut off at 14:05:00 with 2,200.
         let g2 = |rule, kind: LossKind| {
@@ -165,6 +166,8 @@ pub struct Scenario {
     /// (step, Region, new demand).
     pub changes: Vec<(i64, usize, f64)>,
     pub loss: Option<Loss>,
+    /// A fixed split of a reclaimed share instead of the Regions each side still hears from.
+    pub split_silent_by: Option<u32>,
 }
 
 /// One whole second of a run.
@@ -311,7 +314,10 @@ impl World<'_> {
 
 /// Runs a scenario to its end.
 pub fn simulate(sc: &Scenario) -> Report {
-    let params = Params::for_limit(LIMIT);
+    let params = Params {
+        split_silent_by: sc.split_silent_by,
+        ..Params::for_limit(LIMIT)
+    };
     let ledger_promised = sc.design == Design::NamedGrants
         && !(sc.rule == ReclaimRule::Silence && sc.loss.is_some_and(|l| l.kind == LossKind::CutOff));
     let agents: Vec<Agent> = (0..3).map(|i| Agent::new(REGIONS[i], sc.share[i])).collect();
@@ -764,6 +770,17 @@ mod tests {
         assert!(close(rep.max_sum, 20_000.0));
         assert!(close(second(&rep, "14:06:00").sum_of_shares, 20_000.0));
         assert_eq!(rep.contract_measured_from.as_deref(), Some("14:05:11.70"));
+        assert_eq!(rep.contract_broken_at.as_deref(), Some("14:05:19.58"));
+    }
+
+    #[test]
+    fn halving_every_silent_share_instead_peaks_at_16100_with_the_same_break() {
+        let rep = simulate(&Scenario {
+            split_silent_by: Some(2),
+            ..Run::G2Silence.scenario()
+        });
+        assert!(close(rep.max_sum, 16_100.0), "{}", rep.max_sum);
+        assert!(rep.seconds[320..].iter().all(|s| close(s.admitted, 13_600.0)));
         assert_eq!(rep.contract_broken_at.as_deref(), Some("14:05:19.58"));
     }
 
