@@ -51,6 +51,28 @@ pub enum Command {
     /// Add up the gateways' usage records into per-key daily and monthly totals, set quota
     /// flags and report unclean ends; `usage` and `export` read the totals.
     Meter(tollgate_meter::cli::MeterArgs),
+    /// One limit shared by three Regions: shares, named grants and a lost Region, modelled.
+    Regions(RegionsArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct RegionsArgs {
+    #[command(subcommand)]
+    pub command: RegionsCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum RegionsCommand {
+    /// Run one of the spec's runs through the fluid model, in 10 ms steps, and print each whole
+    /// second and the figures.
+    Simulate {
+        /// G1, G1-naive, G1c, G2-freeze, G2-two-signals, G2-silence or G2-cut-two-signals.
+        #[arg(long)]
+        run: tollgate_regions::Run,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn init_logging(format: LogFormat) {
@@ -166,6 +188,17 @@ fn main() -> Result<()> {
         }
         return Ok(());
     }
+    if let Command::Regions(a) = &cli.command {
+        // A model on a virtual clock: no logging, no runtime.
+        let RegionsCommand::Simulate { run, json } = &a.command;
+        let report = tollgate_regions::sim::simulate(&run.scenario());
+        if *json {
+            println!("{}", report.json());
+        } else {
+            print!("{}", report.table());
+        }
+        return Ok(());
+    }
     if let Command::Meter(a) = &cli.command {
         // Runs its own runtime; errors name the flag, file or field already.
         init_logging(LogFormat::Human);
@@ -195,7 +228,8 @@ fn main() -> Result<()> {
         | Command::CheckRules { .. }
         | Command::Replay(_)
         | Command::Fleet(_)
-        | Command::Meter(_) => (LogFormat::Human, None),
+        | Command::Meter(_)
+        | Command::Regions(_) => (LogFormat::Human, None),
     };
     init_logging(format);
     // One thread: the current-thread scheduler, with no work-stealing machinery to pay for.
@@ -227,7 +261,11 @@ fn main() -> Result<()> {
                 run_gateway(cfg, true).await
             }
             // These returned before the runtime started.
-            Command::CheckRules { .. } | Command::Replay(_) | Command::Fleet(_) | Command::Meter(_) => Ok(()),
+            Command::CheckRules { .. }
+            | Command::Replay(_)
+            | Command::Fleet(_)
+            | Command::Meter(_)
+            | Command::Regions(_) => Ok(()),
             Command::DemoUpstream { listen } => {
                 let l = tokio::net::TcpListener::bind(listen)
                     .await

@@ -12,6 +12,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("tollgate-testkit", 0),
     ("tollgate-telemetry", 1),
     ("tollgate-rules", 1),
+    ("tollgate-regions", 1),
     ("tollgate-store", 2),
     ("tollgate-meter", 2),
     ("tollgate-gateway", 3),
@@ -36,6 +37,11 @@ const NEVER: &[(&str, &[&str], &str)] = &[
         "tollgate-rules",
         &["tokio", "hyper", "fred", "notify"],
         "the rules are plain data: no socket, task or file watch",
+    ),
+    (
+        "tollgate-regions",
+        &["tokio", "http", "hyper", "fred"],
+        "the share decisions are pure: the live agent brings the clock and the store",
     ),
     (
         "tollgate-store",

@@ -1,0 +1,9 @@
+//! One limit shared by several Regions: what a Region's agent decides at each rebalance
+//! (`agent`, pure and shared with the live agent) and the fluid model that runs those
+//! decisions against the spec's events (`sim`).
+
+pub mod agent;
+pub mod sim;
+
+pub use agent::{Agent, Design, Params, ReclaimRule, Record, View};
+pub use sim::{Report, Run, Scenario, UnknownRun};
