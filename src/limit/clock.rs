@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Microseconds on a clock that never goes back.
 pub trait Clock: Send + Sync + 'static {
@@ -75,4 +75,25 @@ impl Clock for ManualClock {
     fn now_us(&self) -> u64 {
         self.now.load(Ordering::SeqCst)
     }
+}
+
+/// A duration as flags write it: a whole number and a unit, `ms`, `s`, `m` or `h` (`250ms`,
+/// `15s`); anything else is an error that says what is wrong.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !c.is_ascii_digit())
+        .ok_or_else(|| format!("{text:?} needs a unit: ms, s, m or h"))?;
+    let (n, unit) = t.split_at(split);
+    let n: u64 = n
+        .parse()
+        .map_err(|_| format!("{text:?} must start with a whole number"))?;
+    let ms = match unit {
+        "ms" => n,
+        "s" => n.saturating_mul(1_000),
+        "m" => n.saturating_mul(60_000),
+        "h" => n.saturating_mul(3_600_000),
+        _ => return Err(format!("{text:?}: unknown unit {unit:?} (use ms, s, m or h)")),
+    };
+    Ok(Duration::from_millis(ms))
 }

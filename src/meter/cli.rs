@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use jiff::tz::TimeZone;
+use tollgate_limit::clock::parse_duration;
 use tollgate_rules::quota::{self, Per};
 
 use crate::consumer::{self, RulesFile, RunOptions};
@@ -119,26 +120,6 @@ pub struct ExportArgs {
     /// The CSV file to write.
     #[arg(short = 'o', long = "output", value_name = "FILE.csv")]
     pub output: PathBuf,
-}
-
-/// Parses `250ms`, `15s`, `2m` or `1h`.
-pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    let t = text.trim();
-    let split = t
-        .find(|c: char| !c.is_ascii_digit())
-        .ok_or_else(|| format!("{text:?} needs a unit: ms, s, m or h"))?;
-    let (n, unit) = t.split_at(split);
-    let n: u64 = n
-        .parse()
-        .map_err(|_| format!("{text:?} must start with a whole number"))?;
-    let ms = match unit {
-        "ms" => n,
-        "s" => n.saturating_mul(1_000),
-        "m" => n.saturating_mul(60_000),
-        "h" => n.saturating_mul(3_600_000),
-        _ => return Err(format!("{text:?}: unknown unit {unit:?} (use ms, s, m or h)")),
-    };
-    Ok(Duration::from_millis(ms))
 }
 
 /// Runs `tollgate meter …` on a runtime of its own; the error names the flag, file or field.
