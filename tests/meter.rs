@@ -823,15 +823,7 @@ async fn gateways_meter_and_flags_close_the_loop_on_redis() {
 
     let redis = RedisServer::start();
     let upstream = common::start_demo_upstream().await;
-    let mut rules: serde_json::Value = serde_json::from_str(&common::demo_rules_for(upstream)).unwrap();
-    let k7 = rules["keys"]
-        .as_array_mut()
-        .unwrap()
-        .iter_mut()
-        .find(|k| k["id"] == "k-7")
-        .unwrap();
-    k7["quota"] = serde_json::json!({"per": "day", "limit": 12, "timezone": "Europe/Paris"});
-    let (_rules_dir, rules) = common::rules_file(&rules.to_string());
+    let (_rules_dir, rules) = common::rules_file(&common::demo_rules_with_k7_quota(upstream, 12));
     let (rules, url) = (rules.to_str().unwrap().to_string(), redis.url());
     let spawn = |name: &str| {
         Tollgate::spawn(&[

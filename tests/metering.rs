@@ -54,6 +54,11 @@ fn summary(records: &[Record], key: &str) -> (u64, bool) {
     for (i, r) in records.iter().enumerate() {
         assert_eq!(r.seq, i as u64 + 1, "sequence of {}: {records:?}", r.identity);
     }
+    totals(records, key)
+}
+
+/// The largest total for `key`, and whether the last record is the end.
+fn totals(records: &[Record], key: &str) -> (u64, bool) {
     let total = records
         .iter()
         .filter_map(|r| match &r.kind {
@@ -62,8 +67,7 @@ fn summary(records: &[Record], key: &str) -> (u64, bool) {
         })
         .max()
         .unwrap_or(0);
-    let ended = matches!(records.last().map(|r| &r.kind), Some(Kind::End));
-    (total, ended)
+    (total, matches!(records.last().map(|r| &r.kind), Some(Kind::End)))
 }
 
 fn sqlite_records(file: &Path) -> Vec<Record> {
@@ -213,19 +217,6 @@ async fn two_gateways_on_redis_bill_what_they_admitted_and_a_killed_one_under_bi
     );
 }
 
-/// The demo rules with a daily quota of 100 on k-7, counted in Paris.
-fn rules_with_quota(upstream: std::net::SocketAddr) -> String {
-    let mut rules: serde_json::Value = serde_json::from_str(&common::demo_rules_for(upstream)).unwrap();
-    let k7 = rules["keys"]
-        .as_array_mut()
-        .unwrap()
-        .iter_mut()
-        .find(|k| k["id"] == "k-7")
-        .unwrap();
-    k7["quota"] = serde_json::json!({"per": "day", "limit": 100, "timezone": "Europe/Paris"});
-    rules.to_string()
-}
-
 fn at(rfc3339: &str) -> u64 {
     let ms = rfc3339.parse::<jiff::Timestamp>().unwrap().as_millisecond();
     ms as u64 * 1000
@@ -247,7 +238,7 @@ async fn over_quota_until_midnight(express: bool) {
     use tollgate_rules::quota::Per;
 
     let upstream = common::start_demo_upstream().await;
-    let (dir, rules) = common::rules_file(&rules_with_quota(upstream));
+    let (dir, rules) = common::rules_file(&common::demo_rules_with_k7_quota(upstream, 100));
     let file = dir.path().join("usage.db");
     // 23:30 in Paris on 1 December: half an hour before the quota's day ends.
     let clock = ManualClock::new(at("2026-12-01T22:30:00Z"));
@@ -430,15 +421,7 @@ fn summary_tail(records: &[Record], key: &str) -> (u64, bool) {
     for w in records.windows(2) {
         assert!(w[0].seq < w[1].seq, "sequence goes back: {records:?}");
     }
-    let total = records
-        .iter()
-        .filter_map(|r| match &r.kind {
-            Kind::Usage { key: k, total } if k == key => Some(*total),
-            _ => None,
-        })
-        .max()
-        .unwrap_or(0);
-    (total, matches!(records.last().map(|r| &r.kind), Some(Kind::End)))
+    totals(records, key)
 }
 
 /// The spec's event 33: with the default intervals (records every 5 s, flags read every 1 s)
@@ -448,8 +431,7 @@ fn summary_tail(records: &[Record], key: &str) -> (u64, bool) {
 async fn a_crossed_quota_is_enforced_within_eleven_seconds() {
     let redis = RedisServer::start();
     let upstream = common::start_demo_upstream().await;
-    let (dir, rules) =
-        common::rules_file(&rules_with_quota(upstream).replace("\"limit\":100,", "\"limit\":20,"));
+    let (dir, rules) = common::rules_file(&common::demo_rules_with_k7_quota(upstream, 20));
     assert!(std::fs::read_to_string(&rules).unwrap().contains("\"limit\":20"));
     let url = redis.url();
     let mut gw = Tollgate::spawn(&[

@@ -12,7 +12,7 @@ use tollgate_limit::decision::Decision;
 use tollgate_meter::flags::Flag;
 use tollgate_rules::Snapshot;
 use tollgate_rules::headers::state_value;
-use tollgate_rules::quota::Quota;
+use tollgate_rules::quota::{Period, Quota};
 use tollgate_store::CheckItem;
 
 /// Bodies the gateway sends: an upstream's streamed through, or one of its own.
@@ -140,8 +140,8 @@ pub struct QuotaHeaders {
 }
 
 impl QuotaHeaders {
-    pub fn new(quota: &Quota, flag: Option<&Flag>, now_ms: i64) -> QuotaHeaders {
-        let period = quota.period(now_ms);
+    /// `period` is the quota's period holding `now_ms`.
+    pub fn new(quota: &Quota, period: &Period, flag: Option<&Flag>, now_ms: i64) -> QuotaHeaders {
         // A flag of another period says nothing about this one.
         let used = flag
             .filter(|f| f.in_force(now_ms) && f.period == period.label)

@@ -82,6 +82,17 @@ impl Meter {
         self.write(sink, true).await
     }
 
+    fn usage(&self, seq: u64, key: &str, total: u64) -> Record {
+        Record {
+            identity: self.identity.clone(),
+            seq,
+            kind: Kind::Usage {
+                key: key.to_string(),
+                total,
+            },
+        }
+    }
+
     async fn write(&self, sink: &dyn Sink, end: bool) -> Result<usize, String> {
         let mut done = self.flushing.lock().await;
         let mut records = Vec::new();
@@ -91,14 +102,7 @@ impl Meter {
             // A key is known from the rules before it is used: nothing to say until it moves.
             if total > done.totals.get(&key).copied().unwrap_or(0) {
                 seq += 1;
-                records.push(Record {
-                    identity: self.identity.clone(),
-                    seq,
-                    kind: Kind::Usage {
-                        key: key.to_string(),
-                        total,
-                    },
-                });
+                records.push(self.usage(seq, &key, total));
                 moved.push((key, total));
             }
         }
@@ -109,14 +113,7 @@ impl Meter {
             && let Some((key, total)) = &done.last
         {
             seq += 1;
-            records.push(Record {
-                identity: self.identity.clone(),
-                seq,
-                kind: Kind::Usage {
-                    key: key.to_string(),
-                    total: *total,
-                },
-            });
+            records.push(self.usage(seq, key, *total));
         }
         if end {
             seq += 1;

@@ -68,6 +68,17 @@ pub struct PassReport {
     pub newest_ms: Option<i64>,
 }
 
+impl PassReport {
+    /// A pass over `raw`, before any of it is applied.
+    pub(crate) fn of(raw: &[RawEntry]) -> PassReport {
+        PassReport {
+            read: raw.len(),
+            newest_ms: raw.iter().map(|e| e.at_ms).max(),
+            ..PassReport::default()
+        }
+    }
+}
+
 /// What a record did, as both ledgers answer it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Liveness {

@@ -375,11 +375,7 @@ impl RedisLedger {
         if raw.is_empty() {
             raw = self.read_new(max).await?;
         }
-        let mut report = PassReport {
-            read: raw.len(),
-            newest_ms: raw.iter().map(|e| e.at_ms).max(),
-            ..PassReport::default()
-        };
+        let mut report = PassReport::of(&raw);
         if raw.is_empty() {
             return Ok(report);
         }

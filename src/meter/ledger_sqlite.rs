@@ -233,11 +233,7 @@ impl SqliteLedger {
                 last = id;
             }
         }
-        let mut report = PassReport {
-            read: raw.len(),
-            newest_ms: raw.iter().map(|e| e.at_ms).max(),
-            ..PassReport::default()
-        };
+        let mut report = PassReport::of(&raw);
         if raw.is_empty() {
             return Ok(report);
         }

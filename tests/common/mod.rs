@@ -31,6 +31,19 @@ pub fn demo_rules_for(upstream: SocketAddr) -> String {
     text.replace("http://127.0.0.1:8081", &format!("http://{upstream}"))
 }
 
+/// The demo rules pointed at `upstream`, with a daily quota of `limit` on k-7, counted in Paris.
+pub fn demo_rules_with_k7_quota(upstream: SocketAddr, limit: u64) -> String {
+    let mut rules: serde_json::Value = serde_json::from_str(&demo_rules_for(upstream)).unwrap();
+    let k7 = rules["keys"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|k| k["id"] == "k-7")
+        .unwrap();
+    k7["quota"] = serde_json::json!({"per": "day", "limit": limit, "timezone": "Europe/Paris"});
+    rules.to_string()
+}
+
 pub fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }

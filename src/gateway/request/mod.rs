@@ -589,8 +589,8 @@ impl Gateway {
         let now_ms = (self.clock.now_us() / 1000) as i64;
         let flags = self.quota_flags.load();
         let flag = flags.get(&*snap.keys[key].id);
-        let headers = QuotaHeaders::new(quota, flag, now_ms);
         let period = quota.period(now_ms);
+        let headers = QuotaHeaders::new(quota, &period, flag, now_ms);
         match flag {
             Some(f) if f.blocks(now_ms) && f.period == period.label => {
                 trace.limit = Some(QUOTA.clone());
