@@ -100,6 +100,22 @@ fn each_broken_file_fails_with_its_own_message() {
             "keys[0].quota.timezone: key k-1: \"Europe/Pariss\" is not an IANA time zone name",
         ),
         (
+            "global-route-limit.json",
+            "limits.exports.scope: only key limits can be global: each key's number is what the Regions share",
+        ),
+        (
+            "global-security-limit.json",
+            "limits.plan.scope: a security limit is not shared out; give it a \"home_region\" instead",
+        ),
+        (
+            "home-region-on-capacity.json",
+            "limits.exports.home_region: only a security limit (\"class\": \"security\") has a home Region",
+        ),
+        (
+            "home-region-bad-name.json",
+            "limits.exports.home_region: \"eu west\" is not a Region name (letters, digits, - and _)",
+        ),
+        (
             "quota-on-route-limit.json",
             "limits.exports.quota: only a \"key\" limit may carry a quota",
         ),

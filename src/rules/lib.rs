@@ -21,7 +21,7 @@ use http::{HeaderName, HeaderValue, Method, uri::Authority};
 use sha2::{Digest, Sha256};
 
 use headers::policy_value;
-pub use raw::{KeyRequirement, LimitClass, Mode};
+pub use raw::{KeyRequirement, LimitClass, Mode, Scope};
 use raw::{
     RawBlock, RawDimension, RawDimensionName, RawEncodedSlashes, RawKey, RawLimit, RawNumbers, RawPathMatch,
     RawQuota, RawRoute, RawRules, RawUpstream,
@@ -113,6 +113,9 @@ pub struct Limit {
     pub class: LimitClass,
     pub policy: FailurePolicy,
     pub lease: Option<LeaseBlock>,
+    pub scope: Scope,
+    /// For a security limit: the Region whose store checks it.
+    pub home_region: Option<Arc<str>>,
 }
 
 impl Limit {
@@ -566,6 +569,47 @@ impl Compiler<'_> {
         if let (Some(block), Some(n)) = (lease, &numbers) {
             self.check_leasable(&field, &n.params, block)?;
         }
+        if l.scope == Scope::Global {
+            if dimension != Dimension::Key {
+                return Err(self.err(
+                    format!("{field}.scope"),
+                    "only key limits can be global: each key's number is what the Regions share",
+                ));
+            }
+            if l.class == LimitClass::Security {
+                return Err(self.err(
+                    format!("{field}.scope"),
+                    "a security limit is not shared out; give it a \"home_region\" instead",
+                ));
+            }
+            if lease.is_some() {
+                return Err(self.err(
+                    format!("{field}.lease"),
+                    "a global limit's share moves every rebalance; it is not leased",
+                ));
+            }
+        }
+        let home_region = match &l.home_region {
+            None => None,
+            Some(_) if l.class != LimitClass::Security => {
+                return Err(self.err(
+                    format!("{field}.home_region"),
+                    "only a security limit (\"class\": \"security\") has a home Region",
+                ));
+            }
+            Some(r)
+                if r.is_empty()
+                    || !r
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') =>
+            {
+                return Err(self.err(
+                    format!("{field}.home_region"),
+                    format!("{r:?} is not a Region name (letters, digits, - and _)"),
+                ));
+            }
+            Some(r) => Some(Arc::from(r.as_str())),
+        };
         Ok(Limit {
             name: name.into(),
             dimension,
@@ -574,6 +618,8 @@ impl Compiler<'_> {
             class: l.class,
             policy,
             lease,
+            scope: l.scope,
+            home_region,
         })
     }
 

@@ -111,6 +111,17 @@ pub enum Mode {
     Shadow,
 }
 
+/// Where a limit's number holds: in each Region alone, or once across every Region.
+#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Scope {
+    /// Each Region enforces the whole limit on its own store.
+    #[default]
+    Region,
+    /// One limit for all Regions together: each Region enforces the share its agent holds.
+    Global,
+}
+
 #[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum LimitClass {
@@ -148,6 +159,13 @@ pub(crate) struct RawLimit {
     pub mode: Mode,
     #[serde(default)]
     pub class: LimitClass,
+    /// `"global"`: one limit shared by all Regions (key limits only).
+    #[serde(default)]
+    pub scope: Scope,
+    /// The one Region whose store holds a security limit's buckets, so an attacker can't
+    /// spend a full allowance in every Region.
+    #[serde(default)]
+    pub home_region: Option<String>,
     #[serde(default)]
     pub on_store_failure: Option<FailurePolicy>,
     #[serde(default)]
