@@ -6,6 +6,7 @@ use anyhow::{Context, Result};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use tollgate_gateway::app::{self, GatewayConfig, MeterConfig, RulesSource};
+use tollgate_gateway::regions::RegionsConfig;
 
 use clap::{Parser, Subcommand};
 use tollgate_gateway::config::{CommonArgs, DemoArgs, LogFormat, ServeArgs, StoreUrl, host_name};
@@ -115,6 +116,31 @@ fn config(rules: RulesSource, c: &CommonArgs, demo: bool) -> Result<GatewayConfi
         interval: c.meter_interval,
         file: c.meter_file.clone(),
     });
+    if let Some(region) = &c.region {
+        let instance = c.instance.clone().unwrap_or_else(host_name);
+        let rc = RegionsConfig::parse(
+            region,
+            &c.regions,
+            &c.region_health,
+            c.rebalance_interval,
+            c.region_lease,
+            &instance,
+        )
+        .map_err(anyhow::Error::msg)?;
+        // This Region's store is the gateway's: naming another one with --store is a mistake.
+        match &cfg.store {
+            StoreUrl::Memory if c.store == "memory" => {}
+            StoreUrl::Redis(url) if url == rc.own_store() => {}
+            _ => anyhow::bail!(
+                "--store {} and --regions {}={} name two stores for this Region; leave --store out",
+                c.store,
+                region,
+                rc.own_store()
+            ),
+        }
+        cfg.store = StoreUrl::Redis(rc.own_store().to_string());
+        cfg.regions = Some(rc);
+    }
     Ok(cfg)
 }
 

@@ -26,6 +26,8 @@ pub(crate) struct Admin {
     pub meter: Option<Arc<Meter>>,
     pub quota_flags: Arc<ArcSwap<Flags>>,
     pub clock: Arc<dyn Clock>,
+    /// Limits shared with other Regions, when this gateway has a Region.
+    pub regions: Option<Arc<crate::regions::Regions>>,
 }
 
 impl Admin {
@@ -48,6 +50,19 @@ impl Admin {
                 resp
             }
             "/healthz" => json_response(StatusCode::OK, json!({"status": "alive"}).to_string()),
+            "/admin/regions" => match &self.regions {
+                Some(r) => {
+                    let now_ms = std::time::SystemTime::now()
+                        .duration_since(UNIX_EPOCH)
+                        .map_or(0, |d| d.as_millis() as u64);
+                    json_response(StatusCode::OK, r.describe(now_ms).await.to_string())
+                }
+                None => json_response(
+                    StatusCode::NOT_FOUND,
+                    json!({"error": "no_regions", "detail": "this gateway was started without --region"})
+                        .to_string(),
+                ),
+            },
             "/readyz" => {
                 let snap = self.rules.load();
                 match self.store.ping().await {

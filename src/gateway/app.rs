@@ -14,6 +14,7 @@ use tokio::task::JoinHandle;
 use crate::admin::Admin;
 use crate::config::{ClockSource, StoreUrl};
 use crate::demo::DemoUpstream;
+use crate::regions::{RegionTasks, Regions};
 use crate::reload::{Reloader, WatchHandle};
 use crate::request::Gateway;
 use crate::server::{self, ServerLimits, tls};
@@ -52,6 +53,8 @@ pub struct GatewayConfig {
     pub clock_source: ClockSource,
     /// Metering of admitted requests for billing; off when `None`.
     pub meter: Option<MeterConfig>,
+    /// Limits shared with other Regions; off when `None`.
+    pub regions: Option<crate::regions::RegionsConfig>,
 }
 
 /// Where and how often this gateway writes its usage records.
@@ -81,6 +84,7 @@ impl GatewayConfig {
             fleet_size: None,
             clock_source: ClockSource::Store,
             meter: None,
+            regions: None,
         }
     }
 }
@@ -102,6 +106,8 @@ pub enum StartError {
     Watch(String),
     #[error("metering: {0}")]
     Meter(String),
+    #[error("Regions: {0}")]
+    Regions(String),
 }
 
 /// Closes kept upstream connections that expired or that their upstream closed, once a second,
@@ -150,6 +156,7 @@ pub struct Running {
     /// Stopped after the listeners, so the last records hold every admitted request.
     meter_task: Option<(watch::Sender<bool>, JoinHandle<()>)>,
     flag_task: Option<JoinHandle<()>>,
+    region_tasks: Option<RegionTasks>,
 }
 
 impl Running {
@@ -168,6 +175,9 @@ impl Running {
         }
         if let Some(t) = &self.flag_task {
             t.abort();
+        }
+        if let Some(r) = self.region_tasks {
+            r.stop().await;
         }
         if let Some((stop, task)) = self.meter_task {
             let _ = stop.send(true);
@@ -401,6 +411,29 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         None => (None, None, None),
     };
     gateway.meter = meter.clone();
+    let (regions, region_tasks) = match &cfg.regions {
+        Some(rc) => {
+            let r = Regions::connect(rc.clone()).map_err(StartError::Regions)?;
+            warn_home_regions(&rules.load(), rc);
+            let tasks = crate::regions::start(r.clone(), rules.clone());
+            tracing::info!(region = %rc.region, holder = %rc.holder, every = ?rc.interval, "sharing global limits across Regions");
+            (Some(r), Some(tasks))
+        }
+        None => {
+            if rules
+                .load()
+                .limits
+                .iter()
+                .any(|l| l.scope == tollgate_rules::Scope::Global)
+            {
+                tracing::warn!(
+                    "the rules have global limits but this gateway has no --region: it enforces each of them whole"
+                );
+            }
+            (None, None)
+        }
+    };
+    gateway.regions = regions.clone();
     let quota_flags = gateway.quota_flags.clone();
     let gateway = Arc::new(gateway);
     tasks.push(tokio::spawn(sweep_upstreams(
@@ -423,6 +456,7 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
                 meter: meter.clone(),
                 quota_flags,
                 clock: cfg.clock.clone(),
+                regions,
             });
             tasks.push(tokio::spawn(server::run(
                 l,
@@ -453,5 +487,17 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         tasks,
         meter_task,
         flag_task,
+        region_tasks,
     })
+}
+
+/// Names a home Region the flags don't know, once at start.
+fn warn_home_regions(snap: &Snapshot, rc: &crate::regions::RegionsConfig) {
+    for l in &snap.limits {
+        if let Some(home) = &l.home_region
+            && !rc.stores.contains_key(&**home)
+        {
+            tracing::warn!(limit = %l.name, home = %home, "a security limit's home Region is not among --regions; it is checked in this Region's store");
+        }
+    }
 }

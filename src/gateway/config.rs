@@ -110,6 +110,28 @@ pub struct CommonArgs {
     /// Count nothing for billing (for comparison; quotas then see no usage from this gateway).
     #[arg(long, env = "TOLLGATE_NO_METER")]
     pub no_meter: bool,
+    /// This gateway's Region, for limits shared across Regions (README "One limit across
+    /// Regions"); needs --regions.
+    #[arg(long, env = "TOLLGATE_REGION", requires = "regions")]
+    pub region: Option<String>,
+    /// Every Region's store, `A=redis://…,B=redis://…`; this Region's is the gateway's store.
+    #[arg(long, env = "TOLLGATE_REGIONS", value_delimiter = ',', requires = "region")]
+    pub regions: Vec<String>,
+    /// The outside health check of other Regions, `B=http://…,C=http://…`: a silent Region's
+    /// share is reclaimed only when its check fails too.
+    #[arg(
+        long,
+        env = "TOLLGATE_REGION_HEALTH",
+        value_delimiter = ',',
+        requires = "region"
+    )]
+    pub region_health: Vec<String>,
+    /// How often a Region's agent moves shares.
+    #[arg(long, env = "TOLLGATE_REBALANCE_INTERVAL", default_value = "5s", value_parser = parse_positive_duration)]
+    pub rebalance_interval: Duration,
+    /// The Region agent's lease; another gateway takes over within two of them.
+    #[arg(long, env = "TOLLGATE_REGION_LEASE", default_value = "10s", value_parser = parse_positive_duration)]
+    pub region_lease: Duration,
 }
 
 /// The host's name, for a gateway started without `--instance`.

@@ -21,6 +21,7 @@ pub mod app;
 pub mod config;
 pub mod demo;
 pub mod proxy;
+pub mod regions;
 pub mod reload;
 pub mod request;
 pub mod respond;

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// The numbers of one shared limit.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -65,7 +65,7 @@ pub enum ReclaimRule {
 
 /// What a Region publishes at each rebalance. Grants are running totals per recipient, so a
 /// record read twice or late never hands out room twice.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Record {
     pub region: String,
     /// Rises at every rebalance; an unchanged number is what silence means.
@@ -91,21 +91,23 @@ pub struct View<'a> {
     pub unhealthy: &'a [String],
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
 struct Watch {
     seq: u64,
     unchanged: u32,
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
 struct Reclaimed {
     amount: f64,
     /// The record's number when it was reclaimed: a newer one means the Region is back.
     seq: u64,
 }
 
-/// One Region's agent: its share and the room it holds or has handed out.
-#[derive(Clone, Debug)]
+/// One Region's agent: its share and the room it holds or has handed out. It serializes whole,
+/// so a live agent that takes over from a dead one goes on from the same share, pool and
+/// running grant totals.
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Agent {
     name: String,
     share: f64,
@@ -163,6 +165,10 @@ impl Agent {
     /// Room this agent took from silent Regions.
     pub fn reclaimed_total(&self) -> f64 {
         self.reclaimed.values().map(|r| r.amount).sum()
+    }
+    /// Every Region this agent reclaimed from, with the room it took.
+    pub fn reclaimed(&self) -> impl Iterator<Item = (&str, f64)> {
+        self.reclaimed.iter().map(|(r, c)| (r.as_str(), c.amount))
     }
     /// Room this agent took from `from`'s share after it fell silent.
     pub fn reclaimed_from(&self, from: &str) -> f64 {

@@ -49,6 +49,8 @@ pub struct Gateway {
     pub meter: Option<Arc<Meter>>,
     /// The quota flags metering sets, as last read (every second).
     pub quota_flags: Arc<ArcSwap<Flags>>,
+    /// Limits shared with other Regions: their shares replace the limits' own numbers.
+    pub regions: Option<Arc<crate::regions::Regions>>,
     /// Wall-clock time for quota periods (tests pass a manual clock).
     pub clock: Arc<dyn Clock>,
     shadow_log: Sampler,
@@ -106,6 +108,7 @@ impl Gateway {
             metrics,
             meter: None,
             quota_flags: Arc::new(ArcSwap::from_pointee(Flags::default())),
+            regions: None,
             clock: tollgate_limit::clock::SystemClock::shared(),
             shadow_log: Sampler::new(std::time::Duration::from_secs(1)),
             live: ArcSwap::from_pointee(Live::default()),
@@ -271,10 +274,13 @@ impl Gateway {
         trace: &mut Trace,
     ) -> Result<Charged, Response<Body>> {
         let key_idx = c.key.map(|k| k.0);
-        let batch = match plan::build(snap, route, key_idx, c.ip, headers, body_value) {
+        let mut batch = match plan::build(snap, route, key_idx, c.ip, headers, body_value) {
             Ok(b) => b,
             Err(e) => return Err(Refusal::BadRequest(e.to_string()).into_response()),
         };
+        if let Some(r) = &self.regions {
+            r.apply(snap, key_idx, &mut batch);
+        }
         if batch.is_empty() {
             return Ok(Charged::default());
         }

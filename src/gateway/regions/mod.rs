@@ -1,0 +1,478 @@
+//! One limit across Regions, live: which buckets are shared (`"scope": "global"` key limits),
+//! the share each Region's gateways enforce for them, the demand they report, and the pieces
+//! that move shares: the elected agent (`agent`), the outside health checks (`health`) and the
+//! records in every Region's store (`records`). The decisions are `tollgate_regions::Agent`'s,
+//! the same code the model runs.
+
+mod agent;
+mod health;
+mod records;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use arc_swap::{ArcSwap, ArcSwapOption};
+use fred::clients::Client;
+use fred::interfaces::{ClientLike, HashesInterface};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use tollgate_limit::batch::Batch;
+use tollgate_limit::bucket::{BucketParams, Rate};
+use tollgate_rules::{Scope, Snapshot};
+use tollgate_store::redis::{Target, side_client};
+
+pub use health::Health;
+pub use records::{RegionRecord, SlotState};
+
+/// The keys every Region's store holds for the shared limits.
+pub(crate) mod keys {
+    /// The agent lock: the holder's name, with a lease.
+    pub const AGENT: &str = "tollgate:regions:agent";
+    /// The agent's whole state, so a new agent goes on where the last one stopped.
+    pub const STATE: &str = "tollgate:regions:state";
+    /// Slot → the share this Region's gateways enforce.
+    pub const SHARES: &str = "tollgate:regions:shares";
+    /// Slot → running total of requests this Region's gateways received.
+    pub const DEMAND: &str = "tollgate:regions:demand";
+
+    /// A Region's last record, in every Region's store.
+    pub fn record(region: &str) -> String {
+        format!("tollgate:regions:record:{region}")
+    }
+}
+
+/// How a gateway takes part in sharing limits across Regions.
+#[derive(Debug, Clone)]
+pub struct RegionsConfig {
+    /// This gateway's Region.
+    pub region: String,
+    /// Every Region's store, this one's included.
+    pub stores: BTreeMap<String, String>,
+    /// The outside health check of other Regions, by name.
+    pub health: BTreeMap<String, String>,
+    pub interval: Duration,
+    /// The agent lock's lease.
+    pub lease: Duration,
+    /// This gateway's name as agent: its instance name and a boot id.
+    pub holder: String,
+}
+
+fn region_name_ok(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
+/// `NAME=VALUE` pairs of a list flag, each name given once.
+fn pairs(flag: &str, items: &[String]) -> Result<BTreeMap<String, String>, String> {
+    let mut out = BTreeMap::new();
+    for item in items {
+        let Some((name, value)) = item.split_once('=') else {
+            return Err(format!("{flag} {item:?}: expected NAME=URL"));
+        };
+        let (name, value) = (name.trim(), value.trim());
+        if !region_name_ok(name) {
+            return Err(format!(
+                "{flag} {item:?}: {name:?} is not a Region name (letters, digits, - and _)"
+            ));
+        }
+        if out.insert(name.to_string(), value.to_string()).is_some() {
+            return Err(format!("{flag}: Region {name:?} is named twice"));
+        }
+    }
+    Ok(out)
+}
+
+impl RegionsConfig {
+    /// Checks the flags together: this Region among `--regions`, one plain Redis URL per Region,
+    /// health URLs only for other known Regions, and a lease longer than a renewal.
+    pub fn parse(
+        region: &str,
+        regions: &[String],
+        health: &[String],
+        interval: Duration,
+        lease: Duration,
+        instance: &str,
+    ) -> Result<RegionsConfig, String> {
+        let stores = pairs("--regions", regions)?;
+        if !stores.contains_key(region) {
+            return Err(format!(
+                "--region {region:?} is not among --regions ({})",
+                stores.keys().cloned().collect::<Vec<_>>().join(", ")
+            ));
+        }
+        if stores.len() < 2 {
+            return Err("--regions: name at least two Regions, this one's store first".into());
+        }
+        for (name, url) in &stores {
+            if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+                return Err(format!(
+                    "--regions {name}={url}: each Region's store must be redis://HOST:PORT"
+                ));
+            }
+        }
+        let health = pairs("--region-health", health)?;
+        for (name, url) in &health {
+            if !stores.contains_key(name) {
+                return Err(format!(
+                    "--region-health {name}={url}: {name:?} is not among --regions"
+                ));
+            }
+            if name == region {
+                return Err(format!(
+                    "--region-health {name}={url}: a Region does not check its own health"
+                ));
+            }
+            health::parse_url(url).map_err(|e| format!("--region-health {name}={url}: {e}"))?;
+        }
+        if lease < interval.min(Duration::from_millis(30)) * 3 || lease.is_zero() {
+            return Err(format!(
+                "--region-lease {lease:?}: too short to renew; give it at least three times 30 ms"
+            ));
+        }
+        Ok(RegionsConfig {
+            region: region.to_string(),
+            stores,
+            health,
+            interval,
+            lease,
+            holder: format!("{instance}/{:08x}", rand::random::<u32>()),
+        })
+    }
+
+    /// This Region's own store.
+    pub fn own_store(&self) -> &str {
+        &self.stores[&self.region]
+    }
+}
+
+/// One shared bucket: a global limit of one key.
+pub(crate) struct Slot {
+    /// `LIMIT/KEYID`, its name in records and in the store.
+    pub name: String,
+    /// The limit all Regions share, per second.
+    pub limit: f64,
+    /// Requests received since the last report to the store.
+    demand: AtomicU64,
+    /// The numbers this Region enforces now.
+    params: ArcSwapOption<BucketParams>,
+}
+
+/// The shared buckets of one rules snapshot.
+#[derive(Default)]
+pub(crate) struct Slots {
+    /// The snapshot they were built from.
+    version: u64,
+    digest: String,
+    by_key: HashMap<(Arc<str>, Arc<str>), usize>,
+    pub list: Vec<Slot>,
+}
+
+impl Slots {
+    fn build(snap: &Snapshot, regions: usize, shares: &HashMap<String, f64>) -> Slots {
+        let mut slots = Slots {
+            version: snap.version,
+            digest: snap.digest.clone(),
+            ..Slots::default()
+        };
+        for (li, limit) in snap.limits.iter().enumerate() {
+            if limit.scope != Scope::Global {
+                continue;
+            }
+            for key in &snap.keys {
+                let Some(numbers) = key.numbers(limit, li) else {
+                    continue;
+                };
+                let rate = numbers.params.rate;
+                let per_second = rate.tokens as f64 * 1e6 / rate.period_us as f64;
+                let name = format!("{}/{}", limit.name, key.id);
+                // Until this Region's agent publishes a share, an even split keeps the sum at
+                // the limit.
+                let share = shares.get(&name).copied().unwrap_or(per_second / regions as f64);
+                slots
+                    .by_key
+                    .insert((limit.name.clone(), key.id.clone()), slots.list.len());
+                slots.list.push(Slot {
+                    name,
+                    limit: per_second,
+                    demand: AtomicU64::new(0),
+                    params: ArcSwapOption::from_pointee(share_params(share)),
+                });
+            }
+        }
+        slots
+    }
+
+    fn same_rules(&self, snap: &Snapshot) -> bool {
+        self.version == snap.version && self.digest == snap.digest
+    }
+}
+
+/// The bucket numbers of a share: its rate per second, and a burst of two seconds of it. A
+/// share of nothing still needs a rate, so it gets one request an hour.
+pub(crate) fn share_params(share: f64) -> Option<BucketParams> {
+    let share = if share.is_finite() { share.max(0.0) } else { 0.0 };
+    let (rate, burst) = if share >= 1.0 {
+        (
+            Rate {
+                tokens: share.round() as u64,
+                period_us: 1_000_000,
+            },
+            (2.0 * share).round() as u64,
+        )
+    } else if share > 0.0 {
+        (
+            Rate {
+                tokens: 1,
+                period_us: (1e6 / share).ceil() as u64,
+            },
+            1,
+        )
+    } else {
+        (
+            Rate {
+                tokens: 1,
+                period_us: 3_600_000_000,
+            },
+            1,
+        )
+    };
+    BucketParams::new(rate, burst.max(1)).ok()
+}
+
+/// A gateway's part in the shared limits: what its requests read and count, and the clients of
+/// every Region's store its tasks use.
+pub struct Regions {
+    pub cfg: RegionsConfig,
+    pub(crate) slots: ArcSwap<Slots>,
+    /// This Region's store.
+    pub(crate) own: Client,
+    /// Every Region's store, by name (this Region's too).
+    pub(crate) stores: BTreeMap<String, Client>,
+    pub(crate) health: Arc<Health>,
+    /// Whether this gateway is its Region's agent now.
+    pub(crate) is_agent: std::sync::atomic::AtomicBool,
+}
+
+impl Regions {
+    /// Clients for every Region's store; they connect in the background, so a Region that is
+    /// down now only delays its records.
+    pub fn connect(cfg: RegionsConfig) -> Result<Arc<Regions>, String> {
+        let mut stores = BTreeMap::new();
+        for (name, url) in &cfg.stores {
+            let client = side_client(Target::Node(url)).map_err(|e| format!("Region {name} ({url}): {e}"))?;
+            let _task = client.connect();
+            stores.insert(name.clone(), client);
+        }
+        let own = stores[&cfg.region].clone();
+        let health = Arc::new(Health::new(&cfg.health));
+        Ok(Arc::new(Regions {
+            cfg,
+            slots: ArcSwap::from_pointee(Slots::default()),
+            own,
+            stores,
+            health,
+            is_agent: std::sync::atomic::AtomicBool::new(false),
+        }))
+    }
+
+    /// Counts the request toward its Region's demand and puts this Region's share in place of
+    /// each global limit's numbers. A request refused later still counted: demand is what
+    /// arrived, so a share that is too small shows.
+    pub fn apply(&self, snap: &Snapshot, key: Option<usize>, batch: &mut Batch) {
+        let Some(k) = key else { return };
+        let slots = self.slots.load();
+        if !slots.same_rules(snap) {
+            // New rules: the refresher rebuilds the slots within a tick; until then the limit's
+            // own numbers hold, as on a gateway without Regions.
+            return;
+        }
+        for item in batch.iter_mut() {
+            let limit = &snap.limits[item.limit as usize];
+            if limit.scope != Scope::Global {
+                continue;
+            }
+            let Some(&i) = slots.by_key.get(&(limit.name.clone(), snap.keys[k].id.clone())) else {
+                continue;
+            };
+            let slot = &slots.list[i];
+            slot.demand.fetch_add(1, Ordering::Relaxed);
+            if let Some(p) = slot.params.load().as_deref() {
+                item.charge.params = *p;
+            }
+        }
+    }
+
+    /// Rebuilds the slots when the rules changed, reports the demand counted since the last
+    /// call, and takes the shares this Region's agent published.
+    async fn refresh(&self, snap: &Snapshot) -> Result<(), String> {
+        let shares: HashMap<String, String> = timeout(self.own.hgetall(keys::SHARES)).await?;
+        let shares: HashMap<String, f64> = shares
+            .into_iter()
+            .filter_map(|(k, v)| v.parse().ok().map(|v| (k, v)))
+            .collect();
+        let current = self.slots.load_full();
+        if !current.same_rules(snap) {
+            self.slots
+                .store(Arc::new(Slots::build(snap, self.cfg.stores.len(), &shares)));
+        } else {
+            for slot in &current.list {
+                if let Some(&s) = shares.get(&slot.name) {
+                    slot.params.store(share_params(s).map(Arc::new));
+                }
+            }
+        }
+        // Counts from slots just replaced are reported too: a reload loses no demand.
+        let mut counts: Vec<(String, u64)> = Vec::new();
+        for slot in &current.list {
+            let n = slot.demand.swap(0, Ordering::Relaxed);
+            if n > 0 {
+                counts.push((slot.name.clone(), n));
+            }
+        }
+        for (i, (name, n)) in counts.iter().enumerate() {
+            let r: Result<i64, String> = timeout(self.own.hincrby(keys::DEMAND, name, *n as i64)).await;
+            if let Err(e) = r {
+                // Put back what could not be written, so the next report carries it.
+                let slots = self.slots.load();
+                for (name, n) in &counts[i..] {
+                    if let Some(s) = slots.list.iter().find(|s| &s.name == name) {
+                        s.demand.fetch_add(*n, Ordering::Relaxed);
+                    }
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// The Regions' state as `/admin/regions` shows it.
+    pub async fn describe(&self, now_ms: u64) -> serde_json::Value {
+        records::describe(self, now_ms).await
+    }
+}
+
+/// How long one store command of the Regions' work may take: a Region that does not answer
+/// must not hold up the others.
+pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(1);
+
+pub(crate) async fn timeout<T>(
+    f: impl std::future::Future<Output = Result<T, fred::error::Error>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(IO_TIMEOUT, f).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(e.details().to_string()),
+        Err(_) => Err("no answer within 1 s".into()),
+    }
+}
+
+/// The running Regions tasks of one gateway.
+pub struct RegionTasks {
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl RegionTasks {
+    /// Stops the tasks; an agent gives up its lock so the next one need not wait for the lease.
+    pub async fn stop(self) {
+        let _ = self.stop.send(true);
+        for t in self.tasks {
+            let _ = t.await;
+        }
+    }
+}
+
+/// Starts the refresher (every gateway), the health checks and the agent (elected).
+pub fn start(regions: Arc<Regions>, rules: Arc<ArcSwap<Snapshot>>) -> RegionTasks {
+    let (stop, stop_rx) = watch::channel(false);
+    let mut tasks = Vec::new();
+    // Four reports a rebalance, so the agent's demand is never more than a quarter late.
+    let tick = (regions.cfg.interval / 4).max(Duration::from_millis(10));
+    {
+        let (regions, rules, mut stop_rx) = (regions.clone(), rules.clone(), stop_rx.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut every = tokio::time::interval(tick);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut warned = false;
+            loop {
+                tokio::select! {
+                    _ = every.tick() => {}
+                    _ = stop_rx.changed() => return,
+                }
+                match regions.refresh(&rules.load()).await {
+                    Ok(()) => warned = false,
+                    Err(e) if !warned => {
+                        warned = true;
+                        tracing::warn!(error = %e, region = %regions.cfg.region, "cannot reach this Region's store: the last shares hold");
+                    }
+                    Err(_) => {}
+                }
+            }
+        }));
+    }
+    tasks.push(tokio::spawn(health::run(
+        regions.health.clone(),
+        regions.cfg.interval,
+        stop_rx.clone(),
+    )));
+    tasks.push(tokio::spawn(agent::run(regions, rules, stop_rx)));
+    RegionTasks { stop, tasks }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_are_checked_together() {
+        let ok = RegionsConfig::parse(
+            "A",
+            &["A=redis://a:1".into(), "B=redis://b:1".into()],
+            &["B=http://127.0.0.1:9/healthz".into()],
+            Duration::from_secs(5),
+            Duration::from_secs(10),
+            "gw",
+        )
+        .unwrap();
+        assert_eq!(ok.own_store(), "redis://a:1");
+        let err = |region: &str, regions: &[&str], health: &[&str]| {
+            RegionsConfig::parse(
+                region,
+                &regions.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+                &health.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+                Duration::from_secs(5),
+                Duration::from_secs(10),
+                "gw",
+            )
+            .unwrap_err()
+        };
+        assert!(err("C", &["A=redis://a:1", "B=redis://b:1"], &[]).contains("not among"));
+        assert!(err("A", &["A=redis://a:1", "A=redis://b:1"], &[]).contains("twice"));
+        assert!(err("A", &["A=memory", "B=redis://b:1"], &[]).contains("redis://"));
+        assert!(err("A", &["A=redis://a:1", "B=redis://b:1"], &["A=http://x:1/"]).contains("own health"));
+        assert!(err("A", &["A=redis://a:1", "B=redis://b:1"], &["C=http://x:1/"]).contains("not among"));
+        assert!(err("A", &["A=redis://a:1", "B=redis://b:1"], &["B=ftp://x/"]).contains("http://"));
+        assert!(err("A", &["A=redis://a:1"], &[]).contains("at least two"));
+    }
+
+    #[test]
+    fn a_share_becomes_a_rate_with_two_seconds_of_burst() {
+        let p = share_params(3_333.4).unwrap();
+        assert_eq!(
+            (p.rate.tokens, p.rate.period_us, p.burst),
+            (3_333, 1_000_000, 6_667)
+        );
+        let small = share_params(0.5).unwrap();
+        assert_eq!(
+            (small.rate.tokens, small.rate.period_us, small.burst),
+            (1, 2_000_000, 1)
+        );
+        let none = share_params(0.0).unwrap();
+        assert_eq!((none.rate.period_us, none.burst), (3_600_000_000, 1));
+    }
+}
