@@ -139,7 +139,10 @@ fn config(rules: RulesSource, c: &CommonArgs, demo: bool) -> Result<GatewayConfi
             ),
         }
         cfg.store = StoreUrl::Redis(rc.own_store().to_string());
-        cfg.regions = Some(rc);
+        cfg.regions = Some(RegionsConfig {
+            store_timeout: c.region_store_timeout,
+            ..rc
+        });
     }
     Ok(cfg)
 }

@@ -379,6 +379,12 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         _ => (store, None),
     };
 
+    // Security limits homed in another Region are checked in that Region's store.
+    let store = match &cfg.regions {
+        Some(rc) => home_routed(store, rc, &cfg, rules.clone(), metrics.clone()).await?,
+        None => store,
+    };
+
     let listener = bind(cfg.listen).await?;
     let addr = listener.local_addr().map_err(|source| StartError::Bind {
         addr: cfg.listen,
@@ -489,6 +495,56 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         flag_task,
         region_tasks,
     })
+}
+
+/// This Region's store in front of every other Region's, each behind its own guard: a home
+/// Region that doesn't answer in `--region-store-timeout` decides by the limit's failure policy.
+async fn home_routed(
+    local: Arc<dyn Store>,
+    rc: &crate::regions::RegionsConfig,
+    cfg: &GatewayConfig,
+    rules: Arc<ArcSwap<Snapshot>>,
+    metrics: Arc<Metrics>,
+) -> Result<Arc<dyn Store>, StartError> {
+    let clock = match cfg.clock_source {
+        ClockSource::Store => None,
+        ClockSource::Gateway => Some(cfg.clock.clone()),
+    };
+    let mut homes: std::collections::BTreeMap<Arc<str>, Arc<dyn Store>> = Default::default();
+    for (name, url) in rc.stores.iter().filter(|(n, _)| **n != rc.region) {
+        // Connected before serving, like this Region's store: a Region that is down now is
+        // connected later, and its limits decide by their failure policies meanwhile.
+        let remote = match RedisStore::connect(Target::Node(url), clock.clone()).await {
+            Ok(r) => r,
+            Err(e @ ConnectError::Unreachable { .. }) => {
+                tracing::warn!(region = %name, error = %e, "another Region's store is down; its security limits decide by their failure policies until it answers");
+                RedisStore::connect_later(Target::Node(url), clock.clone())
+                    .map_err(|e| StartError::Regions(format!("Region {name} ({url}): {e}")))?
+            }
+            Err(e) => return Err(StartError::Regions(format!("Region {name} ({url}): {e}"))),
+        };
+        let guard = Guard::new(
+            Arc::new(remote),
+            rc.store_timeout,
+            Arc::new(FleetSize::fixed(cfg.fleet_size.unwrap_or(1))),
+            cfg.clock.clone(),
+            limit_names(rules.clone()),
+            metrics.clone(),
+        );
+        homes.insert(Arc::from(name.as_str()), Arc::new(guard));
+    }
+    let own: Arc<str> = Arc::from(rc.region.as_str());
+    let home_of: crate::regions::home::HomeOf = Arc::new(move |li| {
+        rules
+            .load()
+            .limits
+            .get(li as usize)
+            .and_then(|l| l.home_region.clone())
+            .filter(|h| *h != own)
+    });
+    Ok(Arc::new(crate::regions::home::HomeRouted::new(
+        local, homes, home_of,
+    )))
 }
 
 /// Names a home Region the flags don't know, once at start.

@@ -132,6 +132,10 @@ pub struct CommonArgs {
     /// The Region agent's lease; another gateway takes over within two of them.
     #[arg(long, env = "TOLLGATE_REGION_LEASE", default_value = "10s", value_parser = parse_positive_duration)]
     pub region_lease: Duration,
+    /// How long a check in another Region's store may wait (a security limit's home Region)
+    /// before the limit's failure policy decides.
+    #[arg(long, env = "TOLLGATE_REGION_STORE_TIMEOUT", default_value = "100ms", value_parser = parse_positive_duration)]
+    pub region_store_timeout: Duration,
 }
 
 /// The host's name, for a gateway started without `--instance`.

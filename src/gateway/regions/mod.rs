@@ -6,6 +6,7 @@
 
 mod agent;
 mod health;
+pub mod home;
 mod records;
 
 use std::collections::{BTreeMap, HashMap};
@@ -58,6 +59,8 @@ pub struct RegionsConfig {
     pub lease: Duration,
     /// This gateway's name as agent: its instance name and a boot id.
     pub holder: String,
+    /// How long a check in another Region's store may take (security limits' home Regions).
+    pub store_timeout: Duration,
 }
 
 fn region_name_ok(name: &str) -> bool {
@@ -142,6 +145,7 @@ impl RegionsConfig {
             interval,
             lease,
             holder: format!("{instance}/{:08x}", rand::random::<u32>()),
+            store_timeout: Duration::from_millis(100),
         })
     }
 
