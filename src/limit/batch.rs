@@ -89,6 +89,24 @@ impl Outcome {
     pub fn is_leased(&self, i: usize) -> bool {
         i < 64 && self.leased & (1 << i) != 0
     }
+
+    /// The part of this outcome that answers the items at `places` of its batch, in that
+    /// order: what a store needs to refund only those items.
+    pub fn part(&self, places: &[usize]) -> Outcome {
+        let mut leased = 0u64;
+        for (j, &place) in places.iter().enumerate() {
+            if self.is_leased(place) && j < 64 {
+                leased |= 1 << j;
+            }
+        }
+        Outcome {
+            admitted: self.admitted,
+            now_us: self.now_us,
+            buckets: places.iter().map(|&p| self.buckets[p]).collect(),
+            source: self.source,
+            leased,
+        }
+    }
 }
 
 /// Per-process random keys, so nobody outside can craft two bucket names with one fingerprint.

@@ -113,23 +113,6 @@ fn merge(len: usize, groups: &[Group], outcomes: &[Outcome], admitted: bool) -> 
     }
 }
 
-/// The part of a whole batch's outcome that belongs to one group.
-fn part(o: &Outcome, g: &Group) -> Outcome {
-    let mut leased = 0u64;
-    for (j, &place) in g.places.iter().enumerate() {
-        if o.is_leased(place) && j < 64 {
-            leased |= 1 << j;
-        }
-    }
-    Outcome {
-        admitted: o.admitted,
-        now_us: o.now_us,
-        buckets: g.places.iter().map(|&p| o.buckets[p]).collect(),
-        source: o.source,
-        leased,
-    }
-}
-
 impl Store for HomeRouted {
     fn check<'a>(&'a self, batch: &'a [CheckItem]) -> CheckFuture<'a> {
         let Some(routes) = self.split(batch) else {
@@ -185,7 +168,7 @@ impl Store for HomeRouted {
                 )));
             }
             let groups = groups(batch, &routes);
-            let parts: Vec<Outcome> = groups.iter().map(|g| part(outcome, g)).collect();
+            let parts: Vec<Outcome> = groups.iter().map(|g| outcome.part(&g.places)).collect();
             let refunds = groups
                 .iter()
                 .zip(&parts)
