@@ -100,6 +100,14 @@ fn each_broken_file_fails_with_its_own_message() {
             "keys[0].quota.timezone: key k-1: \"Europe/Pariss\" is not an IANA time zone name",
         ),
         (
+            "charge-on-bad-status.json",
+            "limits.exports.charge_on.status: 700 is not an HTTP status (100 to 599)",
+        ),
+        (
+            "charge-on-leased.json",
+            "limits.plan.charge_on: a limit charged on the answer gives charges back, so it is not leased",
+        ),
+        (
             "global-route-limit.json",
             "limits.exports.scope: only key limits can be global: each key's number is what the Regions share",
         ),

@@ -1,5 +1,6 @@
-//! The built-in demo upstream ("orders"): answers any path with a small JSON echo, and
-//! `/v1/slow?ms=N` after N milliseconds. Bodies are read in full but never held.
+//! The built-in demo upstream ("orders"): answers any path with a small JSON echo, with the
+//! status `?status=NNN` asks for (to play a failed login, say), and `/v1/slow?ms=N` after N
+//! milliseconds. Bodies are read in full but never held.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,6 +30,22 @@ fn query_ms(query: Option<&str>) -> Result<u64, String> {
         }
     }
     Ok(0)
+}
+
+/// The status `?status=NNN` asks for: a final status that may carry the echo's body.
+fn query_status(query: Option<&str>) -> Result<StatusCode, String> {
+    let Some(q) = query else { return Ok(StatusCode::OK) };
+    for pair in q.split('&') {
+        if let Some(v) = pair.strip_prefix("status=") {
+            return match v.parse::<u16>() {
+                Ok(s) if (200..=599).contains(&s) && s != 204 && s != 304 => {
+                    StatusCode::from_u16(s).map_err(|e| e.to_string())
+                }
+                _ => Err("status must be from 200 to 599, not 204 or 304 (they carry no body)".into()),
+            };
+        }
+    }
+    Ok(StatusCode::OK)
 }
 
 impl DemoUpstream {
@@ -63,6 +80,15 @@ impl DemoUpstream {
                 }
             }
         }
+        let status = match query_status(parts.uri.query()) {
+            Ok(s) => s,
+            Err(m) => {
+                return json_response(
+                    StatusCode::BAD_REQUEST,
+                    json!({"error": "bad_request", "message": m}).to_string(),
+                );
+            }
+        };
         let headers: serde_json::Map<String, serde_json::Value> = parts
             .headers
             .iter()
@@ -74,7 +100,7 @@ impl DemoUpstream {
             })
             .collect();
         json_response(
-            StatusCode::OK,
+            status,
             json!({
                 "service": "orders",
                 "method": parts.method.as_str(),

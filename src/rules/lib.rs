@@ -114,11 +114,21 @@ pub struct Limit {
     pub policy: FailurePolicy,
     pub lease: Option<LeaseBlock>,
     pub scope: Scope,
+    /// The upstream's statuses that keep the charge; any other answer gives it back. `None`:
+    /// every admitted request pays.
+    pub charge_on: Option<Box<[u16]>>,
     /// For a security limit: the Region whose store checks it.
     pub home_region: Option<Arc<str>>,
 }
 
 impl Limit {
+    /// Whether an answer with `status` keeps this limit's charge.
+    pub fn keeps_charge(&self, status: u16) -> bool {
+        self.charge_on
+            .as_deref()
+            .is_none_or(|s| s.binary_search(&status).is_ok())
+    }
+
     pub fn shadow(&self) -> bool {
         self.mode == Mode::Shadow
     }
@@ -589,6 +599,30 @@ impl Compiler<'_> {
                 ));
             }
         }
+        let charge_on = match &l.charge_on {
+            None => None,
+            Some(_) if lease.is_some() => {
+                return Err(self.err(
+                    format!("{field}.charge_on"),
+                    "a limit charged on the answer gives charges back, so it is not leased",
+                ));
+            }
+            Some(c) if c.status.is_empty() => {
+                return Err(self.err(format!("{field}.charge_on.status"), "name at least one status"));
+            }
+            Some(c) => {
+                if let Some(bad) = c.status.iter().find(|s| !(100..=599).contains(*s)) {
+                    return Err(self.err(
+                        format!("{field}.charge_on.status"),
+                        format!("{bad} is not an HTTP status (100 to 599)"),
+                    ));
+                }
+                let mut s = c.status.clone();
+                s.sort_unstable();
+                s.dedup();
+                Some(s.into_boxed_slice())
+            }
+        };
         let home_region = match &l.home_region {
             None => None,
             Some(_) if l.class != LimitClass::Security => {
@@ -619,6 +653,7 @@ impl Compiler<'_> {
             policy,
             lease,
             scope: l.scope,
+            charge_on,
             home_region,
         })
     }

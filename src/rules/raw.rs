@@ -159,6 +159,9 @@ pub(crate) struct RawLimit {
     pub mode: Mode,
     #[serde(default)]
     pub class: LimitClass,
+    /// Charge the bucket only when the upstream answers with one of these statuses.
+    #[serde(default)]
+    pub charge_on: Option<RawChargeOn>,
     /// `"global"`: one limit shared by all Regions (key limits only).
     #[serde(default)]
     pub scope: Scope,
@@ -177,6 +180,13 @@ pub(crate) struct RawLimit {
     #[serde(default)]
     #[allow(dead_code)]
     pub description: Option<String>,
+}
+
+/// `{"status": [401, 403]}`.
+#[derive(Debug, Deserialize, Clone)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawChargeOn {
+    pub status: Vec<u16>,
 }
 
 #[derive(Debug, Deserialize, Clone)]

@@ -145,9 +145,13 @@ pub async fn serve(
         };
         gw.upstream_answered(&b, &f, started.elapsed());
         let (mut conn, shape) = match answered {
-            Ok(r) => r,
+            Ok(r) => {
+                gw.settle(&snap, f.paid.as_deref(), Some(r.1.status)).await;
+                r
+            }
             Err(failure) => {
-                gw.refund_undelivered(&mut b.trace, f.paid.take(), &failure).await;
+                gw.refund_undelivered(&snap, &mut b.trace, f.paid.take(), &failure)
+                    .await;
                 let mut resp = crate::proxy::failure_answer(up, &failure).into_response();
                 gw.forward_headers(&f, resp.headers_mut());
                 answer(gw, &mut out, b, resp, closing, is_head);

@@ -188,11 +188,14 @@ impl Gateway {
     /// guard; the request's answer does not wait on a retry.
     async fn refund_undelivered(
         &self,
+        snap: &Snapshot,
         trace: &mut Trace,
         paid: Option<Box<Paid>>,
         failure: &crate::proxy::client::Failure,
     ) {
         if !failure.undelivered() {
+            // Delivered, but no answer came: no status a limit charged on the answer keeps.
+            self.settle(snap, paid.as_deref(), None).await;
             return;
         }
         // What never reached its upstream is not billed either.
@@ -203,6 +206,26 @@ impl Gateway {
         let Paid { batch, outcome } = *paid;
         if let Err(e) = self.store.refund(&batch, &outcome).await {
             tracing::debug!(error = %e, "refund of an undelivered request failed");
+        }
+    }
+
+    /// Gives back the charge of every limit charged on the upstream's answer (`charge_on`) whose
+    /// statuses `status` is not, before the answer goes out: the client's next attempt sees
+    /// the bucket as this answer left it.
+    pub(crate) async fn settle(&self, snap: &Snapshot, paid: Option<&Paid>, status: Option<u16>) {
+        let Some(p) = paid else { return };
+        let given_back = |i: &tollgate_store::CheckItem| {
+            let l = &snap.limits[i.limit as usize];
+            l.charge_on.is_some() && !status.is_some_and(|s| l.keeps_charge(s))
+        };
+        if !p.outcome.admitted || !p.batch.iter().any(given_back) {
+            return;
+        }
+        let places: smallvec::SmallVec<[usize; 4]> =
+            (0..p.batch.len()).filter(|&i| given_back(&p.batch[i])).collect();
+        let batch: Batch = places.iter().map(|&i| p.batch[i].clone()).collect();
+        if let Err(e) = self.store.refund(&batch, &p.outcome.part(&places)).await {
+            tracing::debug!(error = %e, "giving back a charge the answer did not keep failed");
         }
     }
 
@@ -394,9 +417,13 @@ impl Gateway {
         .await;
         self.upstream_answered(b, &f, started.elapsed());
         let mut resp = match forwarded {
-            Ok(r) => r.map(Either::Left),
+            Ok(r) => {
+                self.settle(&b.snap, f.paid.as_deref(), Some(r.status().as_u16()))
+                    .await;
+                r.map(Either::Left)
+            }
             Err(failure) => {
-                self.refund_undelivered(&mut b.trace, f.paid.take(), &failure)
+                self.refund_undelivered(&b.snap, &mut b.trace, f.paid.take(), &failure)
                     .await;
                 crate::proxy::failure_answer(upstream, &failure).into_response()
             }
