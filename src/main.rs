@@ -111,6 +111,7 @@ fn config(rules: RulesSource, c: &CommonArgs, demo: bool) -> Result<GatewayConfi
     cfg.demo = demo;
     cfg.store_timeout = c.store_timeout;
     cfg.fleet_size = c.fleet_size;
+    cfg.seat_lease = c.concurrency_lease;
     cfg.meter = (!c.no_meter).then(|| MeterConfig {
         instance: c.instance.clone().unwrap_or_else(host_name),
         interval: c.meter_interval,

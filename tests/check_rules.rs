@@ -108,6 +108,18 @@ fn each_broken_file_fails_with_its_own_message() {
             "limits.plan.charge_on: a limit charged on the answer gives charges back, so it is not leased",
         ),
         (
+            "concurrent-with-rate.json",
+            "limits.exports.rate: a limit on requests in flight (\"concurrent\") takes no other numbers or modes",
+        ),
+        (
+            "concurrent-on-route.json",
+            "limits.exports.concurrent: only key limits count requests in flight",
+        ),
+        (
+            "concurrent-cost-two.json",
+            "routes[0].cost.exports: a request takes one seat of a limit on requests in flight; write 1",
+        ),
+        (
             "global-route-limit.json",
             "limits.exports.scope: only key limits can be global: each key's number is what the Regions share",
         ),

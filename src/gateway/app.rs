@@ -30,6 +30,7 @@ use tollgate_store::guard::{FleetSize, Guard};
 use tollgate_store::lease::Leases;
 use tollgate_store::memory::MemoryStore;
 use tollgate_store::redis::{ConnectError, RedisStore, Target, side_client};
+use tollgate_store::seats::RedisSeats;
 use tollgate_telemetry::metrics::Metrics;
 
 /// A validated configuration.
@@ -55,6 +56,8 @@ pub struct GatewayConfig {
     pub meter: Option<MeterConfig>,
     /// Limits shared with other Regions; off when `None`.
     pub regions: Option<crate::regions::RegionsConfig>,
+    /// How long a seat of a limit on requests in flight outlives a gateway that died holding it.
+    pub seat_lease: Duration,
 }
 
 /// Where and how often this gateway writes its usage records.
@@ -85,6 +88,7 @@ impl GatewayConfig {
             clock_source: ClockSource::Store,
             meter: None,
             regions: None,
+            seat_lease: Duration::from_secs(30),
         }
     }
 }
@@ -157,6 +161,8 @@ pub struct Running {
     meter_task: Option<(watch::Sender<bool>, JoinHandle<()>)>,
     flag_task: Option<JoinHandle<()>>,
     region_tasks: Option<RegionTasks>,
+    /// Renews the leases of seats held in Redis; stops with the listeners.
+    seat_renewal: Option<JoinHandle<()>>,
 }
 
 impl Running {
@@ -178,6 +184,9 @@ impl Running {
         }
         if let Some(r) = self.region_tasks {
             r.stop().await;
+        }
+        if let Some(t) = self.seat_renewal {
+            t.abort();
         }
         if let Some((stop, task)) = self.meter_task {
             let _ = stop.send(true);
@@ -279,6 +288,9 @@ fn redis_sink(target: Target<'_>) -> Result<Arc<RedisSink>, StartError> {
     let client = side_client(target).map_err(|e| StartError::Meter(format!("{target}: {e}")))?;
     Ok(Arc::new(RedisSink::start(client)))
 }
+
+/// The least a seat's take may wait for Redis: it rides its own connection, not the check's.
+const SEAT_TIMEOUT: Duration = Duration::from_millis(50);
 
 /// How often a gateway reads the quota flags.
 const FLAG_READ: Duration = Duration::from_secs(1);
@@ -440,6 +452,19 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         }
     };
     gateway.regions = regions.clone();
+    // Seats of limits on requests in flight live beside the buckets: in Redis for a fleet.
+    let seat_renewal = match &cfg.store {
+        StoreUrl::Memory => None,
+        StoreUrl::Redis(url) => Some(side_client(Target::Node(url))),
+        StoreUrl::RedisCluster(nodes) => Some(side_client(Target::Cluster(nodes))),
+    }
+    .map(|client| -> Result<_, StartError> {
+        let client = client.map_err(StartError::Store)?;
+        let seats = RedisSeats::new(client, cfg.seat_lease, cfg.store_timeout.max(SEAT_TIMEOUT));
+        gateway.seats = seats.clone();
+        Ok(tokio::spawn(seats.renew(stop_rx.clone())))
+    })
+    .transpose()?;
     let quota_flags = gateway.quota_flags.clone();
     let gateway = Arc::new(gateway);
     tasks.push(tokio::spawn(sweep_upstreams(
@@ -494,6 +519,7 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         meter_task,
         flag_task,
         region_tasks,
+        seat_renewal,
     })
 }
 

@@ -110,6 +110,10 @@ pub struct CommonArgs {
     /// Count nothing for billing (for comparison; quotas then see no usage from this gateway).
     #[arg(long, env = "TOLLGATE_NO_METER")]
     pub no_meter: bool,
+    /// How long a seat of a limit on requests in flight (`"concurrent"`) outlives a gateway that
+    /// died holding it; renewed every third of it while its request lasts.
+    #[arg(long, env = "TOLLGATE_CONCURRENCY_LEASE", default_value = "30s", value_parser = parse_positive_duration)]
+    pub concurrency_lease: Duration,
     /// This gateway's Region, for limits shared across Regions (README "One limit across
     /// Regions"); needs --regions.
     #[arg(long, env = "TOLLGATE_REGION", requires = "regions")]

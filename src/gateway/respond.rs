@@ -46,6 +46,8 @@ pub enum Refusal {
         resets_at: String,
         retry_after: u64,
     },
+    #[error("{limit}: too many requests in flight")]
+    TooManyInFlight { limit: String, max: u32, in_flight: u32 },
     #[error("limiter unavailable")]
     LimiterUnavailable,
     #[error("upstream overloaded")]
@@ -66,7 +68,9 @@ impl Refusal {
             Refusal::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             Refusal::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Refusal::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            Refusal::RateLimited { .. } | Refusal::QuotaExceeded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Refusal::RateLimited { .. } | Refusal::QuotaExceeded { .. } | Refusal::TooManyInFlight { .. } => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             Refusal::LimiterUnavailable | Refusal::UpstreamOverloaded { .. } => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -94,6 +98,16 @@ impl Refusal {
             Refusal::QuotaExceeded { quota, resets_at, .. } => {
                 json!({"error": "quota_exceeded", "quota": quota, "resets_at": resets_at})
             }
+            Refusal::TooManyInFlight {
+                limit,
+                max,
+                in_flight,
+            } => json!({
+                "error": "too_many_in_flight",
+                "limit": limit,
+                "max_in_flight": max,
+                "in_flight": in_flight,
+            }),
             Refusal::LimiterUnavailable => json!({"error": "limiter_unavailable"}),
             Refusal::UpstreamOverloaded { .. } => json!({"error": "upstream_overloaded"}),
             Refusal::BadGateway(m) => json!({"error": "bad_gateway", "message": m}),
@@ -117,7 +131,8 @@ impl Refusal {
                 }
                 h.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
             }
-            Refusal::LimiterUnavailable => {
+            // A seat frees when some answer ends: no wait can be known, so one second.
+            Refusal::LimiterUnavailable | Refusal::TooManyInFlight { .. } => {
                 h.insert(RETRY_AFTER, HeaderValue::from_static("1"));
                 h.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
             }

@@ -34,6 +34,16 @@ pub fn policy_value(name: &str, p: &BucketParams) -> Result<HeaderValue, String>
     HeaderValue::from_str(&text).map_err(|e| format!("limit name {name:?}: {e}"))
 }
 
+/// A limit on requests in flight: `"<name>";q=N;qu="concurrent-requests"`.
+pub fn concurrency_policy_value(name: &str, max: u32) -> Result<HeaderValue, String> {
+    let mut ser = ListSerializer::new();
+    ser.bare_item(StringRef::from_str(name).map_err(|e| format!("limit name {name:?}: {e}"))?)
+        .parameter(KeyRef::constant("q"), sfv::Integer::from(max))
+        .parameter(KeyRef::constant("qu"), StringRef::constant("concurrent-requests"));
+    let text = ser.finish().unwrap_or_default();
+    HeaderValue::from_str(&text).map_err(|e| format!("limit name {name:?}: {e}"))
+}
+
 /// The `RateLimit` value for one answer: `"<name>-burst";r=<remaining>;t=<seconds>`.
 ///
 /// Built by hand on the hot path: limit names are validated at load to `[A-Za-z0-9._-]`, which
@@ -98,6 +108,14 @@ mod tests {
                 );
             assert_eq!(state_value(name, r, t), expected.as_str());
         }
+    }
+
+    #[test]
+    fn a_concurrency_policy_names_its_unit() {
+        assert_eq!(
+            concurrency_policy_value("inflight", 10).unwrap(),
+            r#""inflight";q=10;qu="concurrent-requests""#
+        );
     }
 
     #[test]

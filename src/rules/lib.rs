@@ -96,6 +96,13 @@ impl Dimension {
     }
 }
 
+/// A limit on one key's requests in flight, with its `RateLimit-Policy` item.
+#[derive(Debug, Clone)]
+pub struct Concurrent {
+    pub max: u32,
+    pub policy: HeaderValue,
+}
+
 /// A limit's numbers with their precomputed `RateLimit-Policy` value.
 #[derive(Debug, Clone)]
 pub struct Numbers {
@@ -114,6 +121,8 @@ pub struct Limit {
     pub policy: FailurePolicy,
     pub lease: Option<LeaseBlock>,
     pub scope: Scope,
+    /// For a limit on requests in flight (`"concurrent": N`) instead of a bucket.
+    pub concurrent: Option<Concurrent>,
     /// The upstream's statuses that keep the charge; any other answer gives it back. `None`:
     /// every admitted request pays.
     pub charge_on: Option<Box<[u16]>>,
@@ -552,6 +561,9 @@ impl Compiler<'_> {
             return Err(self.err(&field, "a limit name uses only letters, digits, '-', '_' and '.'"));
         }
         let dimension = self.dimension(&field, &l.dimension)?;
+        if let Some(max) = l.concurrent {
+            return self.concurrent_limit(&field, name, l, dimension, max);
+        }
         let numbers = match (&l.rate, l.burst) {
             (Some(rate), Some(burst)) => Some(self.numbers(&field, name, rate, burst)?),
             (None, None) if dimension == Dimension::Key => None,
@@ -653,8 +665,61 @@ impl Compiler<'_> {
             policy,
             lease,
             scope: l.scope,
+            concurrent: None,
             charge_on,
             home_region,
+        })
+    }
+
+    /// A limit on requests in flight per key: one seat per request, taken before it is
+    /// forwarded and given back when its answer ends.
+    fn concurrent_limit(
+        &self,
+        field: &str,
+        name: &str,
+        l: &RawLimit,
+        dimension: Dimension,
+        max: u32,
+    ) -> Result<Limit, RulesError> {
+        if max == 0 {
+            return Err(self.err(format!("{field}.concurrent"), "must be at least 1"));
+        }
+        if dimension != Dimension::Key {
+            return Err(self.err(
+                format!("{field}.concurrent"),
+                "only key limits count requests in flight",
+            ));
+        }
+        let other = [
+            ("rate", l.rate.is_some()),
+            ("burst", l.burst.is_some()),
+            ("lease", l.lease.is_some()),
+            ("charge_on", l.charge_on.is_some()),
+            ("quota", l.quota.is_some()),
+            ("home_region", l.home_region.is_some()),
+            ("scope", l.scope != Scope::Region),
+            ("mode", l.mode != Mode::Enforce),
+            ("class", l.class != LimitClass::Capacity),
+        ];
+        if let Some((f, _)) = other.iter().find(|(_, set)| *set) {
+            return Err(self.err(
+                format!("{field}.{f}"),
+                "a limit on requests in flight (\"concurrent\") takes no other numbers or modes",
+            ));
+        }
+        let policy = headers::concurrency_policy_value(name, max).map_err(|e| self.err(field, e))?;
+        Ok(Limit {
+            name: name.into(),
+            dimension,
+            numbers: None,
+            mode: Mode::Enforce,
+            class: LimitClass::Capacity,
+            policy: l.on_store_failure.unwrap_or(FailurePolicy::Local),
+            lease: None,
+            scope: Scope::Region,
+            concurrent: Some(Concurrent { max, policy }),
+            charge_on: None,
+            home_region: None,
         })
     }
 
@@ -969,6 +1034,16 @@ impl Compiler<'_> {
                 return Err(self.err(&cfield, "a cost must be at least 1; leave the limit out instead"));
             }
             let limit = &limits.list[li];
+            if limit.concurrent.is_some() {
+                if cost != 1 {
+                    return Err(self.err(
+                        &cfield,
+                        "a request takes one seat of a limit on requests in flight; write 1",
+                    ));
+                }
+                costs.push((li as u16, cost));
+                continue;
+            }
             let check = |n: &Numbers, who: &str| {
                 if cost > n.params.burst {
                     Err(self.err(

@@ -159,6 +159,9 @@ pub(crate) struct RawLimit {
     pub mode: Mode,
     #[serde(default)]
     pub class: LimitClass,
+    /// Requests of one key in flight at once, instead of a rate and a burst.
+    #[serde(default)]
+    pub concurrent: Option<u32>,
     /// Charge the bucket only when the upstream answers with one of these statuses.
     #[serde(default)]
     pub charge_on: Option<RawChargeOn>,

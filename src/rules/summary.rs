@@ -28,14 +28,15 @@ pub fn summary(snap: &Snapshot) -> String {
     }
     let _ = writeln!(out, "limits:");
     for (i, l) in snap.limits.iter().enumerate() {
-        let numbers = match &l.numbers {
-            Some(n) => format!(
+        let numbers = match (&l.numbers, &l.concurrent) {
+            (_, Some(c)) => format!("{} in flight", c.max),
+            (Some(n), _) => format!(
                 "{} ({:.3}/s), burst {}",
                 n.params.rate,
                 n.params.rate.per_second(),
                 n.params.burst
             ),
-            None => "numbers set per key".into(),
+            (None, None) => "numbers set per key".into(),
         };
         let dim = match &l.dimension {
             Dimension::Key => "per key".to_string(),

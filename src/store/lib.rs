@@ -13,6 +13,7 @@ pub mod guard;
 pub mod lease;
 pub mod memory;
 pub mod redis;
+pub mod seats;
 
 use std::future::Future;
 use std::pin::Pin;

@@ -383,6 +383,8 @@ pub struct UpstreamBody {
     timer: Option<Pin<Box<Sleep>>>,
     /// The upstream's in-flight place, held until the body is done or dropped.
     _permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// The key's seats of limits on requests in flight, held as long.
+    seats: Vec<tollgate_store::seats::Seat>,
 }
 
 impl UpstreamBody {
@@ -402,6 +404,7 @@ impl UpstreamBody {
             idle,
             timer: None,
             _permit: permit,
+            seats: Vec::new(),
         };
         if framing == Framing::Empty {
             b.finish();
@@ -417,6 +420,15 @@ impl UpstreamBody {
             self.pool.put(c);
         }
         self._permit = None;
+        self.seats.clear();
+    }
+
+    /// Holds `seats` until the body is done or dropped; at once gives them back when it is
+    /// done already.
+    pub fn hold(&mut self, seats: Vec<tollgate_store::seats::Seat>) {
+        if self.conn.is_some() {
+            self.seats = seats;
+        }
     }
 }
 

@@ -24,6 +24,7 @@ use crate::respond::{Body, Budget, Refusal, budget_headers};
 use crate::server::{ConnInfo, Handler};
 use tollgate_http1::path::{EncodedSlashes, PathError, canonical, has_encoded_slash};
 use tollgate_http1::sanitize;
+use tollgate_limit::batch::FailurePolicy;
 use tollgate_limit::clock::Clock;
 use tollgate_limit::decision::{Decision, decide};
 use tollgate_meter::counter::Meter;
@@ -32,6 +33,7 @@ use tollgate_rules::identity::{self, KeySource, TrustedProxies};
 use tollgate_rules::plan;
 use tollgate_rules::quota::Quota;
 use tollgate_rules::{KeyRequirement, Snapshot, hash_secret};
+use tollgate_store::seats::{MemorySeats, Seat, Seats, Taken};
 use tollgate_store::{Batch, Outcome, Store, StoreError};
 use tollgate_telemetry::logsample::Sampler;
 use tollgate_telemetry::metrics::{Handles, Metrics};
@@ -49,6 +51,10 @@ pub struct Gateway {
     pub meter: Option<Arc<Meter>>,
     /// The quota flags metering sets, as last read (every second).
     pub quota_flags: Arc<ArcSwap<Flags>>,
+    /// Seats of limits on requests in flight: the store's (Redis), or this gateway's.
+    pub seats: Arc<dyn Seats>,
+    /// Seats kept here while the store's can't be reached, for limits that fail `local`.
+    local_seats: MemorySeats,
     /// Limits shared with other Regions: their shares replace the limits' own numbers.
     pub regions: Option<Arc<crate::regions::Regions>>,
     /// Wall-clock time for quota periods (tests pass a manual clock).
@@ -109,6 +115,8 @@ impl Gateway {
             meter: None,
             quota_flags: Arc::new(ArcSwap::from_pointee(Flags::default())),
             regions: None,
+            seats: Arc::new(MemorySeats::new()),
+            local_seats: MemorySeats::new(),
             clock: tollgate_limit::clock::SystemClock::shared(),
             shadow_log: Sampler::new(std::time::Duration::from_secs(1)),
             live: ArcSwap::from_pointee(Live::default()),
@@ -297,6 +305,18 @@ impl Gateway {
         trace: &mut Trace,
     ) -> Result<Charged, Response<Body>> {
         let key_idx = c.key.map(|k| k.0);
+        // Seats first: they are given back when this request ends, whatever ends it.
+        let seats = match key_idx {
+            Some(k)
+                if route
+                    .costs
+                    .iter()
+                    .any(|&(li, _)| snap.limits[li as usize].concurrent.is_some()) =>
+            {
+                self.take_seats(snap, route, k, trace).await?
+            }
+            _ => Vec::new(),
+        };
         let mut batch = match plan::build(snap, route, key_idx, c.ip, headers, body_value) {
             Ok(b) => b,
             Err(e) => return Err(Refusal::BadRequest(e.to_string()).into_response()),
@@ -305,7 +325,10 @@ impl Gateway {
             r.apply(snap, key_idx, &mut batch);
         }
         if batch.is_empty() {
-            return Ok(Charged::default());
+            return Ok(Charged {
+                seats,
+                ..Charged::default()
+            });
         }
         let (d, outcome) = match self.check(snap, h, &batch).await {
             Ok(d) => d,
@@ -329,7 +352,58 @@ impl Gateway {
             // Boxed: it travels with the request to its end, and a pointer moves for less than
             // the few hundred bytes of a batch and its outcome.
             paid: Some(Box::new(Paid { batch, outcome })),
+            seats,
         })
+    }
+
+    /// One seat of each limit on requests in flight the route names, for the key; a full
+    /// limit is a 429 and gives back the seats already taken.
+    async fn take_seats(
+        &self,
+        snap: &Snapshot,
+        route: &tollgate_rules::Route,
+        key: usize,
+        trace: &mut Trace,
+    ) -> Result<Vec<Seat>, Response<Body>> {
+        let mut seats = Vec::new();
+        for &(li, _) in &route.costs {
+            let limit = &snap.limits[li as usize];
+            let Some(c) = &limit.concurrent else { continue };
+            let name = format!("seats:{{{}}}:{}", snap.keys[key].tenant, limit.name);
+            let taken = match self.seats.take(&name, c.max).await {
+                Ok(t) => t,
+                Err(e) => match limit.policy {
+                    FailurePolicy::Open => continue,
+                    FailurePolicy::Closed => {
+                        tracing::warn!(error = %e, limit = %limit.name, "seats of a limit on requests in flight can't be taken; closed");
+                        return Err(Refusal::LimiterUnavailable.into_response());
+                    }
+                    FailurePolicy::Local => match self.local_seats.take(&name, c.max).await {
+                        Ok(t) => t,
+                        Err(_) => return Err(Refusal::LimiterUnavailable.into_response()),
+                    },
+                },
+            };
+            match taken {
+                Taken::Seat(s) => seats.push(s),
+                Taken::Full { in_use } => {
+                    trace.limit = Some(limit.name.clone());
+                    let mut resp = Refusal::TooManyInFlight {
+                        limit: limit.name.to_string(),
+                        max: c.max,
+                        in_flight: in_use,
+                    }
+                    .into_response();
+                    let h = resp.headers_mut();
+                    h.insert(crate::respond::RATELIMIT_POLICY.clone(), c.policy.clone());
+                    if let Ok(v) = HeaderValue::from_str(&format!("\"{}\";r=0", limit.name)) {
+                        h.insert(crate::respond::RATELIMIT.clone(), v);
+                    }
+                    return Err(resp);
+                }
+            }
+        }
+        Ok(seats)
     }
 
     /// Load shedding by the upstream's own health, apart from every client's limits: a place
@@ -420,7 +494,11 @@ impl Gateway {
             Ok(r) => {
                 self.settle(&b.snap, f.paid.as_deref(), Some(r.status().as_u16()))
                     .await;
-                r.map(Either::Left)
+                let seats = std::mem::take(&mut f.seats);
+                r.map(|mut body| {
+                    body.hold(seats);
+                    Either::Left(body)
+                })
             }
             Err(failure) => {
                 self.refund_undelivered(&b.snap, &mut b.trace, f.paid.take(), &failure)
@@ -580,7 +658,7 @@ impl Gateway {
             }
             r
         };
-        let Charged { budget, paid } = self
+        let Charged { budget, paid, seats } = self
             .limit(snap, route, &c, &parts.headers, body_value, &live.handles, trace)
             .await
             .map_err(with_quota)?;
@@ -596,6 +674,7 @@ impl Gateway {
             budget,
             quota,
             paid,
+            seats,
             classified: c,
             permit,
         })
@@ -787,6 +866,7 @@ pub struct Paid {
 struct Charged {
     budget: Option<Budget>,
     paid: Option<Box<Paid>>,
+    seats: Vec<Seat>,
 }
 
 /// An admitted request on its way upstream.
@@ -797,6 +877,9 @@ pub struct Forward {
     pub quota: Option<Box<QuotaHeaders>>,
     /// What it paid, given back if it never reaches the upstream.
     pub paid: Option<Box<Paid>>,
+    /// Its seats of limits on requests in flight, given back when it is dropped: the lane
+    /// drops it when the answer is relayed, hyper's path hands them to the answer's body.
+    pub seats: Vec<Seat>,
     classified: Classified,
     /// The upstream's in-flight place, held until the response body is done (hyper's path
     /// moves it into the body).
