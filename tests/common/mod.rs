@@ -2,7 +2,9 @@
 //! `redis-server` on a free port. Every fixture stops what it started when dropped.
 #![allow(dead_code)]
 
+pub mod health;
 pub mod lease_load;
+pub mod relay;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
