@@ -268,19 +268,30 @@ async fn rebalance(regions: &Regions, _snap: &Snapshot, h: &mut Held, now: u64) 
         return Ok(false);
     }
     h.state = next;
-    // The others' stores, all at once: one Region that doesn't answer delays no other.
-    let mut writes = tokio::task::JoinSet::new();
+    // The others' stores in the background: a Region that doesn't answer must delay neither
+    // this agent's next rebalance nor its lock's renewal. One write per Region at a time; a
+    // record is whole, so one skipped behind a slow write is made good by the next.
     for (name, client) in regions.stores.iter().filter(|(n, _)| **n != cfg.region) {
-        let (name, client, key, record) = (name.clone(), client.clone(), own_key.clone(), record.clone());
-        writes.spawn(async move {
-            let r: Result<(), String> = timeout(client.set(key, record, None, None, false)).await;
-            (name, r)
-        });
-    }
-    while let Some(done) = writes.join_next().await {
-        if let Ok((name, Err(e))) = done {
-            tracing::debug!(to = %name, error = %e, "this Region's record did not reach a Region");
+        let Some(busy) = regions.writing.get(name) else {
+            continue;
+        };
+        if busy.swap(true, Ordering::AcqRel) {
+            continue;
         }
+        let (name, client, key, record, busy) = (
+            name.clone(),
+            client.clone(),
+            own_key.clone(),
+            record.clone(),
+            busy.clone(),
+        );
+        tokio::spawn(async move {
+            let r: Result<(), String> = timeout(client.set(key, record, None, None, false)).await;
+            if let Err(e) = r {
+                tracing::debug!(to = %name, error = %e, "this Region's record did not reach a Region");
+            }
+            busy.store(false, Ordering::Release);
+        });
     }
     Ok(true)
 }

@@ -261,6 +261,8 @@ pub struct Regions {
     pub(crate) health: Arc<Health>,
     /// Whether this gateway is its Region's agent now.
     pub(crate) is_agent: std::sync::atomic::AtomicBool,
+    /// Per other Region: whether a record is on its way there.
+    pub(crate) writing: BTreeMap<String, Arc<std::sync::atomic::AtomicBool>>,
 }
 
 impl Regions {
@@ -274,6 +276,7 @@ impl Regions {
             stores.insert(name.clone(), client);
         }
         let own = stores[&cfg.region].clone();
+        let writing = stores.keys().map(|r| (r.clone(), Arc::default())).collect();
         let health = Arc::new(Health::new(&cfg.health));
         Ok(Arc::new(Regions {
             cfg,
@@ -282,6 +285,7 @@ impl Regions {
             stores,
             health,
             is_agent: std::sync::atomic::AtomicBool::new(false),
+            writing,
         }))
     }
 
