@@ -30,6 +30,15 @@ pub struct Reloader {
     metrics: Arc<Metrics>,
     /// Serializes reloads so "compare the version, then swap" is one step.
     lock: Mutex<()>,
+    /// The last reload that left the running rules in place, and why.
+    rejected: Mutex<Option<Rejected>>,
+}
+
+/// A reload that changed nothing: when, and why.
+#[derive(Debug, Clone)]
+pub struct Rejected {
+    pub at: std::time::SystemTime,
+    pub why: String,
 }
 
 impl Reloader {
@@ -40,7 +49,16 @@ impl Reloader {
             rules,
             metrics,
             lock: Mutex::new(()),
+            rejected: Mutex::new(None),
         }
+    }
+
+    /// The last reload that left the running rules in place.
+    pub fn last_rejected(&self) -> Option<Rejected> {
+        self.rejected
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     /// Reads, validates and compiles the rules, and swaps them in if their version is higher.
@@ -59,6 +77,19 @@ impl Reloader {
                 Reload::Swapped { from: running, to }
             }
         };
+        let why = match &outcome {
+            Reload::Swapped { .. } => None,
+            Reload::Ignored { offered, running } => Some(format!(
+                "version {offered} is not above the running version {running}"
+            )),
+            Reload::Failed(e) => Some(e.to_string()),
+        };
+        if let Some(why) = why {
+            *self.rejected.lock().unwrap_or_else(PoisonError::into_inner) = Some(Rejected {
+                at: std::time::SystemTime::now(),
+                why,
+            });
+        }
         match &outcome {
             Reload::Swapped { from, to } => {
                 self.metrics.reload("ok");
