@@ -8,6 +8,8 @@ need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 command -v redis-cli >/dev/null 2>&1 || need+=(redis-tools)
 command -v node >/dev/null 2>&1 || need+=(nodejs)
+# The dashboard's test drives a real headless browser.
+command -v chromium >/dev/null 2>&1 || need+=(chromium)
 if [ ${#need[@]} -gt 0 ]; then
   echo "tests/run.sh: installing ${need[*]} with apt-get" >&2
   if [ "$(id -u)" -eq 0 ]; then sudo=""; else sudo="sudo"; fi

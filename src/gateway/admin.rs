@@ -28,6 +28,33 @@ pub(crate) struct Admin {
     pub clock: Arc<dyn Clock>,
     /// Limits shared with other Regions, when this gateway has a Region.
     pub regions: Option<Arc<crate::regions::Regions>>,
+    pub gateway: Arc<crate::request::Gateway>,
+    pub reloader: Arc<crate::reload::Reloader>,
+}
+
+/// A static asset of the dashboard, cached by nobody: it is served from the binary.
+fn asset(content_type: &'static str, body: &'static str) -> Response<Body> {
+    let mut resp = Response::new(http_body_util::Either::Right(http_body_util::Full::new(
+        bytes::Bytes::from_static(body.as_bytes()),
+    )));
+    let h = resp.headers_mut();
+    h.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static(content_type),
+    );
+    h.insert(
+        http::header::CACHE_CONTROL,
+        http::HeaderValue::from_static("no-cache"),
+    );
+    h.insert(
+        http::HeaderName::from_static("content-security-policy"),
+        http::HeaderValue::from_static("default-src 'self'; style-src 'self' 'unsafe-inline'"),
+    );
+    h.insert(
+        http::HeaderName::from_static("x-content-type-options"),
+        http::HeaderValue::from_static("nosniff"),
+    );
+    resp
 }
 
 impl Admin {
@@ -105,6 +132,28 @@ impl Admin {
                 )
             }
             "/admin/usage" => self.usage(req.uri().query()),
+            "/admin" | "/admin/" => asset("text/html; charset=utf-8", crate::dashboard::INDEX_HTML),
+            "/admin/favicon.svg" => asset("image/svg+xml", crate::dashboard::FAVICON),
+            "/admin/app.js" => asset("text/javascript; charset=utf-8", crate::dashboard::APP_JS),
+            "/admin/vendor/uPlot.iife.min.js" => {
+                asset("text/javascript; charset=utf-8", crate::dashboard::UPLOT_JS)
+            }
+            "/admin/vendor/uPlot.min.css" => asset("text/css; charset=utf-8", crate::dashboard::UPLOT_CSS),
+            "/admin/api/overview" => {
+                let view = crate::dashboard::View {
+                    rules: &self.rules,
+                    reloader: &self.reloader,
+                    metrics: &self.metrics,
+                    store_kind: self.store.kind(),
+                    meter: self.meter.as_deref(),
+                    gateway: &self.gateway,
+                    regions: self.regions.as_deref(),
+                };
+                json_response(
+                    StatusCode::OK,
+                    self.gateway.dashboard.overview(view).await.to_string(),
+                )
+            }
             _ => json_response(StatusCode::NOT_FOUND, json!({"error": "not_found"}).to_string()),
         }
     }

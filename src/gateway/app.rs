@@ -474,7 +474,7 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
     tasks.push(tokio::spawn(server::run(
         listener,
         tls,
-        gateway,
+        gateway.clone(),
         cfg.limits,
         stopped(stop_rx.clone()),
     )));
@@ -488,7 +488,19 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
                 quota_flags,
                 clock: cfg.clock.clone(),
                 regions,
+                gateway: gateway.clone(),
+                reloader: reloader.clone(),
             });
+            tasks.push(tokio::spawn({
+                let sampler = gateway
+                    .dashboard
+                    .clone()
+                    .run(rules.clone(), metrics.clone(), stop_rx.clone());
+                async move {
+                    sampler.await;
+                    0
+                }
+            }));
             tasks.push(tokio::spawn(server::run(
                 l,
                 None,

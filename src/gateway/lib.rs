@@ -19,6 +19,7 @@
 pub mod admin;
 pub mod app;
 pub mod config;
+pub mod dashboard;
 pub mod demo;
 pub mod proxy;
 pub mod regions;

@@ -51,6 +51,8 @@ pub struct Gateway {
     pub meter: Option<Arc<Meter>>,
     /// The quota flags metering sets, as last read (every second).
     pub quota_flags: Arc<ArcSwap<Flags>>,
+    /// The dashboard's counts that no metric keeps (refusals per key).
+    pub dashboard: Arc<crate::dashboard::Dashboard>,
     /// Seats of limits on requests in flight: the store's (Redis), or this gateway's.
     pub seats: Arc<dyn Seats>,
     /// Seats kept here while the store's can't be reached, for limits that fail `local`.
@@ -115,6 +117,7 @@ impl Gateway {
             meter: None,
             quota_flags: Arc::new(ArcSwap::from_pointee(Flags::default())),
             regions: None,
+            dashboard: crate::dashboard::Dashboard::new(),
             seats: Arc::new(MemorySeats::new()),
             local_seats: MemorySeats::new(),
             clock: tollgate_limit::clock::SystemClock::shared(),
@@ -122,6 +125,23 @@ impl Gateway {
             live: ArcSwap::from_pointee(Live::default()),
             building: std::sync::Mutex::new(()),
         }
+    }
+
+    /// Each upstream of the running rules as the dashboard shows it.
+    pub(crate) fn upstreams_now(&self) -> Vec<UpstreamNow> {
+        self.live
+            .load()
+            .upstreams
+            .iter()
+            .map(|u| UpstreamNow {
+                name: u.name.clone(),
+                in_flight: match (&u.gate, u.max_in_flight) {
+                    (Some(g), Some(max)) => Some(max.saturating_sub(g.available_permits() as u32)),
+                    _ => None,
+                },
+                max_in_flight: u.max_in_flight,
+            })
+            .collect()
     }
 
     /// The live state for this snapshot, made at its first request from the last one's.
@@ -552,6 +572,11 @@ impl Gateway {
         if let Some(counter) = b.trace.metered.and_then(|k| b.live.meter.get(k)) {
             counter.fetch_add(1, Ordering::Relaxed);
         }
+        if status == 429
+            && let Some(k) = &b.trace.key_id
+        {
+            self.dashboard.refused.add(k);
+        }
         b.live
             .handles
             .request(&self.metrics, b.trace.route, &NO_ROUTE, status);
@@ -747,6 +772,13 @@ pub struct Live {
     /// Per key, in the snapshot's order, its metering counter (the same one across reloads);
     /// empty when metering is off.
     meter: Vec<Arc<AtomicU64>>,
+}
+
+/// An upstream as the dashboard shows it; in flight is known only under a `max_in_flight`.
+pub(crate) struct UpstreamNow {
+    pub name: Arc<str>,
+    pub in_flight: Option<u32>,
+    pub max_in_flight: Option<u32>,
 }
 
 pub struct LiveUpstream {

@@ -1,0 +1,115 @@
+//! The admin dashboard in a real headless Chromium against a real gateway process: it shows the
+//! running rules and per-limit charts, follows a rules reload without a page reload, names a
+//! rejected reload, logs no console error, and never shows a presented secret or a key hash.
+
+mod common;
+
+use std::time::Duration;
+
+use common::cdp::Browser;
+use common::{Http, K7, Tollgate, repo};
+use http::StatusCode;
+
+fn demo_rules(version: u64) -> String {
+    let text = std::fs::read_to_string(repo().join("rules/demo.json")).unwrap();
+    let mut rules: serde_json::Value = serde_json::from_str(&text).unwrap();
+    rules["version"] = version.into();
+    rules.to_string()
+}
+
+/// Every key hash of the demo rules, and the demo secrets.
+fn secrets() -> Vec<String> {
+    let text = std::fs::read_to_string(repo().join("rules/demo.json")).unwrap();
+    let rules: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let mut out: Vec<String> = rules["keys"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["sha256"].as_str().unwrap().to_string())
+        .collect();
+    out.extend(common::DEMO_KEYS.iter().map(|s| s.to_string()));
+    out
+}
+
+fn assert_no_secret(what: &str, text: &str) {
+    for s in secrets() {
+        // A hash's first 16 hex digits are as good as a prefix an operator could search by.
+        let part = &s[..s.len().min(16)];
+        assert!(
+            !text.contains(part),
+            "{what} holds a secret or key hash ({}…)",
+            &s[..6]
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_follows_the_gateway_live() {
+    let dir = tempfile::tempdir().unwrap();
+    let rules = dir.path().join("rules.json");
+    std::fs::write(&rules, demo_rules(1)).unwrap();
+    let gw = Tollgate::spawn(&["demo", "--rules", rules.to_str().unwrap()]);
+    let http = Http::new();
+    // Traffic for the charts and the key tables: k-7's burst of 20, then refusals.
+    for _ in 0..30 {
+        let r = http.get(&gw.url("/v1/orders"), &[("x-api-key", K7)]).await;
+        assert!(r.status == StatusCode::OK || r.status == StatusCode::TOO_MANY_REQUESTS);
+    }
+
+    let mut b = Browser::launch().await;
+    b.navigate(&gw.admin_url("/admin/")).await;
+    b.wait_for(
+        "document.getElementById('rules-version').textContent === '1'",
+        "the rules version",
+        Duration::from_secs(15),
+    )
+    .await;
+    b.wait_for(
+        "document.querySelector('#chart-plan canvas') !== null",
+        "the plan limit's chart",
+        Duration::from_secs(15),
+    )
+    .await;
+    b.wait_for(
+        "document.getElementById('keys').textContent.includes('k-7')",
+        "k-7 among the hottest keys",
+        Duration::from_secs(15),
+    )
+    .await;
+
+    // A new version on disk appears on the open page.
+    std::fs::write(&rules, demo_rules(2)).unwrap();
+    b.wait_for(
+        "document.getElementById('rules-version').textContent === '2'",
+        "the reloaded rules version, without a page reload",
+        Duration::from_secs(15),
+    )
+    .await;
+    // A broken file is named, and version 2 keeps running.
+    std::fs::write(&rules, "{\"version\": 3, \"upstreams\": {}}").unwrap();
+    b.wait_for(
+        "document.getElementById('rules-rejected').textContent.includes('rejected')",
+        "the rejected reload",
+        Duration::from_secs(15),
+    )
+    .await;
+    assert_eq!(
+        b.eval("document.getElementById('rules-version').textContent")
+            .await,
+        "2"
+    );
+    let shown = b.eval("document.body.innerText").await;
+    assert_no_secret("the page", shown.as_str().unwrap());
+    let png = b.screenshot().await;
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "a PNG screenshot");
+    if let Ok(path) = std::env::var("TOLLGATE_DASHBOARD_SCREENSHOT") {
+        std::fs::write(path, &png).unwrap();
+    }
+    assert!(b.errors.is_empty(), "console errors: {:?}", b.errors);
+
+    for path in ["/admin/", "/admin/app.js", "/admin/api/overview"] {
+        let r = http.get(&gw.admin_url(path), &[]).await;
+        assert_eq!(r.status, StatusCode::OK, "{path}");
+        assert_no_secret(path, &String::from_utf8_lossy(&r.body));
+    }
+}
