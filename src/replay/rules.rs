@@ -18,7 +18,7 @@ use tollgate_limit::bucket::{BucketParams, Rate};
 use tollgate_limit::clock::ManualClock;
 use tollgate_limit::decision::decide;
 use tollgate_rules::plan;
-use tollgate_rules::{Dimension, Snapshot};
+use tollgate_rules::{Dimension, Fingerprint, Snapshot};
 use tollgate_store::fingerprint;
 use tollgate_store::memory::MemoryStore;
 
@@ -167,7 +167,16 @@ impl RulesFleet {
                 IpAddr::V4(Ipv4Addr::UNSPECIFIED)
             }
         };
-        let mut batch = plan::build(&snap, route, Some(key), ip, &self.headers, None).map_err(|e| {
+        let mut batch = plan::build(
+            &snap,
+            route,
+            Some(key),
+            ip,
+            Fingerprint::None,
+            &self.headers,
+            None,
+        )
+        .map_err(|e| {
             RowError::new(
                 "path",
                 format!("route {:?}: {e} (traces carry no headers)", route.name),

@@ -15,7 +15,7 @@ use tollgate_limit::clock::ManualClock;
 use tollgate_limit::decision::decide;
 use tollgate_rules::identity::{self, TrustedProxies};
 use tollgate_rules::plan;
-use tollgate_rules::{self as rules, CompileOptions, Snapshot};
+use tollgate_rules::{self as rules, CompileOptions, Fingerprint, Snapshot};
 use tollgate_store::CheckItem;
 use tollgate_store::memory::MemoryStore;
 
@@ -248,7 +248,15 @@ pub fn classify(data: &[u8]) {
             assert_eq!(c.ip, ip);
             let route = &snap.routes[c.route];
             let key = c.key.map(|k| k.0);
-            if let Ok(batch) = plan::build(snap, route, key, c.ip, headers, head.body_value.as_deref()) {
+            if let Ok(batch) = plan::build(
+                snap,
+                route,
+                key,
+                c.ip,
+                Fingerprint::None,
+                headers,
+                head.body_value.as_deref(),
+            ) {
                 check(snap, &batch, key, &head);
             }
         }

@@ -31,7 +31,7 @@ use tollgate_meter::flags::Flags;
 use tollgate_rules::identity::{self, KeySource, TrustedProxies};
 use tollgate_rules::plan;
 use tollgate_rules::quota::Quota;
-use tollgate_rules::{KeyRequirement, Snapshot, hash_secret};
+use tollgate_rules::{Fingerprint, KeyRequirement, Snapshot, hash_secret};
 use tollgate_store::{Batch, Outcome, Store, StoreError};
 use tollgate_telemetry::logsample::Sampler;
 use tollgate_telemetry::metrics::{Handles, Metrics};
@@ -297,7 +297,9 @@ impl Gateway {
         trace: &mut Trace,
     ) -> Result<Charged, Response<Body>> {
         let key_idx = c.key.map(|k| k.0);
-        let mut batch = match plan::build(snap, route, key_idx, c.ip, headers, body_value) {
+        // Until connections carry their client fingerprint, every request is plain TCP's.
+        let mut batch = match plan::build(snap, route, key_idx, c.ip, Fingerprint::None, headers, body_value)
+        {
             Ok(b) => b,
             Err(e) => return Err(Refusal::BadRequest(e.to_string()).into_response()),
         };
