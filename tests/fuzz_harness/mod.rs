@@ -243,7 +243,7 @@ pub fn classify(data: &[u8]) {
     // the route, the key and the limiter.
     parts.version = http::Version::HTTP_10;
     let headers = &parts.headers;
-    match gateway::classify(snap, &parts, peer, trusted) {
+    match gateway::classify(snap, &parts, peer, Fingerprint::None, trusted) {
         Ok((c, _)) => {
             assert_eq!(c.ip, ip);
             let route = &snap.routes[c.route];
@@ -253,7 +253,7 @@ pub fn classify(data: &[u8]) {
                 route,
                 key,
                 c.ip,
-                Fingerprint::None,
+                c.fingerprint,
                 headers,
                 head.body_value.as_deref(),
             ) {
