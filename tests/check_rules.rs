@@ -139,6 +139,10 @@ fn each_broken_file_fails_with_its_own_message() {
             "paths-unknown.json",
             "upstreams.orders.paths: unknown variant `insensitive`",
         ),
+        (
+            "dimension-unknown.json",
+            "limits.exports.dimension: \"fingerprnt\" is not a dimension; use \"key\", \"route\", \"ip\", \"fingerprint\", {\"header\": NAME} or {\"body_field\": NAME}",
+        ),
     ];
     let mut seen = std::collections::HashSet::new();
     for (file, expected) in cases {
