@@ -174,3 +174,17 @@ fn a_missing_file_is_named() {
         "{stderr}"
     );
 }
+
+#[test]
+fn a_fingerprint_limit_is_summarised_as_such() {
+    let text = std::fs::read_to_string(common::repo().join("rules/demo.json")).unwrap();
+    let mut r: serde_json::Value = serde_json::from_str(&text).unwrap();
+    r["limits"]["clients"] = serde_json::json!({"dimension": "fingerprint", "rate": "20/60s", "burst": 20});
+    let (_d, path) = common::rules_file(&r.to_string());
+    let (ok, stdout, stderr) = check(&path);
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("clients      20/60s (0.333/s), burst 20; per client fingerprint;"),
+        "{stdout}"
+    );
+}
