@@ -14,7 +14,7 @@ use tollgate_limit::clock::{Clock, ManualClock};
 use tollgate_limit::decision::decide;
 use tollgate_rules::headers::{policy_value, state_value};
 use tollgate_rules::plan;
-use tollgate_rules::{CompileOptions, compile};
+use tollgate_rules::{CompileOptions, Fingerprint, compile};
 use tollgate_store::memory::MemoryStore;
 use tollgate_store::{CheckItem, FailurePolicy};
 
@@ -148,10 +148,10 @@ fn rules_and_plans(c: &mut Criterion) {
     let exports = &snap.routes[snap.route(&post, "/v1/exports").unwrap()];
     let k7 = snap.key_by_id("k-7");
     c.bench_function("plan/orders (1 bucket, prepared)", |b| {
-        b.iter(|| black_box(plan::build(&snap, orders, k7, ip, &headers, None).unwrap()))
+        b.iter(|| black_box(plan::build(&snap, orders, k7, ip, Fingerprint::None, &headers, None).unwrap()))
     });
     c.bench_function("plan/exports (2 buckets)", |b| {
-        b.iter(|| black_box(plan::build(&snap, exports, k7, ip, &headers, None).unwrap()))
+        b.iter(|| black_box(plan::build(&snap, exports, k7, ip, Fingerprint::None, &headers, None).unwrap()))
     });
     c.bench_function("plan/unauthenticated (ip bucket)", |b| {
         b.iter(|| black_box(plan::unauthenticated_only(&snap, ip)))
@@ -161,7 +161,7 @@ fn rules_and_plans(c: &mut Criterion) {
     c.bench_function("plan+check+decide/orders", |b| {
         b.iter(|| {
             clock.advance_us(100_000);
-            let batch = plan::build(&snap, orders, k7, ip, &headers, None).unwrap();
+            let batch = plan::build(&snap, orders, k7, ip, Fingerprint::None, &headers, None).unwrap();
             let out = store.check_at(&batch, clock.now_us());
             black_box(decide(&batch, &out))
         })

@@ -151,6 +151,10 @@ fn each_broken_file_fails_with_its_own_message() {
             "paths-unknown.json",
             "upstreams.orders.paths: unknown variant `insensitive`",
         ),
+        (
+            "dimension-unknown.json",
+            "limits.exports.dimension: \"fingerprnt\" is not a dimension; use \"key\", \"route\", \"ip\", \"fingerprint\", {\"header\": NAME} or {\"body_field\": NAME}",
+        ),
     ];
     let mut seen = std::collections::HashSet::new();
     for (file, expected) in cases {
@@ -180,5 +184,19 @@ fn a_missing_file_is_named() {
     assert!(
         stderr.contains("/nonexistent/rules.json: (file): cannot read"),
         "{stderr}"
+    );
+}
+
+#[test]
+fn a_fingerprint_limit_is_summarised_as_such() {
+    let text = std::fs::read_to_string(common::repo().join("rules/demo.json")).unwrap();
+    let mut r: serde_json::Value = serde_json::from_str(&text).unwrap();
+    r["limits"]["clients"] = serde_json::json!({"dimension": "fingerprint", "rate": "20/60s", "burst": 20});
+    let (_d, path) = common::rules_file(&r.to_string());
+    let (ok, stdout, stderr) = check(&path);
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("clients      20/60s (0.333/s), burst 20; per client fingerprint;"),
+        "{stdout}"
     );
 }

@@ -9,6 +9,7 @@ use std::process::Command;
 const LAYERS: &[(&str, u8)] = &[
     ("tollgate-limit", 0),
     ("tollgate-http1", 0),
+    ("tollgate-hello", 0),
     ("tollgate-testkit", 0),
     ("tollgate-telemetry", 1),
     ("tollgate-rules", 1),
@@ -32,6 +33,11 @@ const NEVER: &[(&str, &[&str], &str)] = &[
         "tollgate-http1",
         &["tokio", "hyper"],
         "the HTTP/1 reader works on bytes, not sockets",
+    ),
+    (
+        "tollgate-hello",
+        &["tokio", "http", "hyper", "rustls", "tokio-rustls"],
+        "the ClientHello reader works on bytes: the gateway peeks them off the socket",
     ),
     (
         "tollgate-rules",

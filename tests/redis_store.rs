@@ -11,7 +11,7 @@ use http::{Method, StatusCode};
 use tollgate_gateway::config::StoreUrl;
 use tollgate_limit::bucket::{BucketParams, Charge, Rate};
 use tollgate_rules::plan;
-use tollgate_rules::{Snapshot, hash_secret};
+use tollgate_rules::{Fingerprint, Snapshot, hash_secret};
 use tollgate_store::redis::{RedisStore, Target};
 use tollgate_store::{Batch, CheckItem, FailurePolicy, Store, StoreError};
 
@@ -145,7 +145,7 @@ fn expected_batch(
     if key.is_none() && route.key == tollgate_rules::KeyRequirement::Required {
         return plan::unauthenticated_only(snap, ip);
     }
-    plan::build(snap, route, key, ip, headers, None).expect("plan")
+    plan::build(snap, route, key, ip, Fingerprint::None, headers, None).expect("plan")
 }
 
 /// Every bucket the gateway writes has a TTL of at least b/r, its name carries the hash tag,

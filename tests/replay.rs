@@ -563,3 +563,71 @@ fn bad_input_is_refused_naming_the_row_and_column() {
         "{err}"
     );
 }
+
+/// A rules file with a fingerprint limit replays a trace whose rows carry the connection's
+/// fingerprint as the access line has it: one bucket per fingerprint within the tenant. A
+/// trace without the column is refused for such a route, naming it, and a bad value names the
+/// row; the same trace without fingerprint limits needs no such column.
+#[test]
+fn fingerprint_column_replays_fingerprint_limits() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let text = std::fs::read_to_string(common::repo().join("rules/demo.json")).unwrap();
+    let mut r: serde_json::Value = serde_json::from_str(&text).unwrap();
+    r["limits"]["clients"] = serde_json::json!({"dimension": "fingerprint", "rate": "3/1h", "burst": 3});
+    let orders = r["routes"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|x| x["name"] == "orders")
+        .unwrap();
+    orders["cost"]["clients"] = 1.into();
+    let rules = write("rules.json", &r.to_string());
+
+    let a = "0123456789abcdef";
+    let mut csv = String::from("time,key,method,path,fingerprint\n");
+    for i in 0..4 {
+        csv.push_str(&format!("1.{i},k-7,GET,/v1/orders,{a}\n"));
+    }
+    csv.push_str("1.5,k-7,GET,/v1/orders,none\n");
+    csv.push_str(&format!("1.6,k-8,GET,/v1/orders,{a}\n"));
+    let trace = write("fp.csv", &csv);
+    let decisions = dir.path().join("d.csv");
+    ok(&tollgate(&[
+        "replay",
+        p(&trace),
+        "--rules",
+        p(&rules),
+        "--decisions",
+        p(&decisions),
+    ]));
+    let d = std::fs::read_to_string(&decisions).unwrap();
+    let admitted: Vec<&str> = d.lines().skip(1).map(|l| &l[..1]).collect();
+    assert_eq!(
+        admitted,
+        ["1", "1", "1", "0", "1", "1"],
+        "three for k-7's {a}, then another fingerprint, then another tenant"
+    );
+
+    let old = write("old.csv", "time,key,method,path\n1,k-7,GET,/v1/orders\n");
+    let err = fails(&tollgate(&["replay", p(&old), "--rules", p(&rules)]));
+    assert!(
+        err.contains("column fingerprint") && err.contains("no fingerprint column"),
+        "{err}"
+    );
+    let demo = common::repo().join("rules/demo.json");
+    ok(&tollgate(&["replay", p(&old), "--rules", p(&demo)]));
+    let bad = write(
+        "bad.csv",
+        "time,key,method,path,fingerprint\n1,k-7,GET,/v1/orders,0123456789ABCDEF\n",
+    );
+    let err = fails(&tollgate(&["replay", p(&bad), "--rules", p(&rules)]));
+    assert!(
+        err.contains("line 2 (row 1), column fingerprint") && err.contains("is not a client fingerprint"),
+        "{err}"
+    );
+}

@@ -339,6 +339,9 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         }),
     };
     let snapshot = loader.load()?;
+    if tls.is_none() {
+        warn_fingerprints_without_tls(&snapshot);
+    }
     let rules = Arc::new(ArcSwap::from_pointee(snapshot));
     let metrics = Metrics::new();
     let reloader = Arc::new(Reloader::new(loader, rules.clone(), metrics.clone()));
@@ -583,6 +586,17 @@ async fn home_routed(
     Ok(Arc::new(crate::regions::home::HomeRouted::new(
         local, homes, home_of,
     )))
+}
+
+/// Without TLS every connection's fingerprint is `none`, so a fingerprint limit is one bucket
+/// for all its clients together: allowed (behind a proxy that ends TLS that may be meant), but
+/// said once at start.
+fn warn_fingerprints_without_tls(snap: &Snapshot) {
+    for l in &snap.limits {
+        if l.dimension == tollgate_rules::Dimension::Fingerprint {
+            tracing::warn!(limit = %l.name, "a fingerprint limit without --tls-cert: every client's fingerprint is \"none\", so all of them share one bucket");
+        }
+    }
 }
 
 /// Names a home Region the flags don't know, once at start.

@@ -190,6 +190,9 @@ pub struct Request<'a> {
     pub method: Option<&'a [u8]>,
     pub path: Option<&'a [u8]>,
     pub ip: Option<&'a [u8]>,
+    /// The connection's client fingerprint as an access line has it (`none`, `unparsed` or 16
+    /// hex digits), for rules with fingerprint limits.
+    pub fingerprint: Option<&'a [u8]>,
 }
 
 enum Engine {
@@ -481,7 +484,11 @@ impl Replay {
                     ));
                 };
                 let key = entry.rules_key.unwrap_or(0);
-                let paid = f.check(key, method, path, r.ip, gw, now, entry.excess_limit)?;
+                let who = rules::Who {
+                    ip: r.ip,
+                    fingerprint: r.fingerprint,
+                };
+                let paid = f.check(key, method, path, who, gw, now, entry.excess_limit)?;
                 (paid.verdict, paid.tokens)
             }
         };
@@ -583,7 +590,7 @@ pub(crate) fn run_trace<R: BufRead>(
                 return Err(TraceError::Header {
                     file: reader.file().to_string(),
                     reason: format!(
-                        "a --rules replay needs a {name:?} column (and method, path, optionally ip)"
+                        "a --rules replay needs a {name:?} column (and method, path, optionally ip and fingerprint)"
                     ),
                 }
                 .into());
@@ -622,6 +629,7 @@ pub(crate) fn run_trace<R: BufRead>(
                     method: row.method,
                     path: row.path,
                     ip: row.ip,
+                    fingerprint: row.fingerprint,
                 };
                 let v = replay.check(&req)?;
                 Ok(Some((time_us, v)))

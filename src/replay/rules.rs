@@ -18,7 +18,7 @@ use tollgate_limit::bucket::{BucketParams, Rate};
 use tollgate_limit::clock::ManualClock;
 use tollgate_limit::decision::decide;
 use tollgate_rules::plan;
-use tollgate_rules::{Dimension, Snapshot};
+use tollgate_rules::{Dimension, Fingerprint, Snapshot};
 use tollgate_store::fingerprint;
 use tollgate_store::memory::MemoryStore;
 
@@ -32,6 +32,14 @@ pub(crate) struct RulesFleet {
     renamed: HashMap<(u64, u64), (Arc<str>, u64)>,
     shares: HashMap<BucketParams, BucketParams>,
     pub store_calls: u64,
+}
+
+/// A row's caller, as far as the trace tells: its client address and its connection's client
+/// fingerprint, each optional.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Who<'a> {
+    pub ip: Option<&'a [u8]>,
+    pub fingerprint: Option<&'a [u8]>,
 }
 
 /// What one row paid: the verdict, and the tokens it paid into its key's rate limit (for
@@ -113,7 +121,7 @@ impl RulesFleet {
         key: usize,
         method: &[u8],
         path: &[u8],
-        ip: Option<&[u8]>,
+        who: Who<'_>,
         gw: u64,
         now: u64,
         excess_limit: Option<u16>,
@@ -139,7 +147,7 @@ impl RulesFleet {
             ));
         };
         let route = &snap.routes[ri];
-        let ip: IpAddr = match ip {
+        let ip: IpAddr = match who.ip {
             Some(text) => {
                 let t = std::str::from_utf8(text).unwrap_or("");
                 t.parse().map_err(|_| {
@@ -167,12 +175,40 @@ impl RulesFleet {
                 IpAddr::V4(Ipv4Addr::UNSPECIFIED)
             }
         };
-        let mut batch = plan::build(&snap, route, Some(key), ip, &self.headers, None).map_err(|e| {
-            RowError::new(
-                "path",
-                format!("route {:?}: {e} (traces carry no headers)", route.name),
-            )
-        })?;
+        let client = match who.fingerprint {
+            Some(text) => std::str::from_utf8(text)
+                .ok()
+                .and_then(|t| t.parse::<Fingerprint>().ok())
+                .ok_or_else(|| {
+                    let shown = String::from_utf8_lossy(text);
+                    let e = tollgate_rules::BadFingerprint(shown.into_owned());
+                    RowError::new("fingerprint", e.to_string())
+                })?,
+            None => {
+                if let Some(&(li, _)) = route
+                    .costs
+                    .iter()
+                    .find(|(li, _)| snap.limits[*li as usize].dimension == Dimension::Fingerprint)
+                {
+                    return Err(RowError::new(
+                        "fingerprint",
+                        format!(
+                            "route {:?} charges the fingerprint limit {:?}, but the trace has no fingerprint column",
+                            route.name, snap.limits[li as usize].name
+                        ),
+                    ));
+                }
+                // Never read: no limit of the route keys on it.
+                Fingerprint::None
+            }
+        };
+        let mut batch =
+            plan::build(&snap, route, Some(key), ip, client, &self.headers, None).map_err(|e| {
+                RowError::new(
+                    "path",
+                    format!("route {:?}: {e} (traces carry no headers)", route.name),
+                )
+            })?;
         if batch.is_empty() {
             return Ok(Paid {
                 verdict: Verdict::ALLOW,

@@ -2,8 +2,8 @@
 //! with errors that name the file, line, row and column.
 //!
 //! Columns are found by name in the header (case-insensitive): `time` and `key` are required;
-//! `gateway`, `cost`, `method`, `path` and `ip` are optional; other columns (an access log's
-//! status, latency, …) are ignored. Fields may be quoted (`"…"`, with `""` for a quote), but a
+//! `gateway`, `cost`, `method`, `path`, `ip` and `fingerprint` are optional; other columns (an
+//! access log's status, latency, …) are ignored. Fields may be quoted (`"…"`, with `""` for a quote), but a
 //! quoted field can't span lines. Empty lines are skipped. The parser is hand-written: the
 //! trace format is small, and a byte-level fast path keeps the replay above ten million rows a
 //! minute on one core.
@@ -22,6 +22,7 @@ pub(crate) struct Columns {
     pub method: Option<usize>,
     pub path: Option<usize>,
     pub ip: Option<usize>,
+    pub fingerprint: Option<usize>,
     /// Fields every row must have.
     pub count: usize,
 }
@@ -83,6 +84,7 @@ pub(crate) struct RawRow<'a> {
     pub method: Option<&'a [u8]>,
     pub path: Option<&'a [u8]>,
     pub ip: Option<&'a [u8]>,
+    pub fingerprint: Option<&'a [u8]>,
 }
 
 impl<R: BufRead> TraceReader<R> {
@@ -139,7 +141,7 @@ impl<R: BufRead> TraceReader<R> {
         let required = |name: &str| -> Result<usize, TraceError> {
             find(name)?.ok_or_else(|| {
                 header_err(format!(
-                    "no {name:?} column (the header has: {}); a trace needs time and key, and may have gateway, cost, method, path and ip",
+                    "no {name:?} column (the header has: {}); a trace needs time and key, and may have gateway, cost, method, path, ip and fingerprint",
                     names.join(", ")
                 ))
             })
@@ -152,6 +154,7 @@ impl<R: BufRead> TraceReader<R> {
             method: find("method")?,
             path: find("path")?,
             ip: find("ip")?,
+            fingerprint: find("fingerprint")?,
             count: names.len(),
         };
         Ok(TraceReader {
@@ -242,6 +245,7 @@ impl<R: BufRead> TraceReader<R> {
             method: opt(self.cols.method),
             path: opt(self.cols.path),
             ip: opt(self.cols.ip),
+            fingerprint: opt(self.cols.fingerprint),
         }))
     }
 }

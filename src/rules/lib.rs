@@ -26,6 +26,7 @@ use raw::{
     RawBlock, RawDimension, RawDimensionName, RawEncodedSlashes, RawKey, RawLimit, RawNumbers, RawPathMatch,
     RawQuota, RawRoute, RawRules, RawUpstream,
 };
+pub use tollgate_hello::{BadFingerprint, Fingerprint};
 use tollgate_http1::path::{self, EncodedSlashes};
 pub use tollgate_limit::batch::LeaseBlock;
 use tollgate_limit::batch::{FailurePolicy, fingerprint};
@@ -82,6 +83,9 @@ pub enum Dimension {
     Header(HeaderName),
     /// A top-level field of a JSON request body.
     BodyField(String),
+    /// The client fingerprint of the connection (`tollgate_hello`): one client library's TLS
+    /// ClientHello, whatever address it comes from.
+    Fingerprint,
 }
 
 impl Dimension {
@@ -92,6 +96,7 @@ impl Dimension {
             Dimension::Ip => "ip".into(),
             Dimension::Header(h) => format!("header {h}"),
             Dimension::BodyField(f) => format!("body field {f}"),
+            Dimension::Fingerprint => "fingerprint".into(),
         }
     }
 }
@@ -728,17 +733,18 @@ impl Compiler<'_> {
             RawDimension::Named(RawDimensionName::Key) => Dimension::Key,
             RawDimension::Named(RawDimensionName::Route) => Dimension::Route,
             RawDimension::Named(RawDimensionName::Ip) => Dimension::Ip,
-            RawDimension::BodyField(b) => {
-                if b.body_field.is_empty() {
+            RawDimension::Named(RawDimensionName::Fingerprint) => Dimension::Fingerprint,
+            RawDimension::BodyField(f) => {
+                if f.is_empty() {
                     return Err(self.err(format!("{field}.dimension.body_field"), "must not be empty"));
                 }
-                Dimension::BodyField(b.body_field.clone())
+                Dimension::BodyField(f.clone())
             }
             RawDimension::Header(h) => {
-                Dimension::Header(HeaderName::from_bytes(h.header.as_bytes()).map_err(|_| {
+                Dimension::Header(HeaderName::from_bytes(h.as_bytes()).map_err(|_| {
                     self.err(
                         format!("{field}.dimension.header"),
-                        format!("{:?} is not a header name", h.header),
+                        format!("{h:?} is not a header name"),
                     )
                 })?)
             }
@@ -1185,8 +1191,8 @@ impl Compiler<'_> {
     /// In Redis Cluster one script reaches one slot, so every bucket of one request must
     /// share a hash tag. Buckets of a keyed request are tagged with the tenant, except IP
     /// buckets, tagged with the address; without a key, header buckets are tagged with the
-    /// header's value. A route that mixes tags can't be checked in one atomic step there, so
-    /// it is refused at load, naming the limits.
+    /// header's value and fingerprint buckets with the fingerprint. A route that mixes tags
+    /// can't be checked in one atomic step there, so it is refused at load, naming the limits.
     fn check_one_slot(
         &self,
         routes: &[Route],
@@ -1215,6 +1221,7 @@ impl Compiler<'_> {
                         Dimension::Route | Dimension::Ip => "the client IP".to_string(),
                         Dimension::Header(h) => format!("the {h} header"),
                         Dimension::BodyField(f) => format!("the body field {f:?}"),
+                        Dimension::Fingerprint => "the client fingerprint".to_string(),
                     };
                     open.entry(tag).or_default().push(&l.name);
                 }

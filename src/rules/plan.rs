@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use http::HeaderMap;
 
-use super::{ApiKey, Dimension, Limit, Prepared, Route, Snapshot};
+use super::{ApiKey, Dimension, Fingerprint, Limit, Prepared, Route, Snapshot};
 use tollgate_limit::batch::{Batch, CheckItem};
 use tollgate_limit::bucket::Charge;
 
@@ -67,13 +67,15 @@ fn ip_tag(out: &mut String, ip: IpAddr) {
     let _ = write!(out, "rl:{{ip:{ip}}}:");
 }
 
-/// Builds the batch for one request. `key` is the authenticated key, if any.
-/// `body_value` is the route's JSON body field, already read, for limits keyed on it.
+/// Builds the batch for one request. `key` is the authenticated key, if any; `fingerprint`
+/// is the connection's client fingerprint. `body_value` is the route's JSON body field,
+/// already read, for limits keyed on it.
 pub fn build(
     snap: &Snapshot,
     route: &Route,
     key: Option<usize>,
     ip: IpAddr,
+    fingerprint: Fingerprint,
     headers: &HeaderMap,
     body_value: Option<&[u8]>,
 ) -> Result<Batch, PlanError> {
@@ -86,7 +88,8 @@ pub fn build(
         if key.is_none() && Some(li) == snap.unauthenticated.map(|u| u.0) {
             has_unauth = true;
         }
-        let Some(item) = item_for(limit, idx, key, route, ip, headers, body_value, cost)? else {
+        let who = Who { key, ip, fingerprint };
+        let Some(item) = item_for(limit, idx, &who, route, headers, body_value, cost)? else {
             continue;
         };
         batch.push(item);
@@ -127,17 +130,23 @@ fn unauthenticated(snap: &Snapshot, li: u16, cost: u64, ip: IpAddr) -> Option<Ch
     ))
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Who is asking, as far as the connection and the key tell.
+struct Who<'s> {
+    key: Option<&'s ApiKey>,
+    ip: IpAddr,
+    fingerprint: Fingerprint,
+}
+
 fn item_for(
     limit: &Limit,
     idx: usize,
-    key: Option<&ApiKey>,
+    who: &Who<'_>,
     route: &Route,
-    ip: IpAddr,
     headers: &HeaderMap,
     body_value: Option<&[u8]>,
     cost: u64,
 ) -> Result<Option<CheckItem>, PlanError> {
+    let (key, ip) = (who.key, who.ip);
     let numbers = match key {
         Some(k) => k.numbers(limit, idx),
         None => limit.numbers.as_ref(),
@@ -178,6 +187,13 @@ fn item_for(
         (Dimension::Ip, _) => {
             ip_tag(&mut name, ip);
             name.push_str(&limit.name);
+        }
+        // Its text form needs no escaping: `none`, `unparsed` or hex digits.
+        (Dimension::Fingerprint, Some(k)) => {
+            let _ = write!(name, "rl:{{{}}}:{}:{}", k.tenant, limit.name, who.fingerprint);
+        }
+        (Dimension::Fingerprint, None) => {
+            let _ = write!(name, "rl:{{fp:{}}}:{}", who.fingerprint, limit.name);
         }
         (Dimension::BodyField(f), k) => {
             let Some(value) = body_value.filter(|v| !v.is_empty()) else {
@@ -225,5 +241,104 @@ mod tests {
         let mut long = String::new();
         push_value(&mut long, &[b'x'; 200]);
         assert!(long.starts_with("sha256=") && long.len() == 7 + 32);
+    }
+
+    fn fingerprint_rules(opts: crate::CompileOptions) -> Result<Snapshot, crate::RulesError> {
+        crate::compile(
+            br#"{"version": 1, "upstreams": {"u": {"url": "http://127.0.0.1:9"}},
+                "limits": {"clients": {"dimension": "fingerprint", "rate": "20/60s", "burst": 20},
+                           "plan": {"dimension": "key", "rate": "10/1s", "burst": 10}},
+                "keys": [{"id": "k-7", "tenant": "k7",
+                          "sha256": "80eb978e9718fd80febfebcc532e51df464a198ba85d15a9b9b6fb31acc1b3bc"}],
+                "routes": [{"method": "POST", "path": "/login", "upstream": "u", "key": "optional",
+                            "cost": {"clients": 1}},
+                           {"method": "GET", "path": "/v1", "upstream": "u", "cost": {"clients": 1, "plan": 1}}]}"#,
+            "t.json",
+            opts,
+        )
+    }
+
+    #[test]
+    fn fingerprint_buckets_are_per_fingerprint_and_within_a_tenant() {
+        let snap = fingerprint_rules(crate::CompileOptions::default()).unwrap();
+        let ip: IpAddr = "192.0.2.1".parse().unwrap();
+        let other_ip: IpAddr = "198.51.100.7".parse().unwrap();
+        let fp: Fingerprint = "0123456789abcdef".parse().unwrap();
+        let names = |route: usize, key: Option<usize>, ip: IpAddr, fp: Fingerprint| -> Vec<String> {
+            build(&snap, &snap.routes[route], key, ip, fp, &HeaderMap::new(), None)
+                .unwrap()
+                .iter()
+                .map(|i| i.key.to_string())
+                .collect()
+        };
+        let login = snap.routes.iter().position(|r| &*r.prefix == "/login").unwrap();
+        let v1 = snap.routes.iter().position(|r| &*r.prefix == "/v1").unwrap();
+        assert_eq!(names(login, None, ip, fp), ["rl:{fp:0123456789abcdef}:clients"]);
+        assert_eq!(
+            names(login, None, ip, fp),
+            names(login, None, other_ip, fp),
+            "one client from two addresses is one bucket"
+        );
+        assert_eq!(
+            names(login, None, ip, Fingerprint::None),
+            ["rl:{fp:none}:clients"]
+        );
+        assert_eq!(
+            names(login, None, ip, Fingerprint::Unparsed),
+            ["rl:{fp:unparsed}:clients"]
+        );
+        assert_eq!(
+            names(v1, Some(0), ip, fp),
+            ["rl:{k7}:clients:0123456789abcdef", "rl:{k7}:plan"],
+            "with a key, within the tenant's tag"
+        );
+    }
+
+    #[test]
+    fn fingerprint_limits_share_a_slot_with_the_tenant_only() {
+        let cluster = crate::CompileOptions { cluster: true };
+        fingerprint_rules(cluster).expect("keyed: every bucket on the tenant's tag");
+        let text = br#"{"version": 1, "upstreams": {"u": {"url": "http://127.0.0.1:9"}},
+            "limits": {"clients": {"dimension": "fingerprint", "rate": "20/60s", "burst": 20},
+                       "account": {"dimension": {"header": "X-Account"}, "rate": "5/60s", "burst": 5}},
+            "routes": [{"method": "POST", "path": "/login", "upstream": "u", "key": "optional",
+                        "cost": {"clients": 1, "account": 1}}]}"#;
+        let e = crate::compile(text, "t.json", cluster).unwrap_err();
+        assert!(e.reason.contains("on the client fingerprint"), "{e}");
+        crate::compile(text, "t.json", crate::CompileOptions::default()).expect("one Redis: fine");
+    }
+
+    #[test]
+    fn a_wrong_dimension_is_named_with_the_choices() {
+        let with = |dim: &str| {
+            let text = format!(
+                r#"{{"version": 1, "upstreams": {{"u": {{"url": "http://127.0.0.1:9"}}}},
+                    "limits": {{"l": {{"dimension": {dim}, "rate": "1/1s", "burst": 1}}}},
+                    "routes": [{{"method": "GET", "path": "/", "upstream": "u", "cost": {{"l": 1}}}}]}}"#
+            );
+            crate::compile(text.as_bytes(), "t.json", crate::CompileOptions::default())
+        };
+        let snap = with(r#""fingerprint""#).unwrap();
+        assert_eq!(snap.limits[0].dimension, Dimension::Fingerprint);
+        for (dim, says) in [
+            (
+                r#""fingerprnt""#,
+                r#""fingerprnt" is not a dimension; use "key", "route", "ip", "fingerprint""#,
+            ),
+            (
+                r#"{"fingerprint": true}"#,
+                r#"the fingerprint dimension takes no settings: write "fingerprint""#,
+            ),
+            (
+                r#"{"header": 7}"#,
+                r#"{"header": ...} takes the header's name as a string"#,
+            ),
+            (r#"{"header": "a", "body_field": "b"}"#, "is not a dimension"),
+            ("42", "42 is not a dimension"),
+        ] {
+            let e = with(dim).unwrap_err();
+            assert_eq!(e.field, "limits.l.dimension", "{e}");
+            assert!(e.reason.contains(says), "{dim}: {e}");
+        }
     }
 }

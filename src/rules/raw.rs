@@ -67,8 +67,7 @@ pub(crate) enum RawPathMatch {
     CaseInsensitive,
 }
 
-#[derive(Debug, Deserialize, Clone, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum RawDimensionName {
     /// One bucket per tenant (the key's plan).
     Key,
@@ -76,29 +75,67 @@ pub(crate) enum RawDimensionName {
     Route,
     /// One bucket per client IP.
     Ip,
+    /// One bucket per client fingerprint (the TLS ClientHello's; `none` on plain TCP).
+    Fingerprint,
 }
 
-#[derive(Debug, Deserialize, Clone, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct RawHeaderDimension {
-    /// One bucket per value of this request header.
-    pub header: String,
-}
-
-#[derive(Debug, Deserialize, Clone, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct RawBodyFieldDimension {
-    /// One bucket per value of this top-level field of a JSON request body (read at most
-    /// 16 KiB of it), e.g. the account of a login.
-    pub body_field: String,
-}
-
-#[derive(Debug, Deserialize, Clone, PartialEq, Eq)]
-#[serde(untagged)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum RawDimension {
     Named(RawDimensionName),
-    Header(RawHeaderDimension),
-    BodyField(RawBodyFieldDimension),
+    /// One bucket per value of this request header.
+    Header(String),
+    /// One bucket per value of this top-level field of a JSON request body (read at most
+    /// 16 KiB of it), e.g. the account of a login.
+    BodyField(String),
+}
+
+/// Every form a dimension may take, for the error that names a wrong one.
+const DIMENSIONS: &str =
+    "\"key\", \"route\", \"ip\", \"fingerprint\", {\"header\": NAME} or {\"body_field\": NAME}";
+
+/// Read by hand rather than as an untagged enum, whose one error ("did not match any variant")
+/// would not say what was wrong nor what is allowed.
+impl<'de> Deserialize<'de> for RawDimension {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<RawDimension, D::Error> {
+        use serde::de::Error;
+        use serde_json::Value;
+        let v = Value::deserialize(d)?;
+        match &v {
+            Value::String(s) => Ok(RawDimension::Named(match s.as_str() {
+                "key" => RawDimensionName::Key,
+                "route" => RawDimensionName::Route,
+                "ip" => RawDimensionName::Ip,
+                "fingerprint" => RawDimensionName::Fingerprint,
+                other => {
+                    return Err(D::Error::custom(format!(
+                        "{other:?} is not a dimension; use {DIMENSIONS}"
+                    )));
+                }
+            })),
+            Value::Object(m) if m.len() == 1 => {
+                let (name, value) = m.iter().next().expect("one entry");
+                let text = |what: &str| match value {
+                    Value::String(t) => Ok(t.clone()),
+                    _ => Err(D::Error::custom(format!(
+                        "{{{name:?}: ...}} takes the {what} as a string"
+                    ))),
+                };
+                match name.as_str() {
+                    "header" => Ok(RawDimension::Header(text("header's name")?)),
+                    "body_field" => Ok(RawDimension::BodyField(text("field's name")?)),
+                    "key" | "route" | "ip" | "fingerprint" => Err(D::Error::custom(format!(
+                        "the {name} dimension takes no settings: write \"{name}\""
+                    ))),
+                    other => Err(D::Error::custom(format!(
+                        "{other:?} is not a dimension; use {DIMENSIONS}"
+                    ))),
+                }
+            }
+            other => Err(D::Error::custom(format!(
+                "{other} is not a dimension; use {DIMENSIONS}"
+            ))),
+        }
+    }
 }
 
 #[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq, Default)]

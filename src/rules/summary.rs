@@ -44,6 +44,7 @@ pub fn summary(snap: &Snapshot) -> String {
             Dimension::Ip => "per client IP".to_string(),
             Dimension::Header(h) => format!("per {h} value"),
             Dimension::BodyField(f) => format!("per body field {f:?}"),
+            Dimension::Fingerprint => "per client fingerprint".to_string(),
         };
         let _ = writeln!(
             out,

@@ -15,7 +15,7 @@ use tollgate_limit::clock::ManualClock;
 use tollgate_limit::decision::decide;
 use tollgate_rules::identity::{self, TrustedProxies};
 use tollgate_rules::plan;
-use tollgate_rules::{self as rules, CompileOptions, Snapshot};
+use tollgate_rules::{self as rules, CompileOptions, Fingerprint, Snapshot};
 use tollgate_store::CheckItem;
 use tollgate_store::memory::MemoryStore;
 
@@ -243,12 +243,20 @@ pub fn classify(data: &[u8]) {
     // the route, the key and the limiter.
     parts.version = http::Version::HTTP_10;
     let headers = &parts.headers;
-    match gateway::classify(snap, &parts, peer, trusted) {
+    match gateway::classify(snap, &parts, peer, Fingerprint::None, trusted) {
         Ok((c, _)) => {
             assert_eq!(c.ip, ip);
             let route = &snap.routes[c.route];
             let key = c.key.map(|k| k.0);
-            if let Ok(batch) = plan::build(snap, route, key, c.ip, headers, head.body_value.as_deref()) {
+            if let Ok(batch) = plan::build(
+                snap,
+                route,
+                key,
+                c.ip,
+                c.fingerprint,
+                headers,
+                head.body_value.as_deref(),
+            ) {
                 check(snap, &batch, key, &head);
             }
         }

@@ -91,7 +91,7 @@ pub async fn serve(
             rest.extend_from_slice(&buf);
             return Ended::HandOff(Prefixed::new(rest.freeze(), tcp));
         };
-        let mut b = gw.begin(parts.method.clone(), &mut parts.headers);
+        let mut b = gw.begin(parts.method.clone(), &mut parts.headers, info);
         let closing = *stop.borrow();
         let is_head = parts.method == Method::HEAD;
         let admitted = match gw.identify(&mut b, &mut parts, info).await {

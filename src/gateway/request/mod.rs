@@ -32,7 +32,7 @@ use tollgate_meter::flags::Flags;
 use tollgate_rules::identity::{self, KeySource, TrustedProxies};
 use tollgate_rules::plan;
 use tollgate_rules::quota::Quota;
-use tollgate_rules::{KeyRequirement, Snapshot, hash_secret};
+use tollgate_rules::{Fingerprint, KeyRequirement, Snapshot, hash_secret};
 use tollgate_store::seats::{MemorySeats, Seat, Seats, Taken};
 use tollgate_store::{Batch, Outcome, Store, StoreError};
 use tollgate_telemetry::logsample::Sampler;
@@ -82,6 +82,8 @@ struct Trace {
     key_id: Option<Arc<str>>,
     /// The key an admitted request is billed to, until a refund says it never arrived.
     metered: Option<usize>,
+    /// Its connection's client fingerprint.
+    fingerprint: Fingerprint,
 }
 
 /// A client's `X-Request-Id` is kept when it is 1 to 128 characters of `[A-Za-z0-9._:-]`;
@@ -337,7 +339,7 @@ impl Gateway {
             }
             _ => Vec::new(),
         };
-        let mut batch = match plan::build(snap, route, key_idx, c.ip, headers, body_value) {
+        let mut batch = match plan::build(snap, route, key_idx, c.ip, c.fingerprint, headers, body_value) {
             Ok(b) => b,
             Err(e) => return Err(Refusal::BadRequest(e.to_string()).into_response()),
         };
@@ -530,9 +532,15 @@ impl Gateway {
         resp
     }
 
-    /// Starts a request: its snapshot (kept to the end, whatever reloads meanwhile), its
-    /// request id (the client's when valid, else a new one, also sent upstream) and its clock.
-    pub(crate) fn begin(&self, method: http::Method, headers: &mut http::HeaderMap) -> Begun<'_> {
+    /// Starts a request on a connection: its snapshot (kept to the end, whatever reloads
+    /// meanwhile), its request id (the client's when valid, else a new one, also sent upstream)
+    /// and its clock.
+    pub(crate) fn begin(
+        &self,
+        method: http::Method,
+        headers: &mut http::HeaderMap,
+        conn: &ConnInfo,
+    ) -> Begun<'_> {
         let started = Instant::now();
         let in_flight = InFlight::new(&self.metrics.in_flight);
         let snap = self.rules.load_full();
@@ -552,7 +560,10 @@ impl Gateway {
             started,
             request_id,
             method,
-            trace: Trace::default(),
+            trace: Trace {
+                fingerprint: conn.fingerprint,
+                ..Trace::default()
+            },
             end: End::Open,
             _in_flight: in_flight,
         }
@@ -588,6 +599,7 @@ impl Gateway {
             status,
             limit = b.trace.limit.as_deref().unwrap_or("-"),
             key = b.trace.key_id.as_deref().unwrap_or("-"),
+            fingerprint = %b.trace.fingerprint,
             latency_us = b.started.elapsed().as_micros() as u64,
             request_id = b.request_id.to_str().unwrap_or("-"),
             "request"
@@ -597,7 +609,7 @@ impl Gateway {
     /// Serves one request with one rules snapshot from start to end, whatever reloads meanwhile.
     pub async fn serve(&self, mut req: Request<Incoming>, conn: ConnInfo) -> Response<Body> {
         let method = req.method().clone();
-        let mut b = self.begin(method, req.headers_mut());
+        let mut b = self.begin(method, req.headers_mut(), &conn);
         let mut resp = match conn.framing.next_request() {
             // Framed two ways: refuse, and close the connection, whose next bytes can't be trusted.
             Some(why) => {
@@ -630,7 +642,7 @@ impl Gateway {
         // Disjoint borrows of the request's state, not clones of its `Arc`s.
         let (snap, live, trace) = (&*b.snap, &*b.live, &mut b.trace);
         let peer = identity::canonical(conn.peer.ip());
-        let (c, path) = match classify(snap, parts, peer, &self.trusted) {
+        let (c, path) = match classify(snap, parts, peer, conn.fingerprint, &self.trusted) {
             Ok(c) => c,
             Err(Early::Refuse(r)) => return Err(r.into_response()),
             Err(Early::Unauthorized { route, ip, why }) => {
@@ -938,6 +950,8 @@ pub struct Classified {
     pub peer: IpAddr,
     /// The client address the limits key on.
     pub ip: IpAddr,
+    /// The connection's client fingerprint.
+    pub fingerprint: Fingerprint,
 }
 
 /// A request answered before any limit is checked.
@@ -953,7 +967,7 @@ pub enum Early {
 }
 
 /// Reads a request head against a snapshot: framing, method, host and path checks, the route,
-/// the client address and the key. Pure, so it can be fuzzed.
+/// the client address and the key; `fingerprint` is its connection's. Pure, so it can be fuzzed.
 ///
 /// Routing is on the canonical path; when that differs from the client's spelling it comes
 /// back too, and the caller forwards it (see [`set_path`]), so the upstream serves exactly the
@@ -962,6 +976,7 @@ pub fn classify(
     snap: &Snapshot,
     parts: &http::request::Parts,
     peer: IpAddr,
+    fingerprint: Fingerprint,
     trusted: &TrustedProxies,
 ) -> Result<(Classified, Option<String>), Early> {
     let bad = |e: &dyn std::fmt::Display| Early::Refuse(Refusal::BadRequest(e.to_string()));
@@ -1021,7 +1036,16 @@ pub fn classify(
         Cow::Owned(p) => Some(p),
         Cow::Borrowed(_) => None,
     };
-    Ok((Classified { route, key, peer, ip }, rewritten))
+    Ok((
+        Classified {
+            route,
+            key,
+            peer,
+            ip,
+            fingerprint,
+        },
+        rewritten,
+    ))
 }
 
 /// Puts a canonical path in place of the client's, keeping the query byte for byte.

@@ -26,6 +26,7 @@ use tokio_rustls::TlsAcceptor;
 
 use crate::respond::Body;
 use framing::{Framing, Watched};
+use tollgate_hello::Fingerprint;
 
 /// The connection a request arrived on.
 #[derive(Debug, Clone)]
@@ -37,6 +38,9 @@ pub struct ConnInfo {
     pub framing: Arc<Framing>,
     /// The peer's address as a header value, made once per connection for `X-Forwarded-For`.
     pub peer_header: http::HeaderValue,
+    /// The client fingerprint of its TLS ClientHello (`none` on plain TCP), taken once before
+    /// the handshake.
+    pub fingerprint: Fingerprint,
 }
 
 /// Anything that answers requests: the gateway, the admin endpoints, the demo upstream.
@@ -152,16 +156,20 @@ pub async fn run<H: Handler>(
                 &tollgate_rules::identity::canonical(peer.ip()).to_string(),
             )
             .unwrap_or_else(|_| http::HeaderValue::from_static("unknown")),
+            fingerprint: Fingerprint::None,
         };
         let lane = limits.express && handler.has_plain_lane();
         let handler_lane = handler.clone();
-        let info_lane = info.clone();
         let handler = handler.clone();
-        let service = service_fn(move |req| {
-            let handler = handler.clone();
-            let info = info.clone();
-            async move { Ok::<_, Infallible>(handler.handle(req, info).await) }
-        });
+        // Made per connection once its `ConnInfo` is whole: a TLS connection's fingerprint is
+        // known only in its own task.
+        let service = move |info: ConnInfo| {
+            service_fn(move |req| {
+                let handler = handler.clone();
+                let info = info.clone();
+                async move { Ok::<_, Infallible>(handler.handle(req, info).await) }
+            })
+        };
         let watcher = graceful.watcher();
         let builder = builder.clone();
         match &tls {
@@ -169,7 +177,7 @@ pub async fn run<H: Handler>(
                 let stop = stop_rx.clone();
                 tokio::spawn(async move {
                     let io = if lane {
-                        match handler_lane.serve_plain(tcp, info_lane, limits, stop).await {
+                        match handler_lane.serve_plain(tcp, info.clone(), limits, stop).await {
                             Ended::Closed => return,
                             Ended::HandOff(io) => io,
                         }
@@ -178,7 +186,7 @@ pub async fn run<H: Handler>(
                     };
                     let conn = builder.serve_connection(
                         TokioIo::new(Watched::new(io, framing, limits.header_read_timeout)),
-                        service,
+                        service(info),
                     );
                     if let Err(e) = watcher.watch(conn.into_owned()).await {
                         tracing::debug!(%peer, error = %e, "connection ended with an error");
@@ -189,9 +197,19 @@ pub async fn run<H: Handler>(
                 let acceptor = acceptor.clone();
                 let handshake = limits.handshake_timeout;
                 tokio::spawn(async move {
-                    let stream = match tokio::time::timeout(handshake, acceptor.accept(tcp)).await {
-                        Ok(Ok(s)) => s,
-                        Ok(Err(e)) => {
+                    // The peek and the handshake share the one timeout: a client can't hold a
+                    // connection longer by sending its hello slowly.
+                    let handshake_done = async {
+                        let fingerprint = tls::fingerprint(&tcp, peer).await;
+                        (fingerprint, acceptor.accept(tcp).await)
+                    };
+                    let mut info = info;
+                    let stream = match tokio::time::timeout(handshake, handshake_done).await {
+                        Ok((fingerprint, Ok(s))) => {
+                            info.fingerprint = fingerprint;
+                            s
+                        }
+                        Ok((_, Err(e))) => {
                             tracing::debug!(%peer, error = %e, "TLS handshake failed");
                             return;
                         }
@@ -202,7 +220,7 @@ pub async fn run<H: Handler>(
                     };
                     let conn = builder.serve_connection(
                         TokioIo::new(Watched::new(stream, framing, limits.header_read_timeout)),
-                        service,
+                        service(info),
                     );
                     if let Err(e) = watcher.watch(conn.into_owned()).await {
                         tracing::debug!(%peer, error = %e, "connection ended with an error");
