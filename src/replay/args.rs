@@ -1,5 +1,5 @@
 //! The `tollgate replay` command line, and the command itself: read a trace (or generate one),
-//! replay it, print the table or `--json`, and write `--decisions`.
+//! replay it under each `--design`, print the table or `--json`, and write `--decisions`.
 
 use std::fs::File;
 use std::io::{self, BufReader, BufWriter, Write};
@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use clap::{Args, ValueEnum};
 
-use super::report::DecisionWriter;
+use super::report::{DecisionWriter, Summary};
 use super::trace::{TraceReader, parse_time_us};
 use super::{Algorithm, Design, LimitSpec, Replay, ReplayError, Settings, generate, run_trace, setting};
 use tollgate_limit::bucket::Rate;
@@ -37,6 +37,11 @@ Examples:
   tollgate replay exports.csv --rules rules/demo.json
   tollgate replay --generate hot -o hot.csv
   tollgate replay hot.csv --rate 10000/1s --burst 20000 --design lease --seed 1 --excess-from 33000.25
+  tollgate replay storm.csv --rate 600/60s --burst 20 --design central,local,shares
+
+Several designs (--design central,local,shares) replay the trace once each: the table prints one
+block per design, --json an array of the one-design objects in --design order, and --decisions
+a pair of columns per design (central_admitted,central_retry_after,local_admitted,…).
 
 Decisions CSV: admitted,retry_after per trace row, in trace order: 1,0 when admitted; 0,N when
 limited with Retry-After N seconds; 0, (empty) when no wait can help (cost above the burst).")]
@@ -53,9 +58,9 @@ pub struct ReplayArgs {
     /// The bucket's burst in tokens (token-bucket and gcra; window algorithms have none).
     #[arg(long)]
     pub burst: Option<u64>,
-    /// How the fleet shares the limit.
-    #[arg(long, value_enum, default_value_t)]
-    pub design: Design,
+    /// How the fleet shares the limit; several, comma-separated, replay the trace under each.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "central")]
+    pub design: Vec<Design>,
     /// How the limit counts.
     #[arg(long, value_enum, default_value_t)]
     pub algorithm: Algorithm,
@@ -141,8 +146,30 @@ fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> ReplayError {
     }
 }
 
-/// The settings these arguments describe (the rules file is loaded and compiled here).
-pub fn settings(a: &ReplayArgs) -> Result<Settings, ReplayError> {
+/// The designs to replay, in the order given; each at most once.
+fn designs(a: &ReplayArgs) -> Result<Vec<Design>, ReplayError> {
+    let mut out: Vec<Design> = Vec::with_capacity(a.design.len());
+    for &d in &a.design {
+        if out.contains(&d) {
+            return Err(setting("--design", format!("{} is listed twice", d.name())));
+        }
+        out.push(d);
+    }
+    if out.is_empty() {
+        out.push(Design::default());
+    }
+    if matches!(a.lease_block, Some(Block::Tokens(_))) && !out.contains(&Design::Lease) {
+        return Err(setting(
+            "--lease-block",
+            "only means something with --design lease",
+        ));
+    }
+    Ok(out)
+}
+
+/// The settings these arguments describe, one per design in `--design` order (the rules file
+/// is loaded and compiled here, once).
+pub fn settings(a: &ReplayArgs) -> Result<Vec<Settings>, ReplayError> {
     let limit = match (&a.rules, a.rate) {
         (Some(path), _) => {
             let snap = tollgate_rules::load(path, CompileOptions::default())?;
@@ -156,19 +183,23 @@ pub fn settings(a: &ReplayArgs) -> Result<Settings, ReplayError> {
             ));
         }
     };
-    Ok(Settings {
-        limit,
-        design: a.design,
-        algorithm: a.algorithm,
-        gateways: a.gateways,
-        seed: a.seed,
-        lease_rtt_us: a.lease_rtt,
-        lease_block: match a.lease_block {
-            None | Some(Block::Auto) => None,
-            Some(Block::Tokens(n)) => Some(n),
-        },
-        excess_from_us: a.excess_from,
-    })
+    let designs = designs(a)?;
+    Ok(designs
+        .into_iter()
+        .map(|design| Settings {
+            limit: limit.clone(),
+            design,
+            algorithm: a.algorithm,
+            gateways: a.gateways,
+            seed: a.seed,
+            lease_rtt_us: a.lease_rtt,
+            lease_block: match a.lease_block {
+                Some(Block::Tokens(n)) if design == Design::Lease => Some(n),
+                _ => None,
+            },
+            excess_from_us: a.excess_from,
+        })
+        .collect())
 }
 
 /// Runs `tollgate replay`.
@@ -196,7 +227,11 @@ pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
         return Ok(());
     }
     let settings = settings(a)?;
-    let mut replay = Replay::new(settings)?;
+    let designs: Vec<Design> = settings.iter().map(|s| s.design).collect();
+    let mut replays = settings
+        .into_iter()
+        .map(Replay::new)
+        .collect::<Result<Vec<_>, _>>()?;
     let path = a
         .trace
         .as_ref()
@@ -220,8 +255,9 @@ pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
     let mut decisions = match &a.decisions {
         Some(p) => {
             let f = File::create(p).map_err(io_err(format!("cannot create {}", p.display())))?;
+            let names: Vec<&str> = designs.iter().map(|d| d.name()).collect();
             Some(
-                DecisionWriter::new(BufWriter::with_capacity(1 << 20, f))
+                DecisionWriter::new(BufWriter::with_capacity(1 << 20, f), &names)
                     .map_err(io_err(format!("cannot write {}", p.display())))?,
             )
         }
@@ -232,22 +268,26 @@ pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
         .as_ref()
         .map(|p| p.display().to_string())
         .unwrap_or_default();
-    run_trace(&mut replay, &mut reader, true, size, &mut |_, v| {
+    run_trace(&mut replays, &mut reader, true, size, &mut |_, v| {
         if let Some(d) = decisions.as_mut() {
-            d.write(v.admitted, v.retry_after)
-                .map_err(io_err(format!("cannot write {dname}")))?;
+            d.write(v).map_err(io_err(format!("cannot write {dname}")))?;
         }
         Ok(())
     })?;
     if let Some(d) = decisions {
         d.finish().map_err(io_err(format!("cannot write {dname}")))?;
     }
-    let summary = replay.summary();
+    let summaries: Vec<Summary> = replays.iter().map(Replay::summary).collect();
     let mut out = io::stdout().lock();
-    let written = if a.json {
-        writeln!(out, "{}", summary.to_json())
-    } else {
-        summary.write_table(&mut out)
+    let written = match (a.json, summaries.as_slice()) {
+        (true, [one]) => writeln!(out, "{}", one.to_json()),
+        (true, many) => writeln!(out, "{}", Summary::many_to_json(many)),
+        (false, many) => many.iter().enumerate().try_for_each(|(i, s)| {
+            if i > 0 {
+                writeln!(out)?;
+            }
+            s.write_table(&mut out)
+        }),
     };
     written.map_err(io_err("cannot write to standard output"))?;
     Ok(())

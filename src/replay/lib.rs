@@ -563,21 +563,25 @@ impl Replay {
     }
 }
 
+/// What `run_trace` calls with each row's time and the replays' verdicts, in order.
+pub(crate) type OnRow<'a> = dyn FnMut(u64, &[Verdict]) -> Result<(), ReplayError> + 'a;
+
 /// How often a long replay reports progress on stderr.
 pub(crate) const PROGRESS_EVERY: u64 = 1_000_000;
 
-/// Replays every row of a trace; `on_row` gets each row's time and verdict in trace order.
+/// Replays every row of a trace through each replay (one per design, all with the same
+/// limit); `on_row` gets each row's time and the replays' verdicts, in trace order.
 /// With `total_bytes` known, progress lines on stderr show a percentage; they start after a
 /// million rows, and only when `progress` is set.
 pub(crate) fn run_trace<R: BufRead>(
-    replay: &mut Replay,
+    replays: &mut [Replay],
     reader: &mut TraceReader<R>,
     progress: bool,
     total_bytes: Option<u64>,
-    on_row: &mut dyn FnMut(u64, Verdict) -> Result<(), ReplayError>,
+    on_row: &mut OnRow<'_>,
 ) -> Result<u64, ReplayError> {
     let cols = reader.columns().clone();
-    if replay.needs_routes() {
+    if replays.iter().any(Replay::needs_routes) {
         for (name, c) in [("method", cols.method), ("path", cols.path)] {
             if c.is_none() {
                 return Err(TraceError::Header {
@@ -598,8 +602,10 @@ pub(crate) fn run_trace<R: BufRead>(
         }
     }
     let mut rows = 0u64;
+    let mut verdicts = Vec::with_capacity(replays.len());
     loop {
-        let parsed: Result<Option<(u64, Verdict)>, RowError> = {
+        verdicts.clear();
+        let parsed: Result<Option<u64>, RowError> = {
             let Some(row) = reader.next_row()? else { break };
             (|| {
                 let time_us = trace::parse_time_us(row.time).map_err(|e| RowError::new("time", e))?;
@@ -623,16 +629,18 @@ pub(crate) fn run_trace<R: BufRead>(
                     path: row.path,
                     ip: row.ip,
                 };
-                let v = replay.check(&req)?;
-                Ok(Some((time_us, v)))
+                for replay in replays.iter_mut() {
+                    verdicts.push(replay.check(&req)?);
+                }
+                Ok(Some(time_us))
             })()
         };
-        let (time_us, verdict) = match parsed {
+        let time_us = match parsed {
             Ok(Some(x)) => x,
             Ok(None) => break,
             Err(e) => return Err(reader.field_error(e).into()),
         };
-        on_row(time_us, verdict)?;
+        on_row(time_us, &verdicts)?;
         rows += 1;
         if progress && rows % PROGRESS_EVERY == 0 {
             match total_bytes {
