@@ -1,5 +1,6 @@
 //! The `tollgate replay` command line, and the command itself: read a trace (or generate one),
-//! replay it under each `--design`, print the table or `--json`, and write `--decisions`.
+//! replay it under each `--design`, print the table or `--json`, write `--decisions` and draw
+//! `--plot`.
 
 use std::fs::File;
 use std::io::{self, BufReader, BufWriter, Write};
@@ -8,6 +9,7 @@ use std::sync::Arc;
 
 use clap::{Args, ValueEnum};
 
+use super::plot::{Admitted, Chart, Format, Window};
 use super::report::{DecisionWriter, Summary};
 use super::trace::{TraceReader, parse_time_us};
 use super::{Algorithm, Design, LimitSpec, Replay, ReplayError, Settings, generate, run_trace, setting};
@@ -37,7 +39,8 @@ Examples:
   tollgate replay exports.csv --rules rules/demo.json
   tollgate replay --generate hot -o hot.csv
   tollgate replay hot.csv --rate 10000/1s --burst 20000 --design lease --seed 1 --excess-from 33000.25
-  tollgate replay storm.csv --rate 600/60s --burst 20 --design central,local,shares
+  tollgate replay storm.csv --rate 600/60s --burst 20 --design central,local --plot storm.svg
+  tollgate replay storm.csv --rate 600/60s --burst 20 --plot-tokens k-7 --plot-window 32400..+300ms --plot first-300ms.png
 
 Several designs (--design central,local,shares) replay the trace once each: the table prints one
 block per design, --json an array of the one-design objects in --design order, and --decisions
@@ -85,8 +88,21 @@ pub struct ReplayArgs {
     /// Write one `admitted,retry_after` row per trace row to this CSV file.
     #[arg(long)]
     pub decisions: Option<PathBuf>,
+    /// Draw admitted per second for each design to this file: .svg or .png.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+    /// Also draw this key's bucket tokens over time, in a second panel of the --plot file.
+    #[arg(long, value_name = "KEY", requires = "plot")]
+    pub plot_tokens: Option<String>,
+    /// With local or shares, which gateway's bucket --plot-tokens draws (0-based).
+    #[arg(long, default_value_t = 0, requires = "plot_tokens")]
+    pub plot_gateway: u64,
+    /// The span the charts show, FROM..TO in trace seconds; TO may be +DURATION after FROM
+    /// (32400..+300ms). Either end left out is the trace's own.
+    #[arg(long, value_name = "FROM..TO", value_parser = Window::parse, requires = "plot")]
+    pub plot_window: Option<Window>,
     /// Write a generated trace instead of replaying one.
-    #[arg(long, value_enum, conflicts_with_all = ["trace", "rules", "rate", "burst", "json", "decisions"])]
+    #[arg(long, value_enum, conflicts_with_all = ["trace", "rules", "rate", "burst", "json", "decisions", "plot"])]
     pub generate: Option<Generated>,
     /// Where --generate writes (default: standard output).
     #[arg(short = 'o', long, requires = "generate")]
@@ -228,10 +244,20 @@ pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
     }
     let settings = settings(a)?;
     let designs: Vec<Design> = settings.iter().map(|s| s.design).collect();
+    // Refuse a bad --plot before a long replay, not after it.
+    if let Some(p) = &a.plot {
+        Format::of(p)?;
+    }
+    let window = a.plot_window.unwrap_or_default();
     let mut replays = settings
         .into_iter()
         .map(Replay::new)
         .collect::<Result<Vec<_>, _>>()?;
+    if let Some(key) = &a.plot_tokens {
+        for r in &mut replays {
+            r.watch_tokens(key, a.plot_gateway, window)?;
+        }
+    }
     let path = a
         .trace
         .as_ref()
@@ -268,9 +294,13 @@ pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
         .as_ref()
         .map(|p| p.display().to_string())
         .unwrap_or_default();
-    run_trace(&mut replays, &mut reader, true, size, &mut |_, v| {
+    let mut admitted = a.plot.as_ref().map(|_| Admitted::new(window, designs.len()));
+    run_trace(&mut replays, &mut reader, true, size, &mut |t, v| {
         if let Some(d) = decisions.as_mut() {
             d.write(v).map_err(io_err(format!("cannot write {dname}")))?;
+        }
+        if let Some(p) = admitted.as_mut() {
+            p.row(t, v);
         }
         Ok(())
     })?;
@@ -278,6 +308,9 @@ pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
         d.finish().map_err(io_err(format!("cannot write {dname}")))?;
     }
     let summaries: Vec<Summary> = replays.iter().map(Replay::summary).collect();
+    if let (Some(path), Some(admitted)) = (&a.plot, admitted) {
+        plot(a, path, &designs, &replays, &summaries[0], admitted)?;
+    }
     let mut out = io::stdout().lock();
     let written = match (a.json, summaries.as_slice()) {
         (true, [one]) => writeln!(out, "{}", one.to_json()),
@@ -291,4 +324,44 @@ pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
     };
     written.map_err(io_err("cannot write to standard output"))?;
     Ok(())
+}
+
+fn plot(
+    a: &ReplayArgs,
+    path: &std::path::Path,
+    designs: &[Design],
+    replays: &[Replay],
+    summary: &Summary,
+    admitted: Admitted,
+) -> Result<(), ReplayError> {
+    let tokens = match &a.plot_tokens {
+        None => None,
+        Some(key) => {
+            let mut traces = Vec::with_capacity(replays.len());
+            for (r, d) in replays.iter().zip(designs) {
+                let Some(t) = r.token_trace() else {
+                    return Err(setting(
+                        "--plot-tokens",
+                        format!("{key:?} is not a key of this trace"),
+                    ));
+                };
+                let label = match d {
+                    Design::Local | Design::Shares => format!("{} (gateway {})", d.name(), a.plot_gateway),
+                    _ => d.name().to_string(),
+                };
+                traces.push((label, t.clone()));
+            }
+            Some((key.clone(), traces))
+        }
+    };
+    let chart = Chart {
+        subject: format!(
+            "{}, {}, {} gateways",
+            summary.limit, summary.algorithm, summary.gateways
+        ),
+        designs,
+        admitted,
+        tokens,
+    };
+    chart.write(path)
 }
