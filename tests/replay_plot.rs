@@ -321,4 +321,11 @@ fn bad_plot_flags_are_refused_naming_the_flag() {
         "{e}"
     );
     assert!(!svg.exists());
+    // A chart that cannot be written fails the command, after the figures are printed.
+    let nowhere = dir.path().join("missing").join("c.svg");
+    let o = run(&["--plot", p(&nowhere), "--json"]);
+    let e = fails(&o);
+    assert!(e.contains("cannot write") && e.contains("c.svg"), "{e}");
+    let json: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(json["admitted"], 1_834);
 }

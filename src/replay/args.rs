@@ -308,9 +308,6 @@ pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
         d.finish().map_err(io_err(format!("cannot write {dname}")))?;
     }
     let summaries: Vec<Summary> = replays.iter().map(Replay::summary).collect();
-    if let (Some(path), Some(admitted)) = (&a.plot, admitted) {
-        plot(a, path, &designs, &replays, &summaries[0], admitted)?;
-    }
     let mut out = io::stdout().lock();
     let written = match (a.json, summaries.as_slice()) {
         (true, [one]) => writeln!(out, "{}", one.to_json()),
@@ -323,9 +320,14 @@ pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
         }),
     };
     written.map_err(io_err("cannot write to standard output"))?;
+    // After the summary: a chart that cannot be written must not cost the figures.
+    if let (Some(path), Some(admitted)) = (&a.plot, admitted) {
+        plot(a, path, &designs, &replays, &summaries[0], admitted)?;
+    }
     Ok(())
 }
 
+/// Draws `--plot` from what the replays recorded.
 fn plot(
     a: &ReplayArgs,
     path: &std::path::Path,
