@@ -631,3 +631,70 @@ fn fingerprint_column_replays_fingerprint_limits() {
         "{err}"
     );
 }
+
+#[test]
+fn several_designs_replay_in_one_pass_and_report_each() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("storm.csv");
+    let decisions = dir.path().join("decisions.csv");
+    ok(&tollgate(&["replay", "--generate", "storm", "-o", p(&trace)]));
+    let limit = ["--rate", "600/60s", "--burst", "20"];
+    let run = |extra: &[&str]| {
+        let mut args = vec!["replay", p(&trace)];
+        args.extend_from_slice(&limit);
+        args.extend_from_slice(extra);
+        tollgate(&args)
+    };
+    let out = ok(&run(&[
+        "--design",
+        "central,local,shares",
+        "--json",
+        "--decisions",
+        p(&decisions),
+    ]));
+    // JSON: one object per design, in --design order, each what a one-design run prints.
+    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let all = json.as_array().expect("several designs print an array");
+    let designs: Vec<&str> = all.iter().map(|s| s["design"].as_str().unwrap()).collect();
+    assert_eq!(designs, ["central", "local", "shares"]);
+    assert_eq!(all[0]["admitted"], 1_834);
+    assert_eq!(all[1]["admitted"], 24_995);
+    let alone: serde_json::Value =
+        serde_json::from_str(&ok(&run(&["--design", "shares", "--json"]))).unwrap();
+    assert!(alone.is_object(), "one design prints one object, as before");
+    assert_eq!(all[2], alone);
+
+    // Decisions: a pair of columns per design. The 21st storm request is central's first
+    // refusal, while every local gateway still has its burst.
+    let d = std::fs::read_to_string(&decisions).unwrap();
+    let mut lines = d.lines();
+    assert_eq!(
+        lines.next(),
+        Some(
+            "central_admitted,central_retry_after,local_admitted,local_retry_after,shares_admitted,shares_retry_after"
+        )
+    );
+    let rows: Vec<&str> = lines.collect();
+    assert_eq!(rows.len(), 48_615);
+    assert!(rows[315 + 20].starts_with("0,1,1,0,"), "{}", rows[315 + 20]);
+
+    // The table: one block per design.
+    let table = ok(&run(&["--design", "central,local"]));
+    assert!(
+        table.contains("design central") && table.contains("design local"),
+        "{table}"
+    );
+    assert!(table.contains("46,781") && table.contains("23,620"), "{table}");
+
+    let e = fails(&run(&["--design", "central,local,central"]));
+    assert!(
+        e.contains("--design") && e.contains("central is listed twice"),
+        "{e}"
+    );
+    let e = fails(&run(&["--design", "central,nowhere"]));
+    assert!(e.contains("nowhere"), "{e}");
+    // --lease-block still needs lease among the designs, and applies to it alone.
+    let e = fails(&run(&["--design", "central,local", "--lease-block", "5"]));
+    assert!(e.contains("--lease-block") && e.contains("--design lease"), "{e}");
+    ok(&run(&["--design", "central,lease", "--lease-block", "5"]));
+}

@@ -9,7 +9,7 @@
 
 use std::collections::VecDeque;
 
-use tollgate_limit::bucket::{BucketParams, Charge, Rate, retry_after_secs};
+use tollgate_limit::bucket::{BucketParams, Charge, Rate, refill, retry_after_secs};
 use tollgate_limit::clock::ManualClock;
 use tollgate_limit::decision::decide;
 use tollgate_store::memory::MemoryStore;
@@ -306,6 +306,16 @@ impl Buckets {
                 retry_after: decide(batch, &outcome).retry_after(),
             }
         }
+    }
+
+    pub fn params(&self) -> BucketParams {
+        self.params
+    }
+
+    /// Units in an instance's bucket at `now`; a bucket never checked is full.
+    pub fn units_at(&self, instance: usize, now: u64) -> u64 {
+        let state = self.item(instance).and_then(|i| self.store.peek(i.fp));
+        refill(&self.params, state, now)
     }
 
     pub fn store(&self) -> &MemoryStore {

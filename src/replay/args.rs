@@ -1,5 +1,6 @@
 //! The `tollgate replay` command line, and the command itself: read a trace (or generate one),
-//! replay it, print the table or `--json`, and write `--decisions`.
+//! replay it under each `--design`, print the table or `--json`, write `--decisions` and draw
+//! `--plot`.
 
 use std::fs::File;
 use std::io::{self, BufReader, BufWriter, Write};
@@ -8,7 +9,8 @@ use std::sync::Arc;
 
 use clap::{Args, ValueEnum};
 
-use super::report::DecisionWriter;
+use super::plot::{Admitted, Chart, Format, Window};
+use super::report::{DecisionWriter, Summary};
 use super::trace::{TraceReader, parse_time_us};
 use super::{Algorithm, Design, LimitSpec, Replay, ReplayError, Settings, generate, run_trace, setting};
 use tollgate_limit::bucket::Rate;
@@ -37,6 +39,12 @@ Examples:
   tollgate replay exports.csv --rules rules/demo.json
   tollgate replay --generate hot -o hot.csv
   tollgate replay hot.csv --rate 10000/1s --burst 20000 --design lease --seed 1 --excess-from 33000.25
+  tollgate replay storm.csv --rate 600/60s --burst 20 --design central,local --plot storm.svg
+  tollgate replay storm.csv --rate 600/60s --burst 20 --plot-tokens k-7 --plot-window 32400..+300ms --plot first-300ms.png
+
+Several designs (--design central,local,shares) replay the trace once each: the table prints one
+block per design, --json an array of the one-design objects in --design order, and --decisions
+a pair of columns per design (central_admitted,central_retry_after,local_admitted,…).
 
 Decisions CSV: admitted,retry_after per trace row, in trace order: 1,0 when admitted; 0,N when
 limited with Retry-After N seconds; 0, (empty) when no wait can help (cost above the burst).")]
@@ -53,9 +61,9 @@ pub struct ReplayArgs {
     /// The bucket's burst in tokens (token-bucket and gcra; window algorithms have none).
     #[arg(long)]
     pub burst: Option<u64>,
-    /// How the fleet shares the limit.
-    #[arg(long, value_enum, default_value_t)]
-    pub design: Design,
+    /// How the fleet shares the limit; several, comma-separated, replay the trace under each.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "central")]
+    pub design: Vec<Design>,
     /// How the limit counts.
     #[arg(long, value_enum, default_value_t)]
     pub algorithm: Algorithm,
@@ -80,8 +88,21 @@ pub struct ReplayArgs {
     /// Write one `admitted,retry_after` row per trace row to this CSV file.
     #[arg(long)]
     pub decisions: Option<PathBuf>,
+    /// Draw admitted per second for each design to this file: .svg or .png.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+    /// Also draw this key's bucket tokens over time, in a second panel of the --plot file.
+    #[arg(long, value_name = "KEY", requires = "plot")]
+    pub plot_tokens: Option<String>,
+    /// With local or shares, which gateway's bucket --plot-tokens draws (0-based).
+    #[arg(long, default_value_t = 0, requires = "plot_tokens")]
+    pub plot_gateway: u64,
+    /// The span the charts show, FROM..TO in trace seconds; TO may be +DURATION after FROM
+    /// (32400..+300ms). Either end left out is the trace's own.
+    #[arg(long, value_name = "FROM..TO", value_parser = Window::parse, requires = "plot")]
+    pub plot_window: Option<Window>,
     /// Write a generated trace instead of replaying one.
-    #[arg(long, value_enum, conflicts_with_all = ["trace", "rules", "rate", "burst", "json", "decisions"])]
+    #[arg(long, value_enum, conflicts_with_all = ["trace", "rules", "rate", "burst", "json", "decisions", "plot"])]
     pub generate: Option<Generated>,
     /// Where --generate writes (default: standard output).
     #[arg(short = 'o', long, requires = "generate")]
@@ -141,8 +162,30 @@ fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> ReplayError {
     }
 }
 
-/// The settings these arguments describe (the rules file is loaded and compiled here).
-pub fn settings(a: &ReplayArgs) -> Result<Settings, ReplayError> {
+/// The designs to replay, in the order given; each at most once.
+fn designs(a: &ReplayArgs) -> Result<Vec<Design>, ReplayError> {
+    let mut out: Vec<Design> = Vec::with_capacity(a.design.len());
+    for &d in &a.design {
+        if out.contains(&d) {
+            return Err(setting("--design", format!("{} is listed twice", d.name())));
+        }
+        out.push(d);
+    }
+    if out.is_empty() {
+        out.push(Design::default());
+    }
+    if matches!(a.lease_block, Some(Block::Tokens(_))) && !out.contains(&Design::Lease) {
+        return Err(setting(
+            "--lease-block",
+            "only means something with --design lease",
+        ));
+    }
+    Ok(out)
+}
+
+/// The settings these arguments describe, one per design in `--design` order (the rules file
+/// is loaded and compiled here, once).
+pub fn settings(a: &ReplayArgs) -> Result<Vec<Settings>, ReplayError> {
     let limit = match (&a.rules, a.rate) {
         (Some(path), _) => {
             let snap = tollgate_rules::load(path, CompileOptions::default())?;
@@ -156,19 +199,23 @@ pub fn settings(a: &ReplayArgs) -> Result<Settings, ReplayError> {
             ));
         }
     };
-    Ok(Settings {
-        limit,
-        design: a.design,
-        algorithm: a.algorithm,
-        gateways: a.gateways,
-        seed: a.seed,
-        lease_rtt_us: a.lease_rtt,
-        lease_block: match a.lease_block {
-            None | Some(Block::Auto) => None,
-            Some(Block::Tokens(n)) => Some(n),
-        },
-        excess_from_us: a.excess_from,
-    })
+    let designs = designs(a)?;
+    Ok(designs
+        .into_iter()
+        .map(|design| Settings {
+            limit: limit.clone(),
+            design,
+            algorithm: a.algorithm,
+            gateways: a.gateways,
+            seed: a.seed,
+            lease_rtt_us: a.lease_rtt,
+            lease_block: match a.lease_block {
+                Some(Block::Tokens(n)) if design == Design::Lease => Some(n),
+                _ => None,
+            },
+            excess_from_us: a.excess_from,
+        })
+        .collect())
 }
 
 /// Runs `tollgate replay`.
@@ -196,7 +243,21 @@ pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
         return Ok(());
     }
     let settings = settings(a)?;
-    let mut replay = Replay::new(settings)?;
+    let designs: Vec<Design> = settings.iter().map(|s| s.design).collect();
+    // Refuse a bad --plot before a long replay, not after it.
+    if let Some(p) = &a.plot {
+        Format::of(p)?;
+    }
+    let window = a.plot_window.unwrap_or_default();
+    let mut replays = settings
+        .into_iter()
+        .map(Replay::new)
+        .collect::<Result<Vec<_>, _>>()?;
+    if let Some(key) = &a.plot_tokens {
+        for r in &mut replays {
+            r.watch_tokens(key, a.plot_gateway, window)?;
+        }
+    }
     let path = a
         .trace
         .as_ref()
@@ -220,8 +281,9 @@ pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
     let mut decisions = match &a.decisions {
         Some(p) => {
             let f = File::create(p).map_err(io_err(format!("cannot create {}", p.display())))?;
+            let names: Vec<&str> = designs.iter().map(|d| d.name()).collect();
             Some(
-                DecisionWriter::new(BufWriter::with_capacity(1 << 20, f))
+                DecisionWriter::new(BufWriter::with_capacity(1 << 20, f), &names)
                     .map_err(io_err(format!("cannot write {}", p.display())))?,
             )
         }
@@ -232,23 +294,76 @@ pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
         .as_ref()
         .map(|p| p.display().to_string())
         .unwrap_or_default();
-    run_trace(&mut replay, &mut reader, true, size, &mut |_, v| {
+    let mut admitted = a.plot.as_ref().map(|_| Admitted::new(window, designs.len()));
+    run_trace(&mut replays, &mut reader, true, size, &mut |t, v| {
         if let Some(d) = decisions.as_mut() {
-            d.write(v.admitted, v.retry_after)
-                .map_err(io_err(format!("cannot write {dname}")))?;
+            d.write(v).map_err(io_err(format!("cannot write {dname}")))?;
+        }
+        if let Some(p) = admitted.as_mut() {
+            p.row(t, v);
         }
         Ok(())
     })?;
     if let Some(d) = decisions {
         d.finish().map_err(io_err(format!("cannot write {dname}")))?;
     }
-    let summary = replay.summary();
+    let summaries: Vec<Summary> = replays.iter().map(Replay::summary).collect();
     let mut out = io::stdout().lock();
-    let written = if a.json {
-        writeln!(out, "{}", summary.to_json())
-    } else {
-        summary.write_table(&mut out)
+    let written = match (a.json, summaries.as_slice()) {
+        (true, [one]) => writeln!(out, "{}", one.to_json()),
+        (true, many) => writeln!(out, "{}", Summary::many_to_json(many)),
+        (false, many) => many.iter().enumerate().try_for_each(|(i, s)| {
+            if i > 0 {
+                writeln!(out)?;
+            }
+            s.write_table(&mut out)
+        }),
     };
     written.map_err(io_err("cannot write to standard output"))?;
+    // After the summary: a chart that cannot be written must not cost the figures.
+    if let (Some(path), Some(admitted)) = (&a.plot, admitted) {
+        plot(a, path, &designs, &replays, &summaries[0], admitted)?;
+    }
     Ok(())
+}
+
+/// Draws `--plot` from what the replays recorded.
+fn plot(
+    a: &ReplayArgs,
+    path: &std::path::Path,
+    designs: &[Design],
+    replays: &[Replay],
+    summary: &Summary,
+    admitted: Admitted,
+) -> Result<(), ReplayError> {
+    let tokens = match &a.plot_tokens {
+        None => None,
+        Some(key) => {
+            let mut traces = Vec::with_capacity(replays.len());
+            for (r, d) in replays.iter().zip(designs) {
+                let Some(t) = r.token_trace() else {
+                    return Err(setting(
+                        "--plot-tokens",
+                        format!("{key:?} is not a key of this trace"),
+                    ));
+                };
+                let label = match d {
+                    Design::Local | Design::Shares => format!("{} (gateway {})", d.name(), a.plot_gateway),
+                    _ => d.name().to_string(),
+                };
+                traces.push((label, t.clone()));
+            }
+            Some((key.clone(), traces))
+        }
+    };
+    let chart = Chart {
+        subject: format!(
+            "{}, {}, {} gateways",
+            summary.limit, summary.algorithm, summary.gateways
+        ),
+        designs,
+        admitted,
+        tokens,
+    };
+    chart.write(path)
 }

@@ -9,6 +9,7 @@
 //! - [`rules`]: a real rules file: routes, costs, several limits, all-or-nothing per request.
 //! - [`report`]: per-key statistics, the table, `--json` and `--decisions`.
 //! - [`generate`]: the spec's storm and hot-key traces.
+//! - [`plot`]: `--plot`'s charts, SVG or PNG: admitted per second per design, a bucket's tokens.
 //! - [`args`]: the command line.
 //!
 //! Nothing here reads a clock: each row's time is the only `now`. Designs: `central` is one
@@ -20,6 +21,7 @@ pub mod algorithms;
 pub mod args;
 pub mod generate;
 pub mod leased;
+pub mod plot;
 pub mod report;
 pub mod rules;
 pub mod trace;
@@ -32,6 +34,7 @@ pub use args::ReplayArgs;
 
 use self::algorithms::{Buckets, FixedWindow, Gcra, Metered, SlidingCounter, SlidingLog, Verdict, share};
 use self::leased::LeaseFleet;
+use self::plot::{TokenTrace, Window};
 use self::report::{KeyStats, KeySummary, Summary};
 use self::rules::RulesFleet;
 use self::trace::{TraceError, TraceReader, format_time_us, parse_whole};
@@ -214,6 +217,16 @@ struct KeyEntry {
     excess_limit: Option<u16>,
 }
 
+/// The one bucket whose tokens `--plot-tokens` draws.
+struct TokenProbe {
+    key: Box<str>,
+    /// Set once the key's first row arrives.
+    key_index: Option<u32>,
+    /// The gateway whose bucket it is, for designs with one bucket per gateway.
+    gateway: u64,
+    trace: TokenTrace,
+}
+
 /// A replay in progress: feed it rows in time order with [`Replay::check`].
 pub struct Replay {
     design: Design,
@@ -232,6 +245,7 @@ pub struct Replay {
     last_time: Option<u64>,
     /// Store calls of the central meters and buckets; the lease and rules engines count their own.
     store_calls: u64,
+    tokens: Option<TokenProbe>,
 }
 
 impl Replay {
@@ -297,6 +311,7 @@ impl Replay {
             first_time: None,
             last_time: None,
             store_calls: 0,
+            tokens: None,
         })
     }
 
@@ -369,6 +384,57 @@ impl Replay {
         })
     }
 
+    /// Records the tokens of `key`'s bucket (on `gateway`, for `local` and `shares`) before and
+    /// after each of its checks inside `window`. Only the token bucket of `--rate` has one
+    /// bucket per key whose tokens mean something alone.
+    pub fn watch_tokens(&mut self, key: &str, gateway: u64, window: Window) -> Result<(), ReplayError> {
+        let Engine::Buckets(b) = &self.engine else {
+            let why = if matches!(self.engine, Engine::Rules(_)) {
+                "draws one bucket of --rate and --burst; with --rules a request may take from several buckets"
+                    .to_string()
+            } else if self.design == Design::Lease {
+                "draws a bucket of central, local or shares; lease splits a key's tokens among the gateways' blocks".to_string()
+            } else {
+                format!(
+                    "draws a token bucket; --algorithm {} keeps no tokens (use token-bucket)",
+                    self.algorithm.name()
+                )
+            };
+            return Err(setting("--plot-tokens", why));
+        };
+        if gateway >= self.gateways {
+            return Err(setting(
+                "--plot-gateway",
+                format!(
+                    "{gateway} is not a gateway of this fleet: indexes are 0 to {} with --gateways {}",
+                    self.gateways - 1,
+                    self.gateways
+                ),
+            ));
+        }
+        if key.is_empty() {
+            return Err(setting(
+                "--plot-tokens",
+                "give the key whose bucket to draw, such as k-7",
+            ));
+        }
+        self.tokens = Some(TokenProbe {
+            key: key.into(),
+            key_index: self.key_ids.get(key).copied(),
+            gateway,
+            trace: TokenTrace::new(b.params(), window),
+        });
+        Ok(())
+    }
+
+    /// What `watch_tokens` recorded; `None` when not watching or the key never came.
+    pub fn token_trace(&self) -> Option<&TokenTrace> {
+        self.tokens
+            .as_ref()
+            .filter(|p| p.key_index.is_some())
+            .map(|p| &p.trace)
+    }
+
     /// Whether rows need `method` and `path` (a `--rules` replay).
     pub(crate) fn needs_routes(&self) -> bool {
         matches!(self.engine, Engine::Rules(_))
@@ -402,6 +468,11 @@ impl Replay {
             excess_limit: excess.map(|e| e.0),
         });
         self.key_ids.insert(key.into(), idx);
+        if let Some(p) = &mut self.tokens
+            && *p.key == *key
+        {
+            p.key_index = Some(idx);
+        }
         Ok(idx)
     }
 
@@ -457,6 +528,11 @@ impl Replay {
             Engine::Buckets(b) => {
                 let name = &entry.name;
                 let per_gateway = self.per_gateway;
+                let probe = self
+                    .tokens
+                    .as_mut()
+                    .filter(|p| p.key_index == Some(k) && (!per_gateway || p.gateway == gw));
+                let before = probe.as_ref().map(|_| b.units_at(instance, now));
                 let v = b.check(
                     instance,
                     || {
@@ -469,6 +545,9 @@ impl Replay {
                     now,
                     cost,
                 );
+                if let (Some(p), Some(before)) = (probe, before) {
+                    p.trace.record(now, before, b.units_at(instance, now));
+                }
                 (v, cost)
             }
             Engine::Gcra(m) => (m.check(instance, now, cost), cost),
@@ -570,21 +649,25 @@ impl Replay {
     }
 }
 
+/// What `run_trace` calls with each row's time and the replays' verdicts, in order.
+pub(crate) type OnRow<'a> = dyn FnMut(u64, &[Verdict]) -> Result<(), ReplayError> + 'a;
+
 /// How often a long replay reports progress on stderr.
 pub(crate) const PROGRESS_EVERY: u64 = 1_000_000;
 
-/// Replays every row of a trace; `on_row` gets each row's time and verdict in trace order.
+/// Replays every row of a trace through each replay (one per design, all with the same
+/// limit); `on_row` gets each row's time and the replays' verdicts, in trace order.
 /// With `total_bytes` known, progress lines on stderr show a percentage; they start after a
 /// million rows, and only when `progress` is set.
 pub(crate) fn run_trace<R: BufRead>(
-    replay: &mut Replay,
+    replays: &mut [Replay],
     reader: &mut TraceReader<R>,
     progress: bool,
     total_bytes: Option<u64>,
-    on_row: &mut dyn FnMut(u64, Verdict) -> Result<(), ReplayError>,
+    on_row: &mut OnRow<'_>,
 ) -> Result<u64, ReplayError> {
     let cols = reader.columns().clone();
-    if replay.needs_routes() {
+    if replays.iter().any(Replay::needs_routes) {
         for (name, c) in [("method", cols.method), ("path", cols.path)] {
             if c.is_none() {
                 return Err(TraceError::Header {
@@ -605,8 +688,10 @@ pub(crate) fn run_trace<R: BufRead>(
         }
     }
     let mut rows = 0u64;
+    let mut verdicts = Vec::with_capacity(replays.len());
     loop {
-        let parsed: Result<Option<(u64, Verdict)>, RowError> = {
+        verdicts.clear();
+        let parsed: Result<Option<u64>, RowError> = {
             let Some(row) = reader.next_row()? else { break };
             (|| {
                 let time_us = trace::parse_time_us(row.time).map_err(|e| RowError::new("time", e))?;
@@ -631,16 +716,18 @@ pub(crate) fn run_trace<R: BufRead>(
                     ip: row.ip,
                     fingerprint: row.fingerprint,
                 };
-                let v = replay.check(&req)?;
-                Ok(Some((time_us, v)))
+                for replay in replays.iter_mut() {
+                    verdicts.push(replay.check(&req)?);
+                }
+                Ok(Some(time_us))
             })()
         };
-        let (time_us, verdict) = match parsed {
+        let time_us = match parsed {
             Ok(Some(x)) => x,
             Ok(None) => break,
             Err(e) => return Err(reader.field_error(e).into()),
         };
-        on_row(time_us, verdict)?;
+        on_row(time_us, &verdicts)?;
         rows += 1;
         if progress && rows % PROGRESS_EVERY == 0 {
             match total_bytes {

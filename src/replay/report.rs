@@ -10,6 +10,8 @@ use std::io::{self, Write};
 
 use serde::Serialize;
 
+use super::algorithms::Verdict;
+
 use tollgate_limit::bucket::{Rate, US_PER_S};
 
 /// The most requests admitted in any window `[s, s + w)`, kept online with the admission
@@ -189,6 +191,11 @@ impl Summary {
         serde_json::to_string_pretty(self).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
     }
 
+    /// Several designs' summaries: a JSON array of the one-design objects, in `--design` order.
+    pub(crate) fn many_to_json(all: &[Summary]) -> String {
+        serde_json::to_string_pretty(all).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
+    }
+
     /// The human table.
     pub(crate) fn write_table(&self, out: &mut impl Write) -> io::Result<()> {
         writeln!(
@@ -272,29 +279,51 @@ pub(crate) fn group(n: u64) -> String {
 }
 
 /// Writes `admitted,retry_after` rows: `1,0` when admitted, `0,N` when limited, `0,` when no
-/// wait can help.
+/// wait can help. With several designs each row holds one such pair per design, under headers
+/// named after them (`central_admitted,central_retry_after,local_admitted,…`).
 pub(crate) struct DecisionWriter<W: Write> {
     out: W,
 }
 
 impl<W: Write> DecisionWriter<W> {
-    pub fn new(mut out: W) -> io::Result<DecisionWriter<W>> {
-        out.write_all(b"admitted,retry_after\n")?;
+    /// `designs` names the column pairs; with one design the header is plain, as it always was.
+    pub fn new(mut out: W, designs: &[&str]) -> io::Result<DecisionWriter<W>> {
+        if designs.len() <= 1 {
+            out.write_all(b"admitted,retry_after\n")?;
+        } else {
+            let header: Vec<String> = designs
+                .iter()
+                .map(|d| format!("{d}_admitted,{d}_retry_after"))
+                .collect();
+            out.write_all(header.join(",").as_bytes())?;
+            out.write_all(b"\n")?;
+        }
         Ok(DecisionWriter { out })
     }
 
+    /// One trace row: each design's verdict, in the header's order.
     #[inline]
-    pub fn write(&mut self, admitted: bool, retry_after: Option<u64>) -> io::Result<()> {
+    pub fn write(&mut self, verdicts: &[Verdict]) -> io::Result<()> {
+        for (i, v) in verdicts.iter().enumerate() {
+            if i > 0 {
+                self.out.write_all(b",")?;
+            }
+            self.pair(v.admitted, v.retry_after)?;
+        }
+        self.out.write_all(b"\n")
+    }
+
+    #[inline]
+    fn pair(&mut self, admitted: bool, retry_after: Option<u64>) -> io::Result<()> {
         if admitted {
-            return self.out.write_all(b"1,0\n");
+            return self.out.write_all(b"1,0");
         }
         match retry_after {
-            None => self.out.write_all(b"0,\n"),
+            None => self.out.write_all(b"0,"),
             Some(s) => {
                 let mut buf = itoa::Buffer::new();
                 self.out.write_all(b"0,")?;
-                self.out.write_all(buf.format(s).as_bytes())?;
-                self.out.write_all(b"\n")
+                self.out.write_all(buf.format(s).as_bytes())
             }
         }
     }
