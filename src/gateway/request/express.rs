@@ -143,7 +143,7 @@ pub async fn serve(
             ) => r,
             () = upstream_deadline.passed() => Err(Failure::TimedOut),
         };
-        gw.upstream_answered(&b, &f, started.elapsed());
+        gw.upstream_answered(&b, &f, started.elapsed(), answered.as_ref().err());
         let (mut conn, shape) = match answered {
             Ok(r) => r,
             Err(failure) => {
