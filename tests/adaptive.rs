@@ -16,7 +16,7 @@ fn rules(upstream: std::net::SocketAddr, min: u32, max: u32) -> String {
             "upstreams": {{"orders": {{"url": "http://{upstream}",
                 "concurrency": {{"adaptive": true, "min": {min}, "max": {max}}}}}}},
             "routes": [{{"method": "GET", "path": "/v1/orders", "upstream": "orders", "key": "optional"}},
-                       {{"method": "GET", "path": "/v1/slow", "upstream": "orders", "key": "optional"}}]}}"#
+                       {{"method": "*", "path": "/v1/slow", "upstream": "orders", "key": "optional"}}]}}"#
     )
 }
 
@@ -177,6 +177,54 @@ async fn the_limit_falls_when_latency_grows_and_rises_back_when_it_recovers() {
         recovered > slowed,
         "the limit stayed at {recovered} (was {slowed}) after latency recovered"
     );
+}
+
+/// Polls the gateway's in-flight count for `orders` until it is `n`; false after 5 s.
+async fn in_flight_becomes(http: &Http, gw: &Tollgate, n: f64) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline {
+        let text = String::from_utf8_lossy(&http.get(&gw.admin_url("/metrics"), &[]).await.body).into_owned();
+        if metric(&text, "tollgate_upstream_in_flight{upstream=\"orders\"} ") == Some(n) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_goes_away_gives_its_place_back() {
+    use tokio::io::AsyncWriteExt;
+    let up = DemoUpstreamProc::spawn(8, 10);
+    // min = max = 2: the limit is 2 whatever the latency.
+    let (gw, _dir) = gateway(&rules(up.addr, 2, 2));
+    let http = Http::new();
+    // A GET without a body takes the express lane; a POST with one, hyper's path.
+    for head in [
+        "GET /v1/slow?ms=60000 HTTP/1.1\r\nHost: t\r\n\r\n",
+        "POST /v1/slow?ms=60000 HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n\r\n{}",
+    ] {
+        let mut held = vec![];
+        for _ in 0..2 {
+            let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+            s.write_all(head.as_bytes()).await.unwrap();
+            held.push(s);
+        }
+        assert!(
+            in_flight_becomes(&http, &gw, 2.0).await,
+            "{head:?}: two never in flight"
+        );
+        let a = http.get(&gw.url("/v1/orders"), &[]).await;
+        assert_eq!(a.status, 503, "{head:?}: a third place");
+        // The clients hang up long before the upstream would answer.
+        drop(held);
+        assert!(
+            in_flight_becomes(&http, &gw, 0.0).await,
+            "{head:?}: the places of clients gone were not given back"
+        );
+        let a = http.get(&gw.url("/v1/orders"), &[]).await;
+        assert_eq!(a.status, 200, "{head:?}");
+    }
 }
 
 #[test]

@@ -162,6 +162,13 @@ pub struct Place {
     in_flight: Option<Gauge>,
 }
 
+impl Place {
+    /// Whether it holds anything back: a place under a static cap or an adaptive limit.
+    pub fn limited(&self) -> bool {
+        self.permit.is_some() || self.adaptive.is_some()
+    }
+}
+
 impl Drop for Place {
     fn drop(&mut self) {
         if let Some(a) = self.adaptive.take() {
