@@ -441,6 +441,11 @@ pub struct Tollgate {
 impl Tollgate {
     /// Starts `tollgate <args>` with `--listen 127.0.0.1:0` and waits for its address.
     pub fn spawn(args: &[&str]) -> Tollgate {
+        Tollgate::spawn_with_env(args, &[])
+    }
+
+    /// [`Tollgate::spawn`] with extra environment variables (`TOLLGATE_LOG`, say).
+    pub fn spawn_with_env(args: &[&str], env: &[(&str, &str)]) -> Tollgate {
         let dir = tempfile::tempdir().unwrap();
         let stderr_path = dir.path().join("stderr.log");
         let stderr = std::fs::File::create(&stderr_path).unwrap();
@@ -455,6 +460,7 @@ impl Tollgate {
             .args(args)
             .args(meter_args)
             .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(stderr)
             .spawn()
