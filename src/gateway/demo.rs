@@ -80,7 +80,12 @@ impl DemoUpstream {
                 let _worker = w.pool.acquire().await.ok();
                 tokio::time::sleep(slow.unwrap_or(w.service)).await;
             }
-            None => tokio::time::sleep(slow.unwrap_or_default()).await,
+            // Only `/v1/slow` waits: a zero sleep still waits for the timer's next tick.
+            None => {
+                if let Some(d) = slow {
+                    tokio::time::sleep(d).await;
+                }
+            }
         }
         let headers: serde_json::Map<String, serde_json::Value> = parts
             .headers
