@@ -60,11 +60,6 @@ impl Adaptive {
             self.show(&g);
         }
     }
-
-    /// The limit now (for tests and the admin view).
-    pub fn limit(&self) -> u32 {
-        self.lock().limit()
-    }
 }
 
 /// Everything that decides whether a request may go to one upstream now.
