@@ -42,6 +42,13 @@ pub enum Command {
     DemoUpstream {
         #[arg(long, env = "TOLLGATE_LISTEN", default_value = "127.0.0.1:8081")]
         listen: SocketAddr,
+        /// Serve this many requests at a time and queue the rest without bound, like an
+        /// overloaded service (the spec's event 35: 80).
+        #[arg(long)]
+        workers: Option<u32>,
+        /// With --workers: each request's service time (`/v1/slow?ms=N` takes N instead).
+        #[arg(long, default_value_t = 100, requires = "workers")]
+        latency_ms: u64,
     },
     /// Replay a trace through the gateway's limiter code on a virtual clock (offline what-if).
     Replay(tollgate_replay::ReplayArgs),
@@ -296,19 +303,32 @@ fn main() -> Result<()> {
             | Command::Fleet(_)
             | Command::Meter(_)
             | Command::Regions(_) => Ok(()),
-            Command::DemoUpstream { listen } => {
+            Command::DemoUpstream {
+                listen,
+                workers,
+                latency_ms,
+            } => {
+                let pool = match workers {
+                    Some(n) => Some(
+                        tollgate_gateway::demo::Workers::new(n, std::time::Duration::from_millis(latency_ms))
+                            .map_err(anyhow::Error::msg)?,
+                    ),
+                    None => None,
+                };
                 let l = tokio::net::TcpListener::bind(listen)
                     .await
                     .with_context(|| format!("cannot listen on {listen}"))?;
                 println!("demo upstream listening on http://{}", l.local_addr()?);
-                server::run(
-                    l,
-                    None,
-                    Arc::new(tollgate_gateway::demo::DemoUpstream),
-                    ServerLimits::default(),
-                    shutdown_signal(),
-                )
-                .await;
+                let limits = ServerLimits::default();
+                match pool {
+                    Some(p) => {
+                        server::run(l, None, Arc::new(p), limits, shutdown_signal()).await;
+                    }
+                    None => {
+                        let demo = Arc::new(tollgate_gateway::demo::DemoUpstream);
+                        server::run(l, None, demo, limits, shutdown_signal()).await;
+                    }
+                }
                 Ok(())
             }
         }

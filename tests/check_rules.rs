@@ -155,6 +155,38 @@ fn each_broken_file_fails_with_its_own_message() {
             "dimension-unknown.json",
             "limits.exports.dimension: \"fingerprnt\" is not a dimension; use \"key\", \"route\", \"ip\", \"fingerprint\", {\"header\": NAME} or {\"body_field\": NAME}",
         ),
+        (
+            "concurrency-min-zero.json",
+            "upstreams.orders.concurrency.min: must be above zero",
+        ),
+        (
+            "concurrency-min-negative.json",
+            "upstreams.orders.concurrency.min: invalid value: integer `-1`, expected u32",
+        ),
+        (
+            "concurrency-max-below-min.json",
+            "upstreams.orders.concurrency.max: 5 is below min 10",
+        ),
+        (
+            "concurrency-max-too-large.json",
+            "upstreams.orders.concurrency.max: 5000000 is above 1000000, the most an adaptive limit may reach",
+        ),
+        (
+            "concurrency-min-above-max-in-flight.json",
+            "upstreams.orders.concurrency.min: 10 is above max_in_flight 8, the ceiling every limit stays under",
+        ),
+        (
+            "concurrency-adaptive-string.json",
+            "upstreams.orders.concurrency.adaptive: invalid type: string \"yes\", expected a boolean",
+        ),
+        (
+            "concurrency-adaptive-missing.json",
+            "upstreams.orders.concurrency: missing field `adaptive`",
+        ),
+        (
+            "concurrency-unknown-field.json",
+            "upstreams.orders.concurrency.window_ms: unknown field `window_ms`, expected one of `adaptive`, `min`, `max`",
+        ),
     ];
     let mut seen = std::collections::HashSet::new();
     for (file, expected) in cases {
@@ -199,4 +231,21 @@ fn a_fingerprint_limit_is_summarised_as_such() {
         stdout.contains("clients      20/60s (0.333/s), burst 20; per client fingerprint;"),
         "{stdout}"
     );
+}
+
+#[test]
+fn the_summary_shows_an_adaptive_upstream_with_its_defaults() {
+    let base =
+        std::fs::read_to_string(common::repo().join("tests/broken_rules/valid-base.json.txt")).unwrap();
+    let mut rules: serde_json::Value = serde_json::from_str(&base).unwrap();
+    rules["upstreams"]["orders"]["concurrency"] = serde_json::json!({"adaptive": true});
+    let (_d, path) = common::rules_file(&rules.to_string());
+    let (ok, stdout, stderr) = check(&path);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("adaptive concurrency 4 to 2000"), "{stdout}");
+    rules["upstreams"]["orders"]["concurrency"] = serde_json::json!({"adaptive": false, "min": 2});
+    let (_d, path) = common::rules_file(&rules.to_string());
+    let (ok, stdout, stderr) = check(&path);
+    assert!(ok, "{stderr}");
+    assert!(!stdout.contains("adaptive"), "{stdout}");
 }

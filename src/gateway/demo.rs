@@ -1,6 +1,8 @@
 //! The built-in demo upstream ("orders"): answers any path with a small JSON echo, with the
 //! status `?status=NNN` asks for (to play a failed login, say), and `/v1/slow?ms=N` after N
-//! milliseconds. Bodies are read in full but never held.
+//! milliseconds. Bodies are read in full but never held. With workers ([`Workers`]) it plays an
+//! overloaded service: N requests served at a time, each for a service time, the rest queued
+//! without bound.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -50,6 +52,12 @@ fn query_status(query: Option<&str>) -> Result<StatusCode, String> {
 
 impl DemoUpstream {
     pub async fn serve(&self, req: Request<Incoming>) -> Response<Body> {
+        self.answer(req, None).await
+    }
+
+    /// The answer; `workers` when a pool serves it, which then holds a worker for the service
+    /// time instead of sleeping unbounded.
+    async fn answer(&self, req: Request<Incoming>, workers: Option<&Workers>) -> Response<Body> {
         let (parts, mut body) = req.into_parts();
         let mut bytes: u64 = 0;
         while let Some(frame) = body.frame().await {
@@ -69,14 +77,30 @@ impl DemoUpstream {
             }
         }
         let path = parts.uri.path();
-        if path == "/v1/slow" {
+        let slow = if path == "/v1/slow" {
             match query_ms(parts.uri.query()) {
-                Ok(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
+                Ok(ms) => Some(Duration::from_millis(ms)),
                 Err(m) => {
                     return json_response(
                         StatusCode::BAD_REQUEST,
                         json!({"error": "bad_request", "message": m}).to_string(),
                     );
+                }
+            }
+        } else {
+            None
+        };
+        match workers {
+            Some(w) => {
+                // A closed semaphore can't happen (it is never closed); serve without a worker
+                // rather than fail if it ever did.
+                let _worker = w.pool.acquire().await.ok();
+                tokio::time::sleep(slow.unwrap_or(w.service)).await;
+            }
+            // Only `/v1/slow` waits: a zero sleep still waits for the timer's next tick.
+            None => {
+                if let Some(d) = slow {
+                    tokio::time::sleep(d).await;
                 }
             }
         }
@@ -111,6 +135,37 @@ impl DemoUpstream {
             })
             .to_string(),
         )
+    }
+}
+
+/// The demo upstream behind a pool of workers: each request waits (in arrival order, without
+/// bound, like a real overloaded service) for a worker, which serves it for the service time,
+/// or N ms for `/v1/slow?ms=N`.
+#[derive(Debug)]
+pub struct Workers {
+    pool: tokio::sync::Semaphore,
+    service: Duration,
+}
+
+impl Workers {
+    /// `workers` at a time (at least 1), each request taking `service`.
+    pub fn new(workers: u32, service: Duration) -> Result<Workers, String> {
+        if workers == 0 {
+            return Err("--workers must be at least 1".into());
+        }
+        if service > Duration::from_millis(MAX_SLOW_MS) {
+            return Err(format!("--latency-ms must be at most {MAX_SLOW_MS}"));
+        }
+        Ok(Workers {
+            pool: tokio::sync::Semaphore::new(workers as usize),
+            service,
+        })
+    }
+}
+
+impl Handler for Workers {
+    async fn handle(self: Arc<Self>, req: Request<Incoming>, _conn: ConnInfo) -> Response<Body> {
+        DemoUpstream.answer(req, Some(&self)).await
     }
 }
 

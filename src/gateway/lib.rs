@@ -9,6 +9,8 @@
 //! - [`request`]: one request's steps: route → identity → plan → store check → 429 or forward
 //!   → finish, written once; its express lane serves plain HTTP/1.1 requests without a body in
 //!   the connection's task.
+//! - [`concurrency`]: an upstream's places for requests in flight: the adaptive limit that
+//!   follows its latency, the static `max_in_flight` ceiling, the place a request holds.
 //! - [`respond`]: every answer the gateway makes itself, in one place.
 //! - [`proxy`]: the one HTTP/1.1 client to upstreams, its kept connections, the upstream's
 //!   header edits (hop-by-hop stripping, `X-Forwarded-*`), 502/504.
@@ -18,6 +20,7 @@
 
 pub mod admin;
 pub mod app;
+pub mod concurrency;
 pub mod config;
 pub mod dashboard;
 pub mod demo;

@@ -1,7 +1,9 @@
 //! Limiting without I/O: bucket math, the clock seam, what a check asks and answers (`batch`),
-//! decisions, and leased blocks for hot keys. Nothing here knows the rules file, HTTP, a socket
-//! or a runtime: this crate has no such dependency, so the compiler keeps it that way.
+//! decisions, leased blocks for hot keys, and the adaptive concurrency limit of an upstream
+//! (`adaptive`). Nothing here knows the rules file, HTTP, a socket or a runtime: this crate
+//! has no such dependency, so the compiler keeps it that way.
 
+pub mod adaptive;
 pub mod batch;
 pub mod bucket;
 pub mod clock;

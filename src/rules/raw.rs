@@ -46,6 +46,20 @@ pub(crate) struct RawUpstream {
     /// Whether routes to this upstream match paths ignoring ASCII case.
     #[serde(default)]
     pub paths: RawPathMatch,
+    /// A limit on requests in flight that follows the upstream's latency.
+    #[serde(default)]
+    pub concurrency: Option<RawConcurrency>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawConcurrency {
+    /// Required, so a block that was meant to be off says so.
+    pub adaptive: bool,
+    #[serde(default)]
+    pub min: Option<u32>,
+    #[serde(default)]
+    pub max: Option<u32>,
 }
 
 #[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq)]

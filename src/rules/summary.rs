@@ -16,13 +16,16 @@ pub fn summary(snap: &Snapshot) -> String {
     for u in &snap.upstreams {
         let _ = writeln!(
             out,
-            "  {:<12} http://{}{}  timeout {} ms{}",
+            "  {:<12} http://{}{}  timeout {} ms{}{}",
             &*u.name,
             u.authority,
             u.path_prefix,
             u.timeout.as_millis(),
             u.max_in_flight
                 .map(|m| format!(", max {m} in flight"))
+                .unwrap_or_default(),
+            u.adaptive
+                .map(|b| format!(", adaptive concurrency {} to {}", b.min, b.max))
                 .unwrap_or_default()
         );
     }

@@ -75,6 +75,11 @@ pub struct Metrics {
     pub rules_reloads: Family<ResultLabel, Counter>,
     pub upstream_seconds: Family<UpstreamLabel, Histogram>,
     pub in_flight: Gauge,
+    /// Per upstream: the limit on requests in flight (adaptive, under the static cap; the cap
+    /// alone when not adaptive), the requests holding a place, and those shed for want of one.
+    pub upstream_concurrency_limit: Family<UpstreamLabel, Gauge>,
+    pub upstream_in_flight: Family<UpstreamLabel, Gauge>,
+    pub upstream_shed: Family<UpstreamLabel, Counter>,
     /// Lease-script calls, `kind` = `lease` or `give_back`, answered or not.
     pub lease_calls: Family<Kind, Counter>,
     pub lease_grants: Counter,
@@ -169,6 +174,24 @@ impl Metrics {
         );
         let in_flight = Gauge::default();
         registry.register("in_flight_requests", "Requests being served", in_flight.clone());
+        let upstream_concurrency_limit = Family::<UpstreamLabel, Gauge>::default();
+        registry.register(
+            "upstream_concurrency_limit",
+            "Requests that may be in flight to an upstream now: its adaptive limit under max_in_flight",
+            upstream_concurrency_limit.clone(),
+        );
+        let upstream_in_flight = Family::<UpstreamLabel, Gauge>::default();
+        registry.register(
+            "upstream_in_flight",
+            "Requests forwarded to an upstream whose response has not ended",
+            upstream_in_flight.clone(),
+        );
+        let upstream_shed = Family::<UpstreamLabel, Counter>::default();
+        registry.register(
+            "upstream_shed",
+            "Requests answered 503 upstream_overloaded: no place under the upstream's limit",
+            upstream_shed.clone(),
+        );
         let lease_calls = Family::<Kind, Counter>::default();
         registry.register(
             "lease_calls",
@@ -226,6 +249,9 @@ impl Metrics {
             rules_reloads,
             upstream_seconds,
             in_flight,
+            upstream_concurrency_limit,
+            upstream_in_flight,
+            upstream_shed,
             lease_calls,
             lease_grants,
             lease_denials,

@@ -444,6 +444,11 @@ pub struct Tollgate {
 impl Tollgate {
     /// Starts `tollgate <args>` with `--listen 127.0.0.1:0` and waits for its address.
     pub fn spawn(args: &[&str]) -> Tollgate {
+        Tollgate::spawn_with_env(args, &[])
+    }
+
+    /// [`Tollgate::spawn`] with extra environment variables (`TOLLGATE_LOG`, say).
+    pub fn spawn_with_env(args: &[&str], env: &[(&str, &str)]) -> Tollgate {
         let dir = tempfile::tempdir().unwrap();
         let stderr_path = dir.path().join("stderr.log");
         let stderr = std::fs::File::create(&stderr_path).unwrap();
@@ -458,6 +463,7 @@ impl Tollgate {
             .args(args)
             .args(meter_args)
             .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(stderr)
             .spawn()
@@ -533,6 +539,48 @@ impl Tollgate {
 }
 
 impl Drop for Tollgate {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A `tollgate demo-upstream` process with a pool of workers; killed on drop.
+pub struct DemoUpstreamProc {
+    pub child: Child,
+    pub addr: SocketAddr,
+}
+
+impl DemoUpstreamProc {
+    /// `tollgate demo-upstream --workers <workers> --latency-ms <latency_ms>` on a free port.
+    pub fn spawn(workers: u32, latency_ms: u64) -> DemoUpstreamProc {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+            .args(["demo-upstream", "--listen", "127.0.0.1:0"])
+            .args(["--workers", &workers.to_string()])
+            .args(["--latency-ms", &latency_ms.to_string()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn tollgate demo-upstream");
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = BufReader::new(stdout).lines();
+        let addr = lines.by_ref().find_map(|l| {
+            let l = l.ok()?;
+            l.strip_prefix("demo upstream listening on http://")?
+                .trim()
+                .parse()
+                .ok()
+        });
+        std::thread::spawn(move || for _ in lines {});
+        let Some(addr) = addr else {
+            let _ = child.kill();
+            panic!("tollgate demo-upstream did not start");
+        };
+        DemoUpstreamProc { child, addr }
+    }
+}
+
+impl Drop for DemoUpstreamProc {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();

@@ -117,7 +117,7 @@ function render(o) {
   fill("upstreams", o.upstreams.map((u) => row([
     u.name,
     { text: u.in_flight ?? "–", cls: "n" },
-    { text: u.concurrency_limit ?? u.max_in_flight ?? "–", cls: "n" },
+    { text: u.limit === null ? "–" : u.limit + (u.adaptive ? " (adaptive)" : ""), cls: "n" },
     { text: u.bad_gateway, cls: "n" },
     { text: u.gateway_timeout, cls: "n" },
   ])));

@@ -254,7 +254,8 @@ impl Dashboard {
                 json!({
                     "name": &*u.name,
                     "in_flight": u.in_flight,
-                    "max_in_flight": u.max_in_flight,
+                    "limit": u.limit,
+                    "adaptive": u.adaptive,
                     "bad_gateway": status(502),
                     "gateway_timeout": status(504),
                 })

@@ -382,7 +382,7 @@ pub struct UpstreamBody {
     idle: Duration,
     timer: Option<Pin<Box<Sleep>>>,
     /// The upstream's in-flight place, held until the body is done or dropped.
-    _permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    _permit: Option<crate::concurrency::Place>,
     /// The key's seats of limits on requests in flight, held as long.
     seats: Vec<tollgate_store::seats::Seat>,
 }
@@ -393,7 +393,7 @@ impl UpstreamBody {
         shape: response::Shape,
         pool: Arc<ConnPool>,
         idle: Duration,
-        permit: Option<tokio::sync::OwnedSemaphorePermit>,
+        permit: Option<crate::concurrency::Place>,
     ) -> UpstreamBody {
         let framing = shape.framing;
         let mut b = UpstreamBody {

@@ -84,7 +84,7 @@ impl Proxy {
         parts: &http::request::Parts,
         edits: &HeaderEdits,
         mut body: UpBody,
-        permit: Option<tokio::sync::OwnedSemaphorePermit>,
+        permit: Option<crate::concurrency::Place>,
     ) -> Result<Response<client::UpstreamBody>, client::Failure> {
         use http_body::Body as _;
         let has_body = !body.is_end_stream();

@@ -26,6 +26,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::{Gateway, X_REQUEST_ID};
+use crate::concurrency::Place;
 use crate::proxy::client::{self, BodyState, Failure, header_line};
 use crate::proxy::pool::RawConn;
 use crate::respond::{Body, RATELIMIT, RATELIMIT_POLICY};
@@ -130,9 +131,12 @@ pub async fn serve(
         let started = std::time::Instant::now();
         out.clear();
         upstream_deadline.set(Instant::now() + up.timeout);
-        let answered = tokio::select! {
-            biased;
-            r = client::exchange::<Empty<Bytes>, _>(
+        // A client that hangs up while the upstream thinks must not keep its place under the
+        // upstream's limit until the answer or the timeout. Bytes of a next request already
+        // waiting say the client is there: stop watching. Watching costs a syscall, so only
+        // requests that hold a limited place pay it.
+        let answered = {
+            let exchange = client::exchange::<Empty<Bytes>, _>(
                 pool,
                 &head_out,
                 None,
@@ -140,10 +144,24 @@ pub async fn serve(
                 is_head,
                 None,
                 |h| render_response(h, &extra, closing, &mut out),
-            ) => r,
-            () = upstream_deadline.passed() => Err(Failure::TimedOut),
+            );
+            tokio::pin!(exchange);
+            let mut watch = buf.is_empty() && f.place.as_ref().is_some_and(Place::limited);
+            loop {
+                tokio::select! {
+                    biased;
+                    r = &mut exchange => break r,
+                    () = upstream_deadline.passed() => break Err(Failure::TimedOut),
+                    gone = hung_up(&tcp), if watch => {
+                        if gone {
+                            return Ended::Closed;
+                        }
+                        watch = false;
+                    }
+                }
+            }
         };
-        gw.upstream_answered(&b, &f, started.elapsed());
+        gw.upstream_answered(&b, &f, started.elapsed(), answered.as_ref().err());
         let (mut conn, shape) = match answered {
             Ok(r) => {
                 gw.settle(&snap, f.paid.as_deref(), Some(r.1.status)).await;
@@ -183,6 +201,12 @@ pub async fn serve(
             Relayed::Broken => return Ended::Closed,
         }
     }
+}
+
+/// Whether the client closed its side (or the socket failed); false once it has sent more.
+async fn hung_up(tcp: &TcpStream) -> bool {
+    let mut one = [0u8; 1];
+    matches!(tcp.peek(&mut one).await, Ok(0) | Err(_))
 }
 
 /// A byte range of a request head.

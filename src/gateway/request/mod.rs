@@ -16,6 +16,7 @@ use hyper::body::Incoming;
 
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 
+use crate::concurrency::{Place, Places};
 use crate::proxy::body::LimitedBody;
 use crate::proxy::pool::ConnPool;
 use crate::proxy::{Caller, Proxy};
@@ -135,13 +136,14 @@ impl Gateway {
             .load()
             .upstreams
             .iter()
-            .map(|u| UpstreamNow {
-                name: u.name.clone(),
-                in_flight: match (&u.gate, u.max_in_flight) {
-                    (Some(g), Some(max)) => Some(max.saturating_sub(g.available_permits() as u32)),
-                    _ => None,
-                },
-                max_in_flight: u.max_in_flight,
+            .map(|u| {
+                let (in_flight, limit, adaptive) = u.places.now();
+                UpstreamNow {
+                    name: u.name.clone(),
+                    in_flight,
+                    limit,
+                    adaptive,
+                }
             })
             .collect()
     }
@@ -164,7 +166,7 @@ impl Gateway {
         if current.handles.snapshot == snap.version {
             return current;
         }
-        let fresh = Arc::new(Live::new(snap, &current, self.meter.as_deref()));
+        let fresh = Arc::new(Live::new(snap, &current, self.meter.as_deref(), &self.metrics));
         // A request that loaded its snapshot just before a reload gets state for it (sharing
         // the current pools and gates by name) without pushing the newer one out.
         if snap.version > current.handles.snapshot {
@@ -429,19 +431,17 @@ impl Gateway {
     }
 
     /// Load shedding by the upstream's own health, apart from every client's limits: a place
-    /// under its `max_in_flight`, held until the response body is done.
+    /// under its adaptive limit (refused at once) and its `max_in_flight` (waited for up to
+    /// `queue_timeout`), held until the response body is done.
     async fn gate(
         &self,
         upstream: &tollgate_rules::Upstream,
         live: &LiveUpstream,
         trace: &mut Trace,
-    ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, Response<Body>> {
-        let Some(gate) = &live.gate else {
-            return Ok(None);
-        };
-        match tokio::time::timeout(upstream.queue_timeout, gate.clone().acquire_owned()).await {
-            Ok(Ok(p)) => Ok(Some(p)),
-            _ => {
+    ) -> Result<Place, Response<Body>> {
+        match live.places.acquire(upstream.queue_timeout).await {
+            Some(p) => Ok(p),
+            None => {
                 trace.limit = Some(OVERLOADED.clone());
                 Err(Refusal::UpstreamOverloaded { retry_after: 1 }.into_response())
             }
@@ -508,10 +508,10 @@ impl Gateway {
             &parts,
             &edits,
             up_body,
-            f.permit.take(),
+            f.place.take(),
         ))
         .await;
-        self.upstream_answered(b, &f, started.elapsed());
+        self.upstream_answered(b, &f, started.elapsed(), forwarded.as_ref().err());
         let mut resp = match forwarded {
             Ok(r) => {
                 self.settle(&b.snap, f.paid.as_deref(), Some(r.status().as_u16()))
@@ -700,7 +700,7 @@ impl Gateway {
             .await
             .map_err(with_quota)?;
         let upstream = &snap.upstreams[route.upstream];
-        let permit = self
+        let place = self
             .gate(upstream, &live.upstreams[route.upstream], trace)
             .await
             .map_err(with_quota)?;
@@ -713,7 +713,7 @@ impl Gateway {
             paid,
             seats,
             classified: c,
-            permit,
+            place: Some(place),
         })
     }
 
@@ -768,9 +768,22 @@ impl Gateway {
         crate::proxy::HeaderEdits::new(up, parts, self.caller(&b.snap, &f.classified, conn))
     }
 
-    /// Records how long an upstream took to answer the head.
-    pub(crate) fn upstream_answered(&self, b: &Begun<'_>, f: &Forward, took: std::time::Duration) {
+    /// Records how long an upstream took to answer the head, and gives its adaptive limit the
+    /// sample: an answer, or a timeout (the slowest answer there is). A failure to connect or
+    /// to send says nothing about how fast the upstream serves.
+    pub(crate) fn upstream_answered(
+        &self,
+        b: &Begun<'_>,
+        f: &Forward,
+        took: std::time::Duration,
+        failure: Option<&crate::proxy::client::Failure>,
+    ) {
         b.live.handles.upstream(&self.metrics, f.upstream, took);
+        if let Some(a) = &b.live.upstreams[f.upstream].places.adaptive
+            && matches!(failure, None | Some(crate::proxy::client::Failure::TimedOut))
+        {
+            a.sample(took);
+        }
     }
 }
 
@@ -786,21 +799,21 @@ pub struct Live {
     meter: Vec<Arc<AtomicU64>>,
 }
 
-/// An upstream as the dashboard shows it; in flight is known only under a `max_in_flight`.
+/// An upstream as the dashboard shows it; in flight is counted only under a limit.
 pub(crate) struct UpstreamNow {
     pub name: Arc<str>,
     pub in_flight: Option<u32>,
-    pub max_in_flight: Option<u32>,
+    /// The adaptive limit now (under the static cap), or the static cap.
+    pub limit: Option<u32>,
+    pub adaptive: bool,
 }
 
 pub struct LiveUpstream {
     name: Arc<str>,
     /// Its kept connections: the same pool across reloads while address and idle timeout stay.
     pub pool: Arc<ConnPool>,
-    /// Places under `max_in_flight`: the same across reloads while the cap stays, so a reload
-    /// never lets a slow upstream receive twice its cap.
-    pub gate: Option<Arc<tokio::sync::Semaphore>>,
-    max_in_flight: Option<u32>,
+    /// Its places for requests in flight: static gate and adaptive limit.
+    pub places: Places,
 }
 
 impl Default for Live {
@@ -814,7 +827,7 @@ impl Default for Live {
 }
 
 impl Live {
-    fn new(snap: &Snapshot, prev: &Live, meter: Option<&Meter>) -> Live {
+    fn new(snap: &Snapshot, prev: &Live, meter: Option<&Meter>, metrics: &Metrics) -> Live {
         let upstreams = snap
             .upstreams
             .iter()
@@ -832,17 +845,10 @@ impl Live {
                         u.idle_timeout,
                     )),
                 };
-                let gate = match old {
-                    Some(o) if o.max_in_flight == u.max_in_flight => o.gate.clone(),
-                    _ => u
-                        .max_in_flight
-                        .map(|n| Arc::new(tokio::sync::Semaphore::new(n as usize))),
-                };
                 LiveUpstream {
                     name: u.name.clone(),
                     pool,
-                    gate,
-                    max_in_flight: u.max_in_flight,
+                    places: Places::new(u, old.map(|o| &o.places), metrics),
                 }
             })
             .collect();
@@ -927,7 +933,7 @@ pub struct Forward {
     classified: Classified,
     /// The upstream's in-flight place, held until the response body is done (hyper's path
     /// moves it into the body).
-    pub permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    pub place: Option<Place>,
 }
 
 /// The most of a body read to find a limit's JSON field.
@@ -1173,7 +1179,7 @@ mod tests {
                     .collect();
                 handles.into_iter().map(|h| h.join().unwrap()).collect()
             });
-            let gate = |l: &Live| l.upstreams[0].gate.clone().unwrap();
+            let gate = |l: &Live| l.upstreams[0].places.gate.clone().unwrap();
             for l in &lives {
                 assert!(
                     Arc::ptr_eq(&gate(l), &gate(&lives[0])),
