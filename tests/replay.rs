@@ -2,9 +2,6 @@
 //! every algorithm and design, replay M's two exports under the demo rules, and replay H's hot
 //! key under leased blocks; and it refuses bad input with errors that name the row and column.
 
-use std::path::Path;
-use std::process::{Command, Output};
-
 use tollgate_limit::bucket::{Rate, US_PER_S};
 use tollgate_replay::algorithms::Verdict;
 use tollgate_replay::generate::{self, GenRow, HOT_START_US, STORM_END_US, STORM_START_US};
@@ -12,6 +9,8 @@ use tollgate_replay::report::Summary;
 use tollgate_replay::{Algorithm, Design, Replay, Request, Settings};
 
 mod common;
+
+use common::cli::{fails, ok, p, tollgate};
 
 fn settings(rate: &str, burst: Option<u64>, algorithm: Algorithm, design: Design) -> Settings {
     let mut s = Settings::single(Rate::parse(rate).unwrap(), burst);
@@ -278,37 +277,6 @@ fn leased_blocks_keep_the_hot_key_off_the_store_within_their_bound() {
 }
 
 // ---- the binary, end to end ----
-
-fn tollgate(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tollgate"))
-        .args(args)
-        .output()
-        .expect("run tollgate")
-}
-
-fn ok(o: &Output) -> String {
-    assert!(
-        o.status.success(),
-        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
-        o.status,
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8(o.stdout.clone()).unwrap()
-}
-
-fn fails(o: &Output) -> String {
-    assert!(
-        !o.status.success(),
-        "expected failure, got success:\n{}",
-        String::from_utf8_lossy(&o.stdout)
-    );
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn p(path: &Path) -> &str {
-    path.to_str().unwrap()
-}
 
 #[test]
 fn the_binary_generates_the_storm_and_replays_it_to_json_and_decisions() {

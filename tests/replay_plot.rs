@@ -2,44 +2,15 @@
 //! decodes at its size, one bucket's tokens follow the spec's first 300 ms of the storm, and
 //! bad plot flags are refused with errors that name them.
 
-use std::path::Path;
-use std::process::{Command, Output};
+mod common;
 
+use std::path::Path;
+
+use common::cli::{fails, ok, p, tollgate};
 use tollgate_limit::bucket::Rate;
 use tollgate_replay::generate::{self, STORM_START_US};
 use tollgate_replay::plot::{Window, colour};
 use tollgate_replay::{Design, Replay, Request, Settings};
-
-fn tollgate(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tollgate"))
-        .args(args)
-        .output()
-        .expect("run tollgate")
-}
-
-fn ok(o: &Output) -> String {
-    assert!(
-        o.status.success(),
-        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
-        o.status,
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8(o.stdout.clone()).unwrap()
-}
-
-fn fails(o: &Output) -> String {
-    assert!(
-        !o.status.success(),
-        "expected failure, got success:\n{}",
-        String::from_utf8_lossy(&o.stdout)
-    );
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn p(path: &Path) -> &str {
-    path.to_str().unwrap()
-}
 
 fn storm(dir: &Path) -> std::path::PathBuf {
     let trace = dir.join("storm.csv");

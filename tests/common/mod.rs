@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod cdp;
+pub mod cli;
 pub mod health;
 pub mod lease_load;
 pub mod relay;
