@@ -132,9 +132,9 @@ pub async fn serve(
         out.clear();
         upstream_deadline.set(Instant::now() + up.timeout);
         // A client that hangs up while the upstream thinks must not keep its place under the
-        // upstream's limit until the answer or the timeout. Bytes of a next request already
-        // waiting say the client is there: stop watching. Watching costs a syscall, so only
-        // requests that hold a limited place pay it.
+        // upstream's limit, or its key's seats, until the answer or the timeout. Bytes of a next
+        // request already waiting say the client is there: stop watching. Watching costs a
+        // syscall, so only requests that hold a limited place or a seat pay it.
         let answered = {
             let exchange = client::exchange::<Empty<Bytes>, _>(
                 pool,
@@ -146,7 +146,8 @@ pub async fn serve(
                 |h| render_response(h, &extra, closing, &mut out),
             );
             tokio::pin!(exchange);
-            let mut watch = buf.is_empty() && f.place.as_ref().is_some_and(Place::limited);
+            let mut watch =
+                buf.is_empty() && (f.place.as_ref().is_some_and(Place::limited) || !f.seats.is_empty());
             loop {
                 tokio::select! {
                     biased;
