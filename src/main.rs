@@ -205,6 +205,12 @@ async fn run_gateway(cfg: GatewayConfig, demo: bool) -> Result<()> {
             "try: curl -i -H 'Authorization: Bearer k7-demo-key' {scheme}://{}/v1/orders",
             running.addr
         );
+        if snap.jwt.is_some() {
+            println!(
+                "JWT: curl -i -H \"Authorization: Bearer $(tollgate demo-token --sub k-7)\" {scheme}://{}/v2/orders",
+                running.addr
+            );
+        }
     }
     drop(snap);
     shutdown_signal().await;

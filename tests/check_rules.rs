@@ -157,6 +157,18 @@ fn each_broken_file_fails_with_its_own_message() {
             "dimension-unknown.json",
             "limits.exports.dimension: \"fingerprnt\" is not a dimension; use \"key\", \"route\", \"ip\", \"fingerprint\", {\"header\": NAME}, {\"body_field\": NAME} or {\"claim\": NAME}",
         ),
+        (
+            "jwt-route-without-settings.json",
+            "routes[0].identity: a JWT route needs the top-level \"jwt\" settings (its JWKS, issuer and audience)",
+        ),
+        (
+            "jwt-alg-confusion.json",
+            "jwt.jwks: jwt-confused.jwks: keys[0]: alg HS256 does not fit the key's type, which verifies RS256 only",
+        ),
+        (
+            "jwt-plans-on-route-limit.json",
+            "limits.exports.plans: only key limits have plans: a plan is a tenant's numbers",
+        ),
     ];
     let mut seen = std::collections::HashSet::new();
     for (file, expected) in cases {
