@@ -35,6 +35,8 @@ pub struct JwtKey {
     pub kid: Option<String>,
     pub alg: Algorithm,
     key: DecodingKey,
+    /// Made once here, not per request: its sets of issuers and audiences allocate.
+    validation: Validation,
 }
 
 /// Without the key: an HMAC secret must not reach a log through a debug print of the rules.
@@ -167,8 +169,15 @@ fn jwk_alg(jwk: &Jwk) -> Result<Algorithm, String> {
     }
 }
 
+/// What every token must carry besides a good signature.
+pub(crate) struct Checks<'a> {
+    pub issuer: &'a str,
+    pub audience: &'a str,
+    pub leeway_s: u64,
+}
+
 /// Compiles the JWKS bytes into keys; `Err` is (field inside the JWKS, reason).
-pub(crate) fn keys(bytes: &[u8]) -> Result<Vec<JwtKey>, (String, String)> {
+pub(crate) fn keys(bytes: &[u8], checks: &Checks<'_>) -> Result<Vec<JwtKey>, (String, String)> {
     let set: JwkSet =
         serde_json::from_slice(bytes).map_err(|e| ("(file)".to_string(), format!("not a JWKS: {e}")))?;
     if set.keys.is_empty() {
@@ -186,7 +195,18 @@ pub(crate) fn keys(bytes: &[u8]) -> Result<Vec<JwtKey>, (String, String)> {
         {
             return Err((format!("{field}.kid"), format!("duplicate kid {k:?}")));
         }
-        out.push(JwtKey { kid, alg, key });
+        let mut validation = Validation::new(alg);
+        validation.leeway = checks.leeway_s;
+        validation.validate_nbf = true;
+        validation.set_issuer(&[checks.issuer]);
+        validation.set_audience(&[checks.audience]);
+        validation.set_required_spec_claims(&["exp", "iss", "aud"]);
+        out.push(JwtKey {
+            kid,
+            alg,
+            key,
+            validation,
+        });
     }
     Ok(out)
 }
@@ -262,16 +282,10 @@ impl JwtConfig {
         if candidates.is_empty() || candidates.iter().any(|j| j.alg != alg) {
             return Err(TokenError::AlgMismatch);
         }
-        let mut v = Validation::new(alg);
-        v.leeway = self.leeway_s;
-        v.validate_nbf = true;
-        v.set_issuer(&[&self.issuer]);
-        v.set_audience(&[&self.audience]);
-        v.set_required_spec_claims(&["exp", "iss", "aud"]);
         let mut last = TokenError::BadSignature;
         let mut claims = None;
         for j in candidates {
-            match jsonwebtoken::decode::<Map<String, Value>>(token, &j.key, &v) {
+            match jsonwebtoken::decode::<Map<String, Value>>(token, &j.key, &j.validation) {
                 Ok(d) => {
                     claims = Some(d.claims);
                     break;

@@ -574,8 +574,13 @@ impl Compiler<'_> {
             ));
         }
         let bytes = (self.read)(&j.jwks).map_err(|e| self.err("jwt.jwks", e))?;
-        let keys =
-            jwt::keys(&bytes).map_err(|(f, r)| self.err("jwt.jwks", format!("{}: {f}: {r}", j.jwks)))?;
+        let checks = jwt::Checks {
+            issuer: &j.issuer,
+            audience: &j.audience,
+            leeway_s,
+        };
+        let keys = jwt::keys(&bytes, &checks)
+            .map_err(|(f, r)| self.err("jwt.jwks", format!("{}: {f}: {r}", j.jwks)))?;
         Ok(Some(jwt::JwtConfig {
             jwks_path: j.jwks.clone(),
             keys,
