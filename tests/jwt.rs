@@ -89,7 +89,10 @@ async fn get(http: &Http, gw: &Tollgate, token: Option<&str>) -> (StatusCode, Va
     let auth = token.map(|t| format!("Bearer {t}"));
     let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", a.as_str())).collect();
     let a = http.get(&gw.url("/v2/orders"), &headers).await;
-    let body = serde_json::from_slice(&a.body).unwrap_or(Value::Null);
+    let mut body = serde_json::from_slice(&a.body).unwrap_or(Value::Null);
+    if let Some(w) = a.header("www-authenticate") {
+        body["www-authenticate"] = w.into();
+    }
     (a.status, body)
 }
 
@@ -248,6 +251,12 @@ async fn only_a_good_token_passes_and_each_refusal_says_why() {
                     assert_eq!(status, StatusCode::UNAUTHORIZED, "{what} (lane {lane}): {body}");
                     assert_eq!(body["error"], "unauthorized", "{what}");
                     assert_eq!(body["reason"], *reason, "{what}: {body}");
+                    let challenge = if *reason == "token_missing" {
+                        "Bearer".to_string()
+                    } else {
+                        format!("Bearer error=\"invalid_token\", error_description=\"{reason}\"")
+                    };
+                    assert_eq!(body["www-authenticate"], challenge.as_str(), "{what}");
                 }
             }
         }

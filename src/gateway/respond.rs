@@ -147,6 +147,19 @@ impl Refusal {
                 h.insert(RETRY_AFTER, HeaderValue::from(*retry_after));
                 h.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
             }
+            // RFC 6750: a client library knows to fetch a new token on `invalid_token`.
+            Refusal::BadToken(e) => {
+                let v = match e {
+                    tollgate_rules::jwt::TokenError::Missing => "Bearer".to_string(),
+                    e => format!(
+                        "Bearer error=\"invalid_token\", error_description=\"{}\"",
+                        e.reason()
+                    ),
+                };
+                if let Ok(v) = HeaderValue::from_str(&v) {
+                    h.insert(http::header::WWW_AUTHENTICATE, v);
+                }
+            }
             _ => {}
         }
         resp
