@@ -15,6 +15,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates
     && useradd --system --uid 10001 --no-create-home tollgate
 COPY --from=build /src/target/release/tollgate /usr/local/bin/tollgate
 COPY rules/demo.json /etc/tollgate/rules.json
+COPY rules/demo-jwks.json /etc/tollgate/demo-jwks.json
 USER 10001:10001
 ENV TOLLGATE_LISTEN=0.0.0.0:8080 \
     TOLLGATE_ADMIN_LISTEN=0.0.0.0:9090 \

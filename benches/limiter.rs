@@ -130,7 +130,7 @@ fn memory_store(c: &mut Criterion) {
 fn rules_and_plans(c: &mut Criterion) {
     let snap = compile(
         include_bytes!("../rules/demo.json"),
-        "demo.json",
+        "rules/demo.json",
         CompileOptions::default(),
     )
     .unwrap();

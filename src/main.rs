@@ -61,6 +61,22 @@ pub enum Command {
     Meter(tollgate_meter::cli::MeterArgs),
     /// One limit shared by three Regions: shares, named grants and a lost Region, modelled.
     Regions(RegionsArgs),
+    /// Print a bearer token for the demo's JWT route (`GET /v2/orders`), signed with the
+    /// demo's private key (certs/demo-jwt-key.pem, public: for the demo only).
+    DemoToken {
+        /// The subject: the caller's key id.
+        #[arg(long)]
+        sub: String,
+        /// The tenant (`org` claim); the subject when not given.
+        #[arg(long)]
+        org: Option<String>,
+        /// The `plan` claim: `free` or `pro` in the demo rules.
+        #[arg(long, default_value = "free")]
+        plan: String,
+        /// Seconds until the token expires.
+        #[arg(long, default_value_t = 3600)]
+        exp_seconds: u64,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -196,6 +212,12 @@ async fn run_gateway(cfg: GatewayConfig, demo: bool) -> Result<()> {
             "try: curl -i -H 'Authorization: Bearer k7-demo-key' {scheme}://{}/v1/orders",
             running.addr
         );
+        if snap.jwt.is_some() {
+            println!(
+                "JWT: curl -i -H \"Authorization: Bearer $(tollgate demo-token --sub k-7)\" {scheme}://{}/v2/orders",
+                running.addr
+            );
+        }
     }
     drop(snap);
     shutdown_signal().await;
@@ -245,6 +267,32 @@ fn main() -> Result<()> {
         }
         return Ok(());
     }
+    if let Command::DemoToken {
+        sub,
+        org,
+        plan,
+        exp_seconds,
+    } = &cli.command
+    {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .context("the clock is before 1970")?
+            .as_secs();
+        let t = tollgate_gateway::demo::DemoToken {
+            sub: sub.clone(),
+            org: org.clone(),
+            plan: plan.clone(),
+            exp_seconds: *exp_seconds,
+        };
+        match tollgate_gateway::demo::demo_token(&t, now) {
+            Ok(token) => println!("{token}"),
+            Err(e) => {
+                eprintln!("tollgate demo-token: {e}");
+                std::process::exit(1);
+            }
+        }
+        return Ok(());
+    }
     if let Command::CheckRules { file, cluster } = &cli.command {
         let opts = tollgate_rules::CompileOptions { cluster: *cluster };
         match tollgate_rules::load(file, opts) {
@@ -266,6 +314,7 @@ fn main() -> Result<()> {
         | Command::Replay(_)
         | Command::Fleet(_)
         | Command::Meter(_)
+        | Command::DemoToken { .. }
         | Command::Regions(_) => (LogFormat::Human, None),
     };
     init_logging(format);
@@ -302,6 +351,7 @@ fn main() -> Result<()> {
             | Command::Replay(_)
             | Command::Fleet(_)
             | Command::Meter(_)
+            | Command::DemoToken { .. }
             | Command::Regions(_) => Ok(()),
             Command::DemoUpstream {
                 listen,

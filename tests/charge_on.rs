@@ -5,12 +5,12 @@
 
 mod common;
 
-use common::{Http, RedisServer, Tollgate, repo, rules_file};
+use common::{Http, RedisServer, Tollgate, rules_file};
 use http::{Method, StatusCode};
 
 /// The demo rules with the login limit at 3 a minute per account, charged only on a 401.
 fn rules() -> String {
-    let text = std::fs::read_to_string(repo().join("rules/demo.json")).unwrap();
+    let text = common::demo_json();
     let mut rules: serde_json::Value = serde_json::from_str(&text).unwrap();
     let login = &mut rules["limits"]["login"];
     login["rate"] = "3/60s".into();

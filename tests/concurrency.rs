@@ -7,12 +7,12 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{Http, KBIG, RedisServer, Tollgate, repo, rules_file};
+use common::{Http, KBIG, RedisServer, Tollgate, rules_file};
 use http::StatusCode;
 
 /// The demo rules with "inflight", 10 requests in flight per key, on every `/v1/` path.
 fn rules() -> String {
-    let text = std::fs::read_to_string(repo().join("rules/demo.json")).unwrap();
+    let text = common::demo_json();
     let mut rules: serde_json::Value = serde_json::from_str(&text).unwrap();
     rules["limits"]["inflight"] = serde_json::json!({"dimension": "key", "concurrent": 10});
     for r in rules["routes"].as_array_mut().unwrap() {

@@ -7,11 +7,11 @@ mod common;
 use std::time::Duration;
 
 use common::cdp::Browser;
-use common::{Http, K7, Tollgate, repo};
+use common::{Http, K7, Tollgate};
 use http::StatusCode;
 
 fn demo_rules(version: u64) -> String {
-    let text = std::fs::read_to_string(repo().join("rules/demo.json")).unwrap();
+    let text = common::demo_json();
     let mut rules: serde_json::Value = serde_json::from_str(&text).unwrap();
     rules["version"] = version.into();
     rules.to_string()
@@ -19,7 +19,7 @@ fn demo_rules(version: u64) -> String {
 
 /// Every key hash of the demo rules, and the demo secrets.
 fn secrets() -> Vec<String> {
-    let text = std::fs::read_to_string(repo().join("rules/demo.json")).unwrap();
+    let text = common::demo_json();
     let rules: serde_json::Value = serde_json::from_str(&text).unwrap();
     let mut out: Vec<String> = rules["keys"]
         .as_array()

@@ -25,7 +25,7 @@ use rustls::pki_types::{CertificateDer, ServerName};
 /// event 34 stays under), and per client fingerprint, `clients_per_hour` an hour. A slow
 /// refill, so counts in a test are exact.
 fn rules(clients_per_hour: u64) -> String {
-    let text = std::fs::read_to_string(repo().join("rules/demo.json")).unwrap();
+    let text = common::demo_json();
     let mut rules: serde_json::Value = serde_json::from_str(&text).unwrap();
     let limits = rules["limits"].as_object_mut().unwrap();
     limits.insert(

@@ -288,7 +288,7 @@ async fn raw_upstream(behaviour: &'static str) -> std::net::SocketAddr {
 }
 
 fn rules_with_upstream(addr: String, timeout_ms: u64) -> String {
-    let text = std::fs::read_to_string(common::repo().join("rules/demo.json")).unwrap();
+    let text = common::demo_json();
     text.replace(
         r#""url": "http://127.0.0.1:8081", "timeout_ms": 30000"#,
         &format!(r#""url": "http://{addr}", "timeout_ms": {timeout_ms}"#),

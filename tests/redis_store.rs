@@ -296,7 +296,7 @@ async fn a_refund_survives_a_flushed_script_and_is_all_or_nothing() {
 }
 
 fn demo_rules() -> String {
-    std::fs::read_to_string(common::repo().join("rules/demo.json")).unwrap()
+    common::demo_json()
 }
 
 /// No store at start-up: the gateway starts degraded under the failure policies, says so, and

@@ -5,13 +5,13 @@
 
 mod common;
 
-use common::{Http, RedisServer, Tollgate, repo, rules_file};
+use common::{Http, RedisServer, Tollgate, rules_file};
 use http::{Method, StatusCode};
 
 /// The demo rules with the login limit (5 a minute per account) homed in Region A and closed
 /// when that store can't answer.
 fn rules() -> String {
-    let text = std::fs::read_to_string(repo().join("rules/demo.json")).unwrap();
+    let text = common::demo_json();
     let mut rules: serde_json::Value = serde_json::from_str(&text).unwrap();
     rules["limits"]["login"]["home_region"] = "A".into();
     rules["limits"]["login"]["on_store_failure"] = "closed".into();

@@ -292,8 +292,7 @@ async fn shadow_limits_refuse_nothing_and_charge_nothing_else() {
 
 #[tokio::test]
 async fn demo_with_a_rules_file_hot_reloads() {
-    let (_d, path) =
-        common::rules_file(&std::fs::read_to_string(common::repo().join("rules/demo.json")).unwrap());
+    let (_d, path) = common::rules_file(&common::demo_json());
     let gw = common::Tollgate::spawn(&["demo", "--rules", path.to_str().unwrap()]);
     let http = Http::new();
     let v = http.get(&gw.admin_url("/admin/rules"), &[]).await.json();

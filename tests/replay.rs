@@ -544,7 +544,7 @@ fn fingerprint_column_replays_fingerprint_limits() {
         std::fs::write(&path, text).unwrap();
         path
     };
-    let text = std::fs::read_to_string(common::repo().join("rules/demo.json")).unwrap();
+    let text = common::demo_json();
     let mut r: serde_json::Value = serde_json::from_str(&text).unwrap();
     r["limits"]["clients"] = serde_json::json!({"dimension": "fingerprint", "rate": "3/1h", "burst": 3});
     let orders = r["routes"]

@@ -314,9 +314,7 @@ async fn closed_answers_503_and_open_admits_everything() {
 
 #[test]
 fn an_open_security_limit_fails_validation() {
-    let mut r: Value =
-        serde_json::from_str(&std::fs::read_to_string(common::repo().join("rules/demo.json")).unwrap())
-            .unwrap();
+    let mut r: Value = serde_json::from_str(&common::demo_json()).unwrap();
     r["limits"]["login"]["on_store_failure"] = json!("open");
     let err = tollgate_rules::compile(r.to_string().as_bytes(), "open-login.json", Default::default())
         .expect_err("an open security limit must be refused");

@@ -2,7 +2,8 @@
 //! status `?status=NNN` asks for (to play a failed login, say), and `/v1/slow?ms=N` after N
 //! milliseconds. Bodies are read in full but never held. With workers ([`Workers`]) it plays an
 //! overloaded service: N requests served at a time, each for a service time, the rest queued
-//! without bound.
+//! without bound. Also the demo's bearer tokens (`tollgate demo-token`), signed with the demo's
+//! private key in `certs/`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -173,4 +174,49 @@ impl Handler for DemoUpstream {
     async fn handle(self: Arc<Self>, req: Request<Incoming>, _conn: ConnInfo) -> Response<Body> {
         self.serve(req).await
     }
+}
+
+/// The demo's JWT signing key: public in this repository, so good for the demo and nothing else.
+const DEMO_JWT_KEY: &[u8] = include_bytes!("../../certs/demo-jwt-key.pem");
+/// The demo JWKS's key id for it.
+const DEMO_JWT_KID: &str = "demo-1";
+
+/// What `tollgate demo-token` signs.
+#[derive(Debug, Clone)]
+pub struct DemoToken {
+    pub sub: String,
+    /// The tenant claim; the subject when not given.
+    pub org: Option<String>,
+    pub plan: String,
+    pub exp_seconds: u64,
+}
+
+/// A token for the demo's JWT route, signed with the demo key; its issuer and audience are
+/// read from the built-in demo rules, so the two can't drift apart.
+pub fn demo_token(t: &DemoToken, now_unix: u64) -> Result<String, String> {
+    let loader = tollgate_rules::RulesLoader {
+        source: tollgate_rules::RulesSource::demo(),
+        opts: tollgate_rules::CompileOptions::default(),
+        upstream_override: None,
+    };
+    let snap = loader.load().map_err(|e| e.to_string())?;
+    let jwt = snap
+        .jwt
+        .as_ref()
+        .ok_or("the demo rules have no \"jwt\" settings")?;
+    let mut claims = serde_json::Map::new();
+    claims.insert(jwt.key_claim.clone(), json!(t.sub));
+    if let Some(c) = &jwt.tenant_claim {
+        claims.insert(c.clone(), json!(t.org.as_deref().unwrap_or(&t.sub)));
+    }
+    claims.insert("plan".into(), json!(t.plan));
+    claims.insert("iss".into(), json!(jwt.issuer));
+    claims.insert("aud".into(), json!(jwt.audience));
+    claims.insert("iat".into(), json!(now_unix));
+    claims.insert("exp".into(), json!(now_unix + t.exp_seconds));
+    let key =
+        jsonwebtoken::EncodingKey::from_ed_pem(DEMO_JWT_KEY).map_err(|e| format!("the demo key: {e}"))?;
+    let mut header = jsonwebtoken::Header::new(jsonwebtoken::Algorithm::EdDSA);
+    header.kid = Some(DEMO_JWT_KID.into());
+    jsonwebtoken::encode(&header, &claims, &key).map_err(|e| format!("signing: {e}"))
 }

@@ -12,6 +12,7 @@ use tollgate_limit::decision::Decision;
 use tollgate_meter::flags::Flag;
 use tollgate_rules::Snapshot;
 use tollgate_rules::headers::state_value;
+use tollgate_rules::plan::Caller;
 use tollgate_rules::quota::{Period, Quota};
 use tollgate_store::CheckItem;
 
@@ -34,6 +35,9 @@ pub enum Refusal {
     BadRequest(String),
     #[error("{0}")]
     Unauthorized(&'static str),
+    /// A JWT route's bearer token is missing or does not verify; the body says which.
+    #[error("{0}")]
+    BadToken(tollgate_rules::jwt::TokenError),
     #[error("{0}")]
     MethodNotAllowed(&'static str),
     #[error("body over {limit} bytes")]
@@ -65,7 +69,7 @@ impl Refusal {
         match self {
             Refusal::NotFound => StatusCode::NOT_FOUND,
             Refusal::BadRequest(_) => StatusCode::BAD_REQUEST,
-            Refusal::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            Refusal::Unauthorized(_) | Refusal::BadToken(_) => StatusCode::UNAUTHORIZED,
             Refusal::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Refusal::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Refusal::RateLimited { .. } | Refusal::QuotaExceeded { .. } | Refusal::TooManyInFlight { .. } => {
@@ -88,6 +92,9 @@ impl Refusal {
             }
             Refusal::BadRequest(m) => json!({"error": "bad_request", "message": m}),
             Refusal::Unauthorized(m) => json!({"error": "unauthorized", "message": m}),
+            Refusal::BadToken(e) => {
+                json!({"error": "unauthorized", "reason": e.reason(), "message": e.to_string()})
+            }
             Refusal::MethodNotAllowed(m) => json!({"error": "method_not_allowed", "message": m}),
             Refusal::PayloadTooLarge { limit } => {
                 json!({"error": "payload_too_large", "max_body_bytes": limit})
@@ -139,6 +146,19 @@ impl Refusal {
             Refusal::UpstreamOverloaded { retry_after } | Refusal::QuotaExceeded { retry_after, .. } => {
                 h.insert(RETRY_AFTER, HeaderValue::from(*retry_after));
                 h.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+            }
+            // RFC 6750: a client library knows to fetch a new token on `invalid_token`.
+            Refusal::BadToken(e) => {
+                let v = match e {
+                    tollgate_rules::jwt::TokenError::Missing => "Bearer".to_string(),
+                    e => format!(
+                        "Bearer error=\"invalid_token\", error_description=\"{}\"",
+                        e.reason()
+                    ),
+                };
+                if let Ok(v) = HeaderValue::from_str(&v) {
+                    h.insert(http::header::WWW_AUTHENTICATE, v);
+                }
             }
             _ => {}
         }
@@ -212,10 +232,10 @@ pub fn budget_headers(
     headers: &mut HeaderMap,
     snap: &Snapshot,
     batch: &[CheckItem],
-    key: Option<usize>,
+    caller: Caller<'_>,
     d: &Decision,
 ) {
-    if let Some(b) = budget_values(snap, batch, key, d) {
+    if let Some(b) = budget_values(snap, batch, caller, d) {
         b.apply(headers);
     }
 }
@@ -251,15 +271,16 @@ impl Budget {
 pub(crate) fn budget_values(
     snap: &Snapshot,
     batch: &[CheckItem],
-    key: Option<usize>,
+    caller: Caller<'_>,
     d: &Decision,
 ) -> Option<Budget> {
     let i = d.deciding?;
     let li = batch[i].limit as usize;
     let limit = &snap.limits[li];
-    let numbers = match key {
-        Some(k) => snap.keys[k].numbers(limit, li),
-        None => limit.numbers.as_ref(),
+    let numbers = match caller {
+        Caller::Key(k) => snap.keys[k].numbers(limit, li),
+        Caller::Jwt(j) => limit.jwt_numbers(j),
+        Caller::Anonymous => limit.numbers.as_ref(),
     };
     Some(Budget {
         policy: numbers.map(|n| n.policy.clone()),

@@ -7,6 +7,7 @@
 
 pub mod headers;
 pub mod identity;
+pub mod jwt;
 pub mod plan;
 pub mod quota;
 pub mod raw;
@@ -21,7 +22,7 @@ use http::{HeaderName, HeaderValue, Method, uri::Authority};
 use sha2::{Digest, Sha256};
 
 use headers::policy_value;
-pub use raw::{KeyRequirement, LimitClass, Mode, Scope};
+pub use raw::{Identity, KeyRequirement, LimitClass, Mode, Scope};
 use raw::{
     RawBlock, RawConcurrency, RawDimension, RawDimensionName, RawEncodedSlashes, RawKey, RawLimit,
     RawNumbers, RawPathMatch, RawQuota, RawRoute, RawRules, RawUpstream,
@@ -96,6 +97,8 @@ pub enum Dimension {
     /// The client fingerprint of the connection (`tollgate_hello`): one client library's TLS
     /// ClientHello, whatever address it comes from.
     Fingerprint,
+    /// A claim of the caller's verified JWT, inside its tenant.
+    Claim(String),
 }
 
 impl Dimension {
@@ -107,6 +110,7 @@ impl Dimension {
             Dimension::Header(h) => format!("header {h}"),
             Dimension::BodyField(f) => format!("body field {f}"),
             Dimension::Fingerprint => "fingerprint".into(),
+            Dimension::Claim(c) => format!("claim {c}"),
         }
     }
 }
@@ -143,6 +147,8 @@ pub struct Limit {
     pub charge_on: Option<Box<[u16]>>,
     /// For a security limit: the Region whose store checks it.
     pub home_region: Option<Arc<str>>,
+    /// A key limit's numbers for JWT callers, by the value of one of their claims.
+    pub plans: Option<jwt::Plans>,
 }
 
 impl Limit {
@@ -155,6 +161,18 @@ impl Limit {
 
     pub fn shadow(&self) -> bool {
         self.mode == Mode::Shadow
+    }
+
+    /// The numbers a JWT caller's bucket of this limit uses: its plan's, else the limit's own.
+    pub fn jwt_numbers(&self, caller: &jwt::JwtCaller) -> Option<&Numbers> {
+        let planned = self
+            .plans
+            .as_ref()
+            .and_then(|p| match caller.claims.get(&p.claim) {
+                Some(serde_json::Value::String(v)) => p.numbers.get(v),
+                _ => None,
+            });
+        planned.or(self.numbers.as_ref())
     }
 }
 
@@ -211,6 +229,8 @@ pub struct Route {
     pub prefix: String,
     pub upstream: usize,
     pub key: KeyRequirement,
+    /// Whether callers are API keys or JWTs.
+    pub identity: Identity,
     /// (limit index, cost), in limit order.
     pub costs: Vec<(u16, u64)>,
     pub max_body_bytes: u64,
@@ -265,6 +285,8 @@ pub struct Snapshot {
     pub routes: Vec<Route>,
     /// (limit index, cost) charged to every request without a valid key.
     pub unauthenticated: Option<(u16, u64)>,
+    /// The JWKS and claims for routes with `"identity": "jwt"`.
+    pub jwt: Option<jwt::JwtConfig>,
 }
 
 impl Snapshot {
@@ -283,6 +305,23 @@ impl Snapshot {
     /// The key with this public id.
     pub fn key_by_id(&self, id: &str) -> Option<usize> {
         self.key_ids.get(id).copied()
+    }
+
+    /// Verifies a bearer token for a JWT route: the token itself, then that every limit the
+    /// route charges has numbers for the caller's plan.
+    pub fn verify_jwt(&self, route: &Route, token: &[u8]) -> Result<jwt::JwtCaller, jwt::TokenError> {
+        let Some(cfg) = &self.jwt else {
+            // compile refuses a JWT route without `jwt`; this is only a guard.
+            return Err(jwt::TokenError::AlgMismatch);
+        };
+        let caller = cfg.verify(token)?;
+        for &(li, _) in &route.costs {
+            let l = &self.limits[li as usize];
+            if l.dimension == Dimension::Key && l.jwt_numbers(&caller).is_none() {
+                return Err(jwt::TokenError::UnknownPlan);
+            }
+        }
+        Ok(caller)
     }
 
     /// The name of the limit whose bucket decided a check of `batch`.
@@ -304,6 +343,8 @@ pub struct CompileOptions {
 
 /// The demo rules, built in so `tollgate demo` works from any directory.
 pub(crate) const DEMO_RULES: &[u8] = include_bytes!("../../rules/demo.json");
+/// The demo's JWKS, built in beside the demo rules that name it.
+pub(crate) const DEMO_JWKS: &[u8] = include_bytes!("../../rules/demo-jwks.json");
 
 /// Where the rules come from.
 #[derive(Debug, Clone)]
@@ -338,7 +379,13 @@ impl RulesLoader {
     pub fn load(&self) -> Result<Snapshot, RulesError> {
         let mut snap = match &self.source {
             RulesSource::File(path) => load(path, self.opts)?,
-            RulesSource::Embedded { label, bytes } => compile(bytes, label, self.opts)?,
+            RulesSource::Embedded { label, bytes } => {
+                let builtin = |name: &str| match name {
+                    "demo-jwks.json" => Ok(DEMO_JWKS.to_vec()),
+                    other => Err(format!("{other:?} is not built in (only \"demo-jwks.json\" is)")),
+                };
+                compile_with(bytes, label, self.opts, &builtin)?
+            }
         };
         if let Some(auth) = &self.upstream_override {
             let host = HeaderValue::from_str(auth.as_str()).map_err(|_| RulesError {
@@ -366,8 +413,29 @@ pub fn load(path: &Path, opts: CompileOptions) -> Result<Snapshot, RulesError> {
     compile(&bytes, &file, opts)
 }
 
-/// Parses and compiles rules from bytes; `file` names them in errors.
+/// Parses and compiles rules from bytes; `file` names them in errors, and files they name
+/// (the JWKS) are read relative to its directory.
 pub fn compile(bytes: &[u8], file: &str, opts: CompileOptions) -> Result<Snapshot, RulesError> {
+    let dir = Path::new(file)
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default();
+    let read = move |name: &str| {
+        let path = dir.join(name);
+        std::fs::read(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))
+    };
+    compile_with(bytes, file, opts, &read)
+}
+
+/// Reads a file the rules name, by the name as written.
+type ReadNamed<'a> = &'a dyn Fn(&str) -> Result<Vec<u8>, String>;
+
+fn compile_with(
+    bytes: &[u8],
+    file: &str,
+    opts: CompileOptions,
+    read: ReadNamed<'_>,
+) -> Result<Snapshot, RulesError> {
     let err = |field: &str, reason: String| RulesError {
         file: file.to_string(),
         field: field.to_string(),
@@ -395,12 +463,13 @@ pub fn compile(bytes: &[u8], file: &str, opts: CompileOptions) -> Result<Snapsho
         )
     })?;
     let digest = hex::encode(Sha256::digest(bytes));
-    Compiler { file, opts }.run(raw, digest)
+    Compiler { file, opts, read }.run(raw, digest)
 }
 
 struct Compiler<'a> {
     file: &'a str,
     opts: CompileOptions,
+    read: ReadNamed<'a>,
 }
 
 /// The compiled upstreams, and where each is by name for the routes that name it.
@@ -458,6 +527,15 @@ impl Compiler<'_> {
         let mut routes = self.routes(&raw, &upstreams, &limits, &keys)?;
         sort_routes(&mut routes);
         let unauthenticated = self.unauthenticated(&raw, &limits)?;
+        let jwt = self.jwt(&raw)?;
+        if jwt.is_none()
+            && let Some(i) = raw.routes.iter().position(|r| r.identity == Identity::Jwt)
+        {
+            return Err(self.err(
+                format!("routes[{i}].identity"),
+                "a JWT route needs the top-level \"jwt\" settings (its JWKS, issuer and audience)",
+            ));
+        }
         if self.opts.cluster {
             self.check_one_slot(&routes, &limits.list, unauthenticated)?;
         }
@@ -473,7 +551,55 @@ impl Compiler<'_> {
             key_ids: keys.by_id,
             routes,
             unauthenticated,
+            jwt,
         })
+    }
+
+    fn jwt(&self, raw: &RawRules) -> Result<Option<jwt::JwtConfig>, RulesError> {
+        let Some(j) = &raw.jwt else {
+            return Ok(None);
+        };
+        let claim = |field: &str, c: &Option<String>, default: Option<&str>| match c {
+            Some(c) if c.is_empty() => Err(self.err(format!("jwt.{field}"), "must not be empty")),
+            Some(c) => Ok(Some(c.clone())),
+            None => Ok(default.map(str::to_string)),
+        };
+        for (field, v) in [
+            ("jwks", &j.jwks),
+            ("issuer", &j.issuer),
+            ("audience", &j.audience),
+        ] {
+            if v.is_empty() {
+                return Err(self.err(format!("jwt.{field}"), "must not be empty"));
+            }
+        }
+        let leeway_s = j.leeway_s.unwrap_or(jwt::DEFAULT_LEEWAY_S);
+        if leeway_s > jwt::MAX_LEEWAY_S {
+            return Err(self.err(
+                "jwt.leeway_s",
+                format!(
+                    "{leeway_s} s would keep expired tokens alive; at most {}",
+                    jwt::MAX_LEEWAY_S
+                ),
+            ));
+        }
+        let bytes = (self.read)(&j.jwks).map_err(|e| self.err("jwt.jwks", e))?;
+        let checks = jwt::Checks {
+            issuer: &j.issuer,
+            audience: &j.audience,
+            leeway_s,
+        };
+        let keys = jwt::keys(&bytes, &checks)
+            .map_err(|(f, r)| self.err("jwt.jwks", format!("{}: {f}: {r}", j.jwks)))?;
+        Ok(Some(jwt::JwtConfig {
+            jwks_path: j.jwks.clone(),
+            keys,
+            issuer: j.issuer.clone(),
+            audience: j.audience.clone(),
+            leeway_s,
+            key_claim: claim("key_claim", &j.key_claim, Some("sub"))?.unwrap_or_default(),
+            tenant_claim: claim("tenant_claim", &j.tenant_claim, None)?,
+        }))
     }
 
     fn upstreams(&self, raw: &RawRules) -> Result<Upstreams, RulesError> {
@@ -714,7 +840,9 @@ impl Compiler<'_> {
             }
             Some(r) => Some(Arc::from(r.as_str())),
         };
+        let plans = self.plans(&field, name, l, &dimension)?;
         Ok(Limit {
+            plans,
             name: name.into(),
             dimension,
             numbers,
@@ -778,7 +906,49 @@ impl Compiler<'_> {
             concurrent: Some(Concurrent { max, policy }),
             charge_on: None,
             home_region: None,
+            plans: None,
         })
+    }
+
+    /// A key limit's numbers per plan, for JWT callers.
+    fn plans(
+        &self,
+        field: &str,
+        name: &str,
+        l: &RawLimit,
+        dimension: &Dimension,
+    ) -> Result<Option<jwt::Plans>, RulesError> {
+        let Some(raw) = &l.plans else {
+            if l.plan_claim.is_some() {
+                return Err(self.err(
+                    format!("{field}.plan_claim"),
+                    "names the claim of \"plans\", which is missing",
+                ));
+            }
+            return Ok(None);
+        };
+        if *dimension != Dimension::Key {
+            return Err(self.err(
+                format!("{field}.plans"),
+                "only key limits have plans: a plan is a tenant's numbers",
+            ));
+        }
+        if raw.is_empty() {
+            return Err(self.err(format!("{field}.plans"), "name at least one plan"));
+        }
+        let claim = match &l.plan_claim {
+            Some(c) if c.is_empty() => {
+                return Err(self.err(format!("{field}.plan_claim"), "must not be empty"));
+            }
+            Some(c) => c.clone(),
+            None => "plan".to_string(),
+        };
+        let mut numbers = BTreeMap::new();
+        for (plan, RawNumbers { rate, burst }) in raw {
+            let n = self.numbers(&format!("{field}.plans.{plan}"), name, rate, *burst)?;
+            numbers.insert(plan.clone(), n);
+        }
+        Ok(Some(jwt::Plans { claim, numbers }))
     }
 
     fn dimension(&self, field: &str, raw: &RawDimension) -> Result<Dimension, RulesError> {
@@ -787,6 +957,12 @@ impl Compiler<'_> {
             RawDimension::Named(RawDimensionName::Route) => Dimension::Route,
             RawDimension::Named(RawDimensionName::Ip) => Dimension::Ip,
             RawDimension::Named(RawDimensionName::Fingerprint) => Dimension::Fingerprint,
+            RawDimension::Claim(c) => {
+                if c.is_empty() {
+                    return Err(self.err(format!("{field}.dimension.claim"), "must not be empty"));
+                }
+                Dimension::Claim(c.clone())
+            }
             RawDimension::BodyField(f) => {
                 if f.is_empty() {
                     return Err(self.err(format!("{field}.dimension.body_field"), "must not be empty"));
@@ -1017,6 +1193,12 @@ impl Compiler<'_> {
                 Some(self.route_method(&field, &r.method)?)
             };
             self.route_path(&field, &r.path)?;
+            if r.identity == Identity::Jwt && r.key == KeyRequirement::Optional {
+                return Err(self.err(
+                    format!("{field}.key"),
+                    "a JWT route needs its token: \"optional\" applies to API keys only",
+                ));
+            }
             let Some(&upstream) = upstreams.by_name.get(&r.upstream) else {
                 return Err(self.err(
                     format!("{field}.upstream"),
@@ -1047,6 +1229,7 @@ impl Compiler<'_> {
                 prefix: r.path.clone(),
                 upstream,
                 key: r.key,
+                identity: r.identity,
                 costs,
                 max_body_bytes: r.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES),
                 encoded_slashes: slashes(r.encoded_slashes).unwrap_or(up.encoded_slashes),
@@ -1093,6 +1276,17 @@ impl Compiler<'_> {
                 return Err(self.err(&cfield, "a cost must be at least 1; leave the limit out instead"));
             }
             let limit = &limits.list[li];
+            if r.identity == Identity::Jwt {
+                self.jwt_cost(&cfield, name, lname, limit, cost)?;
+                costs.push((li as u16, cost));
+                continue;
+            }
+            if let Dimension::Claim(c) = &limit.dimension {
+                return Err(self.err(
+                    &cfield,
+                    format!("limit {lname:?} keys on the JWT claim {c:?}, but route {name:?} takes API keys (\"identity\": \"jwt\" to take tokens)"),
+                ));
+            }
             if limit.concurrent.is_some() {
                 if cost != 1 {
                     return Err(self.err(
@@ -1137,6 +1331,48 @@ impl Compiler<'_> {
             costs.push((li as u16, cost));
         }
         Ok(costs)
+    }
+
+    /// A JWT route's cost in one limit: payable under every plan, and in limits a token's
+    /// caller can pay (its numbers come from the limit or its plans, never from a key).
+    fn jwt_cost(
+        &self,
+        cfield: &str,
+        name: &str,
+        lname: &str,
+        limit: &Limit,
+        cost: u64,
+    ) -> Result<(), RulesError> {
+        if limit.concurrent.is_some() {
+            return Err(self.err(
+                cfield,
+                format!("limit {lname:?} counts requests in flight per API key; a JWT route can't charge it"),
+            ));
+        }
+        if limit.dimension == Dimension::Key && limit.numbers.is_none() && limit.plans.is_none() {
+            return Err(self.err(
+                cfield,
+                format!("limit {lname:?} has no numbers of its own and no \"plans\", so a token's caller has none, but route {name:?} charges it"),
+            ));
+        }
+        let all = limit
+            .numbers
+            .iter()
+            .map(|n| ("".to_string(), n))
+            .chain(limit.plans.iter().flat_map(|p| {
+                p.numbers
+                    .iter()
+                    .map(|(plan, n)| (format!(" for plan {plan:?}"), n))
+            }));
+        for (who, n) in all {
+            if cost > n.params.burst {
+                return Err(self.err(
+                    cfield,
+                    format!("route {name:?} costs {cost} in limit {lname:?}, above its burst {}{who}: it could never pass", n.params.burst),
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// The JSON body field a route's limits are keyed on, if any.
@@ -1270,7 +1506,7 @@ impl Compiler<'_> {
                 for &(li, _) in &r.costs {
                     let l = &limits[li as usize];
                     let tag = match &l.dimension {
-                        Dimension::Key => continue,
+                        Dimension::Key | Dimension::Claim(_) => continue,
                         Dimension::Route | Dimension::Ip => "the client IP".to_string(),
                         Dimension::Header(h) => format!("the {h} header"),
                         Dimension::BodyField(f) => format!("the body field {f:?}"),

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use http::HeaderMap;
 
+use super::jwt::JwtCaller;
 use super::{ApiKey, Dimension, Fingerprint, Limit, Prepared, Route, Snapshot};
 use tollgate_limit::batch::{Batch, CheckItem};
 use tollgate_limit::bucket::Charge;
@@ -19,6 +20,19 @@ pub enum PlanError {
     BadHeader { limit: Arc<str>, header: String },
     #[error("limit {limit:?} needs the JSON body field {field:?}")]
     MissingField { limit: Arc<str>, field: String },
+    #[error("limit {limit:?} needs the token claim {claim:?} (a string, number or boolean)")]
+    MissingClaim { limit: Arc<str>, claim: String },
+}
+
+/// Who a request's buckets belong to.
+#[derive(Debug, Clone, Copy)]
+pub enum Caller<'a> {
+    /// No valid credential: the client IP's buckets.
+    Anonymous,
+    /// A static API key of the rules, by index.
+    Key(usize),
+    /// A verified JWT: its key id and tenant come from claims, not from the rules.
+    Jwt(&'a JwtCaller),
 }
 
 /// Header values longer than this are named by their hash in bucket keys.
@@ -27,7 +41,7 @@ const MAX_VALUE_IN_KEY: usize = 64;
 /// Appends a header value to a bucket name so it can't break out of its hash tag or its
 /// segment: `{`, `}`, `:` and `%` and any byte outside printable ASCII are %-escaped, and a
 /// long value is replaced by a hash.
-fn push_value(out: &mut String, value: &[u8]) {
+pub(crate) fn push_value(out: &mut String, value: &[u8]) {
     if value.len() > MAX_VALUE_IN_KEY {
         out.push_str("sha256=");
         let h = crate::hash_secret(value);
@@ -48,10 +62,10 @@ fn push_value(out: &mut String, value: &[u8]) {
 }
 
 /// A bucket per value: within the tenant for a keyed request, on its own tag without a key.
-fn tagged_value(name: &mut String, key: Option<&ApiKey>, limit: &str, value: &[u8]) {
-    match key {
-        Some(k) => {
-            let _ = write!(name, "rl:{{{}}}:{}:", k.tenant, limit);
+fn tagged_value(name: &mut String, tenant: Option<&str>, limit: &str, value: &[u8]) {
+    match tenant {
+        Some(t) => {
+            let _ = write!(name, "rl:{{{t}}}:{limit}:");
             push_value(name, value);
         }
         None => {
@@ -79,7 +93,25 @@ pub fn build(
     headers: &HeaderMap,
     body_value: Option<&[u8]>,
 ) -> Result<Batch, PlanError> {
-    let key: Option<&ApiKey> = key.map(|k| &snap.keys[k]);
+    let caller = key.map_or(Caller::Anonymous, Caller::Key);
+    build_for(snap, route, caller, ip, fingerprint, headers, body_value)
+}
+
+/// [`build`] for any caller, a JWT's included.
+pub fn build_for(
+    snap: &Snapshot,
+    route: &Route,
+    caller: Caller<'_>,
+    ip: IpAddr,
+    fingerprint: Fingerprint,
+    headers: &HeaderMap,
+    body_value: Option<&[u8]>,
+) -> Result<Batch, PlanError> {
+    let key = match caller {
+        Caller::Anonymous => None,
+        Caller::Key(k) => Some(Id::Key(&snap.keys[k])),
+        Caller::Jwt(j) => Some(Id::Jwt(j)),
+    };
     let mut batch = Batch::new();
     let mut has_unauth = false;
     for &(li, cost) in &route.costs {
@@ -130,9 +162,26 @@ fn unauthenticated(snap: &Snapshot, li: u16, cost: u64, ip: IpAddr) -> Option<Ch
     ))
 }
 
+/// An authenticated caller, as the buckets see it.
+#[derive(Clone, Copy)]
+enum Id<'s> {
+    Key(&'s ApiKey),
+    Jwt(&'s JwtCaller),
+}
+
+impl<'s> Id<'s> {
+    /// What goes inside the hash tag of the caller's buckets.
+    fn tenant(self) -> &'s str {
+        match self {
+            Id::Key(k) => &k.tenant,
+            Id::Jwt(j) => &j.tenant_tag,
+        }
+    }
+}
+
 /// Who is asking, as far as the connection and the key tell.
 struct Who<'s> {
-    key: Option<&'s ApiKey>,
+    key: Option<Id<'s>>,
     ip: IpAddr,
     fingerprint: Fingerprint,
 }
@@ -148,7 +197,8 @@ fn item_for(
 ) -> Result<Option<CheckItem>, PlanError> {
     let (key, ip) = (who.key, who.ip);
     let numbers = match key {
-        Some(k) => k.numbers(limit, idx),
+        Some(Id::Key(k)) => k.numbers(limit, idx),
+        Some(Id::Jwt(j)) => limit.jwt_numbers(j),
         None => limit.numbers.as_ref(),
     };
     let Some(numbers) = numbers else {
@@ -169,13 +219,34 @@ fn item_for(
         lease: limit.lease,
     };
     let mut name = String::with_capacity(64);
+    let tenant = key.map(Id::tenant);
     match (&limit.dimension, key) {
-        (Dimension::Key, Some(k)) => {
+        (Dimension::Key, Some(Id::Key(k))) => {
             return Ok(k.key_buckets[idx].as_ref().map(prepared));
         }
+        // Named as an API key's bucket of the same tenant is, so both pay one bucket.
+        (Dimension::Key, Some(Id::Jwt(j))) => {
+            let _ = write!(name, "rl:{{{}}}:{}", j.tenant_tag, limit.name);
+        }
         (Dimension::Key, None) => return Ok(None),
+        (Dimension::Claim(c), Some(Id::Jwt(j))) => {
+            let Some(value) = j.claim(c) else {
+                return Err(PlanError::MissingClaim {
+                    limit: limit.name.clone(),
+                    claim: c.clone(),
+                });
+            };
+            tagged_value(&mut name, tenant, &limit.name, &value);
+        }
+        // The rules let only JWT routes charge a claim limit.
+        (Dimension::Claim(c), _) => {
+            return Err(PlanError::MissingClaim {
+                limit: limit.name.clone(),
+                claim: c.clone(),
+            });
+        }
         (Dimension::Route, Some(k)) => {
-            let _ = write!(name, "rl:{{{}}}:{}:", k.tenant, limit.name);
+            let _ = write!(name, "rl:{{{}}}:{}:", k.tenant(), limit.name);
             push_value(&mut name, route.name.as_bytes());
         }
         (Dimension::Route, None) => {
@@ -190,21 +261,21 @@ fn item_for(
         }
         // Its text form needs no escaping: `none`, `unparsed` or hex digits.
         (Dimension::Fingerprint, Some(k)) => {
-            let _ = write!(name, "rl:{{{}}}:{}:{}", k.tenant, limit.name, who.fingerprint);
+            let _ = write!(name, "rl:{{{}}}:{}:{}", k.tenant(), limit.name, who.fingerprint);
         }
         (Dimension::Fingerprint, None) => {
             let _ = write!(name, "rl:{{fp:{}}}:{}", who.fingerprint, limit.name);
         }
-        (Dimension::BodyField(f), k) => {
+        (Dimension::BodyField(f), _) => {
             let Some(value) = body_value.filter(|v| !v.is_empty()) else {
                 return Err(PlanError::MissingField {
                     limit: limit.name.clone(),
                     field: f.clone(),
                 });
             };
-            tagged_value(&mut name, k, &limit.name, value);
+            tagged_value(&mut name, tenant, &limit.name, value);
         }
-        (Dimension::Header(h), k) => {
+        (Dimension::Header(h), _) => {
             let mut values = headers.get_all(h).iter();
             let Some(value) = values.next() else {
                 return Err(PlanError::MissingHeader {
@@ -218,7 +289,7 @@ fn item_for(
                     header: h.to_string(),
                 });
             }
-            tagged_value(&mut name, k, &limit.name, value.as_bytes());
+            tagged_value(&mut name, tenant, &limit.name, value.as_bytes());
         }
     }
     Ok(Some(CheckItem::new(

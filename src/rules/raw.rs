@@ -20,6 +20,9 @@ pub(crate) struct RawRules {
     /// The limit charged to every request that has no valid key, keyed on the client IP.
     #[serde(default)]
     pub unauthenticated: Option<RawUnauthenticated>,
+    /// Bearer tokens for routes with `"identity": "jwt"`: the JWKS and the claims to check.
+    #[serde(default)]
+    pub jwt: Option<crate::jwt::RawJwt>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -101,11 +104,12 @@ pub(crate) enum RawDimension {
     /// One bucket per value of this top-level field of a JSON request body (read at most
     /// 16 KiB of it), e.g. the account of a login.
     BodyField(String),
+    /// One bucket per value of this claim of a verified JWT, inside its tenant.
+    Claim(String),
 }
 
 /// Every form a dimension may take, for the error that names a wrong one.
-const DIMENSIONS: &str =
-    "\"key\", \"route\", \"ip\", \"fingerprint\", {\"header\": NAME} or {\"body_field\": NAME}";
+const DIMENSIONS: &str = "\"key\", \"route\", \"ip\", \"fingerprint\", {\"header\": NAME}, {\"body_field\": NAME} or {\"claim\": NAME}";
 
 /// Read by hand rather than as an untagged enum, whose one error ("did not match any variant")
 /// would not say what was wrong nor what is allowed.
@@ -137,6 +141,7 @@ impl<'de> Deserialize<'de> for RawDimension {
                 match name.as_str() {
                     "header" => Ok(RawDimension::Header(text("header's name")?)),
                     "body_field" => Ok(RawDimension::BodyField(text("field's name")?)),
+                    "claim" => Ok(RawDimension::Claim(text("claim's name")?)),
                     "key" | "route" | "ip" | "fingerprint" => Err(D::Error::custom(format!(
                         "the {name} dimension takes no settings: write \"{name}\""
                     ))),
@@ -230,6 +235,11 @@ pub(crate) struct RawLimit {
     /// A billing quota every key on this plan gets, unless the key sets its own.
     #[serde(default)]
     pub quota: Option<RawQuota>,
+    /// Numbers per value of a JWT claim (`plan_claim`, default `"plan"`), for JWT callers.
+    #[serde(default)]
+    pub plans: Option<BTreeMap<String, RawNumbers>>,
+    #[serde(default)]
+    pub plan_claim: Option<String>,
     /// Accepted so a rules file can say what a limit is for; the gateway never reads it.
     #[serde(default)]
     #[allow(dead_code)]
@@ -291,6 +301,16 @@ pub enum KeyRequirement {
     Optional,
 }
 
+#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Identity {
+    /// `Authorization: Bearer` or `X-API-Key` holds a secret whose hash is in `keys`.
+    #[default]
+    Key,
+    /// `Authorization: Bearer` holds a JWT verified against the rules' `jwt` JWKS.
+    Jwt,
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawRoute {
@@ -303,6 +323,9 @@ pub(crate) struct RawRoute {
     pub upstream: String,
     #[serde(default)]
     pub key: KeyRequirement,
+    /// Who the caller is: an API key (the default) or a verified JWT.
+    #[serde(default)]
+    pub identity: Identity,
     /// Tokens this route costs in each limit.
     #[serde(default)]
     pub cost: BTreeMap<String, u64>,

@@ -48,6 +48,7 @@ pub fn summary(snap: &Snapshot) -> String {
             Dimension::Header(h) => format!("per {h} value"),
             Dimension::BodyField(f) => format!("per body field {f:?}"),
             Dimension::Fingerprint => "per client fingerprint".to_string(),
+            Dimension::Claim(c) => format!("per value of the JWT claim {c:?}"),
         };
         let _ = writeln!(
             out,
@@ -70,6 +71,21 @@ pub fn summary(snap: &Snapshot) -> String {
                 );
             }
         }
+        for (plan, n) in l
+            .plans
+            .iter()
+            .flat_map(|p| p.numbers.iter().map(move |(v, n)| ((&p.claim, v), n)))
+        {
+            let _ = writeln!(
+                out,
+                "    JWT {}={:<8} {} ({:.3}/s), burst {}",
+                plan.0,
+                plan.1,
+                n.params.rate,
+                n.params.rate.per_second(),
+                n.params.burst
+            );
+        }
     }
     let _ = writeln!(out, "keys: {}", snap.keys.len());
     let _ = writeln!(out, "routes:");
@@ -81,17 +97,33 @@ pub fn summary(snap: &Snapshot) -> String {
             .collect();
         let _ = writeln!(
             out,
-            "  {:<12} {} {} -> {}; key {:?}; costs: {}",
+            "  {:<12} {} {} -> {}; {}; costs: {}",
             &*r.name,
             r.method.as_ref().map_or("*", |m| m.as_str()),
             r.prefix,
             &*snap.upstreams[r.upstream].name,
-            r.key,
+            match r.identity {
+                crate::Identity::Key => format!("key {:?}", r.key),
+                crate::Identity::Jwt => "JWT".to_string(),
+            },
             if costs.is_empty() {
                 "none".to_string()
             } else {
                 costs.join(", ")
             }
+        );
+    }
+    if let Some(j) = &snap.jwt {
+        let _ = writeln!(
+            out,
+            "jwt: {} key(s) from {}; iss {:?}, aud {:?}, leeway {} s; key id from {:?}, tenant from {:?}",
+            j.keys.len(),
+            j.jwks_path,
+            j.issuer,
+            j.audience,
+            j.leeway_s,
+            j.key_claim,
+            j.tenant_claim.as_deref().unwrap_or(&j.key_claim)
         );
     }
     if let Some((li, c)) = snap.unauthenticated {

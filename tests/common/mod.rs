@@ -29,9 +29,21 @@ pub const K8: &str = "k8-demo-key";
 pub const KBIG: &str = "kbig-demo-key";
 pub const DEMO_KEYS: [&str; 3] = [K7, K8, KBIG];
 
+/// rules/demo.json with its JWKS named by absolute path, so a copy loads from any directory.
+pub fn demo_json() -> String {
+    let text = std::fs::read_to_string(repo().join("rules/demo.json")).expect("rules/demo.json");
+    let jwks = repo().join("rules/demo-jwks.json");
+    let jwks = serde_json::to_string(jwks.to_str().expect("a UTF-8 path")).unwrap();
+    assert!(
+        text.contains("\"demo-jwks.json\""),
+        "the demo rules name demo-jwks.json"
+    );
+    text.replace("\"demo-jwks.json\"", &jwks)
+}
+
 /// The demo rules with every upstream pointed at `upstream`.
 pub fn demo_rules_for(upstream: SocketAddr) -> String {
-    let text = std::fs::read_to_string(repo().join("rules/demo.json")).expect("rules/demo.json");
+    let text = demo_json();
     text.replace("http://127.0.0.1:8081", &format!("http://{upstream}"))
 }
 

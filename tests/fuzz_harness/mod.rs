@@ -297,6 +297,10 @@ fn check(snap: &Snapshot, batch: &[CheckItem], key: Option<usize>, head: &Head) 
                 .into_response()
                 .map(drop)
         };
-        budget_headers(resp.headers_mut(), snap, batch, key, &d);
+        let caller = key.map_or(
+            tollgate_rules::plan::Caller::Anonymous,
+            tollgate_rules::plan::Caller::Key,
+        );
+        budget_headers(resp.headers_mut(), snap, batch, caller, &d);
     }
 }

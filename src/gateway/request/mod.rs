@@ -31,9 +31,10 @@ use tollgate_limit::decision::{Decision, decide};
 use tollgate_meter::counter::Meter;
 use tollgate_meter::flags::Flags;
 use tollgate_rules::identity::{self, KeySource, TrustedProxies};
+use tollgate_rules::jwt::{JwtCaller, TokenError};
 use tollgate_rules::plan;
 use tollgate_rules::quota::Quota;
-use tollgate_rules::{Fingerprint, KeyRequirement, Snapshot, hash_secret};
+use tollgate_rules::{Fingerprint, Identity, KeyRequirement, Snapshot, hash_secret};
 use tollgate_store::seats::{MemorySeats, Seat, Seats, Taken};
 use tollgate_store::{Batch, Outcome, Store, StoreError};
 use tollgate_telemetry::logsample::Sampler;
@@ -291,13 +292,13 @@ impl Gateway {
         &self,
         snap: &Snapshot,
         ip: IpAddr,
-        why: &'static str,
+        why: Refusal,
         h: &Handles,
         trace: &mut Trace,
     ) -> Response<Body> {
         let batch = plan::unauthenticated_only(snap, ip);
         if batch.is_empty() {
-            return Refusal::Unauthorized(why).into_response();
+            return why.into_response();
         }
         let d = match self.check(snap, h, &batch).await {
             Err(_) => return Refusal::LimiterUnavailable.into_response(),
@@ -305,13 +306,13 @@ impl Gateway {
         };
         let mut resp = match &d {
             Decision::Unavailable(_) => return Refusal::LimiterUnavailable.into_response(),
-            Decision::Admitted(_) => Refusal::Unauthorized(why).into_response(),
+            Decision::Admitted(_) => why.into_response(),
             Decision::Limited(..) => {
                 trace.limit = deciding_name(snap, &batch, &d);
                 rate_limited(snap, &batch, &d)
             }
         };
-        budget_headers(resp.headers_mut(), snap, &batch, None, &d);
+        budget_headers(resp.headers_mut(), snap, &batch, plan::Caller::Anonymous, &d);
         resp
     }
 
@@ -329,6 +330,7 @@ impl Gateway {
         trace: &mut Trace,
     ) -> Result<Charged, Response<Body>> {
         let key_idx = c.key.map(|k| k.0);
+        let caller = c.caller();
         // Seats first: they are given back when this request ends, whatever ends it.
         let seats = match key_idx {
             Some(k)
@@ -341,7 +343,7 @@ impl Gateway {
             }
             _ => Vec::new(),
         };
-        let mut batch = match plan::build(snap, route, key_idx, c.ip, c.fingerprint, headers, body_value) {
+        let mut batch = match plan::build_for(snap, route, caller, c.ip, c.fingerprint, headers, body_value) {
             Ok(b) => b,
             Err(e) => return Err(Refusal::BadRequest(e.to_string()).into_response()),
         };
@@ -367,12 +369,12 @@ impl Gateway {
             Decision::Unavailable(_) => return Err(Refusal::LimiterUnavailable.into_response()),
             Decision::Limited(..) => {
                 let mut resp = rate_limited(snap, &batch, &d);
-                budget_headers(resp.headers_mut(), snap, &batch, key_idx, &d);
+                budget_headers(resp.headers_mut(), snap, &batch, caller, &d);
                 return Err(resp);
             }
         }
         Ok(Charged {
-            budget: crate::respond::budget_values(snap, &batch, key_idx, &d),
+            budget: crate::respond::budget_values(snap, &batch, caller, &d),
             // Boxed: it travels with the request to its end, and a pointer moves for less than
             // the few hundred bytes of a batch and its outcome.
             paid: Some(Box::new(Paid { batch, outcome })),
@@ -448,14 +450,16 @@ impl Gateway {
         }
     }
 
-    fn caller<'a>(&self, snap: &'a Snapshot, c: &Classified, conn: &'a ConnInfo) -> Caller<'a> {
+    fn caller<'a>(&self, snap: &'a Snapshot, c: &'a Classified, conn: &'a ConnInfo) -> Caller<'a> {
         Caller {
             peer: &conn.peer_header,
             peer_trusted: !self.trusted.is_empty() && self.trusted.contains(c.peer),
             proto: conn.proto,
-            key: c
-                .key
-                .map(|(k, src)| (&snap.keys[k].id_header, &snap.keys[k].tenant_header, src)),
+            key: match (&c.jwt, c.key) {
+                (Some(j), _) => Some((&j.id_header, &j.tenant_header, KeySource::Bearer)),
+                (None, Some((k, src))) => Some((&snap.keys[k].id_header, &snap.keys[k].tenant_header, src)),
+                (None, None) => None,
+            },
         }
     }
 
@@ -666,7 +670,10 @@ impl Gateway {
             parts.headers.insert(http::header::HOST, host);
         }
         trace.route = Some(c.route);
-        trace.key_id = c.key.map(|(k, _)| snap.keys[k].id.clone());
+        trace.key_id = match &c.jwt {
+            Some(j) => Some(j.id.clone()),
+            None => c.key.map(|(k, _)| snap.keys[k].id.clone()),
+        };
         Ok(c)
     }
 
@@ -947,17 +954,30 @@ static OVERLOADED: std::sync::LazyLock<Arc<str>> =
     std::sync::LazyLock::new(|| Arc::from("(upstream overloaded)"));
 
 /// What a request head says against the rules, before any I/O.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Classified {
     pub route: usize,
     /// The authenticated key and where its secret came from.
     pub key: Option<(usize, KeySource)>,
+    /// The verified token's caller, on a JWT route.
+    pub jwt: Option<Arc<JwtCaller>>,
     /// The TCP peer.
     pub peer: IpAddr,
     /// The client address the limits key on.
     pub ip: IpAddr,
     /// The connection's client fingerprint.
     pub fingerprint: Fingerprint,
+}
+
+impl Classified {
+    /// Whose buckets the request pays.
+    pub fn caller(&self) -> plan::Caller<'_> {
+        match (&self.jwt, self.key) {
+            (Some(j), _) => plan::Caller::Jwt(j),
+            (None, Some((k, _))) => plan::Caller::Key(k),
+            (None, None) => plan::Caller::Anonymous,
+        }
+    }
 }
 
 /// A request answered before any limit is checked.
@@ -968,7 +988,7 @@ pub enum Early {
     Unauthorized {
         route: Option<usize>,
         ip: IpAddr,
-        why: &'static str,
+        why: Refusal,
     },
 }
 
@@ -1017,6 +1037,34 @@ pub fn classify(
         return Err(bad(&PathError::EncodedSlash));
     }
     let ip = identity::client_ip(peer, headers, trusted);
+    if snap.routes[route].identity == Identity::Jwt {
+        let refused = |e| Early::Unauthorized {
+            route: Some(route),
+            ip,
+            why: Refusal::BadToken(e),
+        };
+        let token = match identity::credential(headers) {
+            Err(e) => return Err(Early::Refuse(Refusal::BadRequest(e.to_string()))),
+            Ok(Some((token, KeySource::Bearer | KeySource::Both))) => token,
+            Ok(_) => return Err(refused(TokenError::Missing)),
+        };
+        let caller = snap.verify_jwt(&snap.routes[route], token).map_err(refused)?;
+        let rewritten = match path {
+            Cow::Owned(p) => Some(p),
+            Cow::Borrowed(_) => None,
+        };
+        return Ok((
+            Classified {
+                route,
+                key: None,
+                jwt: Some(Arc::new(caller)),
+                peer,
+                ip,
+                fingerprint,
+            },
+            rewritten,
+        ));
+    }
     let key = match identity::credential(headers) {
         Err(e) => return Err(Early::Refuse(Refusal::BadRequest(e.to_string()))),
         Ok(None) => None,
@@ -1026,7 +1074,7 @@ pub fn classify(
                 return Err(Early::Unauthorized {
                     route: Some(route),
                     ip,
-                    why: "unknown API key",
+                    why: Refusal::Unauthorized("unknown API key"),
                 });
             }
         },
@@ -1035,7 +1083,7 @@ pub fn classify(
         return Err(Early::Unauthorized {
             route: Some(route),
             ip,
-            why: "this route needs an API key (Authorization: Bearer or X-API-Key)",
+            why: Refusal::Unauthorized("this route needs an API key (Authorization: Bearer or X-API-Key)"),
         });
     }
     let rewritten = match path {
@@ -1046,6 +1094,7 @@ pub fn classify(
         Classified {
             route,
             key,
+            jwt: None,
             peer,
             ip,
             fingerprint,
