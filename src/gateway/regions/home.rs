@@ -37,13 +37,18 @@ impl HomeRouted {
         }
     }
 
-    /// The store of each item: index into `self.homes` order, or `None` for the local store.
+    /// The home Region of each item, `None` for this Region's store; `None` as a whole, without
+    /// allocating, for the usual batch that has no item homed elsewhere.
     fn split(&self, batch: &[CheckItem]) -> Option<Vec<Option<Arc<str>>>> {
-        let routes: Vec<Option<Arc<str>>> = batch
-            .iter()
-            .map(|i| (self.home_of)(i.limit).filter(|h| self.homes.contains_key(h)))
-            .collect();
-        routes.iter().any(Option::is_some).then_some(routes)
+        let home = |i: &CheckItem| (self.home_of)(i.limit).filter(|h| self.homes.contains_key(h));
+        let first = batch.iter().position(|i| home(i).is_some())?;
+        Some(
+            batch
+                .iter()
+                .enumerate()
+                .map(|(j, i)| if j < first { None } else { home(i) })
+                .collect(),
+        )
     }
 
     fn store(&self, home: &Option<Arc<str>>) -> &Arc<dyn Store> {
