@@ -244,12 +244,7 @@ fn main() {
     let workers: u32 = arg("--workers", 80);
     let latency_ms: u64 = arg("--latency-ms", 250);
     let only: String = arg("--only", String::new());
-    let loadavg = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    println!(
-        "machine: {} cores, load average at start {}",
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-        loadavg.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
-    );
+    println!("{}", tollgate_testkit::machine_line());
     println!(
         "event 35: demo-upstream {workers} workers x {latency_ms} ms (at most {:.0}/s), {rate}/s offered for {seconds} s",
         f64::from(workers) * 1000.0 / latency_ms as f64

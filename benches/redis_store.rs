@@ -342,12 +342,7 @@ fn main() {
         builder.worker_threads(o.workers);
     }
     let rt = builder.enable_all().build().unwrap();
-    let loadavg = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    println!(
-        "machine: {} cores, load average at start {}",
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-        loadavg.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
-    );
+    println!("{}", tollgate_testkit::machine_line());
     println!(
         "redis: {}",
         cli(port, &["INFO", "server"])

@@ -10,6 +10,7 @@ use std::path::Path;
 use std::sync::OnceLock;
 
 use plotters::coord::Shift;
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 use plotters::style::FontStyle;
 
@@ -410,24 +411,7 @@ impl Chart<'_> {
             format!(" ({} bins)", duration(a.bin))
         };
         let title = format!("Admitted per second{bins}: {}", self.subject);
-        let mut chart = ChartBuilder::on(area)
-            .caption(title, (FONT, 22))
-            .margin(14)
-            .x_label_area_size(46)
-            .y_label_area_size(64)
-            .build_cartesian_2d(0.0..axis.x(end), 0.0..top * 1.12)
-            .map_err(|e| e.to_string())?;
-        chart
-            .configure_mesh()
-            .x_desc(axis.desc())
-            .y_desc("admitted per second")
-            .label_style((FONT, 14))
-            .axis_desc_style((FONT, 16))
-            .light_line_style(RGBColor(0xEE, 0xEE, 0xEE))
-            .x_label_formatter(&tick)
-            .y_label_formatter(&tick)
-            .draw()
-            .map_err(|e| e.to_string())?;
+        let mut chart = frame(area, title, &axis, end, top, "admitted per second")?;
         let n = series.len();
         for (i, (d, pts)) in series.into_iter().enumerate() {
             let style = colour(d).stroke_width(stroke(pts.len(), i, n));
@@ -437,14 +421,7 @@ impl Chart<'_> {
                 .label(d.name())
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], style));
         }
-        chart
-            .configure_series_labels()
-            .label_font((FONT, 16))
-            .background_style(WHITE.mix(0.9))
-            .border_style(BLACK.mix(0.4))
-            .position(SeriesLabelPosition::UpperRight)
-            .draw()
-            .map_err(|e| e.to_string())
+        legend(&mut chart)
     }
 
     fn draw_tokens<DB: DrawingBackend>(
@@ -466,24 +443,14 @@ impl Chart<'_> {
                 .collect();
             series.push((label.as_str(), *d, pts));
         }
-        let mut chart = ChartBuilder::on(area)
-            .caption(format!("Tokens in {key}'s bucket"), (FONT, 22))
-            .margin(14)
-            .x_label_area_size(46)
-            .y_label_area_size(64)
-            .build_cartesian_2d(0.0..axis.x(end), 0.0..top * 1.12)
-            .map_err(|e| e.to_string())?;
-        chart
-            .configure_mesh()
-            .x_desc(axis.desc())
-            .y_desc("tokens")
-            .label_style((FONT, 14))
-            .axis_desc_style((FONT, 16))
-            .light_line_style(RGBColor(0xEE, 0xEE, 0xEE))
-            .x_label_formatter(&tick)
-            .y_label_formatter(&tick)
-            .draw()
-            .map_err(|e| e.to_string())?;
+        let mut chart = frame(
+            area,
+            format!("Tokens in {key}'s bucket"),
+            &axis,
+            end,
+            top,
+            "tokens",
+        )?;
         let n = series.len();
         for (i, (label, d, pts)) in series.into_iter().enumerate() {
             let style = colour(d).stroke_width(stroke(pts.len(), i, n));
@@ -493,15 +460,53 @@ impl Chart<'_> {
                 .label(label)
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], style));
         }
-        chart
-            .configure_series_labels()
-            .label_font((FONT, 16))
-            .background_style(WHITE.mix(0.9))
-            .border_style(BLACK.mix(0.4))
-            .position(SeriesLabelPosition::UpperRight)
-            .draw()
-            .map_err(|e| e.to_string())
+        legend(&mut chart)
     }
+}
+
+/// A panel's chart as both panels draw it: title, time axis, value axis from 0 to a little
+/// above `top`, light grid.
+fn frame<'a, DB: DrawingBackend>(
+    area: &'a DrawingArea<DB, Shift>,
+    title: String,
+    axis: &TimeAxis,
+    end: u64,
+    top: f64,
+    y_desc: &str,
+) -> Result<Panel<'a, DB>, String> {
+    let mut chart = ChartBuilder::on(area)
+        .caption(title, (FONT, 22))
+        .margin(14)
+        .x_label_area_size(46)
+        .y_label_area_size(64)
+        .build_cartesian_2d(0.0..axis.x(end), 0.0..top * 1.12)
+        .map_err(|e| e.to_string())?;
+    chart
+        .configure_mesh()
+        .x_desc(axis.desc())
+        .y_desc(y_desc)
+        .label_style((FONT, 14))
+        .axis_desc_style((FONT, 16))
+        .light_line_style(RGBColor(0xEE, 0xEE, 0xEE))
+        .x_label_formatter(&tick)
+        .y_label_formatter(&tick)
+        .draw()
+        .map_err(|e| e.to_string())?;
+    Ok(chart)
+}
+
+type Panel<'a, DB> = ChartContext<'a, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+/// The legend of a panel's series, in its upper right corner.
+fn legend<'a, DB: DrawingBackend + 'a>(chart: &mut Panel<'a, DB>) -> Result<(), String> {
+    chart
+        .configure_series_labels()
+        .label_font((FONT, 16))
+        .background_style(WHITE.mix(0.9))
+        .border_style(BLACK.mix(0.4))
+        .position(SeriesLabelPosition::UpperRight)
+        .draw()
+        .map_err(|e| e.to_string())
 }
 
 /// The x axis: time after the chart's start, in seconds, or milliseconds for spans up to 2 s.

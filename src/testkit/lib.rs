@@ -375,3 +375,14 @@ impl Gateway {
         ))
     }
 }
+
+/// What a benchmark prints first so its figures can be read against the host: the cores and
+/// the load average when it started.
+pub fn machine_line() -> String {
+    let loadavg = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    format!(
+        "machine: {} cores, load average at start {}",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        loadavg.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+    )
+}
