@@ -76,8 +76,52 @@ local function refilled(stored, scale, cap, refill, now)
   return t + elapsed * refill
 end
 
--- Writes a bucket back: tokens at `now`, in `scale` units, expiring after `ttl` milliseconds.
-local function save(key, t, now, scale, ttl)
-  redis.call('SET', key, pack(STATE, t, now, scale), 'PX', ttl)
+-- Writes a bucket back: tokens at `ts` (now, or later for a bucket in debt), in `scale` units,
+-- expiring `ttl` milliseconds after `ts`: a debt must outlive its repayment, then the bucket's
+-- fill time, like any other bucket.
+local function save(key, t, ts, scale, ttl, now)
+  local px = tonumber(ttl)
+  if now ~= nil and ts > now then
+    px = px + div_ceil(ts - now, 1000)
+  end
+  redis.call('SET', key, pack(STATE, t, ts, scale), 'PX', px)
+end
+
+-- bucket.rs `owed_us`: the microseconds of refill a post-paid bucket (debt > 0) still owes. A
+-- bucket in debt is stored empty with its ts in the future, when refill has paid it back.
+local function owed(stored, debt, now)
+  if debt <= 0 or not stored or #stored ~= 18 then
+    return 0
+  end
+  local s_tokens, s_ts = unpack(STATE, stored)
+  if s_tokens == 0 and s_ts > now then
+    return s_ts - now
+  end
+  return 0
+end
+
+-- bucket.rs `balance`: the bucket at now as signed units, below zero while it owes, never below
+-- -debt. nil when the key holds a value these scripts did not write.
+local function balance(stored, scale, cap, refill, debt, now)
+  local o = owed(stored, debt, now)
+  if o == 0 then
+    return refilled(stored, scale, cap, refill, now)
+  end
+  if o >= div_ceil(debt, refill) then
+    return -debt
+  end
+  local b = o * refill
+  if b > debt then
+    b = debt
+  end
+  return -b
+end
+
+-- bucket.rs `at_balance`: the tokens and ts that hold `b` units at now.
+local function at_balance(b, refill, now)
+  if b >= 0 then
+    return b, now
+  end
+  return 0, now + div_ceil(-b, refill)
 end
 

@@ -15,7 +15,7 @@
 --                   gateway's now in microseconds (`--clock gateway`, for stores that refuse TIME).
 -- ARGV[2]           G, the number of requests in this call.
 -- ARGV[2 + g]       n_g, the number of buckets of request g (g = 1..G); the n_g add up to #KEYS.
--- ARGV[3 + G + 6(i-1) ... 8 + G + 6(i-1)], the rule of bucket i (KEYS[i]), in integers:
+-- ARGV[3 + G + 7(i-1) ... 9 + G + 7(i-1)], the rule of bucket i (KEYS[i]), in integers:
 --   scale           units per whole token
 --   refill          units added per microsecond
 --   capacity        burst x scale, the most units the bucket holds
@@ -23,6 +23,9 @@
 --                   capacity + 1, "more than the bucket can ever hold", keeping every number exact)
 --   ttl             key expiry in milliseconds, at least b / r
 --   shadow          1 if the bucket only observes (never blocks, charged on its own), else 0
+--   debt            units a post-paid limit's bucket may owe (max_debt x scale), else 0. A bucket
+--                   in debt is stored empty with its ts ahead, when refill has repaid it; it
+--                   admits nothing before then, and a check leaves the debt where it is
 --
 -- Returns an array of integers:
 --   [1]             now: the microseconds this call used (TIME, or ARGV[1])
@@ -30,8 +33,9 @@
 --     admitted       1 if every enforced bucket held its need (and all of them were charged),
 --                   0 if not, -1 if one of its buckets holds a value this script did not write
 --                   (the request then charges and writes nothing)
---     tokens, wait  per bucket: units left after the check; microseconds until the bucket could
---                   pay its need, 0 when it can now, -1 when it never can (need above capacity)
+--     tokens, wait  per bucket: units left after the check (0 while in debt); microseconds until
+--                   the bucket could pay its need, 0 when it can now, -1 when it never can (need
+--                   above capacity)
 -- With G = 0 (no KEYS) the script touches nothing and returns {now}: the start-up and /readyz
 -- probe that the store lets a script read TIME.
 --
@@ -40,8 +44,8 @@
 
 local nkeys = #KEYS
 local groups = tonumber(ARGV[2])
-if groups == nil or #ARGV ~= 2 + groups + 6 * nkeys then
-  return redis.error_reply('check.lua: ARGV must be clock, G, G bucket counts and 6 numbers per key; got '
+if groups == nil or #ARGV ~= 2 + groups + 7 * nkeys then
+  return redis.error_reply('check.lua: ARGV must be clock, G, G bucket counts and 7 numbers per key; got '
     .. #ARGV .. ' ARGV for ' .. nkeys .. ' keys')
 end
 
@@ -61,29 +65,33 @@ for g = 1, groups do
 
   -- bucket.rs `check_all`, first pass: every bucket refilled to now and measured.
   local admitted, corrupt = true, false
-  local tokens, waits = {}, {}
+  local tokens, waits, oweds = {}, {}, {}
   for i = first, last do
-    local a = 2 + groups + 6 * (i - 1)
+    local a = 2 + groups + 7 * (i - 1)
     local scale = tonumber(ARGV[a + 1])
     local refill = tonumber(ARGV[a + 2])
     local cap = tonumber(ARGV[a + 3])
     local need = tonumber(ARGV[a + 4])
 
-    local t = refilled(redis.call('GET', KEYS[i]), scale, cap, refill, now)
+    local stored = redis.call('GET', KEYS[i])
+    local t = refilled(stored, scale, cap, refill, now)
+    local o = 0
     if t == nil then
       corrupt, t = true, cap
+    else
+      o = owed(stored, tonumber(ARGV[a + 7]), now)
     end
 
-    -- bucket.rs `wait_us`.
+    -- bucket.rs `wait_owing_us`.
     local w
     if need > cap then
       w = -1
-    elseif t >= need then
+    elseif need == 0 or (o == 0 and t >= need) then
       w = 0
     else
-      w = div_ceil(need - t, refill)
+      w = o + div_ceil(need - t, refill)
     end
-    tokens[i], waits[i] = t, w
+    tokens[i], waits[i], oweds[i] = t, w, o
     if w ~= 0 and ARGV[a + 6] ~= '1' then
       admitted = false
     end
@@ -100,12 +108,12 @@ for g = 1, groups do
     -- bucket is written back either way.
     out[#out + 1] = admitted and 1 or 0
     for i = first, last do
-      local a = 2 + groups + 6 * (i - 1)
+      local a = 2 + groups + 7 * (i - 1)
       local t = tokens[i]
       if waits[i] == 0 and (admitted or ARGV[a + 6] == '1') then
         t = t - tonumber(ARGV[a + 4])
       end
-      save(KEYS[i], t, now, tonumber(ARGV[a + 1]), ARGV[a + 5])
+      save(KEYS[i], t, now + oweds[i], tonumber(ARGV[a + 1]), ARGV[a + 5], now)
       out[#out + 1] = t
       out[#out + 1] = waits[i]
     end

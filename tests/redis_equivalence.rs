@@ -1,9 +1,10 @@
 //! `lua/check.lua` and `limit/bucket.rs` are one algorithm in two homes: thousands of random
 //! checks (random rates and bursts, rule changes, costs up to far above the burst, batches of
-//! several buckets, shadow flags, several requests in one script call) give the same decision, the same units left and the same
-//! wait on every step. Now and then an admitted request is refunded (`lua/refund.lua` against
-//! `bucket::refund_all`), sometimes after the clock moved, and both leave the same units. The Rust side keeps its own copy of every bucket and is fed the `now`
-//! the script reports.
+//! several buckets, shadow flags, post-paid buckets that may owe, several requests in one script
+//! call) give the same decision, the same units left and the same wait on every step. Now and
+//! then an admitted request is refunded, or charged what its answer cost (`lua/refund.lua`
+//! against `bucket::adjust`), sometimes after the clock moved, and both leave the same balance.
+//! The Rust side keeps its own copy of every bucket and is fed the `now` the script reports.
 //!
 //! Set `TOLLGATE_EQ_SEED` to replay a failing seed; every failure prints its seed and step.
 
@@ -15,11 +16,11 @@ use std::sync::Arc;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tollgate_limit::bucket::{
-    BucketParams, BucketState, BucketVerdict, Charge, MAX_EXACT, Rate, charged, check_all, refund_all,
+    BucketParams, BucketState, BucketVerdict, Charge, MAX_EXACT, Rate, adjust, check_all,
 };
 use tollgate_limit::clock::ManualClock;
 use tollgate_store::redis::{RedisStore, Target};
-use tollgate_store::{CheckItem, FailurePolicy, Outcome, Store};
+use tollgate_store::{CheckItem, FailurePolicy, Outcome, Store, refund_units};
 
 const STEPS: usize = 4_000;
 const BUCKETS: usize = 12;
@@ -31,7 +32,21 @@ const USUAL_RATES: [&str; 14] = [
     "1/1s", "300/1m", "9/7s",
 ];
 
+/// A third of the buckets are post-paid: they may owe up to a random debt.
 fn random_params(rng: &mut StdRng) -> BucketParams {
+    let p = random_plain_params(rng);
+    if rng.random_range(0..3) == 0 {
+        let max_debt = match rng.random_range(0..3) {
+            0 => p.burst,
+            1 => rng.random_range(1..=10),
+            _ => rng.random_range(1..=p.burst.saturating_mul(3)),
+        };
+        return p.with_debt(max_debt).unwrap_or(p);
+    }
+    p
+}
+
+fn random_plain_params(rng: &mut StdRng) -> BucketParams {
     if rng.random_range(0..2) == 0 {
         let rate = Rate::parse(USUAL_RATES[rng.random_range(0..USUAL_RATES.len())]).unwrap();
         let burst = match rng.random_range(0..3) {
@@ -121,6 +136,7 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u
     let mut rules: Vec<BucketParams> = (0..BUCKETS).map(|_| random_params(&mut rng)).collect();
     let mut states: HashMap<String, BucketState> = HashMap::new();
     let (mut admitted, mut refused, mut changes, mut multi, mut refunds) = (0, 0, 0, 0, 0);
+    let mut debts = 0;
     for step in 0..STEPS {
         // A rule changes under a live bucket now and then.
         if rng.random_range(0..5) == 0 {
@@ -215,48 +231,62 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u
             {
                 move_clock(&mut rng, c);
             }
-            let got = store
-                .refund_batch(batch, outcome)
-                .await
-                .unwrap_or_else(|e| panic!("seed {seed} step {step} refund {r}: {e}"));
-            let charges: Vec<Charge> = batch.iter().map(|i| i.charge).collect();
-            let was_charged: Vec<bool> = charges
-                .iter()
-                .zip(&outcome.buckets)
-                .map(|(c, v)| charged(c, v, true))
-                .collect();
-            let Some(got) = got else {
-                assert!(
-                    !was_charged.contains(&true),
-                    "seed {seed} step {step}: a charged request refunded nothing"
-                );
-                continue;
+            // A refund of what the check took, or what the answer cost beyond it: mostly taken
+            // (a post-paid debit, which may run into debt), sometimes given back.
+            let refund = rng.random_range(0..2) == 0;
+            let units: Vec<i64> = if refund {
+                refund_units(batch, outcome).to_vec()
+            } else {
+                batch
+                    .iter()
+                    .map(|i| {
+                        let p = &i.charge.params;
+                        match rng.random_range(0..4) {
+                            0 => 0,
+                            1 => p.units(rng.random_range(0..=p.burst)) as i64,
+                            _ => -(p.units(rng.random_range(0..=p.burst.saturating_mul(2))) as i64),
+                        }
+                    })
+                    .collect()
             };
-            let mut expected: Vec<Option<BucketState>> =
+            let got = store
+                .adjust_batch(batch, &units)
+                .await
+                .unwrap_or_else(|e| panic!("seed {seed} step {step} change {r}: {e}"));
+            let charges: Vec<Charge> = batch.iter().map(|i| i.charge).collect();
+            let before: Vec<Option<BucketState>> =
                 batch.iter().map(|i| states.get(&*i.key).copied()).collect();
-            let before = expected.clone();
-            refund_all(&charges, &outcome.buckets, true, &mut expected, got.now_us);
-            let want: Vec<Option<u64>> = expected
-                .iter()
-                .zip(&was_charged)
-                .map(|(s, &c)| c.then(|| s.expect("a charged bucket has a state").tokens))
-                .collect();
+            let mut want: Vec<Option<i64>> = vec![None; batch.len()];
+            let mut after = before.clone();
+            for (i, c) in charges.iter().enumerate() {
+                if units[i] != 0 {
+                    let (state, b) = adjust(&c.params, before[i], units[i], got.now_us);
+                    after[i] = Some(state);
+                    want[i] = Some(b);
+                }
+            }
             assert_eq!(
-                got.tokens.as_slice(),
+                got.balances.as_slice(),
                 want.as_slice(),
-                "refund differs; seed {seed} step {step} request {r} (replay with TOLLGATE_EQ_SEED={seed}), now {}:\n  charges {charges:#?}\n  verdicts {:?}\n  states before {before:?}",
+                "{} differs; seed {seed} step {step} request {r} (replay with TOLLGATE_EQ_SEED={seed}), now {}:\n  charges {charges:#?}\n  units {units:?}\n  verdicts {:?}\n  states before {before:?}",
+                if refund { "refund" } else { "post-paid charge" },
                 got.now_us,
                 outcome.buckets
             );
-            for ((item, s), &c) in batch.iter().zip(expected).zip(&was_charged) {
-                if c {
-                    states.insert(item.key.to_string(), s.expect("refunded"));
+            for (item, s) in batch.iter().zip(after) {
+                if let Some(s) = s {
+                    states.insert(item.key.to_string(), s);
                 }
             }
+            debts += usize::from(got.balances.iter().any(|b| b.is_some_and(|b| b < 0)));
             refunds += 1;
         }
     }
     assert!(refunds > STEPS / 20, "seed {seed}: only {refunds} refunds");
+    assert!(
+        debts > STEPS / 100,
+        "seed {seed}: only {debts} changes left a bucket owing"
+    );
     assert!(
         multi > STEPS / 5,
         "seed {seed}: only {multi} calls held several requests"

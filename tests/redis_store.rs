@@ -278,7 +278,10 @@ async fn a_refund_survives_a_flushed_script_and_is_all_or_nothing() {
         .await
         .expect("the refund after SCRIPT FLUSH succeeds")
         .expect("the check charged both buckets");
-    assert_eq!(r.tokens.as_slice(), &[Some(3 * scale), Some(3 * scale)]);
+    assert_eq!(
+        r.balances.as_slice(),
+        &[Some(3 * scale as i64), Some(3 * scale as i64)]
+    );
     assert_eq!(redis.cli(&["SCRIPT", "EXISTS", store.refund_script_sha()]), "1");
 
     let o = store.check(&b).await.unwrap();

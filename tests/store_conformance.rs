@@ -443,6 +443,99 @@ async fn refund_after_time_passed(s: &Subject<'_>) {
     );
 }
 
+/// A post-paid bucket (10,000 tokens a minute, owing up to one burst): each completion reserves
+/// 1 token at its check and is charged the 2,999 more its answer reported. The fourth is still
+/// admitted; it leaves the bucket 2,000 tokens in debt, and the fifth waits for the debt and its
+/// own token. Refill counts from each reported now: one unit a microsecond at this rate.
+async fn post_paid_debt(s: &Subject<'_>) {
+    let p = params("10000/60s", 10_000).with_debt(10_000).unwrap();
+    assert_eq!((p.scale, p.refill), (6_000, 1));
+    let mut item = s.item("post-paid", "10000/60s", 10_000, 1, false, 0);
+    item.charge.params = p;
+    let b = [item];
+    let mut balance = p.capacity as i64;
+    let mut at = 0u64;
+    for k in 1..=4 {
+        let o = s.check(&b).await;
+        assert!(
+            o.admitted,
+            "{}: completion {k} is admitted on its reserve",
+            s.name
+        );
+        let refilled = if k == 1 {
+            p.capacity as i64
+        } else {
+            (balance + (o.now_us - at) as i64).min(p.capacity as i64)
+        };
+        assert_eq!(
+            o.buckets[0].tokens as i64,
+            refilled - 6_000,
+            "{}: check {k}",
+            s.name
+        );
+        let got = s
+            .store
+            .adjust(&b, &o, &[-(p.units(2_999) as i64)])
+            .await
+            .unwrap_or_else(|e| panic!("{}: post-paid charge failed: {e}", s.name));
+        let since = if s.clock.is_some() {
+            assert_eq!(got.now_us, o.now_us, "{}", s.name);
+            0
+        } else {
+            got.now_us - o.now_us
+        };
+        balance = (o.buckets[0].tokens as i64 + since as i64).min(p.capacity as i64) - p.units(2_999) as i64;
+        assert_eq!(
+            got.balances.as_slice(),
+            &[Some(balance)],
+            "{}: charge {k}",
+            s.name
+        );
+        at = got.now_us;
+    }
+    assert!(
+        balance < -(p.units(1_990) as i64),
+        "{}: about 2,000 tokens owed, got {balance} units",
+        s.name
+    );
+    let o = s.check(&b).await;
+    assert!(!o.admitted, "{}: the fifth waits for the debt", s.name);
+    assert_eq!(
+        o.buckets[0].tokens, 0,
+        "{}: a bucket in debt holds nothing",
+        s.name
+    );
+    let owed_until = at + balance.unsigned_abs();
+    assert_eq!(
+        o.buckets[0].wait_us,
+        Some(owed_until - o.now_us + p.scale),
+        "{}: the wait is the debt's repayment plus one token",
+        s.name
+    );
+    let d = decide(&b, &o);
+    assert_eq!(d.remaining, 0, "{}", s.name);
+    assert!(
+        (12..=13).contains(&d.retry_after().unwrap()),
+        "{}: about 12 s, got {:?}",
+        s.name,
+        d.retry_after()
+    );
+    // A refusal leaves the debt as it was; on a manual clock the bucket admits again exactly
+    // when the debt and one token are repaid.
+    let again = s.check(&b).await;
+    assert_eq!(
+        again.buckets[0].wait_us,
+        Some(owed_until - again.now_us + p.scale),
+        "{}",
+        s.name
+    );
+    if let Some(c) = s.clock {
+        c.set_us(owed_until + p.scale - 1 - STEP_US);
+        assert!(!s.check(&b).await.admitted, "{}: one microsecond early", s.name);
+        assert!(s.check(&b).await.admitted, "{}: repaid", s.name);
+    }
+}
+
 /// The whole suite, in one order, on fresh keys under `s.tag`.
 async fn conformance(s: Subject<'_>) {
     burst_then_refusal(&s).await;
@@ -455,6 +548,7 @@ async fn conformance(s: Subject<'_>) {
     refund_caps_at_burst(&s).await;
     refused_refund_changes_nothing(&s).await;
     refund_after_time_passed(&s).await;
+    post_paid_debt(&s).await;
 }
 
 #[tokio::test]

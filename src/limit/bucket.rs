@@ -111,6 +111,9 @@ pub struct BucketParams {
     pub burst: u64,
     /// The rate as configured, for headers and display.
     pub rate: Rate,
+    /// Units a post-paid limit's bucket may owe (`max_debt × scale`); 0 for every other limit,
+    /// whose buckets never go below empty.
+    pub debt: u64,
 }
 
 /// Why a rate and burst can't be compiled.
@@ -128,6 +131,10 @@ pub enum ParamError {
         "rate {rate} needs {scale} units per token, above 2^32; use a period of at most about 71 minutes, or more tokens per period"
     )]
     ScaleTooLarge { rate: Rate, scale: u64 },
+    #[error(
+        "a debt of {max_debt} tokens with this burst needs {units} internal units, above the exact limit 2^53; use a smaller max_debt"
+    )]
+    DebtTooLarge { max_debt: u64, units: u128 },
 }
 
 impl BucketParams {
@@ -155,7 +162,24 @@ impl BucketParams {
             capacity: units as u64,
             burst,
             rate,
+            debt: 0,
         })
+    }
+
+    /// These numbers for a post-paid limit whose bucket may owe up to `max_debt` tokens: what
+    /// the upstream reports after the answer is charged even when the bucket can't pay it, and
+    /// refill pays the debt before the bucket admits again.
+    pub fn with_debt(mut self, max_debt: u64) -> Result<BucketParams, ParamError> {
+        let debt = max_debt as u128 * self.scale as u128;
+        let total = self.capacity as u128 + debt + self.refill as u128;
+        if total >= MAX_EXACT as u128 {
+            return Err(ParamError::DebtTooLarge {
+                max_debt,
+                units: total,
+            });
+        }
+        self.debt = debt as u64;
+        Ok(self)
     }
 
     /// Microseconds an empty bucket takes to fill: `b / r`, rounded up.
@@ -224,17 +248,81 @@ pub fn refill(p: &BucketParams, state: Option<BucketState>, now: u64) -> u64 {
     }
 }
 
+/// Microseconds of refill a post-paid bucket still owes at `now`: a bucket in debt is stored
+/// empty with its time in the future, the moment refill has paid the debt back, so the encoding
+/// (and an old gateway reading it) stays that of any bucket. Always 0 for a limit that can't
+/// owe: for those an empty bucket stamped ahead of `now` only means a writer's clock ran ahead,
+/// which gives no refill and no debt.
+#[inline]
+pub fn owed_us(p: &BucketParams, state: Option<BucketState>, now: u64) -> u64 {
+    match state {
+        Some(s) if p.debt > 0 && s.tokens == 0 => s.ts.saturating_sub(now),
+        _ => 0,
+    }
+}
+
 /// Microseconds until `tokens` units become `need` units. `None` when no wait helps
 /// (the request costs more than the burst).
 #[inline]
 pub fn wait_us(p: &BucketParams, tokens: u64, need: u64) -> Option<u64> {
+    wait_owing_us(p, tokens, 0, need)
+}
+
+/// [`wait_us`] for a bucket that first owes `owed` microseconds of refill (then `tokens` is 0).
+#[inline]
+pub fn wait_owing_us(p: &BucketParams, tokens: u64, owed: u64, need: u64) -> Option<u64> {
     if need > p.capacity {
         None
-    } else if tokens >= need {
+    } else if need == 0 || (owed == 0 && tokens >= need) {
         Some(0)
     } else {
-        Some((need - tokens).div_ceil(p.refill))
+        Some(owed + (need - tokens).div_ceil(p.refill))
     }
+}
+
+/// What a bucket holds at `now` as a signed number of units: below zero while it owes, never
+/// below `-debt`.
+#[inline]
+pub fn balance(p: &BucketParams, state: Option<BucketState>, now: u64) -> i64 {
+    let owed = owed_us(p, state, now);
+    if owed == 0 {
+        return refill(p, state, now) as i64;
+    }
+    // Compare in time first so the product can't overflow after a long clock skew.
+    if owed >= p.debt.div_ceil(p.refill) {
+        -(p.debt as i64)
+    } else {
+        -((owed * p.refill).min(p.debt) as i64)
+    }
+}
+
+/// The state that holds `balance` units at `now`: itself when not below zero, else empty until
+/// refill has paid the debt, rounded up to a whole microsecond.
+#[inline]
+pub fn at_balance(p: &BucketParams, balance: i64, now: u64) -> BucketState {
+    if balance >= 0 {
+        BucketState {
+            tokens: balance as u64,
+            ts: now,
+            scale: p.scale,
+        }
+    } else {
+        BucketState {
+            tokens: 0,
+            ts: now + balance.unsigned_abs().div_ceil(p.refill),
+            scale: p.scale,
+        }
+    }
+}
+
+/// The bucket at `now` with `units` added (a refund) or taken (a post-paid debit, when
+/// negative), kept between `-debt` and its capacity. Returns the new state and its balance.
+#[inline]
+pub fn adjust(p: &BucketParams, state: Option<BucketState>, units: i64, now: u64) -> (BucketState, i64) {
+    let b = balance(p, state, now)
+        .saturating_add(units)
+        .clamp(-(p.debt as i64), p.capacity as i64);
+    (at_balance(p, b, now), b)
 }
 
 /// Whole seconds for `Retry-After`: the wait rounded up, at least 1 for a limited request.
@@ -288,7 +376,7 @@ pub fn check_all(
     for ((c, s), v) in charges.iter().zip(states.iter()).zip(out.iter_mut()) {
         let tokens = refill(&c.params, *s, now);
         let need = c.params.units(c.cost);
-        let wait = wait_us(&c.params, tokens, need);
+        let wait = wait_owing_us(&c.params, tokens, owed_us(&c.params, *s, now), need);
         let sufficient = wait == Some(0);
         if !sufficient && !c.shadow {
             admitted = false;
@@ -304,9 +392,11 @@ pub fn check_all(
         if charge {
             v.tokens -= c.params.units(c.cost);
         }
+        // A debt stays where it is: the bucket is empty until its time comes.
+        let owed = owed_us(&c.params, *s, now);
         *s = Some(BucketState {
             tokens: v.tokens,
-            ts: now,
+            ts: now + owed,
             scale: c.params.scale,
         });
     }
@@ -321,14 +411,10 @@ pub fn charged(c: &Charge, v: &BucketVerdict, admitted: bool) -> bool {
 }
 
 /// The bucket refilled to `now` with `units` added, never above its capacity: what a lease's
-/// give-back and a check's refund write.
+/// give-back and a check's refund write. A debt is paid from them first.
 #[inline]
 pub fn give_back(p: &BucketParams, state: Option<BucketState>, units: u64, now: u64) -> BucketState {
-    BucketState {
-        tokens: refill(p, state, now).saturating_add(units).min(p.capacity),
-        ts: now,
-        scale: p.scale,
-    }
+    adjust(p, state, units.min(i64::MAX as u64) as i64, now).0
 }
 
 /// Undoes what [`check_all`] charged for an admitted request that was then not delivered: every
@@ -364,6 +450,12 @@ pub fn secs_to_full(p: &BucketParams, tokens: u64) -> u64 {
         .saturating_sub(tokens)
         .div_ceil(p.refill)
         .div_ceil(US_PER_S)
+}
+
+/// [`secs_to_full`] of a signed balance: a debt takes its repayment first.
+pub fn secs_to_full_from(p: &BucketParams, balance: i64) -> u64 {
+    let short = (p.capacity as i128 - balance as i128).max(0) as u64;
+    short.div_ceil(p.refill).div_ceil(US_PER_S)
 }
 
 #[cfg(test)]
@@ -555,5 +647,76 @@ mod tests {
         let before = states;
         refund_all(&charges, &v, false, &mut states, 2_000);
         assert_eq!(states, before);
+    }
+
+    #[test]
+    fn post_paid_debt_is_repaid_by_refill_before_admitting() {
+        // 10,000 tokens a minute, burst 10,000, owing up to one burst; each completion reserves
+        // 1 token and is then charged the 3,000 its answer reports.
+        let p = p("10000/60s", 10_000).with_debt(10_000).unwrap();
+        let c = [Charge {
+            params: p,
+            cost: 1,
+            shadow: false,
+        }];
+        let mut s = [None];
+        let mut out = [BucketVerdict {
+            sufficient: false,
+            tokens: 0,
+            wait_us: None,
+        }];
+        let now = 1_000_000;
+        for _ in 0..4 {
+            assert!(check_all(&c, &mut s, now, &mut out));
+            let (state, _) = adjust(&p, s[0], -(p.units(2_999) as i64), now);
+            s[0] = Some(state);
+        }
+        // 10,000 - 4 × 3,000: 2,000 tokens owed.
+        assert_eq!(balance(&p, s[0], now), -(p.units(2_000) as i64));
+        assert!(!check_all(&c, &mut s, now, &mut out));
+        // The debt plus the next token, at 10,000 a minute: 2,001 × 6 ms.
+        assert_eq!(out[0].wait_us, Some(12_006_000));
+        assert_eq!(retry_after_secs(out[0].wait_us.unwrap()), 13);
+        // A refusal leaves the debt as it was.
+        assert_eq!(balance(&p, s[0], now), -(p.units(2_000) as i64));
+        assert!(!check_all(&c, &mut s, now + 12_005_999, &mut out));
+        assert_eq!(out[0].wait_us, Some(1));
+        assert!(check_all(&c, &mut s, now + 12_006_000, &mut out));
+        assert_eq!(out[0].tokens, 0);
+    }
+
+    #[test]
+    fn debt_stops_at_its_floor_and_refunds_pay_it_first() {
+        let p = p("10/1s", 10).with_debt(5).unwrap();
+        let (s, b) = adjust(&p, None, -(p.units(100) as i64), 0);
+        assert_eq!(b, -(p.units(5) as i64));
+        assert_eq!(s.tokens, 0);
+        assert_eq!(s.ts, 500_000, "5 tokens at 10/s take 0.5 s to repay");
+        assert_eq!(secs_to_full_from(&p, b), 2);
+        // Half way, 2.5 tokens are still owed; a refund of 3 leaves half a token.
+        let (_, b) = adjust(&p, Some(s), p.units(3) as i64, 250_000);
+        assert_eq!(b, p.units(3) as i64 - p.units(5) as i64 / 2);
+        // A limit without debt never goes below empty, and a bucket stamped ahead of now by a
+        // fast clock owes nothing.
+        let plain = BucketParams { debt: 0, ..p };
+        let (s, b) = adjust(&plain, None, -(p.units(100) as i64), 0);
+        assert_eq!((s.tokens, s.ts, b), (0, 0, 0));
+        let ahead = Some(BucketState {
+            tokens: 0,
+            ts: 9_000,
+            scale: p.scale,
+        });
+        assert_eq!(owed_us(&plain, ahead, 1_000), 0);
+        assert_eq!(owed_us(&p, ahead, 1_000), 8_000);
+    }
+
+    #[test]
+    fn debt_must_stay_exact() {
+        let p = p("1/1s", 1_000);
+        assert!(matches!(
+            p.with_debt(u64::MAX / 2),
+            Err(ParamError::DebtTooLarge { .. })
+        ));
+        assert_eq!(p.with_debt(7).unwrap().debt, p.units(7));
     }
 }

@@ -23,7 +23,10 @@ use tokio::time::Instant;
 use smallvec::SmallVec;
 
 use super::memory::MemoryStore;
-use super::{BoxFuture, CheckFuture, CheckItem, FailurePolicy, Outcome, Source, Store, StoreError, mismatch};
+use super::{
+    Adjusted, BoxFuture, CheckFuture, CheckItem, FailurePolicy, Outcome, Source, Store, StoreError,
+    units_mismatch,
+};
 use tollgate_limit::bucket::{BucketParams, BucketVerdict, Rate, rescale};
 use tollgate_limit::clock::Clock;
 use tollgate_telemetry::logsample::Sampler;
@@ -315,33 +318,41 @@ impl Guard {
 
     /// Gives a `local` bypass's charge back to the local shares. Only its `local` limits were
     /// charged there: an `open` one admitted for free, and shadow limits are not kept.
-    fn refund_local(&self, batch: &[CheckItem], outcome: &Outcome) {
+    /// A change to a check the local share answered goes to the local share, scaled to it.
+    fn adjust_local(&self, batch: &[CheckItem], units: &[i64]) -> Adjusted {
         let n = self.fleet.get();
         let mut items: SmallVec<[CheckItem; 4]> = SmallVec::new();
-        let mut buckets: SmallVec<[BucketVerdict; 4]> = SmallVec::new();
-        for (item, v) in batch.iter().zip(&outcome.buckets) {
-            if item.charge.shadow || item.policy != FailurePolicy::Local {
+        let mut local_units: SmallVec<[i64; 4]> = SmallVec::new();
+        let mut places: SmallVec<[usize; 4]> = SmallVec::new();
+        for (i, item) in batch.iter().enumerate() {
+            if item.charge.shadow || item.policy != FailurePolicy::Local || units[i] == 0 {
                 continue;
             }
             // The share as `fallback` computes it: a fleet size learned since then gives a
             // slightly different share, which is as close as the share itself.
             let mut it = item.clone();
-            it.charge.params = share(&item.charge.params, n).unwrap_or(item.charge.params);
+            let shared = share(&item.charge.params, n).unwrap_or(item.charge.params);
+            // The share counts in its own units; the amount moves with it, whole tokens exact.
+            local_units.push(
+                (units[i].signum() as i128
+                    * rescale(units[i].unsigned_abs(), item.charge.params.scale, shared.scale) as i128)
+                    as i64,
+            );
+            it.charge.params = shared;
             items.push(it);
-            buckets.push(*v);
+            places.push(i);
         }
-        let local = Outcome {
-            admitted: outcome.admitted,
-            now_us: outcome.now_us,
-            buckets,
-            source: Source::Store,
-            leased: 0,
-        };
-        self.local.refund_now(&items, &local);
+        let got = self.local.adjust_now(&items, &local_units);
+        let mut out = Adjusted::none(batch.len());
+        out.now_us = got.now_us;
+        for (j, &i) in places.iter().enumerate() {
+            out.balances[i] = got.balances[j];
+        }
         self.metrics
             .store_refunds
             .get_or_create(&Kind { kind: "local" })
             .inc();
+        out
     }
 
     fn refund_lost(&self, e: &StoreError) {
@@ -413,38 +424,38 @@ impl Store for Guard {
         self.inner.kind()
     }
 
-    /// Returns the store's error when the refund was lost, after logging and counting it; the
+    /// Returns the store's error when the change was lost, after logging and counting it; the
     /// caller has nothing more to do with it.
-    fn refund<'a>(
+    fn adjust<'a>(
         &'a self,
         batch: &'a [CheckItem],
         outcome: &'a Outcome,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        units: &'a [i64],
+    ) -> BoxFuture<'a, Result<Adjusted, StoreError>> {
         Box::pin(async move {
-            if batch.len() != outcome.buckets.len() {
-                return Err(mismatch(batch, outcome));
+            if let Some(e) = units_mismatch(batch, outcome, units) {
+                return Err(e);
             }
-            if !outcome.admitted {
-                return Ok(());
+            if units.iter().all(|u| *u == 0) {
+                return Ok(Adjusted::none(batch.len()));
             }
             match outcome.source {
-                Source::Bypass(FailurePolicy::Local) => {
-                    self.refund_local(batch, outcome);
-                    Ok(())
-                }
-                Source::Bypass(_) => Ok(()),
+                Source::Bypass(FailurePolicy::Local) => Ok(self.adjust_local(batch, units)),
+                Source::Bypass(_) => Ok(Adjusted::none(batch.len())),
                 Source::Store => {
-                    // A store that fails checks would only make the refund wait for its timeout.
+                    // A store that fails checks would only make the change wait for its timeout.
                     let r = if self.breaker_open() {
                         Err(StoreError::BreakerOpen)
                     } else {
-                        match tokio::time::timeout(self.timeout, self.inner.refund(batch, outcome)).await {
+                        match tokio::time::timeout(self.timeout, self.inner.adjust(batch, outcome, units))
+                            .await
+                        {
                             Ok(r) => r,
                             Err(_) => Err(StoreError::Timeout),
                         }
                     };
                     match &r {
-                        Ok(()) => {
+                        Ok(_) => {
                             self.metrics
                                 .store_refunds
                                 .get_or_create(&Kind { kind: "store" })
@@ -503,14 +514,15 @@ mod tests {
         fn kind(&self) -> &'static str {
             "faulty"
         }
-        fn refund<'a>(
+        fn adjust<'a>(
             &'a self,
             batch: &'a [CheckItem],
             outcome: &'a Outcome,
-        ) -> BoxFuture<'a, Result<(), StoreError>> {
+            units: &'a [i64],
+        ) -> BoxFuture<'a, Result<Adjusted, StoreError>> {
             self.refunds.fetch_add(1, Ordering::SeqCst);
             match self.mode.load(Ordering::SeqCst) {
-                OK => self.mem.refund(batch, outcome),
+                OK => self.mem.adjust(batch, outcome, units),
                 FAIL => Box::pin(std::future::ready(Err(StoreError::Unavailable(
                     "connection refused".into(),
                 )))),

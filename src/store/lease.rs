@@ -42,7 +42,7 @@ use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
 use super::guard::FleetSize;
-use super::{BoxFuture, CheckFuture, CheckItem, Outcome, Source, Store, StoreError};
+use super::{Adjusted, BoxFuture, CheckFuture, CheckItem, Outcome, Source, Store, StoreError};
 use tollgate_limit::batch::LeaseBlock;
 use tollgate_limit::bucket::{BucketParams, BucketVerdict};
 use tollgate_limit::lease::{
@@ -607,39 +607,43 @@ impl Store for Leases {
         self.inner.kind()
     }
 
-    fn refund<'a>(
+    /// A leased item's tokens go back to its block (only a refund reaches one: post-paid limits
+    /// can't lease); the rest go to the store.
+    fn adjust<'a>(
         &'a self,
         batch: &'a [CheckItem],
         outcome: &'a Outcome,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        if outcome.leased == 0 || batch.len() != outcome.buckets.len() {
-            return self.inner.refund(batch, outcome);
-        }
-        if !outcome.admitted {
-            // A limited request's leased tokens went back to their blocks when it was limited.
-            return Box::pin(std::future::ready(Ok(())));
+        units: &'a [i64],
+    ) -> BoxFuture<'a, Result<Adjusted, StoreError>> {
+        if outcome.leased == 0 || crate::units_mismatch(batch, outcome, units).is_some() {
+            return self.inner.adjust(batch, outcome, units);
         }
         Box::pin(async move {
-            self.put_back(batch, |i| outcome.is_leased(i));
+            self.put_back(batch, |i| outcome.is_leased(i) && units[i] > 0);
             let mut rest: SmallVec<[CheckItem; 4]> = SmallVec::new();
-            let mut buckets: SmallVec<[BucketVerdict; 4]> = SmallVec::new();
-            for (i, (item, v)) in batch.iter().zip(&outcome.buckets).enumerate() {
-                if !outcome.is_leased(i) {
+            let mut rest_units: SmallVec<[i64; 4]> = SmallVec::new();
+            let mut places: SmallVec<[usize; 4]> = SmallVec::new();
+            for (i, item) in batch.iter().enumerate() {
+                if !outcome.is_leased(i) && units[i] != 0 {
                     rest.push(item.clone());
-                    buckets.push(*v);
+                    rest_units.push(units[i]);
+                    places.push(i);
                 }
             }
+            let mut out = Adjusted::none(batch.len());
             if rest.is_empty() {
-                return Ok(());
+                return Ok(out);
             }
             let rest_outcome = Outcome {
-                admitted: outcome.admitted,
-                now_us: outcome.now_us,
-                buckets,
-                source: outcome.source,
                 leased: 0,
+                ..outcome.part(&places)
             };
-            self.inner.refund(&rest, &rest_outcome).await
+            let got = self.inner.adjust(&rest, &rest_outcome, &rest_units).await?;
+            out.now_us = got.now_us;
+            for (j, &i) in places.iter().enumerate() {
+                out.balances[i] = got.balances[j];
+            }
+            Ok(out)
         })
     }
 
@@ -778,18 +782,20 @@ mod tests {
             "fake"
         }
 
-        fn refund<'a>(
+        fn adjust<'a>(
             &'a self,
             batch: &'a [CheckItem],
             outcome: &'a Outcome,
-        ) -> BoxFuture<'a, Result<(), StoreError>> {
+            units: &'a [i64],
+        ) -> BoxFuture<'a, Result<Adjusted, StoreError>> {
             assert_eq!(batch.len(), outcome.buckets.len());
+            assert_eq!(batch.len(), units.len());
             assert_eq!(outcome.leased, 0, "leased items never reach the store's refund");
             self.refunded
                 .lock()
                 .unwrap()
                 .push(batch.iter().map(|i| i.key.to_string()).collect());
-            Box::pin(std::future::ready(Ok(())))
+            Box::pin(std::future::ready(Ok(Adjusted::none(batch.len()))))
         }
     }
 

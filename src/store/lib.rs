@@ -7,7 +7,9 @@
 //! A request that was admitted but could not be delivered (the upstream refused the connection,
 //! the write failed) is refunded with [`Store::refund`]: one all-or-nothing step that gives each
 //! bucket back exactly what its check took, so it holds what it would hold had the request never
-//! been checked. The caller keeps the batch and the [`Outcome`] of the check for it.
+//! been checked. A post-paid limit's bucket is charged what the upstream reported with
+//! [`Store::adjust`], the same step with the units given: taken, down to the limit's debt floor.
+//! The caller keeps the batch and the [`Outcome`] of the check for either.
 
 pub mod guard;
 pub mod lease;
@@ -100,7 +102,31 @@ pub trait Store: Send + Sync + 'static {
         &'a self,
         batch: &'a [CheckItem],
         outcome: &'a Outcome,
-    ) -> BoxFuture<'a, Result<(), StoreError>>;
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            if batch.len() != outcome.buckets.len() {
+                return Err(mismatch(batch, outcome));
+            }
+            let units = refund_units(batch, outcome);
+            if units.iter().all(|u| *u == 0) {
+                return Ok(());
+            }
+            self.adjust(batch, outcome, &units).await.map(|_| ())
+        })
+    }
+
+    /// Adds `units[i]` to the bucket of `batch[i]` (takes them when below zero), in one
+    /// all-or-nothing step, after the check that answered `outcome`: each bucket refilled to the
+    /// store's now, then kept between its debt floor (`BucketParams::debt`, 0 but for post-paid
+    /// limits) and its burst. Buckets whose units are 0 are left alone. A refund is this with
+    /// each charged bucket's cost; a post-paid debit, with what the answer cost beyond the
+    /// reserve. Routed as the check was (`source`, `leased`), sent at most once, never retried.
+    fn adjust<'a>(
+        &'a self,
+        batch: &'a [CheckItem],
+        outcome: &'a Outcome,
+        units: &'a [i64],
+    ) -> BoxFuture<'a, Result<Adjusted, StoreError>>;
 
     /// Marks this gateway alive in the fleet and returns how many gateways are alive, for
     /// local shares (r/N). Stores that no other gateway shares return `None`.
@@ -112,6 +138,53 @@ pub trait Store: Send + Sync + 'static {
     fn remote(&self) -> bool {
         false
     }
+}
+
+/// What [`Store::adjust`] left: each bucket's balance in units (below zero, the units it owes),
+/// or `None` for one it left alone or whose change reached no store (a bypassed check).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Adjusted {
+    pub now_us: u64,
+    pub balances: SmallVec<[Option<i64>; 4]>,
+}
+
+impl Adjusted {
+    /// Nothing changed anywhere.
+    pub fn none(n: usize) -> Adjusted {
+        Adjusted {
+            now_us: 0,
+            balances: SmallVec::from_elem(None, n),
+        }
+    }
+}
+
+/// What a refund gives each item of `batch`: the units its check took from the buckets it
+/// charged (the shadow ones included), 0 for the rest; all 0 for a limited request.
+pub fn refund_units(batch: &[CheckItem], outcome: &Outcome) -> SmallVec<[i64; 4]> {
+    batch
+        .iter()
+        .zip(&outcome.buckets)
+        .map(|(i, v)| {
+            if outcome.admitted && tollgate_limit::bucket::charged(&i.charge, v, true) {
+                // A check never charges more than the capacity, which is below 2^53.
+                i.charge.params.units(i.charge.cost).min(i.charge.params.capacity) as i64
+            } else {
+                0
+            }
+        })
+        .collect()
+}
+
+/// The error for a change whose outcome or units do not belong to its batch.
+pub(crate) fn units_mismatch(batch: &[CheckItem], outcome: &Outcome, units: &[i64]) -> Option<StoreError> {
+    (batch.len() != outcome.buckets.len() || batch.len() != units.len()).then(|| {
+        StoreError::Protocol(format!(
+            "a change of {} buckets with an outcome of {} and {} amounts",
+            batch.len(),
+            outcome.buckets.len(),
+            units.len()
+        ))
+    })
 }
 
 /// The error for a refund whose outcome does not belong to its batch.

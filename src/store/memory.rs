@@ -8,8 +8,10 @@ use std::time::Duration;
 
 use smallvec::SmallVec;
 
-use super::{BoxFuture, CheckFuture, CheckItem, Outcome, Source, Store, StoreError, mismatch};
-use tollgate_limit::bucket::{BucketState, BucketVerdict, Charge, charged, check_all, refund_all};
+use super::{
+    Adjusted, BoxFuture, CheckFuture, CheckItem, Outcome, Source, Store, StoreError, units_mismatch,
+};
+use tollgate_limit::bucket::{BucketState, BucketVerdict, Charge, adjust, check_all};
 use tollgate_limit::clock::Clock;
 
 const SHARDS: usize = 64;
@@ -181,23 +183,32 @@ impl MemoryStore {
         }
     }
 
-    /// Refunds a check of `batch` at the clock's now; see [`Store::refund`].
-    pub(crate) fn refund_now(&self, batch: &[CheckItem], outcome: &Outcome) {
-        self.refund_at(batch, outcome, self.clock.now_us());
+    /// Changes `batch`'s buckets by `units` at the clock's now; see [`Store::adjust`].
+    pub(crate) fn adjust_now(&self, batch: &[CheckItem], units: &[i64]) -> Adjusted {
+        self.adjust_at(batch, units, self.clock.now_us())
     }
 
-    /// Gives back at `now` what the check that answered `outcome` took from `batch`, under the
-    /// locks of every shard it touches, so no check sees half a refund.
-    pub(crate) fn refund_at(&self, batch: &[CheckItem], outcome: &Outcome, now: u64) {
-        if !outcome.admitted || batch.len() != outcome.buckets.len() {
-            return;
-        }
-        let buckets = &outcome.buckets;
+    /// Adds `units[i]` to the bucket of `batch[i]` at `now`, under the locks of every shard the
+    /// batch touches, so no check sees half of it. Buckets whose units are 0 are left alone.
+    pub(crate) fn adjust_at(&self, batch: &[CheckItem], units: &[i64], now: u64) -> Adjusted {
+        let mut balances: SmallVec<[Option<i64>; 4]> = SmallVec::from_elem(None, batch.len());
         self.with_states(
             batch,
-            |charges, states| refund_all(charges, buckets, true, states, now),
-            |i| charged(&batch[i].charge, &buckets[i], true),
+            |charges, states| {
+                for (i, (c, s)) in charges.iter().zip(states.iter_mut()).enumerate() {
+                    if units[i] != 0 {
+                        let (state, b) = adjust(&c.params, *s, units[i], now);
+                        *s = Some(state);
+                        balances[i] = Some(b);
+                    }
+                }
+            },
+            |i| units[i] != 0,
         );
+        Adjusted {
+            now_us: now,
+            balances,
+        }
     }
 
     /// Runs `f` on the stored states of `batch`'s buckets under the locks of every shard they
@@ -304,16 +315,15 @@ impl Store for MemoryStore {
         CheckFuture::ready(Ok(self.check_now(batch)))
     }
 
-    fn refund<'a>(
+    fn adjust<'a>(
         &'a self,
         batch: &'a [CheckItem],
         outcome: &'a Outcome,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        let r = if batch.len() == outcome.buckets.len() {
-            self.refund_now(batch, outcome);
-            Ok(())
-        } else {
-            Err(mismatch(batch, outcome))
+        units: &'a [i64],
+    ) -> BoxFuture<'a, Result<Adjusted, StoreError>> {
+        let r = match units_mismatch(batch, outcome, units) {
+            Some(e) => Err(e),
+            None => Ok(self.adjust_now(batch, units)),
         };
         Box::pin(std::future::ready(r))
     }

@@ -28,8 +28,8 @@ use smallvec::SmallVec;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use super::lease::{GiveBackReply, LeaseReply, Lessor};
-use super::{BoxFuture, CheckFuture, CheckItem, Outcome, Source, Store, StoreError, mismatch};
-use tollgate_limit::bucket::{BucketParams, BucketVerdict, charged};
+use super::{Adjusted, BoxFuture, CheckFuture, CheckItem, Outcome, Source, Store, StoreError, mismatch};
+use tollgate_limit::bucket::{BucketParams, BucketVerdict};
 use tollgate_limit::clock::Clock;
 use tollgate_limit::lease::Grant;
 
@@ -51,8 +51,8 @@ pub(crate) const REFUND_SCRIPT: &str = concat!(
     include_str!("../../lua/refund.lua")
 );
 
-/// ARGV per bucket: scale, refill, capacity, need, ttl, shadow.
-pub(crate) const ARGS_PER_BUCKET: usize = 6;
+/// ARGV per bucket: scale, refill, capacity, need, ttl, shadow, debt.
+pub(crate) const ARGS_PER_BUCKET: usize = 7;
 
 /// Calls out at once before checks start to share calls. A few keep every connection busy
 /// without making a lone check wait.
@@ -143,7 +143,7 @@ struct Shared {
 struct Pending {
     keys: SmallVec<[Key; 4]>,
     /// [`ARGS_PER_BUCKET`] per bucket.
-    args: SmallVec<[i64; 24]>,
+    args: SmallVec<[i64; 28]>,
     /// The hash slot of its keys in a cluster: only requests of one slot share a call.
     slot: Option<u16>,
     reply: oneshot::Sender<Result<Outcome, StoreError>>,
@@ -166,6 +166,7 @@ impl Pending {
                 as_i64(need),
                 as_i64(p.ttl_ms()),
                 i64::from(i.charge.shadow),
+                as_i64(p.debt),
             ]);
         }
         let slot = cluster.then(|| redis_keyslot(keys.first().map(|k| k.as_bytes()).unwrap_or(b"")));
@@ -770,42 +771,39 @@ impl RedisStore {
     }
 }
 
-/// What one refund did: the store time it used, and the units in each bucket of the batch
-/// after it (`None` for a bucket the check did not charge, which the refund left alone).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Refunded {
-    pub now_us: u64,
-    pub tokens: SmallVec<[Option<u64>; 4]>,
-}
-
 impl RedisStore {
     /// Gives back what the check that answered `outcome` charged `batch`, in one call of
-    /// `lua/refund.lua`; see [`Store::refund`]. `None` when it charged nothing (a limited request), and
-    /// then no call is made.
+    /// `lua/refund.lua`; see [`Store::refund`]. `None` when it charged nothing (a limited
+    /// request), and then no call is made.
     pub async fn refund_batch(
         &self,
         batch: &[CheckItem],
         outcome: &Outcome,
-    ) -> Result<Option<Refunded>, StoreError> {
+    ) -> Result<Option<Adjusted>, StoreError> {
         if batch.len() != outcome.buckets.len() {
             return Err(mismatch(batch, outcome));
         }
-        let sent: SmallVec<[bool; 4]> = batch
-            .iter()
-            .zip(&outcome.buckets)
-            .map(|(i, v)| outcome.admitted && charged(&i.charge, v, outcome.admitted))
-            .collect();
-        let n = sent.iter().filter(|c| **c).count();
-        if n == 0 {
+        let units = crate::refund_units(batch, outcome);
+        if units.iter().all(|u| *u == 0) {
             return Ok(None);
+        }
+        self.adjust_batch(batch, &units).await.map(Some)
+    }
+
+    /// Adds `units[i]` to the bucket of `batch[i]` in one call of `lua/refund.lua` (none when
+    /// every amount is 0); see [`Store::adjust`].
+    pub async fn adjust_batch(&self, batch: &[CheckItem], units: &[i64]) -> Result<Adjusted, StoreError> {
+        let n = units.iter().filter(|u| **u != 0).count();
+        if n == 0 {
+            return Ok(Adjusted::none(batch.len()));
         }
         let reply = self
             .shared
             .eval_script(&self.shared.refund_sha, || {
                 let mut keys = Vec::with_capacity(n);
-                let mut args = Vec::with_capacity(1 + 5 * n);
+                let mut args = Vec::with_capacity(1 + 6 * n);
                 args.push(Value::Integer(self.shared.clock_arg()));
-                for (item, _) in batch.iter().zip(&sent).filter(|(_, c)| **c) {
+                for (item, &u) in batch.iter().zip(units).filter(|(_, u)| **u != 0) {
                     let p = &item.charge.params;
                     keys.push(Key::from(&*item.key));
                     args.extend(
@@ -813,9 +811,9 @@ impl RedisStore {
                             as_i64(p.scale),
                             as_i64(p.refill),
                             as_i64(p.capacity),
-                            // A check never charges more than the capacity.
-                            as_i64(p.units(item.charge.cost).min(p.capacity)),
+                            u,
                             as_i64(p.ttl_ms()),
+                            as_i64(p.debt),
                         ]
                         .map(Value::Integer),
                     );
@@ -831,17 +829,18 @@ impl RedisStore {
         if items.len() != 1 + n {
             return Err(bad(format!("{} values, not {}", items.len(), 1 + n)));
         }
-        let mut nums = items.iter().map(|v| {
-            int(v)
-                .and_then(|x| u64::try_from(x).ok())
-                .ok_or_else(|| bad(format!("{v:?}, not a non-negative integer")))
-        });
-        let now_us = nums.next().unwrap_or_else(|| Err(bad("nothing".into())))?;
-        let mut tokens = SmallVec::with_capacity(batch.len());
-        for c in sent {
-            tokens.push(if c { nums.next().transpose()? } else { None });
+        let mut nums = items
+            .iter()
+            .map(|v| int(v).ok_or_else(|| bad(format!("{v:?}, not an integer"))));
+        let now_us = nums
+            .next()
+            .unwrap_or_else(|| Err(bad("nothing".into())))
+            .and_then(|x| u64::try_from(x).map_err(|_| bad(format!("the time {x}"))))?;
+        let mut balances = SmallVec::with_capacity(batch.len());
+        for &u in units {
+            balances.push(if u != 0 { nums.next().transpose()? } else { None });
         }
-        Ok(Some(Refunded { now_us, tokens }))
+        Ok(Adjusted { now_us, balances })
     }
 
     /// The refund script's SHA-1.
@@ -880,12 +879,18 @@ impl Store for RedisStore {
         self.kind
     }
 
-    fn refund<'a>(
+    fn adjust<'a>(
         &'a self,
         batch: &'a [CheckItem],
         outcome: &'a Outcome,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(async move { self.refund_batch(batch, outcome).await.map(|_| ()) })
+        units: &'a [i64],
+    ) -> BoxFuture<'a, Result<Adjusted, StoreError>> {
+        Box::pin(async move {
+            if let Some(e) = crate::units_mismatch(batch, outcome, units) {
+                return Err(e);
+            }
+            self.adjust_batch(batch, units).await
+        })
     }
 
     /// Runs the script with no keys: the store answers, still has the script (or takes it

@@ -67,7 +67,8 @@ pub struct Metrics {
     pub store_errors: Family<Kind, Counter>,
     pub breaker_open: Gauge,
     pub store_bypass: Family<LimitPolicy, Counter>,
-    /// Refunds of undelivered requests the guard made, by where they went (`store`, `local`).
+    /// Changes after a check the guard made (refunds of undelivered requests, post-paid
+    /// charges), by where they went (`store`, `local`).
     pub store_refunds: Family<Kind, Counter>,
     /// Refunds that were lost, by why (`error`, `timeout`, `breaker_open`).
     pub store_refund_failures: Family<Kind, Counter>,
@@ -144,7 +145,7 @@ impl Metrics {
         let store_refunds = Family::<Kind, Counter>::default();
         registry.register(
             "store_refunds",
-            "Admitted requests refunded because they were not delivered, by where the refund went (store, local)",
+            "Changes to admitted requests' buckets after their check (refunds of undelivered requests, post-paid charges), by where they went (store, local)",
             store_refunds.clone(),
         );
         let store_refund_failures = Family::<Kind, Counter>::default();

@@ -176,12 +176,13 @@ impl Store for Recorder {
         "redis"
     }
 
-    fn refund<'a>(
+    fn adjust<'a>(
         &'a self,
         batch: &'a [CheckItem],
         outcome: &'a Outcome,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        self.store.refund(batch, outcome)
+        units: &'a [i64],
+    ) -> BoxFuture<'a, Result<tollgate_store::Adjusted, StoreError>> {
+        self.store.adjust(batch, outcome, units)
     }
 
     fn remote(&self) -> bool {

@@ -11,7 +11,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use tollgate_limit::bucket::BucketVerdict;
-use tollgate_store::{Batch, BoxFuture, CheckFuture, CheckItem, Outcome, Source, Store, StoreError};
+use tollgate_store::{
+    Adjusted, Batch, BoxFuture, CheckFuture, CheckItem, Outcome, Source, Store, StoreError,
+};
 
 /// Which Region's store checks a limit, by the limit's index in the running rules: `None` for
 /// this Region's own store.
@@ -156,29 +158,47 @@ impl Store for HomeRouted {
         self.local.ping()
     }
 
-    fn refund<'a>(
+    fn adjust<'a>(
         &'a self,
         batch: &'a [CheckItem],
         outcome: &'a Outcome,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        units: &'a [i64],
+    ) -> BoxFuture<'a, Result<Adjusted, StoreError>> {
         let Some(routes) = self.split(batch) else {
-            return self.local.refund(batch, outcome);
+            return self.local.adjust(batch, outcome, units);
         };
         Box::pin(async move {
-            if outcome.buckets.len() != batch.len() {
+            if outcome.buckets.len() != batch.len() || units.len() != batch.len() {
                 return Err(StoreError::Protocol(format!(
-                    "refund of {} buckets with an outcome of {}",
+                    "a change of {} buckets with an outcome of {} and {} amounts",
                     batch.len(),
-                    outcome.buckets.len()
+                    outcome.buckets.len(),
+                    units.len()
                 )));
             }
             let groups = groups(batch, &routes);
-            let parts: Vec<Outcome> = groups.iter().map(|g| outcome.part(&g.places)).collect();
-            let refunds = groups
+            let parts: Vec<(Outcome, Vec<i64>)> = groups
+                .iter()
+                .map(|g| {
+                    (
+                        outcome.part(&g.places),
+                        g.places.iter().map(|&p| units[p]).collect(),
+                    )
+                })
+                .collect();
+            let changes = groups
                 .iter()
                 .zip(&parts)
-                .map(|(g, o)| self.store(&g.home).refund(&g.batch, o));
-            join_all(refunds).await.into_iter().collect()
+                .map(|(g, (o, u))| self.store(&g.home).adjust(&g.batch, o, u));
+            let mut out = Adjusted::none(batch.len());
+            for (g, r) in groups.iter().zip(join_all(changes).await) {
+                let got = r?;
+                out.now_us = out.now_us.max(got.now_us);
+                for (j, &i) in g.places.iter().enumerate() {
+                    out.balances[i] = got.balances[j];
+                }
+            }
+            Ok(out)
         })
     }
 
