@@ -99,17 +99,66 @@ pub enum RegionsCommand {
     },
 }
 
+/// The target of the lines `serve` and `demo` announce themselves with: in json mode they are
+/// events on stdout, at any `TOLLGATE_LOG` level, where the default mode prints plain lines.
+const STARTUP: &str = "tollgate::startup";
+
 fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("TOLLGATE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
     match format {
-        LogFormat::Human => builder.init(),
-        LogFormat::Json => builder.json().flatten_event(true).with_current_span(false).init(),
+        LogFormat::Human => tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .with_writer(std::io::stderr)
+            .init(),
+        LogFormat::Json => {
+            use tracing_subscriber::filter::{FilterExt, filter_fn};
+            use tracing_subscriber::layer::SubscriberExt;
+            use tracing_subscriber::util::SubscriberInitExt;
+            use tracing_subscriber::{Layer, fmt};
+            let startup = fmt::layer()
+                .json()
+                .flatten_event(true)
+                .with_current_span(false)
+                .with_span_list(false)
+                .with_writer(std::io::stdout)
+                .with_filter(filter_fn(|m| m.target() == STARTUP));
+            let logs = fmt::layer()
+                .json()
+                .flatten_event(true)
+                .with_current_span(false)
+                .with_writer(std::io::stderr)
+                .with_filter(filter.and(filter_fn(|m| m.target() != STARTUP)));
+            tracing_subscriber::registry().with(startup).with(logs).init();
+            // A panic's default report is plain text on stderr: log it as one event instead.
+            std::panic::set_hook(Box::new(|info| {
+                let location = info
+                    .location()
+                    .map(|l| format!("{}:{}", l.file(), l.line()))
+                    .unwrap_or_default();
+                let payload = info.payload();
+                let message = payload
+                    .downcast_ref::<&str>()
+                    .copied()
+                    .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+                    .unwrap_or("(a panic without a message)");
+                tracing::error!(target: "tollgate::panic", location, "panic: {message}");
+            }));
+        }
     }
+}
+
+/// Whether the command line asks for json logs from `serve` or `demo`, read before clap has
+/// parsed it (for clap's own errors).
+fn json_asked(args: &[std::ffi::OsString]) -> bool {
+    let args: Vec<&str> = args.iter().skip(1).filter_map(|a| a.to_str()).collect();
+    if !matches!(args.first(), Some(&"serve") | Some(&"demo")) {
+        return false;
+    }
+    let flag = args.windows(2).any(|w| w[0] == "--log-format" && w[1] == "json")
+        || args.contains(&"--log-format=json");
+    flag || std::env::var("TOLLGATE_LOG_FORMAT").is_ok_and(|v| v == "json")
 }
 
 fn config(rules: RulesSource, c: &CommonArgs, demo: bool) -> Result<GatewayConfig> {
@@ -186,10 +235,7 @@ async fn shutdown_signal() {
     }
 }
 
-async fn run_gateway(cfg: GatewayConfig, demo: bool) -> Result<()> {
-    let scheme = if cfg.tls.is_some() { "https" } else { "http" };
-    let running = app::start(cfg).await.context("tollgate could not start")?;
-    let snap = running.rules.load();
+fn announce_plain(running: &app::Running, snap: &tollgate_rules::Snapshot, scheme: &str, demo: bool) {
     println!(
         "tollgate listening on {scheme}://{} (store: {}, rules version {} from {})",
         running.addr,
@@ -219,6 +265,52 @@ async fn run_gateway(cfg: GatewayConfig, demo: bool) -> Result<()> {
             );
         }
     }
+}
+
+/// The same as [`announce_plain`], each line an event with its values as fields.
+fn announce_json(running: &app::Running, snap: &tollgate_rules::Snapshot, scheme: &str, demo: bool) {
+    tracing::info!(
+        target: STARTUP,
+        addr = %running.addr,
+        url = %format_args!("{scheme}://{}", running.addr),
+        store = running.store.kind(),
+        rules_version = snap.version,
+        rules_source = %snap.source,
+        "tollgate listening"
+    );
+    if let Some(a) = running.admin_addr {
+        tracing::info!(target: STARTUP, addr = %a, url = %format_args!("http://{a}"), "admin listening");
+    }
+    if demo {
+        if let Some(u) = running.demo_upstream {
+            tracing::info!(target: STARTUP, addr = %u, url = %format_args!("http://{u}"), upstream = "orders", "demo upstream listening");
+        }
+        for k in &snap.keys {
+            tracing::info!(target: STARTUP, id = &*k.id, name = k.name.as_deref().unwrap_or(""), "demo key");
+        }
+        tracing::info!(
+            target: STARTUP,
+            command = %format_args!("curl -i -H 'Authorization: Bearer k7-demo-key' {scheme}://{}/v1/orders", running.addr),
+            "try"
+        );
+        if snap.jwt.is_some() {
+            tracing::info!(
+                target: STARTUP,
+                command = %format_args!("curl -i -H \"Authorization: Bearer $(tollgate demo-token --sub k-7)\" {scheme}://{}/v2/orders", running.addr),
+                "try the JWT route"
+            );
+        }
+    }
+}
+
+async fn run_gateway(cfg: GatewayConfig, demo: bool, format: LogFormat) -> Result<()> {
+    let scheme = if cfg.tls.is_some() { "https" } else { "http" };
+    let running = app::start(cfg).await.context("tollgate could not start")?;
+    let snap = running.rules.load();
+    match format {
+        LogFormat::Human => announce_plain(&running, &snap, scheme, demo),
+        LogFormat::Json => announce_json(&running, &snap, scheme, demo),
+    }
     drop(snap);
     shutdown_signal().await;
     let open = running.shutdown().await;
@@ -229,7 +321,16 @@ async fn run_gateway(cfg: GatewayConfig, demo: bool) -> Result<()> {
 }
 
 fn main() -> Result<()> {
-    let cli = Cli::parse();
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let cli = match Cli::try_parse_from(&args) {
+        Ok(cli) => cli,
+        Err(e) if e.use_stderr() && json_asked(&args) => {
+            init_logging(LogFormat::Json);
+            tracing::error!("{}", e.to_string().trim_end());
+            std::process::exit(e.exit_code());
+        }
+        Err(e) => e.exit(),
+    };
     if let Command::Replay(a) = &cli.command {
         // Offline and single-threaded: no logging, no async runtime. The error names the
         // file, row and column already; a backtrace would only bury it.
@@ -318,6 +419,32 @@ fn main() -> Result<()> {
         | Command::Regions(_) => (LogFormat::Human, None),
     };
     init_logging(format);
+    match run(cli, threads, format) {
+        // Errors name the flag, file or field already; in json mode they are one event too.
+        Err(e) if format == LogFormat::Json => {
+            tracing::error!("{}", one_line(&e));
+            std::process::exit(1);
+        }
+        r => r,
+    }
+}
+
+/// An error and its causes on one line, leaving out a cause its error already spells out.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain().map(|c| c.to_string()) {
+        if !out.contains(&cause) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&cause);
+        }
+    }
+    out
+}
+
+/// Runs `serve`, `demo` or `demo-upstream` on a runtime of `threads`.
+fn run(cli: Cli, threads: Option<u16>, format: LogFormat) -> Result<()> {
     // One thread: the current-thread scheduler, with no work-stealing machinery to pay for.
     let mut rt = match threads {
         Some(1) => tokio::runtime::Builder::new_current_thread(),
@@ -336,7 +463,7 @@ fn main() -> Result<()> {
         match cli.command {
             Command::Serve(a) => {
                 let cfg = config(RulesSource::File(a.rules.clone()), &a.common, false)?;
-                run_gateway(cfg, false).await
+                run_gateway(cfg, false, format).await
             }
             Command::Demo(a) => {
                 let rules = match &a.rules {
@@ -344,7 +471,7 @@ fn main() -> Result<()> {
                     None => RulesSource::demo(),
                 };
                 let cfg = config(rules, &a.common, true)?;
-                run_gateway(cfg, true).await
+                run_gateway(cfg, true, format).await
             }
             // These returned before the runtime started.
             Command::CheckRules { .. }

@@ -57,6 +57,26 @@ fn the_summary_lists_rates_bursts_and_costs() {
 }
 
 #[test]
+fn the_summary_shows_the_prefixes_of_per_ip_limits() {
+    let (ok, stdout, _) = check(&common::repo().join("rules/demo.json"));
+    assert!(ok);
+    assert!(
+        stdout.contains("unauth       1/1s (1.000/s), burst 5; per client IP (IPv4 /32, IPv6 /64)"),
+        "{stdout}"
+    );
+    let mut rules: serde_json::Value = serde_json::from_str(&common::demo_json()).unwrap();
+    rules["limits"]["unauth"]["ipv6_prefix"] = serde_json::json!(56);
+    rules["limits"]["unauth"]["ipv4_prefix"] = serde_json::json!(24);
+    let (_dir, path) = common::rules_file(&rules.to_string());
+    let (ok, stdout, stderr) = check(&path);
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("burst 5; per client IP (IPv4 /24, IPv6 /56)"),
+        "{stdout}"
+    );
+}
+
+#[test]
 fn each_broken_file_fails_with_its_own_message() {
     let dir = common::repo().join("tests/broken_rules");
     let cases = [
@@ -168,6 +188,14 @@ fn each_broken_file_fails_with_its_own_message() {
         (
             "jwt-plans-on-route-limit.json",
             "limits.exports.plans: only key limits have plans: a plan is a tenant's numbers",
+        ),
+        (
+            "ipv6-prefix-too-long.json",
+            "limits.exports.ipv6_prefix: 129 is not a prefix length: use 0 to 128",
+        ),
+        (
+            "ip-prefix-on-key-limit.json",
+            "limits.plan.ipv4_prefix: only a limit with per-IP buckets takes a prefix",
         ),
         (
             "concurrency-min-zero.json",

@@ -402,6 +402,84 @@ async fn spoofed_forwarded_for_from_an_untrusted_peer_is_ignored() {
     assert_eq!(s.up.count(), 0);
 }
 
+/// Unauthenticated requests through a trusted proxy, one per `X-Forwarded-For` address.
+async fn through_the_proxy(http: &Http, gw: &Tollgate, clients: &[String]) -> Vec<StatusCode> {
+    let mut statuses = vec![];
+    for xff in clients {
+        let a = http.get(&gw.url("/v1/orders"), &[("x-forwarded-for", xff)]).await;
+        statuses.push(a.status);
+    }
+    statuses
+}
+
+#[tokio::test]
+async fn ipv6_clients_of_one_slash_64_share_the_unauthenticated_bucket() {
+    let redis = common::RedisServer::start();
+    let (up, addr) = Upstream::start().await;
+    let mut r: Value = serde_json::from_str(&rules(addr)).unwrap();
+    // No refill while the test runs: what passes is what the burst of 5 holds.
+    r["limits"]["unauth"]["rate"] = json!("5/1h");
+    let (_dir, path) = common::rules_file(&r.to_string());
+    let url = redis.url();
+    let gw = Tollgate::spawn(&[
+        "serve",
+        "--rules",
+        path.to_str().unwrap(),
+        "--store",
+        &url,
+        "--trusted-proxy",
+        "127.0.0.1",
+    ]);
+    let http = Http::new();
+    // Six addresses of 2001:db8:1:2::/64, as a client that holds the /64 would rotate them.
+    let one_net: Vec<String> = [
+        "::1",
+        "::2",
+        ":aaaa::9",
+        ":ffff:ffff:ffff:ffff",
+        "::77",
+        ":1:2:3:4",
+    ]
+    .iter()
+    .map(|host| format!("2001:db8:1:2{host}"))
+    .collect();
+    let statuses = through_the_proxy(&http, &gw, &one_net).await;
+    assert_eq!(
+        statuses,
+        [
+            [StatusCode::UNAUTHORIZED; 5].as_slice(),
+            &[StatusCode::TOO_MANY_REQUESTS]
+        ]
+        .concat(),
+        "six addresses of one /64 must pay one bucket of 5"
+    );
+    // Another /64 has its own bucket, and so does an IPv4 client beside them.
+    let other_net = ["2001:db8:1:3::1".to_string(), "2001:db8:1:3::2".to_string()];
+    assert_eq!(
+        through_the_proxy(&http, &gw, &other_net).await,
+        [StatusCode::UNAUTHORIZED; 2]
+    );
+    assert_eq!(
+        through_the_proxy(&http, &gw, &["203.0.113.9".to_string()]).await,
+        [StatusCode::UNAUTHORIZED]
+    );
+    let mut buckets: Vec<String> = redis
+        .cli(&["--scan", "--pattern", "rl:{ip:*"])
+        .lines()
+        .map(String::from)
+        .collect();
+    buckets.sort();
+    assert_eq!(
+        buckets,
+        [
+            "rl:{ip:2001:db8:1:2::/64}:unauth",
+            "rl:{ip:2001:db8:1:3::/64}:unauth",
+            "rl:{ip:203.0.113.9}:unauth"
+        ]
+    );
+    assert_eq!(up.count(), 0);
+}
+
 #[tokio::test]
 async fn disagreeing_credentials_get_400() {
     let s = setup(&[]).await;

@@ -211,6 +211,140 @@ async fn json_logs_parse_and_never_hold_a_key() {
     assert_eq!(access, 10, "one access line per request:\n{log}");
 }
 
+/// Each line of `text` as JSON, failing on the first that is not one object.
+fn json_lines(stream: &str, text: &str) -> Vec<serde_json::Value> {
+    text.lines()
+        .map(|line| {
+            let v: serde_json::Value = serde_json::from_str(line)
+                .unwrap_or_else(|e| panic!("a line on {stream} is not JSON ({e}): {line}\n{text}"));
+            assert!(v.is_object(), "a line on {stream} is not an object: {line}");
+            v
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn json_mode_prints_only_json_from_start_to_stop() {
+    let mut gw = Tollgate::spawn(&["demo", "--log-format", "json"]);
+    let http = Http::new();
+    let admitted = http.get(&gw.url("/v1/orders"), &[("x-api-key", K7)]).await;
+    assert_eq!(admitted.status, StatusCode::OK);
+    let unauthenticated = http.get(&gw.url("/v1/orders"), &[]).await;
+    assert_eq!(unauthenticated.status, StatusCode::UNAUTHORIZED);
+    // The exports limit's burst is 1 export (cost 10): the second is refused.
+    let mut exports = vec![];
+    for _ in 0..2 {
+        let a = http
+            .send(
+                http::Method::POST,
+                &gw.url("/v1/exports"),
+                &[("x-api-key", K8)],
+                b"{}",
+            )
+            .await;
+        exports.push(a.status);
+    }
+    assert_eq!(exports, [StatusCode::OK, StatusCode::TOO_MANY_REQUESTS]);
+    // A request line that is not HTTP.
+    let mut tcp = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    tokio::io::AsyncWriteExt::write_all(&mut tcp, b"NOT HTTP AT ALL\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    tokio::io::AsyncReadExt::read_to_end(&mut tcp, &mut answer)
+        .await
+        .unwrap();
+    assert!(
+        answer.starts_with(b"HTTP/1.1 400"),
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+
+    let (stdout, stderr) = gw.stop();
+    let out = json_lines("stdout", &stdout);
+    let err = json_lines("stderr", &stderr);
+    let startup = out
+        .iter()
+        .find(|v| v["message"] == "tollgate listening")
+        .unwrap_or_else(|| panic!("no startup line on stdout:\n{stdout}"));
+    assert_eq!(startup["addr"], gw.addr.to_string(), "{startup}");
+    assert_eq!(startup["url"], format!("http://{}", gw.addr), "{startup}");
+    assert_eq!(startup["rules_version"], 1, "{startup}");
+    let admin = out.iter().find(|v| v["message"] == "admin listening").unwrap();
+    assert_eq!(admin["addr"], gw.admin.unwrap().to_string());
+    let keys: Vec<_> = out
+        .iter()
+        .filter(|v| v["message"] == "demo key")
+        .map(|v| v["id"].clone())
+        .collect();
+    assert_eq!(keys, ["k-7", "k-8", "k-big"], "{stdout}");
+    for v in &out {
+        assert!(v["timestamp"].is_string() && v["level"].is_string(), "{v}");
+    }
+    let statuses: Vec<_> = err
+        .iter()
+        .filter(|v| v["target"] == "tollgate::access")
+        .map(|v| v["status"].as_u64().unwrap())
+        .collect();
+    for status in [200, 401, 429] {
+        assert!(
+            statuses.contains(&status),
+            "no access line with {status}:\n{stderr}"
+        );
+    }
+    assert!(
+        err.iter().any(|v| v["message"] == "SIGTERM: shutting down"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn json_mode_reports_a_failed_start_as_json() {
+    let missing = tempfile::tempdir().unwrap().path().join("missing.json");
+    let o = common::cli::tollgate(&[
+        "serve",
+        "--rules",
+        missing.to_str().unwrap(),
+        "--log-format",
+        "json",
+        "--listen",
+        "127.0.0.1:0",
+    ]);
+    let stderr = common::cli::fails(&o);
+    assert!(o.stdout.is_empty(), "{}", String::from_utf8_lossy(&o.stdout));
+    let lines = json_lines("stderr", &stderr);
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert_eq!(lines[0]["level"], "ERROR");
+    let message = lines[0]["message"].as_str().unwrap();
+    assert!(message.contains(missing.to_str().unwrap()), "{message}");
+    assert!(message.contains("cannot read"), "{message}");
+
+    // A flag clap refuses, asked for json with the environment variable.
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["demo", "--no-such-flag"])
+        .env("TOLLGATE_LOG_FORMAT", "json")
+        .output()
+        .unwrap();
+    let stderr = common::cli::fails(&o);
+    let lines = json_lines("stderr", &stderr);
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert!(
+        lines[0]["message"].as_str().unwrap().contains("--no-such-flag"),
+        "{stderr}"
+    );
+
+    // The default mode keeps plain text.
+    let o = common::cli::tollgate(&[
+        "serve",
+        "--rules",
+        missing.to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+    ]);
+    let stderr = common::cli::fails(&o);
+    assert!(stderr.starts_with("Error: tollgate could not start"), "{stderr}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_finishes_in_flight_requests_and_refuses_new_ones() {
     let mut gw = Tollgate::spawn(&["demo", "--drain-timeout", "10s"]);

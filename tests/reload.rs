@@ -333,3 +333,123 @@ async fn demo_with_a_rules_file_hot_reloads() {
     let v = http.get(&gw.admin_url("/admin/rules"), &[]).await.json();
     assert_eq!(v["version"], 2);
 }
+
+/// The demo rules at `version`.
+fn demo_at(version: u64) -> String {
+    let mut rules: Value = serde_json::from_str(&common::demo_json()).unwrap();
+    rules["version"] = json!(version);
+    rules.to_string()
+}
+
+/// What the kubelet does to update a mounted ConfigMap: the new files in a new timestamped
+/// directory, a `..data_tmp` symlink to it renamed over `..data` in one step, the old
+/// directory removed.
+fn configmap_update(dir: &Path, old: &str, new: &str, text: &str) {
+    std::fs::create_dir(dir.join(new)).unwrap();
+    std::fs::write(dir.join(new).join("rules.json"), text).unwrap();
+    std::os::unix::fs::symlink(new, dir.join("..data_tmp")).unwrap();
+    std::fs::rename(dir.join("..data_tmp"), dir.join("..data")).unwrap();
+    std::fs::remove_dir_all(dir.join(old)).unwrap();
+}
+
+async fn wait_for_version(http: &Http, gw: &common::Tollgate, version: u64, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let v = http.get(&gw.admin_url("/admin/rules"), &[]).await.json();
+        if v["version"] == version {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: still on version {} after 10 s, not {version}: {}",
+            v["version"],
+            gw.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn reloads_of(http: &Http, gw: &common::Tollgate, result: &str) -> u64 {
+    let m = http.get(&gw.admin_url("/metrics"), &[]).await;
+    counter(
+        std::str::from_utf8(&m.body).unwrap(),
+        "tollgate_rules_reloads_total",
+        &format!("result=\"{result}\""),
+    )
+}
+
+#[tokio::test]
+async fn a_configmap_mount_reloads_on_a_swap_a_rename_and_a_write_in_place() {
+    let mount = tempfile::tempdir().unwrap();
+    let dir = mount.path();
+    // The layout of a mounted ConfigMap, as the kubelet makes it.
+    std::fs::create_dir(dir.join("..2026_12_01_v1")).unwrap();
+    std::fs::write(dir.join("..2026_12_01_v1/rules.json"), demo_at(1)).unwrap();
+    std::os::unix::fs::symlink("..2026_12_01_v1", dir.join("..data")).unwrap();
+    std::os::unix::fs::symlink("..data/rules.json", dir.join("rules.json")).unwrap();
+    let rules = dir.join("rules.json");
+    let gw = common::Tollgate::spawn(&["demo", "--rules", rules.to_str().unwrap()]);
+    let http = Http::new();
+    wait_for_version(&http, &gw, 1, "at start").await;
+
+    configmap_update(dir, "..2026_12_01_v1", "..2026_12_01_v2", &demo_at(2));
+    wait_for_version(&http, &gw, 2, "the ConfigMap's ..data swap").await;
+
+    // A bad file in the next swap is refused and the running rules stay.
+    let failed = reloads_of(&http, &gw, "failed").await;
+    configmap_update(
+        dir,
+        "..2026_12_01_v2",
+        "..2026_12_01_v3",
+        r#"{"version": 3, "upstreams": {}, "routes": [], "surprise": 1}"#,
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while reloads_of(&http, &gw, "failed").await == failed {
+        assert!(
+            Instant::now() < deadline,
+            "the bad swap was not seen: {}",
+            gw.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let v = http.get(&gw.admin_url("/admin/rules"), &[]).await.json();
+    assert_eq!(
+        v["version"], 2,
+        "a bad file must leave the running rules in place"
+    );
+    assert!(gw.stderr().contains("surprise"), "{}", gw.stderr());
+
+    // A write in place through the symlinks, into the directory `..data` now points at.
+    std::fs::write(&rules, demo_at(4)).unwrap();
+    wait_for_version(&http, &gw, 4, "a write in place through the symlinks").await;
+    assert!(dir.join("..2026_12_01_v3/rules.json").is_file());
+
+    // A rename over the path (editors, `mv`): the symlink becomes a plain file.
+    write_atomically(&rules, &demo_at(5));
+    wait_for_version(&http, &gw, 5, "a rename over the symlink").await;
+    assert!(
+        !std::fs::symlink_metadata(&rules)
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
+
+    // A write in place into that plain file.
+    std::fs::write(&rules, demo_at(6)).unwrap();
+    wait_for_version(&http, &gw, 6, "a write in place into the renamed file").await;
+
+    // SIGHUP still reloads: the same version again is read and ignored.
+    let ignored = reloads_of(&http, &gw, "ignored").await;
+    gw.signal("HUP");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while reloads_of(&http, &gw, "ignored").await == ignored {
+        assert!(
+            Instant::now() < deadline,
+            "SIGHUP did not reload: {}",
+            gw.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let a = http.get(&gw.url("/v1/orders"), &[("x-api-key", K7)]).await;
+    assert_eq!(a.status, StatusCode::OK);
+}

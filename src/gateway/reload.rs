@@ -1,8 +1,13 @@
 //! Live rules: a reload compiles a new snapshot and swaps it in only when its version is above
-//! the running one. The file is watched through its parent directory (editors replace files by
-//! rename), events are filtered by file name and debounced; SIGHUP reloads too.
+//! the running one. The file is watched wherever its path leads: the directory of the path as
+//! given, of each symlink on the way and of the file it resolves to, so a rename over the file
+//! (editors, `mv`), a write in place and a swapped symlink (a Kubernetes ConfigMap's `..data`)
+//! are all seen. Events are filtered by those names and debounced, and the path is resolved
+//! again on each; SIGHUP reloads too.
 
-use std::path::{Path, PathBuf};
+use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::OsString;
+use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -116,8 +121,8 @@ impl Reloader {
     /// returned handle is dropped.
     pub fn watch(self: &Arc<Self>, debounce: Duration) -> Result<WatchHandle, String> {
         let (tx, mut rx) = mpsc::channel::<()>(1);
-        let watcher = match &self.loader.source {
-            RulesSource::File(path) => Some(watch_file(path, tx.clone())?),
+        let watch = match &self.loader.source {
+            RulesSource::File(path) => Some(Arc::new(Mutex::new(PathWatch::new(path, tx.clone())?))),
             RulesSource::Embedded { .. } => None,
         };
         let hup_tx = tx.clone();
@@ -138,49 +143,170 @@ impl Reloader {
                 // Wait for the writes to settle: a save is often several events.
                 while let Ok(Some(())) = tokio::time::timeout(debounce, rx.recv()).await {}
                 let me = me.clone();
-                let _ = tokio::task::spawn_blocking(move || me.reload()).await;
+                let watch = watch.clone();
+                let _ = tokio::task::spawn_blocking(move || {
+                    // Follow the path before reading it, so a change made after this reload
+                    // is watched where the file is now.
+                    if let Some(w) = &watch {
+                        w.lock().unwrap_or_else(PoisonError::into_inner).follow();
+                    }
+                    me.reload()
+                })
+                .await;
             }
         });
         Ok(WatchHandle {
-            _watcher: watcher,
             tasks: vec![task, hup],
         })
     }
 }
 
-fn watch_file(path: &Path, tx: mpsc::Sender<()>) -> Result<notify::RecommendedWatcher, String> {
-    let name = path
-        .file_name()
-        .ok_or_else(|| format!("{}: not a file path", path.display()))?
-        .to_owned();
-    let dir: PathBuf = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
+/// Names that matter, by the directory that holds them.
+type Names = BTreeMap<PathBuf, BTreeSet<OsString>>;
+
+/// The directories a rules path depends on, and in each the names whose change may change what
+/// the path reads: each symlink on the way and the file it ends at. A ConfigMap's
+/// `rules.json -> ..data/rules.json`, `..data -> ..2026_12_01_v1` gives `rules.json` and
+/// `..data` in the mounted directory and `rules.json` in `..2026_12_01_v1`.
+///
+/// A component that can't be read (not there yet) ends nothing: it is named as it stands, so
+/// its creation is seen.
+fn trace(path: &Path) -> Names {
+    // Symlink loops end here; the reload then reports the file as unreadable.
+    const MAX_LINKS: usize = 40;
+    let absolute = if path.is_absolute() {
+        path.to_path_buf()
+    } else {
+        std::env::current_dir().unwrap_or_default().join(path)
     };
-    let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-        let Ok(event) = event else { return };
-        if event.kind.is_access() {
-            return;
+    let mut names = Names::new();
+    // Components still to walk, the next one last.
+    let mut pending: Vec<OsString> = Vec::new();
+    push_front(&mut pending, &absolute);
+    let mut at = PathBuf::from("/");
+    let mut links = 0;
+    while let Some(part) = pending.pop() {
+        match part.to_str() {
+            Some("/") => at = PathBuf::from("/"),
+            Some(".") => {}
+            Some("..") => {
+                at.pop();
+            }
+            _ => {
+                let next = at.join(&part);
+                let is_link = std::fs::symlink_metadata(&next).is_ok_and(|m| m.file_type().is_symlink());
+                if !is_link || links == MAX_LINKS {
+                    if pending.is_empty() {
+                        names.entry(at).or_default().insert(part);
+                        return names;
+                    }
+                    at = next;
+                    continue;
+                }
+                links += 1;
+                names.entry(at.clone()).or_default().insert(part);
+                match std::fs::read_link(&next) {
+                    Ok(target) => push_front(&mut pending, &target),
+                    Err(_) => at = next,
+                }
+            }
         }
-        if event
-            .paths
-            .iter()
-            .any(|p| p.file_name() == Some(name.as_os_str()))
-        {
-            // A full channel already holds a pending reload: this event is covered.
-            let _ = tx.try_send(());
+    }
+    names
+}
+
+/// Puts `path`'s components before the ones pending (a stack: the next one last).
+fn push_front(pending: &mut Vec<OsString>, path: &Path) {
+    for c in path.components().rev() {
+        pending.push(match c {
+            Component::RootDir | Component::Prefix(_) => OsString::from("/"),
+            Component::CurDir => OsString::from("."),
+            Component::ParentDir => OsString::from(".."),
+            Component::Normal(n) => n.to_owned(),
+        });
+    }
+}
+
+/// A watch on every directory [`trace`] names, moved as the path leads elsewhere.
+struct PathWatch {
+    path: PathBuf,
+    watcher: notify::RecommendedWatcher,
+    /// Shared with the watcher's callback, which filters events by it.
+    names: Arc<Mutex<Names>>,
+    /// The directories watched now.
+    dirs: BTreeSet<PathBuf>,
+}
+
+impl PathWatch {
+    fn new(path: &Path, tx: mpsc::Sender<()>) -> Result<PathWatch, String> {
+        if path.file_name().is_none() {
+            return Err(format!("{}: not a file path", path.display()));
         }
-    })
-    .map_err(|e| format!("{}: cannot watch: {e}", dir.display()))?;
-    watcher
-        .watch(&dir, RecursiveMode::NonRecursive)
-        .map_err(|e| format!("{}: cannot watch: {e}", dir.display()))?;
-    Ok(watcher)
+        let names = Arc::new(Mutex::new(Names::new()));
+        let filter = names.clone();
+        let watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+            let Ok(event) = event else { return };
+            if event.kind.is_access() {
+                return;
+            }
+            let names = filter.lock().unwrap_or_else(PoisonError::into_inner);
+            let matters = event.paths.iter().any(|p| match (p.parent(), p.file_name()) {
+                (Some(dir), Some(name)) => names.get(dir).is_some_and(|n| n.contains(name)),
+                _ => false,
+            });
+            if matters {
+                // A full channel already holds a pending reload: this event is covered.
+                let _ = tx.try_send(());
+            }
+        })
+        .map_err(|e| format!("{}: cannot watch: {e}", path.display()))?;
+        let mut watch = PathWatch {
+            path: path.to_path_buf(),
+            watcher,
+            names,
+            dirs: BTreeSet::new(),
+        };
+        watch.follow();
+        // Later a directory on the way may come and go, but one must be watched from the start.
+        if watch.dirs.is_empty() {
+            let dir = path
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(Path::new("."));
+            return Err(format!("{}: cannot watch its directory", dir.display()));
+        }
+        Ok(watch)
+    }
+
+    /// Resolves the path again and moves the watches to where it leads now.
+    fn follow(&mut self) {
+        let names = trace(&self.path);
+        for dir in self.dirs.clone() {
+            if !names.contains_key(&dir) {
+                // The directory may be gone already (a ConfigMap's old version).
+                let _ = self.watcher.unwatch(&dir);
+                self.dirs.remove(&dir);
+            }
+        }
+        for dir in names.keys() {
+            if !self.dirs.contains(dir) {
+                match self.watcher.watch(dir, RecursiveMode::NonRecursive) {
+                    Ok(()) => {
+                        self.dirs.insert(dir.clone());
+                    }
+                    // Retried at the next event or SIGHUP.
+                    Err(e) => {
+                        tracing::warn!(dir = %dir.display(), error = %e, "cannot watch a directory of the rules path")
+                    }
+                }
+            }
+        }
+        *self.names.lock().unwrap_or_else(PoisonError::into_inner) = names;
+    }
 }
 
 /// Keeps the watcher alive; dropping it stops watching.
 pub struct WatchHandle {
-    _watcher: Option<notify::RecommendedWatcher>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 

@@ -1,7 +1,7 @@
 //! Who is calling: the API key from `Authorization: Bearer` or `X-API-Key`, and the client IP
 //! (the peer, or `X-Forwarded-For` only when the peer is a trusted proxy).
 
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::str::FromStr;
 
 use http::HeaderMap;
@@ -115,6 +115,51 @@ pub fn canonical(ip: IpAddr) -> IpAddr {
     }
 }
 
+/// How much of a client's address names one client in per-IP buckets. One host or household
+/// gets a whole IPv6 /64, so keying IPv6 on the full address would let it walk through
+/// 2^64 buckets; IPv4 stays per address unless a limit says otherwise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IpPrefixes {
+    /// Leading bits of an IPv4 address, 0 to 32.
+    pub v4: u8,
+    /// Leading bits of an IPv6 address, 0 to 128.
+    pub v6: u8,
+}
+
+impl IpPrefixes {
+    pub const V4_DEFAULT: u8 = 32;
+    pub const V6_DEFAULT: u8 = 64;
+}
+
+impl Default for IpPrefixes {
+    fn default() -> IpPrefixes {
+        IpPrefixes {
+            v4: IpPrefixes::V4_DEFAULT,
+            v6: IpPrefixes::V6_DEFAULT,
+        }
+    }
+}
+
+/// The network a client's address falls in, and its prefix length; the length is `None` for
+/// a full-length prefix, so those buckets keep the names they had before prefixes. An
+/// IPv4-mapped IPv6 address (`::ffff:a.b.c.d`) counts as IPv4.
+pub fn client_network(ip: IpAddr, prefixes: IpPrefixes) -> (IpAddr, Option<u8>) {
+    match canonical(ip) {
+        IpAddr::V4(v4) => {
+            let len = prefixes.v4.min(32);
+            let mask = u32::MAX.checked_shl(32 - u32::from(len)).unwrap_or(0);
+            let net = Ipv4Addr::from(u32::from(v4) & mask);
+            (IpAddr::V4(net), (len < 32).then_some(len))
+        }
+        IpAddr::V6(v6) => {
+            let len = prefixes.v6.min(128);
+            let mask = u128::MAX.checked_shl(128 - u32::from(len)).unwrap_or(0);
+            let net = Ipv6Addr::from(u128::from(v6) & mask);
+            (IpAddr::V6(net), (len < 128).then_some(len))
+        }
+    }
+}
+
 /// The client's address. `X-Forwarded-For` counts only when the peer is trusted; then the
 /// rightmost address that is not itself a trusted proxy is the client.
 pub fn client_ip(peer: IpAddr, headers: &HeaderMap, trusted: &TrustedProxies) -> IpAddr {
@@ -171,6 +216,41 @@ mod tests {
             credential(&headers(&[("authorization", "bearer abc"), ("x-api-key", "abd")])),
             Err(CredentialError::Conflict)
         );
+    }
+
+    fn network(ip: &str, v4: u8, v6: u8) -> String {
+        match client_network(ip.parse().unwrap(), IpPrefixes { v4, v6 }) {
+            (net, Some(len)) => format!("{net}/{len}"),
+            (net, None) => net.to_string(),
+        }
+    }
+
+    #[test]
+    fn ipv6_clients_are_keyed_on_their_prefix_and_ipv4_on_the_address() {
+        let d = IpPrefixes::default();
+        assert_eq!((d.v4, d.v6), (32, 64));
+        assert_eq!(
+            network("2001:db8:1:2:aaaa:bbbb:cccc:dddd", 32, 64),
+            "2001:db8:1:2::/64"
+        );
+        assert_eq!(network("2001:db8:1:2::1", 32, 64), "2001:db8:1:2::/64");
+        assert_eq!(network("2001:db8:1:3::1", 32, 64), "2001:db8:1:3::/64");
+        assert_eq!(network("2001:db8:1:2:ffff::1", 32, 56), "2001:db8:1::/56");
+        assert_eq!(network("2001:db8:1:2:ffff::1", 32, 48), "2001:db8:1::/48");
+        assert_eq!(network("2001:db8:1:2:ffff::1", 32, 1), "::/1");
+        assert_eq!(network("a001:db8::1", 32, 1), "8000::/1");
+        assert_eq!(network("2001:db8::1", 32, 0), "::/0");
+        // A full-length prefix names the address as before, without "/128" or "/32".
+        assert_eq!(network("2001:db8::1", 32, 128), "2001:db8::1");
+        assert_eq!(network("2001:db8::1", 32, 127), "2001:db8::/127");
+        assert_eq!(network("203.0.113.77", 32, 64), "203.0.113.77");
+        assert_eq!(network("10.1.200.7", 16, 64), "10.1.0.0/16");
+        assert_eq!(network("10.1.200.7", 24, 64), "10.1.200.0/24");
+        assert_eq!(network("10.1.200.7", 31, 64), "10.1.200.6/31");
+        assert_eq!(network("10.1.200.7", 0, 64), "0.0.0.0/0");
+        // An IPv4-mapped address is IPv4: its v4 prefix, never the v6 one.
+        assert_eq!(network("::ffff:203.0.113.77", 32, 64), "203.0.113.77");
+        assert_eq!(network("::ffff:10.1.200.7", 16, 64), "10.1.0.0/16");
     }
 
     #[test]

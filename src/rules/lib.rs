@@ -149,6 +149,8 @@ pub struct Limit {
     pub home_region: Option<Arc<str>>,
     /// A key limit's numbers for JWT callers, by the value of one of their claims.
     pub plans: Option<jwt::Plans>,
+    /// How much of a client's address its per-IP buckets key on.
+    pub ip_prefixes: identity::IpPrefixes,
 }
 
 impl Limit {
@@ -745,6 +747,7 @@ impl Compiler<'_> {
             return Err(self.err(&field, "a limit name uses only letters, digits, '-', '_' and '.'"));
         }
         let dimension = self.dimension(&field, &l.dimension)?;
+        let ip_prefixes = self.ip_prefixes(&field, l, &dimension)?;
         if let Some(max) = l.concurrent {
             return self.concurrent_limit(&field, name, l, dimension, max);
         }
@@ -854,7 +857,37 @@ impl Compiler<'_> {
             concurrent: None,
             charge_on,
             home_region,
+            ip_prefixes,
         })
+    }
+
+    /// `ipv4_prefix` and `ipv6_prefix`, on limits with per-IP buckets only.
+    fn ip_prefixes(
+        &self,
+        field: &str,
+        l: &RawLimit,
+        dimension: &Dimension,
+    ) -> Result<identity::IpPrefixes, RulesError> {
+        let mut prefixes = identity::IpPrefixes::default();
+        for (name, given, max, into) in [
+            ("ipv4_prefix", l.ipv4_prefix, 32, &mut prefixes.v4),
+            ("ipv6_prefix", l.ipv6_prefix, 128, &mut prefixes.v6),
+        ] {
+            let Some(bits) = given else { continue };
+            if !matches!(dimension, Dimension::Ip | Dimension::Route) {
+                return Err(self.err(
+                    format!("{field}.{name}"),
+                    "only a limit with per-IP buckets takes a prefix: dimension \"ip\", or \"route\" (per IP without a key)",
+                ));
+            }
+            *into = u8::try_from(bits).ok().filter(|b| *b <= max).ok_or_else(|| {
+                self.err(
+                    format!("{field}.{name}"),
+                    format!("{bits} is not a prefix length: use 0 to {max} (the leading bits of a client's address that name one client)"),
+                )
+            })?;
+        }
+        Ok(prefixes)
     }
 
     /// A limit on requests in flight per key: one seat per request, taken before it is
@@ -907,6 +940,7 @@ impl Compiler<'_> {
             charge_on: None,
             home_region: None,
             plans: None,
+            ip_prefixes: identity::IpPrefixes::default(),
         })
     }
 
@@ -1494,11 +1528,11 @@ impl Compiler<'_> {
             for &(li, _) in &r.costs {
                 let l = &limits[li as usize];
                 let tag = if l.dimension == Dimension::Ip {
-                    "the client IP"
+                    ip_slot(l)
                 } else {
-                    "the tenant"
+                    "the tenant".to_string()
                 };
-                keyed.entry(tag.to_string()).or_default().push(&l.name);
+                keyed.entry(tag).or_default().push(&l.name);
             }
             scenarios.push(("with a key", keyed));
             if r.key == KeyRequirement::Optional {
@@ -1507,7 +1541,7 @@ impl Compiler<'_> {
                     let l = &limits[li as usize];
                     let tag = match &l.dimension {
                         Dimension::Key | Dimension::Claim(_) => continue,
-                        Dimension::Route | Dimension::Ip => "the client IP".to_string(),
+                        Dimension::Route | Dimension::Ip => ip_slot(l),
                         Dimension::Header(h) => format!("the {h} header"),
                         Dimension::BodyField(f) => format!("the body field {f:?}"),
                         Dimension::Fingerprint => "the client fingerprint".to_string(),
@@ -1516,7 +1550,7 @@ impl Compiler<'_> {
                 }
                 if let Some((li, _)) = unauth {
                     let name = &*limits[li as usize].name;
-                    let ip = open.entry("the client IP".to_string()).or_default();
+                    let ip = open.entry(ip_slot(&limits[li as usize])).or_default();
                     if !ip.contains(&name) {
                         ip.push(name);
                     }
@@ -1540,6 +1574,19 @@ impl Compiler<'_> {
             }
         }
         Ok(())
+    }
+}
+
+/// What a limit's per-IP buckets are tagged on, for the one-slot check: limits keyed on
+/// different prefixes of one address have different tags.
+fn ip_slot(l: &Limit) -> String {
+    if l.ip_prefixes == identity::IpPrefixes::default() {
+        "the client IP".to_string()
+    } else {
+        format!(
+            "the client IP (IPv4 /{}, IPv6 /{})",
+            l.ip_prefixes.v4, l.ip_prefixes.v6
+        )
     }
 }
 

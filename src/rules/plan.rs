@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use http::HeaderMap;
 
+use super::identity::{IpPrefixes, client_network};
 use super::jwt::JwtCaller;
 use super::{ApiKey, Dimension, Fingerprint, Limit, Prepared, Route, Snapshot};
 use tollgate_limit::batch::{Batch, CheckItem};
@@ -77,8 +78,17 @@ fn tagged_value(name: &mut String, tenant: Option<&str>, limit: &str, value: &[u
     }
 }
 
-fn ip_tag(out: &mut String, ip: IpAddr) {
-    let _ = write!(out, "rl:{{ip:{ip}}}:");
+/// The tag of a client's per-IP buckets: its address, or the network of its prefix
+/// (`rl:{ip:2001:db8:1:2::/64}:`).
+fn ip_tag(out: &mut String, ip: IpAddr, prefixes: IpPrefixes) {
+    match client_network(ip, prefixes) {
+        (net, Some(len)) => {
+            let _ = write!(out, "rl:{{ip:{net}/{len}}}:");
+        }
+        (net, None) => {
+            let _ = write!(out, "rl:{{ip:{net}}}:");
+        }
+    }
 }
 
 /// Builds the batch for one request. `key` is the authenticated key, if any; `fingerprint`
@@ -147,8 +157,9 @@ pub fn unauthenticated_only(snap: &Snapshot, ip: IpAddr) -> Batch {
 fn unauthenticated(snap: &Snapshot, li: u16, cost: u64, ip: IpAddr) -> Option<CheckItem> {
     let limit = &snap.limits[li as usize];
     let numbers = limit.numbers.as_ref()?;
-    let mut name = String::with_capacity(48);
-    ip_tag(&mut name, ip);
+    // Room for the longest tag, `rl:{ip:<39 characters>/NNN}:`, and a short limit name.
+    let mut name = String::with_capacity(64);
+    ip_tag(&mut name, ip, limit.ip_prefixes);
     name.push_str(&limit.name);
     Some(CheckItem::new(
         name.into(),
@@ -250,13 +261,13 @@ fn item_for(
             push_value(&mut name, route.name.as_bytes());
         }
         (Dimension::Route, None) => {
-            ip_tag(&mut name, ip);
+            ip_tag(&mut name, ip, limit.ip_prefixes);
             name.push_str(&limit.name);
             name.push(':');
             push_value(&mut name, route.name.as_bytes());
         }
         (Dimension::Ip, _) => {
-            ip_tag(&mut name, ip);
+            ip_tag(&mut name, ip, limit.ip_prefixes);
             name.push_str(&limit.name);
         }
         // Its text form needs no escaping: `none`, `unparsed` or hex digits.
@@ -377,6 +388,156 @@ mod tests {
         let e = crate::compile(text, "t.json", cluster).unwrap_err();
         assert!(e.reason.contains("on the client fingerprint"), "{e}");
         crate::compile(text, "t.json", crate::CompileOptions::default()).expect("one Redis: fine");
+    }
+
+    /// Rules with per-IP limits: `unauth` (the unauthenticated bucket), `per-ip` and `paths`
+    /// (route) with the extra fields given, on an optional-key route.
+    fn ip_rules(extra: &str, opts: crate::CompileOptions) -> Result<Snapshot, crate::RulesError> {
+        let text = format!(
+            r#"{{"version": 1, "upstreams": {{"u": {{"url": "http://127.0.0.1:9"}}}},
+                "limits": {{"unauth": {{"dimension": "ip", "rate": "5/60s", "burst": 5}},
+                           "per-ip": {{"dimension": "ip", "rate": "5/60s", "burst": 5{extra}}},
+                           "paths": {{"dimension": "route", "rate": "5/60s", "burst": 5{extra}}}}},
+                "unauthenticated": {{"limit": "unauth", "cost": 1}},
+                "routes": [{{"method": "GET", "path": "/p", "upstream": "u", "key": "optional",
+                            "cost": {{"per-ip": 1, "paths": 1}}}}]}}"#
+        );
+        crate::compile(text.as_bytes(), "t.json", opts)
+    }
+
+    fn anonymous_names(snap: &Snapshot, ip: &str) -> Vec<String> {
+        build(
+            snap,
+            &snap.routes[0],
+            None,
+            ip.parse().unwrap(),
+            Fingerprint::None,
+            &HeaderMap::new(),
+            None,
+        )
+        .unwrap()
+        .iter()
+        .map(|i| i.key.to_string())
+        .collect()
+    }
+
+    #[test]
+    fn ipv6_clients_share_the_buckets_of_their_slash_64() {
+        let snap = ip_rules("", crate::CompileOptions::default()).unwrap();
+        let names = anonymous_names(&snap, "2001:db8:1:2:aaaa::7");
+        assert_eq!(
+            names,
+            [
+                "rl:{ip:2001:db8:1:2::/64}:paths:GET%20/p",
+                "rl:{ip:2001:db8:1:2::/64}:per-ip",
+                "rl:{ip:2001:db8:1:2::/64}:unauth"
+            ]
+        );
+        assert_eq!(names, anonymous_names(&snap, "2001:db8:1:2:ffff:ffff:ffff:ffff"));
+        assert_ne!(names, anonymous_names(&snap, "2001:db8:1:3::7"));
+        // IPv4, and IPv4 mapped into IPv6, keep the names per address they had.
+        assert_eq!(
+            anonymous_names(&snap, "203.0.113.9")[1],
+            "rl:{ip:203.0.113.9}:per-ip"
+        );
+        assert_eq!(
+            anonymous_names(&snap, "::ffff:203.0.113.9"),
+            anonymous_names(&snap, "203.0.113.9")
+        );
+        assert_eq!(
+            unauthenticated_only(&snap, "2001:db8:1:2::9".parse().unwrap())
+                .iter()
+                .map(|i| i.key.to_string())
+                .collect::<Vec<_>>(),
+            ["rl:{ip:2001:db8:1:2::/64}:unauth"]
+        );
+    }
+
+    #[test]
+    fn a_limit_sets_its_own_prefixes() {
+        let snap = ip_rules(
+            r#", "ipv4_prefix": 16, "ipv6_prefix": 48"#,
+            crate::CompileOptions::default(),
+        )
+        .unwrap();
+        let names = anonymous_names(&snap, "10.1.200.7");
+        assert_eq!(
+            names,
+            [
+                "rl:{ip:10.1.0.0/16}:paths:GET%20/p",
+                "rl:{ip:10.1.0.0/16}:per-ip",
+                // The unauthenticated limit keeps its defaults.
+                "rl:{ip:10.1.200.7}:unauth"
+            ]
+        );
+        assert_eq!(
+            anonymous_names(&snap, "2001:db8:1:2::7")[1],
+            "rl:{ip:2001:db8:1::/48}:per-ip"
+        );
+        let full = ip_rules(r#", "ipv6_prefix": 128"#, crate::CompileOptions::default()).unwrap();
+        assert_eq!(
+            anonymous_names(&full, "2001:db8:1:2::7")[1],
+            "rl:{ip:2001:db8:1:2::7}:per-ip",
+            "a full-length prefix keeps the name per address"
+        );
+    }
+
+    #[test]
+    fn prefixes_out_of_range_or_on_other_limits_are_refused() {
+        let opts = crate::CompileOptions::default();
+        for (extra, field, says) in [
+            (
+                r#", "ipv6_prefix": 129"#,
+                "limits.paths.ipv6_prefix",
+                "129 is not a prefix length: use 0 to 128",
+            ),
+            (
+                r#", "ipv4_prefix": 33"#,
+                "limits.paths.ipv4_prefix",
+                "33 is not a prefix length: use 0 to 32",
+            ),
+            (
+                r#", "ipv6_prefix": 300"#,
+                "limits.paths.ipv6_prefix",
+                "300 is not a prefix length",
+            ),
+        ] {
+            let e = ip_rules(extra, opts).unwrap_err();
+            assert_eq!(e.file, "t.json");
+            assert_eq!(e.field, field, "{e}");
+            assert!(e.reason.contains(says), "{e}");
+        }
+        // Read in file order, where `per-ip` comes first.
+        let e = ip_rules(r#", "ipv6_prefix": -1"#, opts).unwrap_err();
+        assert_eq!(e.field, "limits.per-ip.ipv6_prefix", "{e}");
+        ip_rules(r#", "ipv4_prefix": 0, "ipv6_prefix": 0"#, opts).expect("0: one bucket for all");
+        let text = br#"{"version": 1, "upstreams": {"u": {"url": "http://127.0.0.1:9"}},
+            "limits": {"plan": {"dimension": "key", "rate": "5/60s", "burst": 5, "ipv6_prefix": 56}},
+            "routes": [{"method": "GET", "path": "/p", "upstream": "u", "cost": {"plan": 1}}]}"#;
+        let e = crate::compile(text, "t.json", opts).unwrap_err();
+        assert_eq!(e.field, "limits.plan.ipv6_prefix", "{e}");
+        assert!(e.reason.contains("only a limit with per-IP buckets"), "{e}");
+    }
+
+    #[test]
+    fn per_ip_limits_on_different_prefixes_are_two_slots() {
+        let rules = |extra: &str| {
+            let text = format!(
+                r#"{{"version": 1, "upstreams": {{"u": {{"url": "http://127.0.0.1:9"}}}},
+                    "limits": {{"unauth": {{"dimension": "ip", "rate": "5/60s", "burst": 5}},
+                               "per-ip": {{"dimension": "ip", "rate": "5/60s", "burst": 5{extra}}}}},
+                    "unauthenticated": {{"limit": "unauth", "cost": 1}},
+                    "routes": [{{"method": "GET", "path": "/p", "upstream": "u", "key": "optional",
+                                "cost": {{"per-ip": 1}}}}]}}"#
+            );
+            crate::compile(text.as_bytes(), "t.json", crate::CompileOptions { cluster: true })
+        };
+        // Without a key, `per-ip` on /48 and the unauthenticated limit on /64 are two tags.
+        let e = rules(r#", "ipv6_prefix": 48"#).unwrap_err();
+        assert!(e.reason.contains("one hash slot"), "{e}");
+        assert!(e.reason.contains("IPv6 /48"), "{e}");
+        rules("").expect("every per-IP bucket on the same tag");
+        rules(r#", "ipv6_prefix": 64, "ipv4_prefix": 32"#).expect("the defaults, written out");
     }
 
     #[test]

@@ -244,6 +244,12 @@ pub(crate) struct RawLimit {
     #[serde(default)]
     #[allow(dead_code)]
     pub description: Option<String>,
+    /// Per-IP buckets: the leading bits of an IPv6 client's address that name one client.
+    #[serde(default)]
+    pub ipv6_prefix: Option<u64>,
+    /// Per-IP buckets: the leading bits of an IPv4 client's address that name one client.
+    #[serde(default)]
+    pub ipv4_prefix: Option<u64>,
 }
 
 /// `{"status": [401, 403]}`.

@@ -4,6 +4,11 @@ use std::fmt::Write as _;
 
 use super::{Dimension, Snapshot};
 
+/// The networks a limit's per-IP buckets key on: `(IPv4 /32, IPv6 /64)`.
+fn prefixes(l: &super::Limit) -> String {
+    format!("(IPv4 /{}, IPv6 /{})", l.ip_prefixes.v4, l.ip_prefixes.v6)
+}
+
 /// Version, upstreams, limits with their numbers (and per-key numbers), routes with costs.
 pub fn summary(snap: &Snapshot) -> String {
     let mut out = String::new();
@@ -43,8 +48,11 @@ pub fn summary(snap: &Snapshot) -> String {
         };
         let dim = match &l.dimension {
             Dimension::Key => "per key".to_string(),
-            Dimension::Route => "per key and route".to_string(),
-            Dimension::Ip => "per client IP".to_string(),
+            Dimension::Route => format!(
+                "per key and route, or per client IP without a key {}",
+                prefixes(l)
+            ),
+            Dimension::Ip => format!("per client IP {}", prefixes(l)),
             Dimension::Header(h) => format!("per {h} value"),
             Dimension::BodyField(f) => format!("per body field {f:?}"),
             Dimension::Fingerprint => "per client fingerprint".to_string(),

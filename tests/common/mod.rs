@@ -451,6 +451,9 @@ pub struct Tollgate {
     pub addr: SocketAddr,
     pub admin: Option<SocketAddr>,
     pub stderr_path: PathBuf,
+    /// Every line it printed on stdout so far.
+    stdout: Arc<std::sync::Mutex<Vec<String>>>,
+    drain: Option<std::thread::JoinHandle<()>>,
     _dir: tempfile::TempDir,
 }
 
@@ -485,9 +488,19 @@ impl Tollgate {
         let mut lines = BufReader::new(stdout).lines();
         let mut addr = None;
         let mut admin = None;
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
         for line in lines.by_ref() {
             let line = line.unwrap_or_default();
-            if let Some(rest) = line.split("listening on http").nth(1) {
+            seen.lock().unwrap().push(line.clone());
+            // With --log-format json the startup lines are events with the address as a field.
+            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
+                let a = v["addr"].as_str().and_then(|a| a.parse::<SocketAddr>().ok());
+                match v["message"].as_str() {
+                    Some("tollgate listening") => addr = a,
+                    Some("admin listening") => admin = a,
+                    _ => {}
+                }
+            } else if let Some(rest) = line.split("listening on http").nth(1) {
                 let a = rest.trim_start_matches('s').trim_start_matches("://");
                 let a = a.split_whitespace().next().unwrap_or("");
                 let a: SocketAddr = a.parse().unwrap_or_else(|_| panic!("bad address in {line:?}"));
@@ -502,7 +515,12 @@ impl Tollgate {
             }
         }
         // Keep draining stdout so the process never blocks on a full pipe.
-        std::thread::spawn(move || for _ in lines {});
+        let keep = seen.clone();
+        let drain = std::thread::spawn(move || {
+            for line in lines {
+                keep.lock().unwrap().push(line.unwrap_or_default());
+            }
+        });
         let Some(addr) = addr else {
             let _ = child.kill();
             let err = std::fs::read_to_string(&stderr_path).unwrap_or_default();
@@ -513,8 +531,27 @@ impl Tollgate {
             addr,
             admin,
             stderr_path,
+            stdout: seen,
+            drain: Some(drain),
             _dir: dir,
         }
+    }
+
+    /// Stops the process with SIGTERM and returns everything it printed on stdout and stderr.
+    pub fn stop(&mut self) -> (String, String) {
+        self.signal("TERM");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.child.try_wait().unwrap().is_none() {
+            assert!(
+                Instant::now() < deadline,
+                "tollgate still runs 30 s after SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if let Some(d) = self.drain.take() {
+            d.join().unwrap();
+        }
+        (self.stdout.lock().unwrap().join("\n"), self.stderr())
     }
 
     pub fn url(&self, path: &str) -> String {
