@@ -1,5 +1,5 @@
 //! The data path of one request: route, identity, plan, one store check, then 429 or forward;
-//! and what the operator sees of it (metrics, one access line, the request id).
+//! and what the operator sees of it (metrics, one access line, the request id, its span).
 
 pub mod express;
 
