@@ -184,6 +184,13 @@ fn config(rules: RulesSource, c: &CommonArgs, demo: bool) -> Result<GatewayConfi
     cfg.store_timeout = c.store_timeout;
     cfg.fleet_size = c.fleet_size;
     cfg.seat_lease = c.concurrency_lease;
+    cfg.otlp = c
+        .otlp_endpoint
+        .clone()
+        .map(|endpoint| tollgate_gateway::otel::OtlpConfig {
+            endpoint,
+            sample_ratio: c.otlp_sample_ratio,
+        });
     cfg.meter = (!c.no_meter).then(|| MeterConfig {
         instance: c.instance.clone().unwrap_or_else(host_name),
         interval: c.meter_interval,

@@ -14,6 +14,7 @@ use tokio::task::JoinHandle;
 use crate::admin::Admin;
 use crate::config::{ClockSource, StoreUrl};
 use crate::demo::DemoUpstream;
+use crate::otel::Otel;
 use crate::regions::{RegionTasks, Regions};
 use crate::reload::{Reloader, WatchHandle};
 use crate::request::Gateway;
@@ -58,6 +59,8 @@ pub struct GatewayConfig {
     pub regions: Option<crate::regions::RegionsConfig>,
     /// How long a seat of a limit on requests in flight outlives a gateway that died holding it.
     pub seat_lease: Duration,
+    /// A span per request over OTLP; off when `None`.
+    pub otlp: Option<crate::otel::OtlpConfig>,
 }
 
 /// Where and how often this gateway writes its usage records.
@@ -89,6 +92,7 @@ impl GatewayConfig {
             meter: None,
             regions: None,
             seat_lease: Duration::from_secs(30),
+            otlp: None,
         }
     }
 }
@@ -112,6 +116,8 @@ pub enum StartError {
     Meter(String),
     #[error("Regions: {0}")]
     Regions(String),
+    #[error("OTLP: {0}")]
+    Otlp(String),
 }
 
 /// Closes kept upstream connections that expired or that their upstream closed, once a second,
@@ -163,6 +169,8 @@ pub struct Running {
     region_tasks: Option<RegionTasks>,
     /// Renews the leases of seats held in Redis; stops with the listeners.
     seat_renewal: Option<JoinHandle<()>>,
+    /// The span exporter; flushed once the listeners have finished.
+    otel: Option<Arc<Otel>>,
 }
 
 impl Running {
@@ -181,6 +189,9 @@ impl Running {
         }
         if let Some(t) = &self.flag_task {
             t.abort();
+        }
+        if let Some(o) = self.otel {
+            o.shutdown().await;
         }
         if let Some(r) = self.region_tasks {
             r.stop().await;
@@ -419,6 +430,13 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
     let mut gateway = Gateway::new(rules.clone(), store.clone(), cfg.trusted.clone(), metrics.clone());
     gateway.proxy.body_timeout = cfg.limits.body_read_timeout;
     gateway.clock = cfg.clock.clone();
+    let otel = match &cfg.otlp {
+        Some(o) => Some(Arc::new(
+            Otel::start(o, metrics.otlp_spans_dropped.clone()).map_err(StartError::Otlp)?,
+        )),
+        None => None,
+    };
+    gateway.otel = otel.clone();
     let (meter, meter_task, flag_task) = match &cfg.meter {
         Some(m) => {
             let metering = start_meter(m, &cfg.store).await?;
@@ -535,6 +553,7 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         flag_task,
         region_tasks,
         seat_renewal,
+        otel,
     })
 }
 

@@ -140,6 +140,14 @@ pub struct CommonArgs {
     /// before the limit's failure policy decides.
     #[arg(long, env = "TOLLGATE_REGION_STORE_TIMEOUT", default_value = "100ms", value_parser = parse_positive_duration)]
     pub region_store_timeout: Duration,
+    /// Export one span per request over OTLP/HTTP (protobuf) to this collector, e.g.
+    /// `http://127.0.0.1:4318` (spans go to its `/v1/traces`); off when unset.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT", value_parser = crate::otel::parse_endpoint)]
+    pub otlp_endpoint: Option<String>,
+    /// The share of new traces exported, 0.0 to 1.0; a caller's `traceparent` decides for its
+    /// own trace by its sampled flag.
+    #[arg(long, env = "TOLLGATE_OTLP_SAMPLE_RATIO", default_value = "1.0", value_parser = crate::otel::parse_ratio)]
+    pub otlp_sample_ratio: f64,
 }
 
 /// The host's name, for a gateway started without `--instance`.

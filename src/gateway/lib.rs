@@ -16,6 +16,7 @@
 //!   header edits (hop-by-hop stripping, `X-Forwarded-*`), 502/504.
 //! - [`reload`]: live rules: the file watch and SIGHUP, swapping in only higher versions.
 //! - [`admin`]: the admin listener (health, readiness, metrics, running rules).
+//! - [`otel`]: a span per request over OTLP, the caller's `traceparent` continued upstream.
 //! - [`demo`]: the built-in demo upstream.
 
 pub mod admin;
@@ -24,6 +25,7 @@ pub mod concurrency;
 pub mod config;
 pub mod dashboard;
 pub mod demo;
+pub mod otel;
 pub mod proxy;
 pub mod regions;
 pub mod reload;

@@ -90,6 +90,8 @@ pub struct Metrics {
     pub lease_tokens_granted: Counter,
     pub lease_tokens_returned: Counter,
     pub lease_tokens_held: Gauge,
+    /// Request spans dropped because the OTLP export queue was full.
+    pub otlp_spans_dropped: Counter,
 }
 
 fn latency_histogram() -> Histogram {
@@ -235,6 +237,12 @@ impl Metrics {
             "Leased tokens this gateway holds now",
             lease_tokens_held.clone(),
         );
+        let otlp_spans_dropped = Counter::default();
+        registry.register(
+            "otlp_spans_dropped",
+            "Request spans dropped, not exported, because the OTLP export queue was full",
+            otlp_spans_dropped.clone(),
+        );
         Arc::new(Metrics {
             registry,
             requests,
@@ -260,6 +268,7 @@ impl Metrics {
             lease_tokens_granted,
             lease_tokens_returned,
             lease_tokens_held,
+            otlp_spans_dropped,
         })
     }
 

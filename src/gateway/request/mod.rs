@@ -1,5 +1,5 @@
 //! The data path of one request: route, identity, plan, one store check, then 429 or forward;
-//! and what the operator sees of it (metrics, one access line, the request id).
+//! and what the operator sees of it (metrics, one access line, the request id, its span).
 
 pub mod express;
 
@@ -63,6 +63,8 @@ pub struct Gateway {
     pub regions: Option<Arc<crate::regions::Regions>>,
     /// Wall-clock time for quota periods (tests pass a manual clock).
     pub clock: Arc<dyn Clock>,
+    /// A span per request over OTLP; `None`: off, and nothing is built.
+    pub otel: Option<Arc<crate::otel::Otel>>,
     shadow_log: Sampler,
     live: ArcSwap<Live>,
     building: std::sync::Mutex<()>,
@@ -86,6 +88,28 @@ struct Trace {
     metered: Option<usize>,
     /// Its connection's client fingerprint.
     fingerprint: Fingerprint,
+    /// Its span, when spans are exported.
+    span: Option<Box<crate::otel::RequestSpan>>,
+    /// The store check that decided it, for its span.
+    check: Option<crate::otel::Checked>,
+    /// Admitted, and on its way upstream.
+    admitted: bool,
+}
+
+impl Trace {
+    /// What the request came to, for its span.
+    fn facts<'a>(&'a self, b: &'a Begun<'_>, status: u16) -> crate::otel::Facts<'a> {
+        crate::otel::Facts {
+            method: &b.method,
+            route: self.route.map(|r| &*b.snap.routes[r].name),
+            key_id: self.key_id.as_deref(),
+            admitted: self.admitted,
+            limit: self.limit.as_deref(),
+            check: self.check,
+            status,
+            request_id: b.request_id.to_str().unwrap_or("-"),
+        }
+    }
 }
 
 /// A client's `X-Request-Id` is kept when it is 1 to 128 characters of `[A-Za-z0-9._:-]`;
@@ -125,6 +149,7 @@ impl Gateway {
             seats: Arc::new(MemorySeats::new()),
             local_seats: MemorySeats::new(),
             clock: tollgate_limit::clock::SystemClock::shared(),
+            otel: None,
             shadow_log: Sampler::new(std::time::Duration::from_secs(1)),
             live: ArcSwap::from_pointee(Live::default()),
             building: std::sync::Mutex::new(()),
@@ -190,15 +215,16 @@ impl Gateway {
         snap: &Snapshot,
         h: &Handles,
         batch: &Batch,
+        trace: &mut Trace,
     ) -> Result<(Decision, Outcome), StoreError> {
         let started = Instant::now();
         let result = self.store.check(batch).await;
-        self.metrics
-            .store_check_seconds
-            .observe(started.elapsed().as_secs_f64());
+        let took = started.elapsed();
+        self.metrics.store_check_seconds.observe(took.as_secs_f64());
         let outcome = match result {
             Ok(o) => o,
             Err(e) => {
+                trace.check = Some(crate::otel::Checked::failed(took));
                 let kind = if e == StoreError::Timeout {
                     "timeout"
                 } else {
@@ -212,6 +238,7 @@ impl Gateway {
             }
         };
         let decision = decide(batch, &outcome);
+        trace.check = Some(crate::otel::Checked::new(took, &decision));
         self.count(snap, h, batch, &decision);
         Ok((decision, outcome))
     }
@@ -300,7 +327,7 @@ impl Gateway {
         if batch.is_empty() {
             return why.into_response();
         }
-        let d = match self.check(snap, h, &batch).await {
+        let d = match self.check(snap, h, &batch, trace).await {
             Err(_) => return Refusal::LimiterUnavailable.into_response(),
             Ok((d, _)) => d,
         };
@@ -356,7 +383,7 @@ impl Gateway {
                 ..Charged::default()
             });
         }
-        let (d, outcome) = match self.check(snap, h, &batch).await {
+        let (d, outcome) = match self.check(snap, h, &batch, trace).await {
             Ok(d) => d,
             Err(e) => {
                 tracing::warn!(error = %e, "limiter store failed");
@@ -566,6 +593,7 @@ impl Gateway {
             method,
             trace: Trace {
                 fingerprint: conn.fingerprint,
+                span: self.otel.as_ref().map(|o| o.begin(headers)),
                 ..Trace::default()
             },
             end: End::Open,
@@ -608,6 +636,13 @@ impl Gateway {
             request_id = b.request_id.to_str().unwrap_or("-"),
             "request"
         );
+    }
+
+    /// Ends a request's span with what its access line says.
+    fn end_span(&self, b: &Begun<'_>, span: &crate::otel::RequestSpan, status: u16) {
+        if let Some(o) = &self.otel {
+            o.end(span, &b.trace.facts(b, status));
+        }
     }
 
     /// Serves one request with one rules snapshot from start to end, whatever reloads meanwhile.
@@ -713,6 +748,7 @@ impl Gateway {
             .map_err(with_quota)?;
         crate::proxy::retarget(upstream, parts).map_err(Refusal::into_response)?;
         trace.metered = c.key.map(|(k, _)| k);
+        trace.admitted = true;
         Ok(Forward {
             upstream: route.upstream,
             budget,
@@ -772,7 +808,11 @@ impl Gateway {
         conn: &ConnInfo,
     ) -> crate::proxy::HeaderEdits {
         let up = &b.snap.upstreams[f.upstream];
-        crate::proxy::HeaderEdits::new(up, parts, self.caller(&b.snap, &f.classified, conn))
+        let mut edits = crate::proxy::HeaderEdits::new(up, parts, self.caller(&b.snap, &f.classified, conn));
+        if let Some(s) = &b.trace.span {
+            s.propagate(&mut edits.set);
+        }
+        edits
     }
 
     /// Records how long an upstream took to answer the head, and gives its adaptive limit the
@@ -902,10 +942,14 @@ const CLIENT_GONE: u16 = 499;
 
 impl Drop for Begun<'_> {
     fn drop(&mut self) {
-        match self.end {
-            End::HandedOff => {}
-            End::Answered(status) => self.gw.record(self, status),
-            End::Open => self.gw.record(self, CLIENT_GONE),
+        let status = match self.end {
+            End::HandedOff => return,
+            End::Answered(status) => status,
+            End::Open => CLIENT_GONE,
+        };
+        self.gw.record(self, status);
+        if let Some(span) = self.trace.span.take() {
+            self.gw.end_span(self, &span, status);
         }
     }
 }
