@@ -57,6 +57,9 @@ pub async fn serve(
     let mut upstream_deadline = Deadline::new(limits.header_read_timeout);
     loop {
         head_deadline.set(Instant::now() + limits.header_read_timeout);
+        if let Some(s) = &info.slot {
+            s.idle();
+        }
         loop {
             if !buf.is_empty() {
                 match parse(&buf, &mut head) {
@@ -84,6 +87,10 @@ pub async fn serve(
                 }
                 _ = stop.changed(), if buf.is_empty() => return Ended::Closed,
             }
+        }
+        // Closed for a newcomer while the head arrived: it must not be served.
+        if info.slot.as_ref().is_some_and(|s| !s.enter()) {
+            return Ended::Closed;
         }
         let request_bytes = buf.split_to(head.len).freeze();
         let Some(mut parts) = head.to_parts(&request_bytes) else {
