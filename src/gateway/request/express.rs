@@ -47,9 +47,10 @@ pub async fn serve(
     limits: &ServerLimits,
     stop: &mut watch::Receiver<bool>,
 ) -> Ended {
-    let mut buf = BytesMut::with_capacity(READ_SIZE);
-    let mut out = BytesMut::with_capacity(READ_SIZE);
-    let mut head_out = BytesMut::with_capacity(1024);
+    // Taken with a request's first bytes and given back between requests (`read_more`).
+    let mut buf = BytesMut::new();
+    let mut out = BytesMut::new();
+    let mut head_out = BytesMut::new();
     let mut head = Head::default();
     // Like hyper's: the time to the end of a head counts from when the last response was sent,
     // so an idle keep-alive connection is closed after it too.
@@ -69,10 +70,9 @@ pub async fn serve(
                     _ => return Ended::HandOff(Prefixed::new(buf.freeze(), tcp)),
                 }
             }
-            buf.reserve(READ_SIZE);
             tokio::select! {
                 biased;
-                r = tcp.read_buf(&mut buf) => match r {
+                r = read_more(&mut tcp, &mut buf, [&mut out, &mut head_out]) => match r {
                     Ok(0) | Err(_) => return Ended::Closed,
                     Ok(_) => {}
                 },
@@ -134,9 +134,11 @@ pub async fn serve(
             request_id: &b.request_id,
         };
         head_out.clear();
+        head_out.reserve(1024);
         client::render_request(&mut head_out, &parts, &gw.edits(&b, &f, &parts, info), false);
         let started = std::time::Instant::now();
         out.clear();
+        out.reserve(READ_SIZE);
         upstream_deadline.set(Instant::now() + up.timeout);
         // A client that hangs up while the upstream thinks must not keep its place under the
         // upstream's limit, or its key's seats, until the answer or the timeout. Bytes of a next
@@ -208,6 +210,34 @@ pub async fn serve(
             }
             Relayed::Broken => return Ended::Closed,
         }
+    }
+}
+
+/// Reads more of a request head into `buf`. Between requests (`buf` empty and nothing more
+/// waiting) the connection gives `buf` and `spare` back and waits for the socket to be readable
+/// holding none, so an idle keep-alive connection costs no buffer (issue 24); a client whose next
+/// request is already there pays nothing more than before.
+async fn read_more(
+    tcp: &mut TcpStream,
+    buf: &mut BytesMut,
+    spare: [&mut BytesMut; 2],
+) -> std::io::Result<usize> {
+    if !buf.is_empty() {
+        buf.reserve(READ_SIZE);
+        return tcp.read_buf(buf).await;
+    }
+    let mut spare = Some(spare);
+    loop {
+        buf.reserve(READ_SIZE);
+        match tcp.try_read_buf(buf) {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            r => return r,
+        }
+        *buf = BytesMut::new();
+        for b in spare.take().into_iter().flatten() {
+            *b = BytesMut::new();
+        }
+        tcp.readable().await?;
     }
 }
 
@@ -462,6 +492,7 @@ fn answer(
 ) {
     let status = resp.status().as_u16();
     out.clear();
+    out.reserve(READ_SIZE);
     render_answer(out, resp, &b.request_id, close, is_head);
     gw.finish(b, status);
 }
