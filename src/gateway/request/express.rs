@@ -102,7 +102,9 @@ pub async fn serve(
         let mut b = gw.begin(parts.method.clone(), &mut parts.headers, info);
         let closing = *stop.borrow();
         let is_head = parts.method == Method::HEAD;
-        let admitted = match gw.identify(&mut b, &mut parts, info).await {
+        // The steps of a request are boxed (`Box::pin`): held inline, the largest of them sized
+        // this task, so every idle connection carried them (issue 24).
+        let admitted = match Box::pin(gw.identify(&mut b, &mut parts, info)).await {
             Ok(c) if b.snap.routes[c.route].body_field.is_some() => {
                 // Its limit keys on a body this lane doesn't read. Nothing was charged yet;
                 // hyper's path begins this request again.
@@ -111,7 +113,7 @@ pub async fn serve(
                 rest.extend_from_slice(&buf);
                 return Ended::HandOff(Prefixed::new(rest.freeze(), tcp));
             }
-            Ok(c) => gw.admit(&mut b, c, &mut parts, None).await,
+            Ok(c) => Box::pin(gw.admit(&mut b, c, &mut parts, None)).await,
             Err(answer) => Err(answer),
         };
         let mut f = match admitted {
@@ -145,7 +147,7 @@ pub async fn serve(
         // request already waiting say the client is there: stop watching. Watching costs a
         // syscall, so only requests that hold a limited place or a seat pay it.
         let answered = {
-            let exchange = client::exchange::<Empty<Bytes>, _>(
+            let mut exchange = Box::pin(client::exchange::<Empty<Bytes>, _>(
                 pool,
                 &head_out,
                 None,
@@ -153,8 +155,7 @@ pub async fn serve(
                 is_head,
                 None,
                 |h| render_response(h, &extra, closing, &mut out),
-            );
-            tokio::pin!(exchange);
+            ));
             let mut watch =
                 buf.is_empty() && (f.place.as_ref().is_some_and(Place::limited) || !f.seats.is_empty());
             loop {
@@ -174,12 +175,11 @@ pub async fn serve(
         gw.upstream_answered(&b, &f, started.elapsed(), answered.as_ref().err());
         let (mut conn, shape) = match answered {
             Ok(r) => {
-                gw.settle(&snap, f.paid.as_deref(), Some(r.1.status)).await;
+                Box::pin(gw.settle(&snap, f.paid.as_deref(), Some(r.1.status))).await;
                 r
             }
             Err(failure) => {
-                gw.refund_undelivered(&snap, &mut b.trace, f.paid.take(), &failure)
-                    .await;
+                Box::pin(gw.refund_undelivered(&snap, &mut b.trace, f.paid.take(), &failure)).await;
                 let mut resp = crate::proxy::failure_answer(up, &failure).into_response();
                 gw.forward_headers(&f, resp.headers_mut());
                 answer(gw, &mut out, b, resp, closing, is_head);
@@ -189,13 +189,13 @@ pub async fn serve(
                 continue;
             }
         };
-        let relayed = relay(
+        let relayed = Box::pin(relay(
             &mut conn,
             &mut tcp,
             &mut out,
             BodyState::new(shape.framing),
             up.timeout,
-        )
+        ))
         .await;
         gw.finish(b, shape.status);
         drop(f);

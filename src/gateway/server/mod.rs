@@ -251,7 +251,8 @@ pub async fn run_counted<H: Handler>(
                         TokioIo::new(Watched::new(io, framing, limits.header_read_timeout)),
                         service(info),
                     );
-                    if let Err(e) = watcher.watch(conn.into_owned()).await {
+                    // Boxed: allocated only for connections handed to hyper.
+                    if let Err(e) = Box::pin(watcher.watch(conn.into_owned())).await {
                         tracing::debug!(%peer, error = %e, "connection ended with an error");
                     }
                 };
