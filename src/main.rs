@@ -178,6 +178,8 @@ fn config(rules: RulesSource, c: &CommonArgs, demo: bool) -> Result<GatewayConfi
         drain_timeout: c.drain_timeout,
         max_header_bytes: c.max_header_bytes,
         express: !c.no_express,
+        max_connections: c.max_connections,
+        max_connections_per_ip: c.max_connections_per_ip,
         ..ServerLimits::default()
     };
     cfg.demo = demo;

@@ -323,7 +323,7 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         })?;
         // The demo upstream outlives the gateway's drain, so it stops a little later.
         let rx = stop_rx.clone();
-        let limits = cfg.limits;
+        let limits = cfg.limits.uncapped();
         tokio::spawn(server::run(
             listener,
             None,
@@ -492,11 +492,17 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         gateway.clone(),
         stopped(stop_rx.clone()),
     )));
-    tasks.push(tokio::spawn(server::run(
+    tasks.push(tokio::spawn(server::run_counted(
         listener,
         tls,
         gateway.clone(),
         cfg.limits,
+        server::conns::ConnCounters {
+            refused: metrics.connections_refused.clone(),
+            evicted: metrics.connections_evicted.clone(),
+            open: metrics.connections_open.clone(),
+            idle: metrics.connections_idle.clone(),
+        },
         stopped(stop_rx.clone()),
     )));
     let admin_addr = match admin {
@@ -522,11 +528,12 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
                     0
                 }
             }));
+            // The caps are the public listener's: an operator reaches a full gateway's admin.
             tasks.push(tokio::spawn(server::run(
                 l,
                 None,
                 handler,
-                cfg.limits,
+                cfg.limits.uncapped(),
                 stopped(stop_rx.clone()),
             )));
             Some(a)

@@ -94,6 +94,15 @@ pub struct CommonArgs {
     /// Largest request head, in bytes; larger gets 431.
     #[arg(long, env = "TOLLGATE_MAX_HEADER_BYTES", default_value_t = 32 * 1024)]
     pub max_header_bytes: usize,
+    /// Most client connections open at once (default: no cap). When full, a new connection
+    /// closes the one idle longest between requests; with none idle it is closed at once
+    /// (README "Connection caps").
+    #[arg(long, env = "TOLLGATE_MAX_CONNECTIONS", value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: Option<u32>,
+    /// Most client connections open at once from one IP (the TCP peer), the same way
+    /// (default: no cap).
+    #[arg(long, env = "TOLLGATE_MAX_CONNECTIONS_PER_IP", value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections_per_ip: Option<u32>,
     /// Serve every request through hyper's general path, without the express lane for plain
     /// HTTP/1.1 requests without a body (README "The express lane"); for comparison.
     #[arg(long, env = "TOLLGATE_NO_EXPRESS")]

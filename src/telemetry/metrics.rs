@@ -47,6 +47,12 @@ pub struct Kind {
     pub kind: &'static str,
 }
 
+/// Which connection cap acted: `max_connections` or `max_connections_per_ip`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CapLabel {
+    pub cap: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResultLabel {
     pub result: &'static str,
@@ -92,6 +98,13 @@ pub struct Metrics {
     pub lease_tokens_held: Gauge,
     /// Request spans dropped because the OTLP export queue was full.
     pub otlp_spans_dropped: Counter,
+    /// Client connections closed at accept: a cap was full with none idle.
+    pub connections_refused: Family<CapLabel, Counter>,
+    /// Idle client connections closed to make room for a new one.
+    pub connections_evicted: Family<CapLabel, Counter>,
+    /// Client connections open, and of them idle, when a connection cap is set.
+    pub connections_open: Gauge,
+    pub connections_idle: Gauge,
 }
 
 fn latency_histogram() -> Histogram {
@@ -243,6 +256,30 @@ impl Metrics {
             "Request spans dropped, not exported, because the OTLP export queue was full",
             otlp_spans_dropped.clone(),
         );
+        let connections_refused = Family::<CapLabel, Counter>::default();
+        registry.register(
+            "connections_refused",
+            "Client connections closed at accept because a cap was full with none idle, by cap",
+            connections_refused.clone(),
+        );
+        let connections_evicted = Family::<CapLabel, Counter>::default();
+        registry.register(
+            "connections_evicted",
+            "Idle client connections closed to make room for a new one, by cap",
+            connections_evicted.clone(),
+        );
+        let connections_open = Gauge::default();
+        registry.register(
+            "connections_open",
+            "Client connections open (kept only when a connection cap is set)",
+            connections_open.clone(),
+        );
+        let connections_idle = Gauge::default();
+        registry.register(
+            "connections_idle",
+            "Client connections open with no request in flight (kept only when a connection cap is set)",
+            connections_idle.clone(),
+        );
         Arc::new(Metrics {
             registry,
             requests,
@@ -269,6 +306,10 @@ impl Metrics {
             lease_tokens_returned,
             lease_tokens_held,
             otlp_spans_dropped,
+            connections_refused,
+            connections_evicted,
+            connections_open,
+            connections_idle,
         })
     }
 

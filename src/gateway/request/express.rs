@@ -47,9 +47,10 @@ pub async fn serve(
     limits: &ServerLimits,
     stop: &mut watch::Receiver<bool>,
 ) -> Ended {
-    let mut buf = BytesMut::with_capacity(READ_SIZE);
-    let mut out = BytesMut::with_capacity(READ_SIZE);
-    let mut head_out = BytesMut::with_capacity(1024);
+    // Taken with a request's first bytes and given back between requests (`read_more`).
+    let mut buf = BytesMut::new();
+    let mut out = BytesMut::new();
+    let mut head_out = BytesMut::new();
     let mut head = Head::default();
     // Like hyper's: the time to the end of a head counts from when the last response was sent,
     // so an idle keep-alive connection is closed after it too.
@@ -57,6 +58,9 @@ pub async fn serve(
     let mut upstream_deadline = Deadline::new(limits.header_read_timeout);
     loop {
         head_deadline.set(Instant::now() + limits.header_read_timeout);
+        if let Some(s) = &info.slot {
+            s.idle();
+        }
         loop {
             if !buf.is_empty() {
                 match parse(&buf, &mut head) {
@@ -66,10 +70,9 @@ pub async fn serve(
                     _ => return Ended::HandOff(Prefixed::new(buf.freeze(), tcp)),
                 }
             }
-            buf.reserve(READ_SIZE);
             tokio::select! {
                 biased;
-                r = tcp.read_buf(&mut buf) => match r {
+                r = read_more(&mut tcp, &mut buf, [&mut out, &mut head_out]) => match r {
                     Ok(0) | Err(_) => return Ended::Closed,
                     Ok(_) => {}
                 },
@@ -85,6 +88,10 @@ pub async fn serve(
                 _ = stop.changed(), if buf.is_empty() => return Ended::Closed,
             }
         }
+        // Closed for a newcomer while the head arrived: it must not be served.
+        if info.slot.as_ref().is_some_and(|s| !s.enter()) {
+            return Ended::Closed;
+        }
         let request_bytes = buf.split_to(head.len).freeze();
         let Some(mut parts) = head.to_parts(&request_bytes) else {
             // Bytes httparse took but `http` doesn't: let hyper refuse them as it would.
@@ -95,7 +102,9 @@ pub async fn serve(
         let mut b = gw.begin(parts.method.clone(), &mut parts.headers, info);
         let closing = *stop.borrow();
         let is_head = parts.method == Method::HEAD;
-        let admitted = match gw.identify(&mut b, &mut parts, info).await {
+        // The steps of a request are boxed (`Box::pin`): held inline, the largest of them sized
+        // this task, so every idle connection carried them (issue 24).
+        let admitted = match Box::pin(gw.identify(&mut b, &mut parts, info)).await {
             Ok(c) if b.snap.routes[c.route].body_field.is_some() => {
                 // Its limit keys on a body this lane doesn't read. Nothing was charged yet;
                 // hyper's path begins this request again.
@@ -104,7 +113,7 @@ pub async fn serve(
                 rest.extend_from_slice(&buf);
                 return Ended::HandOff(Prefixed::new(rest.freeze(), tcp));
             }
-            Ok(c) => gw.admit(&mut b, c, &mut parts, None).await,
+            Ok(c) => Box::pin(gw.admit(&mut b, c, &mut parts, None)).await,
             Err(answer) => Err(answer),
         };
         let mut f = match admitted {
@@ -127,16 +136,18 @@ pub async fn serve(
             request_id: &b.request_id,
         };
         head_out.clear();
+        head_out.reserve(1024);
         client::render_request(&mut head_out, &parts, &gw.edits(&b, &f, &parts, info), false);
         let started = std::time::Instant::now();
         out.clear();
+        out.reserve(READ_SIZE);
         upstream_deadline.set(Instant::now() + up.timeout);
         // A client that hangs up while the upstream thinks must not keep its place under the
         // upstream's limit, or its key's seats, until the answer or the timeout. Bytes of a next
         // request already waiting say the client is there: stop watching. Watching costs a
         // syscall, so only requests that hold a limited place or a seat pay it.
         let answered = {
-            let exchange = client::exchange::<Empty<Bytes>, _>(
+            let mut exchange = Box::pin(client::exchange::<Empty<Bytes>, _>(
                 pool,
                 &head_out,
                 None,
@@ -144,8 +155,7 @@ pub async fn serve(
                 is_head,
                 None,
                 |h| render_response(h, &extra, closing, &mut out),
-            );
-            tokio::pin!(exchange);
+            ));
             let mut watch =
                 buf.is_empty() && (f.place.as_ref().is_some_and(Place::limited) || !f.seats.is_empty());
             loop {
@@ -165,12 +175,11 @@ pub async fn serve(
         gw.upstream_answered(&b, &f, started.elapsed(), answered.as_ref().err());
         let (mut conn, shape) = match answered {
             Ok(r) => {
-                gw.settle(&snap, f.paid.as_deref(), Some(r.1.status)).await;
+                Box::pin(gw.settle(&snap, f.paid.as_deref(), Some(r.1.status))).await;
                 r
             }
             Err(failure) => {
-                gw.refund_undelivered(&snap, &mut b.trace, f.paid.take(), &failure)
-                    .await;
+                Box::pin(gw.refund_undelivered(&snap, &mut b.trace, f.paid.take(), &failure)).await;
                 let mut resp = crate::proxy::failure_answer(up, &failure).into_response();
                 gw.forward_headers(&f, resp.headers_mut());
                 answer(gw, &mut out, b, resp, closing, is_head);
@@ -180,13 +189,13 @@ pub async fn serve(
                 continue;
             }
         };
-        let relayed = relay(
+        let relayed = Box::pin(relay(
             &mut conn,
             &mut tcp,
             &mut out,
             BodyState::new(shape.framing),
             up.timeout,
-        )
+        ))
         .await;
         gw.finish(b, shape.status);
         drop(f);
@@ -201,6 +210,34 @@ pub async fn serve(
             }
             Relayed::Broken => return Ended::Closed,
         }
+    }
+}
+
+/// Reads more of a request head into `buf`. Between requests (`buf` empty and nothing more
+/// waiting) the connection gives `buf` and `spare` back and waits for the socket to be readable
+/// holding none, so an idle keep-alive connection costs no buffer (issue 24); a client whose next
+/// request is already there pays nothing more than before.
+async fn read_more(
+    tcp: &mut TcpStream,
+    buf: &mut BytesMut,
+    spare: [&mut BytesMut; 2],
+) -> std::io::Result<usize> {
+    if !buf.is_empty() {
+        buf.reserve(READ_SIZE);
+        return tcp.read_buf(buf).await;
+    }
+    let mut spare = Some(spare);
+    loop {
+        buf.reserve(READ_SIZE);
+        match tcp.try_read_buf(buf) {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            r => return r,
+        }
+        *buf = BytesMut::new();
+        for b in spare.take().into_iter().flatten() {
+            *b = BytesMut::new();
+        }
+        tcp.readable().await?;
     }
 }
 
@@ -455,6 +492,7 @@ fn answer(
 ) {
     let status = resp.status().as_u16();
     out.clear();
+    out.reserve(READ_SIZE);
     render_answer(out, resp, &b.request_id, close, is_head);
     gw.finish(b, status);
 }

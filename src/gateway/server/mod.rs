@@ -1,6 +1,7 @@
 //! Accepting connections: TCP or TLS, HTTP/1.1 and HTTP/2 (h2c prior knowledge or ALPN) on one
 //! port, and a graceful drain on shutdown.
 
+pub mod conns;
 pub mod framing;
 pub mod tls;
 
@@ -25,6 +26,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
 
 use crate::respond::Body;
+use conns::{ConnCounters, Conns, Slot};
 use framing::{Framing, Watched};
 use tollgate_hello::Fingerprint;
 
@@ -41,6 +43,16 @@ pub struct ConnInfo {
     /// The client fingerprint of its TLS ClientHello (`none` on plain TCP), taken once before
     /// the handshake.
     pub fingerprint: Fingerprint,
+    /// Its place under `--max-connections` and `--max-connections-per-ip`, when either is set:
+    /// a path serving the connection says when a request begins and ends, so that only an idle
+    /// connection is closed for a newcomer.
+    pub slot: Option<Arc<Slot>>,
+}
+
+impl std::fmt::Debug for Slot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Slot")
+    }
 }
 
 /// Anything that answers requests: the gateway, the admin endpoints, the demo upstream.
@@ -86,6 +98,10 @@ pub struct ServerLimits {
     pub max_header_bytes: usize,
     /// Whether plain HTTP/1.1 connections start on the express lane (when the handler has one).
     pub express: bool,
+    /// Most client connections open at once; `None`: no cap (`conns`).
+    pub max_connections: Option<u32>,
+    /// Most client connections open at once from one IP (the TCP peer); `None`: no cap.
+    pub max_connections_per_ip: Option<u32>,
 }
 
 impl Default for ServerLimits {
@@ -97,6 +113,19 @@ impl Default for ServerLimits {
             drain_timeout: Duration::from_secs(30),
             max_header_bytes: 32 * 1024,
             express: true,
+            max_connections: None,
+            max_connections_per_ip: None,
+        }
+    }
+}
+
+impl ServerLimits {
+    /// These limits without the connection caps.
+    pub fn uncapped(self) -> ServerLimits {
+        ServerLimits {
+            max_connections: None,
+            max_connections_per_ip: None,
+            ..self
         }
     }
 }
@@ -125,6 +154,19 @@ pub async fn run<H: Handler>(
     limits: ServerLimits,
     shutdown: impl Future<Output = ()>,
 ) -> usize {
+    run_counted(listener, tls, handler, limits, ConnCounters::default(), shutdown).await
+}
+
+/// [`run`], counting connections refused or closed under the connection caps in `counters`.
+pub async fn run_counted<H: Handler>(
+    listener: TcpListener,
+    tls: Option<TlsAcceptor>,
+    handler: Arc<H>,
+    limits: ServerLimits,
+    counters: ConnCounters,
+    shutdown: impl Future<Output = ()>,
+) -> usize {
+    let conns = Conns::new(limits.max_connections, limits.max_connections_per_ip, counters);
     let graceful = GracefulShutdown::new();
     // The express lane's connections hold a graceful watcher (so the drain waits for them) and
     // learn of the shutdown here, to close when idle.
@@ -146,6 +188,18 @@ pub async fn run<H: Handler>(
                 }
             },
         };
+        let slot = match &conns {
+            None => None,
+            Some(c) => match c.admit(tollgate_rules::identity::canonical(peer.ip())) {
+                Ok(s) => Some(Arc::new(s)),
+                Err(why) => {
+                    // Closed before anything is read: no request of its has begun.
+                    tracing::debug!(%peer, cap = why.cap(), "connection refused: cap full, none idle");
+                    drop(tcp);
+                    continue;
+                }
+            },
+        };
         let _ = tcp.set_nodelay(true);
         let framing = Arc::new(Framing::default());
         let info = ConnInfo {
@@ -157,6 +211,7 @@ pub async fn run<H: Handler>(
             )
             .unwrap_or_else(|_| http::HeaderValue::from_static("unknown")),
             fingerprint: Fingerprint::None,
+            slot: slot.clone(),
         };
         let lane = limits.express && handler.has_plain_lane();
         let handler_lane = handler.clone();
@@ -167,7 +222,11 @@ pub async fn run<H: Handler>(
             service_fn(move |req| {
                 let handler = handler.clone();
                 let info = info.clone();
-                async move { Ok::<_, Infallible>(handler.handle(req, info).await) }
+                async move {
+                    let busy = Busy::enter(info.slot.clone());
+                    let resp = handler.handle(req, info).await;
+                    Ok::<_, Infallible>(resp.map(|body| Tracked { body, _busy: busy }))
+                }
             })
         };
         let watcher = graceful.watcher();
@@ -175,7 +234,7 @@ pub async fn run<H: Handler>(
         match &tls {
             None => {
                 let stop = stop_rx.clone();
-                tokio::spawn(async move {
+                let serve = async move {
                     let io = if lane {
                         match handler_lane.serve_plain(tcp, info.clone(), limits, stop).await {
                             Ended::Closed => return,
@@ -184,19 +243,25 @@ pub async fn run<H: Handler>(
                     } else {
                         Prefixed::new(bytes::Bytes::new(), tcp)
                     };
+                    // hyper counts its requests from here.
+                    if let Some(s) = &info.slot {
+                        s.idle();
+                    }
                     let conn = builder.serve_connection(
                         TokioIo::new(Watched::new(io, framing, limits.header_read_timeout)),
                         service(info),
                     );
-                    if let Err(e) = watcher.watch(conn.into_owned()).await {
+                    // Boxed: allocated only for connections handed to hyper.
+                    if let Err(e) = Box::pin(watcher.watch(conn.into_owned())).await {
                         tracing::debug!(%peer, error = %e, "connection ended with an error");
                     }
-                });
+                };
+                tokio::spawn(closable(slot, serve));
             }
             Some(acceptor) => {
                 let acceptor = acceptor.clone();
                 let handshake = limits.handshake_timeout;
-                tokio::spawn(async move {
+                let serve = async move {
                     // The peek and the handshake share the one timeout: a client can't hold a
                     // connection longer by sending its hello slowly.
                     let handshake_done = async {
@@ -225,7 +290,8 @@ pub async fn run<H: Handler>(
                     if let Err(e) = watcher.watch(conn.into_owned()).await {
                         tracing::debug!(%peer, error = %e, "connection ended with an error");
                     }
-                });
+                };
+                tokio::spawn(closable(slot, serve));
             }
         }
     }
@@ -241,6 +307,65 @@ pub async fn run<H: Handler>(
             tracing::warn!("drain timeout reached with connections still open");
             1
         }
+    }
+}
+
+/// Serves a connection until it ends or, while idle, is closed for a newcomer: dropping the
+/// future closes the socket, whichever path was serving it.
+async fn closable(slot: Option<Arc<Slot>>, serve: impl Future<Output = ()>) {
+    match slot {
+        None => serve.await,
+        Some(slot) => {
+            tokio::select! {
+                () = serve => {}
+                () = slot.evicted() => tracing::debug!("idle connection closed for a newcomer"),
+            }
+        }
+    }
+}
+
+/// One request in flight on hyper's path, from the service's call until hyper drops its
+/// response body (sent whole, or the connection ended).
+struct Busy(Option<Arc<Slot>>);
+
+impl Busy {
+    fn enter(slot: Option<Arc<Slot>>) -> Busy {
+        // An evicted connection is being dropped by `closable`; nothing to count.
+        Busy(slot.filter(|s| s.enter()))
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        if let Some(s) = &self.0 {
+            s.leave();
+        }
+    }
+}
+
+/// A response body that holds its request's [`Busy`].
+pub struct Tracked<B> {
+    body: B,
+    _busy: Busy,
+}
+
+impl<B: http_body::Body + Unpin> http_body::Body for Tracked<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
     }
 }
 

@@ -1,0 +1,358 @@
+//! Ten thousand idle keep-alive connections, two measurements in one run (benches/README.md
+//! "Idle connections"):
+//!
+//! - **memory**: RSS growth per idle connection (one request each, then silent) of Tollgate
+//!   (`--threads 1`, the express lane), of Tollgate on hyper's path (`--no-express`) and of
+//!   nginx as a minimal keep-alive proxy (`benches/nginx/idle_proxy.conf`), all to one nginx
+//!   `return 200` upstream, side by side;
+//! - **p99**: the p99 latency of 32 active keep-alive clients on Tollgate (`--threads 1`)
+//!   without and with the idle connections held open, alternating for `--rounds` rounds.
+//!
+//! The harness raises its own descriptor limit (the gateways and nginx inherit it).
+//!
+//! Run: `cargo bench --bench idle_conns` (options after `--`: `--conns 10000 --active 32
+//! --seconds 5 --rounds 2 --only memory|p99`). Under `cargo test --all-targets` it only says
+//! how to run it.
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{Tollgate, repo};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const KEY: &str = "bench-demo-key";
+
+fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
+    let args: Vec<String> = std::env::args().collect();
+    match args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)) {
+        Some(v) => v.parse().unwrap_or_else(|_| panic!("{name}: can't read {v:?}")),
+        None => default,
+    }
+}
+
+/// An nginx started from one of benches/nginx/*.conf with its blanks filled; killed on drop.
+struct Nginx {
+    child: Child,
+    port: u16,
+}
+
+impl Nginx {
+    fn start(conf: &str, dir: &Path, fill: &[(&str, String)]) -> Nginx {
+        let port = common::free_port();
+        let mut text = std::fs::read_to_string(repo().join("benches/nginx").join(conf)).expect(conf);
+        text = text
+            .replace("__PORT__", &port.to_string())
+            .replace("__DIR__", dir.to_str().unwrap());
+        for (k, v) in fill {
+            text = text.replace(k, v);
+        }
+        let path = dir.join(conf);
+        std::fs::write(&path, text).unwrap();
+        let child = Command::new(common::require_binary("nginx"))
+            .args(["-c", path.to_str().unwrap(), "-p", dir.to_str().unwrap()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn nginx");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "nginx ({conf}) did not listen");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Nginx { child, port }
+    }
+
+    fn addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.port))
+    }
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Resident memory of a process and its children (nginx's workers), in KiB.
+fn rss_kib(pid: u32) -> u64 {
+    let own = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+    own + children
+        .split_whitespace()
+        .filter_map(|c| c.parse().ok())
+        .map(rss_kib)
+        .sum::<u64>()
+}
+
+/// Sends one GET on `tcp` and reads its response (`Content-Length` framed); its status.
+async fn request(tcp: &mut TcpStream, addr: SocketAddr, buf: &mut Vec<u8>) -> std::io::Result<u16> {
+    let head = format!("GET /v1/orders HTTP/1.1\r\nHost: {addr}\r\nX-API-Key: {KEY}\r\n\r\n");
+    tcp.write_all(head.as_bytes()).await?;
+    buf.clear();
+    loop {
+        let mut headers = [httparse::EMPTY_HEADER; 32];
+        let mut resp = httparse::Response::new(&mut headers);
+        if let Ok(httparse::Status::Complete(len)) = resp.parse(buf) {
+            let body: usize = resp
+                .headers
+                .iter()
+                .find(|h| h.name.eq_ignore_ascii_case("content-length"))
+                .and_then(|h| std::str::from_utf8(h.value).ok()?.parse().ok())
+                .ok_or_else(|| std::io::Error::other("a response without Content-Length"))?;
+            if buf.len() >= len + body {
+                return Ok(resp.code.unwrap_or(0));
+            }
+        }
+        let mut chunk = [0u8; 2048];
+        let n = tcp.read(&mut chunk).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// Opens `n` connections, 200 at a time, each after one request that got 200.
+async fn open_idle(addr: SocketAddr, n: usize) -> Vec<TcpStream> {
+    let mut conns = Vec::with_capacity(n);
+    let mut set = tokio::task::JoinSet::new();
+    let mut started = 0;
+    while conns.len() < n {
+        while started < n && set.len() < 200 {
+            started += 1;
+            set.spawn(async move {
+                let mut tcp = TcpStream::connect(addr).await.expect("connect");
+                let _ = tcp.set_nodelay(true);
+                let status = request(&mut tcp, addr, &mut Vec::new())
+                    .await
+                    .expect("first request");
+                assert_eq!(status, 200, "an idle connection's first request");
+                tcp
+            });
+        }
+        conns.push(set.join_next().await.unwrap().unwrap());
+    }
+    conns
+}
+
+/// Growth of `pid`'s RSS per connection, in bytes, over `n` idle connections to `addr`.
+async fn per_conn(addr: SocketAddr, pid: u32, n: usize) -> (f64, u64) {
+    // Warm-up: pools, allocator arenas and the upstream's connections, then let it settle.
+    drop(open_idle(addr, 500).await);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = rss_kib(pid);
+    let conns = open_idle(addr, n).await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let after = rss_kib(pid);
+    // They are still there and usable.
+    let mut buf = Vec::new();
+    for mut c in conns.into_iter().step_by((n / 50).max(1)) {
+        assert_eq!(
+            request(&mut c, addr, &mut buf).await.expect("a sample request"),
+            200
+        );
+    }
+    ((after.saturating_sub(before) * 1024) as f64 / n as f64, after)
+}
+
+/// Runs `active` closed-loop keep-alive clients for `seconds`; every request's latency in µs.
+async fn active_run(addr: SocketAddr, active: usize, seconds: f64) -> Vec<u64> {
+    let until = Instant::now() + Duration::from_secs_f64(seconds);
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..active {
+        set.spawn(async move {
+            let mut tcp = TcpStream::connect(addr).await.expect("connect");
+            let _ = tcp.set_nodelay(true);
+            let mut buf = Vec::new();
+            let mut took = Vec::new();
+            while Instant::now() < until {
+                let t = Instant::now();
+                let status = request(&mut tcp, addr, &mut buf)
+                    .await
+                    .expect("an active request");
+                assert_eq!(status, 200, "an active client got {status}");
+                took.push(t.elapsed().as_micros() as u64);
+            }
+            took
+        });
+    }
+    let mut all = Vec::new();
+    while let Some(r) = set.join_next().await {
+        all.extend(r.unwrap());
+    }
+    all
+}
+
+fn quantile_ms(v: &mut [u64], q: f64) -> f64 {
+    v.sort_unstable();
+    let i = ((v.len() as f64 * q) as usize).min(v.len() - 1);
+    v[i] as f64 / 1000.0
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn gateway(rules: &Path, extra: &[&str]) -> Tollgate {
+    let mut args = vec![
+        "serve",
+        "--rules",
+        rules.to_str().unwrap(),
+        "--threads",
+        "1",
+        // Idle keep-alive connections are closed at the head timeout; keep them for the run.
+        "--header-timeout",
+        "600s",
+    ];
+    args.extend_from_slice(extra);
+    Tollgate::spawn_with_env(&args, &[("TOLLGATE_LOG", "warn")])
+}
+
+#[tokio::main]
+async fn main() {
+    if !std::env::args().any(|a| a == "--bench") {
+        eprintln!("idle_conns: a benchmark, not a test; run `cargo bench --bench idle_conns`");
+        return;
+    }
+    let n: usize = arg("--conns", 10_000);
+    let active: usize = arg("--active", 32);
+    let seconds: f64 = arg("--seconds", 5.0);
+    let rounds: usize = arg("--rounds", 2);
+    let only: String = arg("--only", String::new());
+    let limit = rlimit::increase_nofile_limit(u64::MAX).expect("raise the descriptor limit");
+    assert!(
+        limit as usize > n + 1000,
+        "the descriptor limit is {limit}: {n} connections need more (raise the hard limit)"
+    );
+    println!("{}", tollgate_testkit::machine_line());
+    println!("descriptor limit {limit}; {n} idle connections, one request each");
+
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = Nginx::start("upstream.conf", dir.path(), &[]);
+    let rules = std::fs::read_to_string(repo().join("rules/bench.json"))
+        .unwrap()
+        .replace("http://127.0.0.1:8081", &format!("http://{}", upstream.addr()));
+    let rules_path = dir.path().join("rules.json");
+    std::fs::write(&rules_path, rules).unwrap();
+
+    if only.is_empty() || only == "memory" {
+        let conns = (n + 1000).to_string();
+        let nginx = Nginx::start(
+            "idle_proxy.conf",
+            dir.path(),
+            &[
+                ("__UPSTREAM__", upstream.addr().to_string()),
+                ("__CONNS__", conns.clone()),
+                ("__NOFILE__", (n + 2000).to_string()),
+            ],
+        );
+        let lane = gateway(&rules_path, &[]);
+        let general = gateway(&rules_path, &["--no-express"]);
+        let mut rows = Vec::new();
+        for (name, addr, pid) in [
+            ("Tollgate, express lane (--threads 1)", lane.addr, lane.child.id()),
+            (
+                "Tollgate, hyper's path (--no-express --threads 1)",
+                general.addr,
+                general.child.id(),
+            ),
+            (
+                "nginx 1.22, one worker, keep-alive proxy",
+                nginx.addr(),
+                nginx.child.id(),
+            ),
+        ] {
+            let (bytes, rss) = per_conn(addr, pid, n).await;
+            println!("{name}: {bytes:.0} bytes per idle connection (RSS {rss} KiB with them open)");
+            rows.push((name, bytes, rss));
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        let ngx = rows[2].1;
+        println!();
+        println!("| server | RSS growth per idle connection | RSS with {n} open | ÷ nginx |");
+        println!("|---|---:|---:|---:|");
+        for (name, bytes, rss) in &rows {
+            println!(
+                "| {name} | {bytes:.0} bytes | {:.1} MiB | {:.2} |",
+                *rss as f64 / 1024.0,
+                bytes / ngx
+            );
+        }
+        println!();
+    }
+
+    if only.is_empty() || only == "p99" {
+        let gw = gateway(&rules_path, &[]);
+        let mut without = Vec::new();
+        let mut with = Vec::new();
+        let mut rates = (Vec::new(), Vec::new());
+        for round in 0..rounds {
+            let mut lat = active_run(gw.addr, active, seconds).await;
+            rates.0.push(lat.len() as f64 / seconds);
+            let p = (quantile_ms(&mut lat, 0.5), quantile_ms(&mut lat, 0.99));
+            println!(
+                "round {}: without idle: {} requests, p50 {:.3} ms, p99 {:.3} ms",
+                round + 1,
+                lat.len(),
+                p.0,
+                p.1
+            );
+            without.push(p);
+            let idle = open_idle(gw.addr, n).await;
+            let mut lat = active_run(gw.addr, active, seconds).await;
+            rates.1.push(lat.len() as f64 / seconds);
+            let p = (quantile_ms(&mut lat, 0.5), quantile_ms(&mut lat, 0.99));
+            println!(
+                "round {}: with {n} idle: {} requests, p50 {:.3} ms, p99 {:.3} ms",
+                round + 1,
+                lat.len(),
+                p.0,
+                p.1
+            );
+            with.push(p);
+            // Every idle connection is still open: nothing to read, no end of stream.
+            let mut one = [0u8; 1];
+            let open = idle
+                .iter()
+                .filter(
+                    |c| matches!(c.try_read(&mut one), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+                )
+                .count();
+            assert_eq!(open, n, "idle connections were closed during the active run");
+            drop(idle);
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        let p50 = |v: &[(f64, f64)]| median(v.iter().map(|p| p.0).collect());
+        let p99 = |v: &[(f64, f64)]| median(v.iter().map(|p| p.1).collect());
+        println!();
+        println!("| {active} active clients, median of {rounds} rounds | req/s | p50 ms | p99 ms |");
+        println!("|---|---:|---:|---:|");
+        println!(
+            "| without idle connections | {:.0} | {:.3} | {:.3} |",
+            median(rates.0.clone()),
+            p50(&without),
+            p99(&without)
+        );
+        println!(
+            "| with {n} idle connections | {:.0} | {:.3} | {:.3} |",
+            median(rates.1.clone()),
+            p50(&with),
+            p99(&with)
+        );
+        println!("p99 with ÷ without: {:.2}", p99(&with) / p99(&without));
+    }
+}
