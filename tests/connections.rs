@@ -30,29 +30,7 @@ impl Conn {
 
     /// Reads one response with a `Content-Length` body; its status.
     async fn status(&mut self) -> u16 {
-        let mut buf = Vec::new();
-        loop {
-            let mut headers = [httparse::EMPTY_HEADER; 32];
-            let mut resp = httparse::Response::new(&mut headers);
-            if let Ok(httparse::Status::Complete(len)) = resp.parse(&buf) {
-                let body: usize = resp
-                    .headers
-                    .iter()
-                    .find(|h| h.name.eq_ignore_ascii_case("content-length"))
-                    .map(|h| std::str::from_utf8(h.value).unwrap().parse().unwrap())
-                    .expect("a content-length");
-                if buf.len() >= len + body {
-                    return resp.code.unwrap();
-                }
-            }
-            let mut chunk = [0u8; 4096];
-            let n = tokio::time::timeout(Duration::from_secs(20), self.tcp.read(&mut chunk))
-                .await
-                .expect("the gateway answers")
-                .expect("read");
-            assert!(n > 0, "the gateway closed a connection mid-request");
-            buf.extend_from_slice(&chunk[..n]);
-        }
+        common::read_status(&mut self.tcp, Duration::from_secs(20)).await
     }
 
     async fn get(&mut self, path: &str) -> u16 {

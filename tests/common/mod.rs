@@ -636,3 +636,32 @@ impl Drop for DemoUpstreamProc {
         let _ = self.child.wait();
     }
 }
+
+/// Reads one response with a `Content-Length` body from `tcp`, waiting at most `within` for each
+/// read; its status. For tests that hold raw keep-alive connections.
+pub async fn read_status(tcp: &mut tokio::net::TcpStream, within: Duration) -> u16 {
+    use tokio::io::AsyncReadExt;
+    let mut buf = Vec::new();
+    loop {
+        let mut headers = [httparse::EMPTY_HEADER; 32];
+        let mut resp = httparse::Response::new(&mut headers);
+        if let Ok(httparse::Status::Complete(len)) = resp.parse(&buf) {
+            let body: usize = resp
+                .headers
+                .iter()
+                .find(|h| h.name.eq_ignore_ascii_case("content-length"))
+                .map(|h| std::str::from_utf8(h.value).unwrap().parse().unwrap())
+                .expect("a content-length");
+            if buf.len() >= len + body {
+                return resp.code.unwrap();
+            }
+        }
+        let mut chunk = [0u8; 4096];
+        let n = tokio::time::timeout(within, tcp.read(&mut chunk))
+            .await
+            .expect("the gateway answers")
+            .expect("read a response");
+        assert!(n > 0, "the gateway closed a connection mid-request");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
