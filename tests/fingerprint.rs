@@ -380,7 +380,19 @@ async fn plain_tcp_is_none_on_the_express_lane_and_on_hyper_path() {
     let (_dir, path) = rules_file(&rules(3));
     let path = path.to_str().unwrap();
     let url = redis.url();
-    let common = ["demo", "--rules", path, "--store", &url, "--log-format", "json"];
+    // One bucket across both gateways is what this checks: a 3 ms store timeout on a loaded
+    // host would let a gateway's local share decide instead.
+    let common = [
+        "demo",
+        "--rules",
+        path,
+        "--store",
+        &url,
+        "--store-timeout",
+        "1s",
+        "--log-format",
+        "json",
+    ];
     let lane = Tollgate::spawn(&common);
     let mut no_lane_args = common.to_vec();
     no_lane_args.push("--no-express");
