@@ -1091,9 +1091,17 @@ async fn a_new_agent_carries_on_from_the_old_ones_state() {
         .filter_map(|s| s.shares[0])
         .collect();
     assert!(!after.is_empty(), "no share of A sampled after the kill");
+    // The new agent's first decision measures demand across the gap the kill left, so the share
+    // may dip (31 below on a loaded CI host); a fresh start would put it at the even split,
+    // L / 3, which the test keeps farther away than the bound.
+    let bound = 0.15 * L;
+    assert!(
+        (share_before - L / 3.0).abs() > bound + EPS,
+        "A's share {share_before:.1} is too close to the even split for the test to tell a fresh start"
+    );
     for s in &after {
         assert!(
-            (s - share_before).abs() <= 0.1 * L + EPS,
+            (s - share_before).abs() <= bound + EPS,
             "A's share moved from {share_before:.1} to {s:.1} across the takeover (all after: {after:.1?})"
         );
     }
