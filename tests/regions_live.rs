@@ -809,9 +809,11 @@ async fn a_lost_region_is_reclaimed_on_two_signals() {
     let b_seq_at_reclaim = seq(&va, "B");
 
     // The reclaimed room is raised into at most 10% of L per rebalance, after it lands in the pools.
+    // A wait, not a bound: on a loaded machine the load falls behind its targets and the shares
+    // follow demand more slowly (C at 64 of its 82 after 6 s was seen with both cores busy).
     wait_shares(
         &sampler,
-        INTERVAL * 15,
+        INTERVAL * 30,
         "A's and C's shares did not rise after reclaiming B",
         |s| matches!(s, [Some(a), _, Some(c)] if *a > a_before + 5.0 && *c > c_before + 5.0),
     )
