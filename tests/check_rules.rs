@@ -126,6 +126,26 @@ fn each_broken_file_fails_with_its_own_message() {
             "limits.exports.charge_on.status: 700 is not an HTTP status (100 to 599)",
         ),
         (
+            "post-paid-cost-not-reserve.json",
+            "routes[0].cost.tokens: limit \"tokens\" is post-paid: a request pays its reserve (5) up front and the rest when the answer reports it; write 5",
+        ),
+        (
+            "post-paid-leased.json",
+            "limits.tokens.lease: a post-paid limit (\"cost_from_response\") settles each charge after the answer",
+        ),
+        (
+            "post-paid-bad-header.json",
+            "limits.tokens.cost_from_response.header: \"X Usage\" is not a header name",
+        ),
+        (
+            "reserve-without-cost-from-response.json",
+            "limits.exports.reserve: only a post-paid limit (with \"cost_from_response\") takes a reserve or a debt",
+        ),
+        (
+            "post-paid-debt-too-large.json",
+            "limits.tokens.max_debt: a debt of 9007199254740000 tokens with this burst needs",
+        ),
+        (
             "charge-on-leased.json",
             "limits.plan.charge_on: a limit charged on the answer gives charges back, so it is not leased",
         ),

@@ -151,6 +151,51 @@ pub struct Limit {
     pub plans: Option<jwt::Plans>,
     /// How much of a client's address its per-IP buckets key on.
     pub ip_prefixes: identity::IpPrefixes,
+    /// For a limit whose cost the upstream reports in its answer.
+    pub post_paid: Option<PostPaid>,
+}
+
+/// A limit charged after the fact: the reserve at the check, the rest of what the upstream's
+/// answer reports once its head arrives. Its buckets may owe down to `max_debt`.
+#[derive(Debug, Clone)]
+pub struct PostPaid {
+    /// The response header that carries the cost, a decimal count.
+    pub header: http::HeaderName,
+    /// What the check takes up front; the route's cost in this limit.
+    pub reserve: u64,
+    /// How far below empty its buckets may go, in tokens; `None`: one burst of each bucket.
+    pub max_debt: Option<u64>,
+}
+
+impl PostPaid {
+    /// The signed units a bucket with `p` moves by when the answer reports `reported` tokens
+    /// after the check took the reserve: taken when it reports more, given back when less. A
+    /// report past what the bucket can hold and owe moves it no further, so no product
+    /// overflows.
+    pub fn units(&self, p: &BucketParams, reported: u64) -> i64 {
+        let reserve = p.units(self.reserve) as u128;
+        let span = p.capacity as u128 + p.debt as u128 + reserve;
+        let reported = (reported as u128 * p.scale as u128).min(span);
+        (reserve as i128 - reported as i128) as i64
+    }
+
+    /// What the answer with these headers cost: `Ok(None)` when it does not say (the reserve
+    /// is the whole cost), an error naming the header when it says something else than a
+    /// count.
+    pub fn reported(&self, headers: &http::HeaderMap) -> Result<Option<u64>, String> {
+        let Some(v) = headers.get(&self.header) else {
+            return Ok(None);
+        };
+        let text = v.to_str().unwrap_or("").trim();
+        match text.parse::<u64>() {
+            Ok(n) if text.bytes().all(|b| b.is_ascii_digit()) => Ok(Some(n)),
+            _ => Err(format!(
+                "{}: {:?} is not a count (decimal digits)",
+                self.header,
+                String::from_utf8_lossy(v.as_bytes())
+            )),
+        }
+    }
 }
 
 impl Limit {
@@ -242,6 +287,8 @@ pub struct Route {
     pub encoded_slashes: EncodedSlashes,
     /// Its upstream's `"paths": "case-insensitive"`.
     pub case_insensitive: bool,
+    /// Whether it charges a post-paid limit, whose debit waits for the upstream's answer.
+    pub post_paid: bool,
 }
 
 impl Route {
@@ -524,8 +571,9 @@ impl Compiler<'_> {
         // Each step looks names up in what the steps before it compiled: keys name limits;
         // routes name upstreams and limits, and are checked against every key's numbers.
         let upstreams = self.upstreams(&raw)?;
-        let limits = self.limits(&raw)?;
-        let keys = self.keys(&raw, &limits)?;
+        let mut limits = self.limits(&raw)?;
+        let mut keys = self.keys(&raw, &limits)?;
+        self.owing(&mut limits, &mut keys)?;
         let mut routes = self.routes(&raw, &upstreams, &limits, &keys)?;
         sort_routes(&mut routes);
         let unauthenticated = self.unauthenticated(&raw, &limits)?;
@@ -844,7 +892,9 @@ impl Compiler<'_> {
             Some(r) => Some(Arc::from(r.as_str())),
         };
         let plans = self.plans(&field, name, l, &dimension)?;
+        let post_paid = self.post_paid(&field, l, lease.is_some())?;
         Ok(Limit {
+            post_paid,
             plans,
             name: name.into(),
             dimension,
@@ -859,6 +909,88 @@ impl Compiler<'_> {
             home_region,
             ip_prefixes,
         })
+    }
+
+    /// `cost_from_response`, `reserve` and `max_debt`: a limit whose cost the upstream's answer
+    /// reports. Its charges are settled after the answer, so nothing that gives charges back
+    /// or takes them ahead (leases, `charge_on`) or moves its numbers (a global share) goes
+    /// with it.
+    fn post_paid(&self, field: &str, l: &RawLimit, leased: bool) -> Result<Option<PostPaid>, RulesError> {
+        let Some(c) = &l.cost_from_response else {
+            for (name, set) in [
+                ("reserve", l.reserve.is_some()),
+                ("max_debt", l.max_debt.is_some()),
+            ] {
+                if set {
+                    return Err(self.err(
+                        format!("{field}.{name}"),
+                        "only a post-paid limit (with \"cost_from_response\") takes a reserve or a debt",
+                    ));
+                }
+            }
+            return Ok(None);
+        };
+        let header = http::HeaderName::from_bytes(c.header.as_bytes()).map_err(|_| {
+            self.err(
+                format!("{field}.cost_from_response.header"),
+                format!("{:?} is not a header name", c.header),
+            )
+        })?;
+        for (name, clash) in [
+            ("lease", leased),
+            ("charge_on", l.charge_on.is_some()),
+            ("scope", l.scope == Scope::Global),
+        ] {
+            if clash {
+                return Err(self.err(
+                    format!("{field}.{name}"),
+                    "a post-paid limit (\"cost_from_response\") settles each charge after the answer; it takes no lease, charge_on or global scope",
+                ));
+            }
+        }
+        let reserve = l.reserve.unwrap_or(1);
+        if reserve == 0 {
+            return Err(self.err(
+                format!("{field}.reserve"),
+                "must be at least 1: a request is admitted only while its bucket holds its reserve",
+            ));
+        }
+        Ok(Some(PostPaid {
+            header,
+            reserve,
+            max_debt: l.max_debt,
+        }))
+    }
+
+    /// Lets every bucket of each post-paid limit owe down to its debt: the limit's numbers, its
+    /// plans' and each key's.
+    fn owing(&self, limits: &mut Limits, keys: &mut Keys) -> Result<(), RulesError> {
+        let owe = |field: String, n: &mut Numbers, max_debt: Option<u64>| {
+            let debt = max_debt.unwrap_or(n.params.burst);
+            n.params = n
+                .params
+                .with_debt(debt)
+                .map_err(|e| self.err(format!("{field}.max_debt"), e.to_string()))?;
+            Ok::<(), RulesError>(())
+        };
+        for (li, l) in limits.list.iter_mut().enumerate() {
+            let Some(pp) = l.post_paid.clone() else { continue };
+            let field = format!("limits.{}", l.name);
+            if let Some(n) = &mut l.numbers {
+                owe(field.clone(), n, pp.max_debt)?;
+            }
+            if let Some(p) = &mut l.plans {
+                for (plan, n) in p.numbers.iter_mut() {
+                    owe(format!("{field}.plans.{plan}"), n, pp.max_debt)?;
+                }
+            }
+            for (ki, k) in keys.list.iter_mut().enumerate() {
+                if let Some(Some(n)) = k.numbers.get_mut(li) {
+                    owe(format!("keys[{ki}].limits.{}", l.name), n, pp.max_debt)?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// `ipv4_prefix` and `ipv6_prefix`, on limits with per-IP buckets only.
@@ -914,6 +1046,9 @@ impl Compiler<'_> {
             ("burst", l.burst.is_some()),
             ("lease", l.lease.is_some()),
             ("charge_on", l.charge_on.is_some()),
+            ("cost_from_response", l.cost_from_response.is_some()),
+            ("reserve", l.reserve.is_some()),
+            ("max_debt", l.max_debt.is_some()),
             ("quota", l.quota.is_some()),
             ("home_region", l.home_region.is_some()),
             ("scope", l.scope != Scope::Region),
@@ -941,6 +1076,7 @@ impl Compiler<'_> {
             home_region: None,
             plans: None,
             ip_prefixes: identity::IpPrefixes::default(),
+            post_paid: None,
         })
     }
 
@@ -1255,8 +1391,12 @@ impl Compiler<'_> {
             }
             let costs = self.costs(&field, r, &name, limits, keys)?;
             let body_field = self.body_field(&field, &costs, &limits.list)?;
+            let post_paid = costs
+                .iter()
+                .any(|&(li, _)| limits.list[li as usize].post_paid.is_some());
             let up = &upstreams.list[upstream];
             routes.push(Route {
+                post_paid,
                 name: name.into(),
                 body_field,
                 method,
@@ -1310,6 +1450,17 @@ impl Compiler<'_> {
                 return Err(self.err(&cfield, "a cost must be at least 1; leave the limit out instead"));
             }
             let limit = &limits.list[li];
+            if let Some(pp) = &limit.post_paid
+                && cost != pp.reserve
+            {
+                return Err(self.err(
+                    &cfield,
+                    format!(
+                        "limit {lname:?} is post-paid: a request pays its reserve ({}) up front and the rest when the answer reports it; write {}",
+                        pp.reserve, pp.reserve
+                    ),
+                ));
+            }
             if r.identity == Identity::Jwt {
                 self.jwt_cost(&cfield, name, lname, limit, cost)?;
                 costs.push((li as u16, cost));

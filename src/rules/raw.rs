@@ -250,6 +250,25 @@ pub(crate) struct RawLimit {
     /// Per-IP buckets: the leading bits of an IPv4 client's address that name one client.
     #[serde(default)]
     pub ipv4_prefix: Option<u64>,
+    /// A post-paid limit: what a request costs is read from the upstream's answer, and the
+    /// part beyond the reserve is taken when the answer's head arrives.
+    #[serde(default)]
+    pub cost_from_response: Option<RawCostFromResponse>,
+    /// A post-paid limit's up-front cost, taken at the check (default 1); a route charging the
+    /// limit names the same cost.
+    #[serde(default)]
+    pub reserve: Option<u64>,
+    /// How far below empty a post-paid limit's bucket may go (default: one burst); refill pays
+    /// the debt first.
+    #[serde(default)]
+    pub max_debt: Option<u64>,
+}
+
+/// `{"header": "X-Usage-Tokens"}`: the response header whose decimal value is the cost.
+#[derive(Debug, Deserialize, Clone)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawCostFromResponse {
+    pub header: String,
 }
 
 /// `{"status": [401, 403]}`.

@@ -66,6 +66,16 @@ pub fn summary(snap: &Snapshot) -> String {
             l.class,
             l.policy,
             l.lease.map(|b| format!(", leased ({b:?})")).unwrap_or_default()
+                + &l.post_paid
+                    .as_ref()
+                    .map(|p| format!(
+                        ", post-paid from {} (reserve {}, debt down to {})",
+                        p.header,
+                        p.reserve,
+                        p.max_debt
+                            .map_or_else(|| "one burst".to_string(), |d| format!("-{d}"))
+                    ))
+                    .unwrap_or_default()
         );
         for k in &snap.keys {
             if let Some(Some(n)) = k.numbers.get(i) {
