@@ -1,6 +1,7 @@
 //! The built-in demo upstream ("orders"): answers any path with a small JSON echo, with the
 //! status `?status=NNN` asks for (to play a failed login, say), and `/v1/slow?ms=N` after N
-//! milliseconds. Bodies are read in full but never held. With workers ([`Workers`]) it plays an
+//! milliseconds; `/v1/completions?tokens=N` reports its cost as `X-Usage-Tokens: N`, as an LLM
+//! service reports the tokens an answer used. Bodies are read in full but never held. With workers ([`Workers`]) it plays an
 //! overloaded service: N requests served at a time, each for a service time, the rest queued
 //! without bound. Also the demo's bearer tokens (`tollgate demo-token`), signed with the demo's
 //! private key in `certs/`.
@@ -15,6 +16,9 @@ use serde_json::json;
 
 use crate::respond::{Body, json_response};
 use crate::server::{ConnInfo, Handler};
+
+/// The header the demo's completions report their cost in.
+static USAGE_TOKENS: http::HeaderName = http::HeaderName::from_static("x-usage-tokens");
 
 /// Longest delay `/v1/slow` accepts.
 const MAX_SLOW_MS: u64 = 120_000;
@@ -33,6 +37,20 @@ fn query_ms(query: Option<&str>) -> Result<u64, String> {
         }
     }
     Ok(0)
+}
+
+/// The cost `/v1/completions?tokens=N` reports, when it names one.
+fn query_tokens(query: Option<&str>) -> Result<Option<u64>, String> {
+    let Some(q) = query else { return Ok(None) };
+    for pair in q.split('&') {
+        if let Some(v) = pair.strip_prefix("tokens=") {
+            return v
+                .parse::<u64>()
+                .map(Some)
+                .map_err(|_| "tokens must be a whole number of tokens".to_string());
+        }
+    }
+    Ok(None)
 }
 
 /// The status `?status=NNN` asks for: a final status that may carry the echo's body.
@@ -114,6 +132,19 @@ impl DemoUpstream {
                 );
             }
         };
+        let tokens = if path == "/v1/completions" {
+            match query_tokens(parts.uri.query()) {
+                Ok(t) => t,
+                Err(m) => {
+                    return json_response(
+                        StatusCode::BAD_REQUEST,
+                        json!({"error": "bad_request", "message": m}).to_string(),
+                    );
+                }
+            }
+        } else {
+            None
+        };
         let headers: serde_json::Map<String, serde_json::Value> = parts
             .headers
             .iter()
@@ -124,7 +155,7 @@ impl DemoUpstream {
                 )
             })
             .collect();
-        json_response(
+        let mut resp = json_response(
             status,
             json!({
                 "service": "orders",
@@ -135,7 +166,12 @@ impl DemoUpstream {
                 "headers": headers,
             })
             .to_string(),
-        )
+        );
+        if let Some(t) = tokens {
+            resp.headers_mut()
+                .insert(USAGE_TOKENS.clone(), http::HeaderValue::from(t));
+        }
+        resp
     }
 }
 

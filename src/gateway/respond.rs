@@ -290,6 +290,46 @@ pub(crate) fn budget_values(
     })
 }
 
+/// The `RateLimit` of an admitted request after [`Store::adjust`](tollgate_store::Store::adjust)
+/// settled some of its buckets (`balances`, `None` where it left one alone): the enforced bucket
+/// with the fewest tokens left decides, and of those the one furthest from full, so a bucket
+/// in debt shows its debt's repayment in the reset.
+pub(crate) fn budget_after(
+    snap: &Snapshot,
+    batch: &[CheckItem],
+    caller: Caller<'_>,
+    outcome: &tollgate_limit::batch::Outcome,
+    balances: &[Option<i64>],
+) -> Option<Budget> {
+    use tollgate_limit::bucket::{secs_to_full, secs_to_full_from};
+    let (i, remaining, reset_secs) = batch
+        .iter()
+        .zip(&outcome.buckets)
+        .enumerate()
+        .filter(|(_, (item, _))| !item.charge.shadow)
+        .map(|(i, (item, v))| {
+            let p = &item.charge.params;
+            match balances.get(i).copied().flatten() {
+                Some(b) => (i, b.max(0) as u64 / p.scale, secs_to_full_from(p, b)),
+                None => (i, v.remaining(p), secs_to_full(p, v.tokens)),
+            }
+        })
+        .min_by_key(|&(_, remaining, reset)| (remaining, std::cmp::Reverse(reset)))?;
+    let li = batch[i].limit as usize;
+    let limit = &snap.limits[li];
+    let numbers = match caller {
+        Caller::Key(k) => snap.keys[k].numbers(limit, li),
+        Caller::Jwt(j) => limit.jwt_numbers(j),
+        Caller::Anonymous => limit.numbers.as_ref(),
+    };
+    Some(Budget {
+        policy: numbers.map(|n| n.policy.clone()),
+        name: limit.name.clone(),
+        remaining,
+        reset_secs,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -105,8 +105,9 @@ pub async fn serve(
         // The steps of a request are boxed (`Box::pin`): held inline, the largest of them sized
         // this task, so every idle connection carried them (issue 24).
         let admitted = match Box::pin(gw.identify(&mut b, &mut parts, info)).await {
-            Ok(c) if b.snap.routes[c.route].body_field.is_some() => {
-                // Its limit keys on a body this lane doesn't read. Nothing was charged yet;
+            Ok(c) if b.snap.routes[c.route].body_field.is_some() || b.snap.routes[c.route].post_paid => {
+                // Its limit keys on a body this lane doesn't read, or is settled from the
+                // answer's headers, which this lane relays as bytes. Nothing was charged yet;
                 // hyper's path begins this request again.
                 gw.hand_off(b);
                 let mut rest = BytesMut::from(&request_bytes[..]);

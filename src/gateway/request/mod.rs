@@ -289,6 +289,53 @@ impl Gateway {
         }
     }
 
+    /// Settles a post-paid request once its answer's head is here: each post-paid bucket it
+    /// paid is charged what the answer reports beyond the reserve (given back what it reports
+    /// below), in one store call, before the head goes out. Its `RateLimit` then shows the
+    /// bucket after the debit, and the next request sees any debt. An answer that does not
+    /// say costs the reserve; one that says something else than a count is logged and costs
+    /// the reserve too: the client is not refused for its upstream's fault.
+    pub(crate) async fn debit(&self, snap: &Snapshot, f: &mut Forward, headers: &http::HeaderMap) {
+        let Some(p) = f.paid.as_deref() else { return };
+        if !p.outcome.admitted {
+            return;
+        }
+        let mut units: smallvec::SmallVec<[i64; 4]> = smallvec::SmallVec::new();
+        for (item, v) in p.batch.iter().zip(&p.outcome.buckets) {
+            let limit = &snap.limits[item.limit as usize];
+            let owed = match &limit.post_paid {
+                Some(pp) if tollgate_limit::bucket::charged(&item.charge, v, true) => {
+                    match pp.reported(headers) {
+                        Ok(Some(n)) => pp.units(&item.charge.params, n),
+                        Ok(None) => 0,
+                        Err(why) => {
+                            tracing::warn!(limit = %limit.name, "upstream's cost ignored: {why}");
+                            0
+                        }
+                    }
+                }
+                _ => 0,
+            };
+            units.push(owed);
+        }
+        if units.iter().all(|u| *u == 0) {
+            return;
+        }
+        match self.store.adjust(&p.batch, &p.outcome, &units).await {
+            Ok(adjusted) => {
+                let caller = f.classified.caller();
+                if let Some(b) =
+                    crate::respond::budget_after(snap, &p.batch, caller, &p.outcome, &adjusted.balances)
+                {
+                    f.budget = Some(b);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "post-paid debit failed; the reserve stays the whole charge")
+            }
+        }
+    }
+
     /// Admissions count once per enforced limit paid; a limited or unavailable request counts
     /// for the limit that decided it. Shadow limits count what they would have refused.
     fn count(&self, snap: &Snapshot, h: &Handles, batch: &[tollgate_store::CheckItem], d: &Decision) {
@@ -497,7 +544,8 @@ impl Gateway {
             Ok(c) => c,
             Err(answer) => return answer,
         };
-        let route = &b.snap.routes[c.route];
+        let route_idx = c.route;
+        let route = &b.snap.routes[route_idx];
         let max = route.max_body_bytes;
         if declared_length(&parts.headers).is_some_and(|len| len > max) {
             return Refusal::PayloadTooLarge { limit: max }.into_response();
@@ -547,6 +595,9 @@ impl Gateway {
             Ok(r) => {
                 self.settle(&b.snap, f.paid.as_deref(), Some(r.status().as_u16()))
                     .await;
+                if b.snap.routes[route_idx].post_paid {
+                    self.debit(&b.snap, &mut f, r.headers()).await;
+                }
                 let seats = std::mem::take(&mut f.seats);
                 r.map(|mut body| {
                     body.hold(seats);
