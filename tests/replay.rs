@@ -389,6 +389,64 @@ fn replay_m_second_export_waits_5_s_and_leaves_the_plan_untouched() {
 }
 
 #[test]
+fn cost_after_replays_the_debits_of_post_paid_limits() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("completions.csv");
+    let decisions = dir.path().join("d.csv");
+    // k-8's tokens: 10,000 a minute, burst 10,000. A completion reporting nothing costs its
+    // reserve, which comes back 6 ms later; then four of 3,000 leave the bucket 2,000 in debt.
+    let mut csv = String::from("time,key,method,path,cost_after\n");
+    csv.push_str("10.000000,k-8,POST,/v1/completions,\n");
+    for _ in 0..5 {
+        csv.push_str("10.006000,k-8,POST,/v1/completions,3000\n");
+    }
+    // 2,001 tokens at 6 ms each after the fourth: 12.006 s.
+    csv.push_str("22.011999,k-8,POST,/v1/completions,1\n");
+    csv.push_str("22.012000,k-8,POST,/v1/completions,1\n");
+    std::fs::write(&trace, csv).unwrap();
+    let rules = common::repo().join("rules/demo.json");
+    ok(&tollgate(&[
+        "replay",
+        p(&trace),
+        "--rules",
+        p(&rules),
+        "--decisions",
+        p(&decisions),
+    ]));
+    let d = std::fs::read_to_string(&decisions).unwrap();
+    let rows: Vec<&str> = d.lines().skip(1).collect();
+    assert_eq!(
+        rows,
+        ["1,0", "1,0", "1,0", "1,0", "1,0", "0,13", "0,1", "1,0"],
+        "the fifth of 3,000 waits for the debt, repaid 12.006 s after the fourth"
+    );
+
+    // Without --rules nothing says which limit is post-paid.
+    let plain = dir.path().join("plain.csv");
+    std::fs::write(&plain, "time,key,cost_after\n1,k-8,5\n").unwrap();
+    let err = fails(&tollgate(&[
+        "replay",
+        p(&plain),
+        "--rate",
+        "10/1s",
+        "--burst",
+        "20",
+    ]));
+    assert!(err.contains("the cost_after column needs --rules"), "{err}");
+    let bad = dir.path().join("bad.csv");
+    std::fs::write(
+        &bad,
+        "time,key,method,path,cost_after\n1,k-8,POST,/v1/completions,lots\n",
+    )
+    .unwrap();
+    let err = fails(&tollgate(&["replay", p(&bad), "--rules", p(&rules)]));
+    assert!(
+        err.contains("line 2 (row 1), column cost_after") && err.contains("\"lots\" is not a whole number"),
+        "{err}"
+    );
+}
+
+#[test]
 fn cost_above_the_burst_gets_an_empty_retry_after() {
     let dir = tempfile::tempdir().unwrap();
     let trace = dir.path().join("t.csv");

@@ -190,6 +190,10 @@ pub struct Request<'a> {
     pub gateway: Option<u64>,
     /// Tokens; `None` is 1. Must be `None` with `--rules`, whose routes set costs.
     pub cost: Option<u64>,
+    /// With `--rules`: what the upstream's answer reported for the route's post-paid limits
+    /// (their `cost_from_response` header); `None` when it said nothing, so the reserve is the
+    /// whole cost.
+    pub cost_after: Option<u64>,
     pub method: Option<&'a [u8]>,
     pub path: Option<&'a [u8]>,
     pub ip: Option<&'a [u8]>,
@@ -567,7 +571,7 @@ impl Replay {
                     ip: r.ip,
                     fingerprint: r.fingerprint,
                 };
-                let paid = f.check(key, method, path, who, gw, now, entry.excess_limit)?;
+                let paid = f.check(key, method, path, who, gw, now, entry.excess_limit, r.cost_after)?;
                 (paid.verdict, paid.tokens)
             }
         };
@@ -686,6 +690,12 @@ pub(crate) fn run_trace<R: BufRead>(
             }
             .into());
         }
+    } else if cols.cost_after.is_some() {
+        return Err(TraceError::Header {
+            file: reader.file().to_string(),
+            reason: "the cost_after column needs --rules: the rules say which limits are post-paid and what they reserve".into(),
+        }
+        .into());
     }
     let mut rows = 0u64;
     let mut verdicts = Vec::with_capacity(replays.len());
@@ -706,11 +716,19 @@ pub(crate) fn run_trace<R: BufRead>(
                     .map(|c| parse_whole(c, "the tokens this request costs"))
                     .transpose()
                     .map_err(|e| RowError::new("cost", e))?;
+                // Empty: the answer reported nothing.
+                let cost_after = row
+                    .cost_after
+                    .filter(|c| !c.is_empty())
+                    .map(|c| parse_whole(c, "the tokens the upstream's answer reported"))
+                    .transpose()
+                    .map_err(|e| RowError::new("cost_after", e))?;
                 let req = Request {
                     time_us,
                     key,
                     gateway,
                     cost,
+                    cost_after,
                     method: row.method,
                     path: row.path,
                     ip: row.ip,

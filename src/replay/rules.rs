@@ -101,15 +101,19 @@ impl RulesFleet {
             return Ok(*s);
         }
         let (rate, burst) = share(p.rate, p.burst, self.gateways);
-        let s = BucketParams::new(rate, burst).map_err(|e| {
-            RowError::new(
-                "key",
-                format!(
-                    "a share of {} burst {} for {} gateways can't be computed exactly: {e}",
-                    p.rate, p.burst, self.gateways
-                ),
-            )
-        })?;
+        // A post-paid bucket's debt is shared out as its burst is.
+        let debt = (p.debt / p.scale).div_ceil(self.gateways);
+        let s = BucketParams::new(rate, burst)
+            .and_then(|s| if debt > 0 { s.with_debt(debt) } else { Ok(s) })
+            .map_err(|e| {
+                RowError::new(
+                    "key",
+                    format!(
+                        "a share of {} burst {} for {} gateways can't be computed exactly: {e}",
+                        p.rate, p.burst, self.gateways
+                    ),
+                )
+            })?;
         self.shares.insert(p, s);
         Ok(s)
     }
@@ -125,6 +129,7 @@ impl RulesFleet {
         gw: u64,
         now: u64,
         excess_limit: Option<u16>,
+        cost_after: Option<u64>,
     ) -> Result<Paid, RowError> {
         let method = Method::from_bytes(method).map_err(|_| {
             RowError::new(
@@ -238,10 +243,33 @@ impl RulesFleet {
             Design::Lease => unreachable!("rejected when the replay is set up"),
         }
         let outcome = self.store.check_at(&batch, now);
+        // The gateway's debit when the answer's head arrives, at the same instant: a replay
+        // has no upstream latency.
+        let reported = cost_after.filter(|_| outcome.admitted && route.post_paid);
+        if let Some(n) = reported {
+            let units: Vec<i64> = batch
+                .iter()
+                .zip(&outcome.buckets)
+                .map(|(item, v)| match &snap.limits[item.limit as usize].post_paid {
+                    Some(pp) if tollgate_limit::bucket::charged(&item.charge, v, true) => {
+                        pp.units(&item.charge.params, n)
+                    }
+                    _ => 0,
+                })
+                .collect();
+            if units.iter().any(|u| *u != 0) {
+                self.store.adjust_at(&batch, &units, now);
+            }
+        }
         let tokens = if outcome.admitted {
             excess_limit
                 .and_then(|li| batch.iter().find(|i| i.limit == li))
-                .map_or(0, |i| i.charge.cost)
+                .map_or(0, |i| {
+                    match (&snap.limits[i.limit as usize].post_paid, reported) {
+                        (Some(_), Some(n)) => n,
+                        _ => i.charge.cost,
+                    }
+                })
         } else {
             0
         };

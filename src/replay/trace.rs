@@ -2,7 +2,7 @@
 //! with errors that name the file, line, row and column.
 //!
 //! Columns are found by name in the header (case-insensitive): `time` and `key` are required;
-//! `gateway`, `cost`, `method`, `path`, `ip` and `fingerprint` are optional; other columns (an
+//! `gateway`, `cost`, `cost_after`, `method`, `path`, `ip` and `fingerprint` are optional; other columns (an
 //! access log's status, latency, …) are ignored. Fields may be quoted (`"…"`, with `""` for a quote), but a
 //! quoted field can't span lines. Empty lines are skipped. The parser is hand-written: the
 //! trace format is small, and a byte-level fast path keeps the replay above ten million rows a
@@ -19,6 +19,8 @@ pub(crate) struct Columns {
     pub key: usize,
     pub gateway: Option<usize>,
     pub cost: Option<usize>,
+    /// What the upstream's answer reported for a post-paid limit (`--rules` only).
+    pub cost_after: Option<usize>,
     pub method: Option<usize>,
     pub path: Option<usize>,
     pub ip: Option<usize>,
@@ -81,6 +83,7 @@ pub(crate) struct RawRow<'a> {
     pub key: &'a [u8],
     pub gateway: Option<&'a [u8]>,
     pub cost: Option<&'a [u8]>,
+    pub cost_after: Option<&'a [u8]>,
     pub method: Option<&'a [u8]>,
     pub path: Option<&'a [u8]>,
     pub ip: Option<&'a [u8]>,
@@ -141,7 +144,7 @@ impl<R: BufRead> TraceReader<R> {
         let required = |name: &str| -> Result<usize, TraceError> {
             find(name)?.ok_or_else(|| {
                 header_err(format!(
-                    "no {name:?} column (the header has: {}); a trace needs time and key, and may have gateway, cost, method, path, ip and fingerprint",
+                    "no {name:?} column (the header has: {}); a trace needs time and key, and may have gateway, cost, cost_after, method, path, ip and fingerprint",
                     names.join(", ")
                 ))
             })
@@ -151,6 +154,7 @@ impl<R: BufRead> TraceReader<R> {
             key: required("key")?,
             gateway: find("gateway")?,
             cost: find("cost")?,
+            cost_after: find("cost_after")?,
             method: find("method")?,
             path: find("path")?,
             ip: find("ip")?,
@@ -242,6 +246,7 @@ impl<R: BufRead> TraceReader<R> {
             key: get(self.cols.key),
             gateway: opt(self.cols.gateway),
             cost: opt(self.cols.cost),
+            cost_after: opt(self.cols.cost_after),
             method: opt(self.cols.method),
             path: opt(self.cols.path),
             ip: opt(self.cols.ip),

@@ -190,7 +190,7 @@ impl MemoryStore {
 
     /// Adds `units[i]` to the bucket of `batch[i]` at `now`, under the locks of every shard the
     /// batch touches, so no check sees half of it. Buckets whose units are 0 are left alone.
-    pub(crate) fn adjust_at(&self, batch: &[CheckItem], units: &[i64], now: u64) -> Adjusted {
+    pub fn adjust_at(&self, batch: &[CheckItem], units: &[i64], now: u64) -> Adjusted {
         let mut balances: SmallVec<[Option<i64>; 4]> = SmallVec::from_elem(None, batch.len());
         self.with_states(
             batch,
