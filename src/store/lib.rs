@@ -10,12 +10,16 @@
 //! been checked. A post-paid limit's bucket is charged what the upstream reported with
 //! [`Store::adjust`], the same step with the units given: taken, down to the limit's debt floor.
 //! The caller keeps the batch and the [`Outcome`] of the check for either.
+//!
+//! On Redis Cluster a request whose buckets lie in several hash slots is checked slot by slot
+//! by [`Slots`](slots::Slots), in front of the guard; every other request is one call.
 
 pub mod guard;
 pub mod lease;
 pub mod memory;
 pub mod redis;
 pub mod seats;
+pub mod slots;
 
 use std::future::Future;
 use std::pin::Pin;
