@@ -34,8 +34,8 @@ pub enum Command {
     CheckRules {
         /// The rules file.
         file: PathBuf,
-        /// Validate for Redis Cluster too (every request's buckets in one hash slot).
-        #[arg(long)]
+        /// Accepted for older scripts: every rule set runs on Redis Cluster now.
+        #[arg(long, hide = true)]
         cluster: bool,
     },
     /// Run only the built-in demo upstream ("orders").
@@ -403,9 +403,8 @@ fn main() -> Result<()> {
         }
         return Ok(());
     }
-    if let Command::CheckRules { file, cluster } = &cli.command {
-        let opts = tollgate_rules::CompileOptions { cluster: *cluster };
-        match tollgate_rules::load(file, opts) {
+    if let Command::CheckRules { file, cluster: _ } = &cli.command {
+        match tollgate_rules::load(file, tollgate_rules::CompileOptions::default()) {
             Ok(snap) => {
                 print!("{}", tollgate_rules::summary::summary(&snap));
                 return Ok(());

@@ -32,6 +32,7 @@ use tollgate_store::lease::Leases;
 use tollgate_store::memory::MemoryStore;
 use tollgate_store::redis::{ConnectError, RedisStore, Target, side_client};
 use tollgate_store::seats::RedisSeats;
+use tollgate_store::slots::Slots;
 use tollgate_telemetry::metrics::Metrics;
 
 /// A validated configuration.
@@ -342,7 +343,7 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
     let cluster = matches!(cfg.store, StoreUrl::RedisCluster(_));
     let loader = RulesLoader {
         source: cfg.rules.clone(),
-        opts: CompileOptions { cluster },
+        opts: CompileOptions::default(),
         upstream_override: demo_upstream.map(|a| {
             a.to_string()
                 .parse()
@@ -394,6 +395,13 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         (g.clone() as Arc<dyn Store>, Some(g))
     } else {
         (store, None)
+    };
+    // On a cluster a request whose buckets lie in several hash slots is checked slot by slot,
+    // each slot behind the guard, so a slot that fails follows its limits' failure policies.
+    let store: Arc<dyn Store> = if cluster {
+        Arc::new(Slots::new(store))
+    } else {
+        store
     };
     // Leased limits spend blocks in memory in front of the guard; the embedded store has no
     // shard to spare, so there they are checked like any other.

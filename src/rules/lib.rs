@@ -383,12 +383,10 @@ impl Snapshot {
     }
 }
 
-/// How to compile: what the store needs of the rules.
+/// How to compile. No store asks anything of the rules now: on Redis Cluster a request whose
+/// buckets lie in several hash slots is checked slot by slot (`tollgate_store::slots`).
 #[derive(Debug, Clone, Copy, Default)]
-pub struct CompileOptions {
-    /// Redis Cluster: every request's buckets must share one hash slot.
-    pub cluster: bool,
-}
+pub struct CompileOptions {}
 
 /// The demo rules, built in so `tollgate demo` works from any directory.
 pub(crate) const DEMO_RULES: &[u8] = include_bytes!("../../rules/demo.json");
@@ -512,12 +510,13 @@ fn compile_with(
         )
     })?;
     let digest = hex::encode(Sha256::digest(bytes));
-    Compiler { file, opts, read }.run(raw, digest)
+    // An option added later must be handled here.
+    let CompileOptions {} = opts;
+    Compiler { file, read }.run(raw, digest)
 }
 
 struct Compiler<'a> {
     file: &'a str,
-    opts: CompileOptions,
     read: ReadNamed<'a>,
 }
 
@@ -585,9 +584,6 @@ impl Compiler<'_> {
                 format!("routes[{i}].identity"),
                 "a JWT route needs the top-level \"jwt\" settings (its JWKS, issuer and audience)",
             ));
-        }
-        if self.opts.cluster {
-            self.check_one_slot(&routes, &limits.list, unauthenticated)?;
         }
         Ok(Snapshot {
             version: raw.version,
@@ -1660,84 +1656,6 @@ impl Compiler<'_> {
             ));
         }
         Ok(())
-    }
-
-    /// In Redis Cluster one script reaches one slot, so every bucket of one request must
-    /// share a hash tag. Buckets of a keyed request are tagged with the tenant, except IP
-    /// buckets, tagged with the address; without a key, header buckets are tagged with the
-    /// header's value and fingerprint buckets with the fingerprint. A route that mixes tags
-    /// can't be checked in one atomic step there, so it is refused at load, naming the limits.
-    fn check_one_slot(
-        &self,
-        routes: &[Route],
-        limits: &[Limit],
-        unauth: Option<(u16, u64)>,
-    ) -> Result<(), RulesError> {
-        for r in routes {
-            let mut scenarios: Vec<(&str, BTreeMap<String, Vec<&str>>)> = Vec::new();
-            let mut keyed: BTreeMap<String, Vec<&str>> = BTreeMap::new();
-            for &(li, _) in &r.costs {
-                let l = &limits[li as usize];
-                let tag = if l.dimension == Dimension::Ip {
-                    ip_slot(l)
-                } else {
-                    "the tenant".to_string()
-                };
-                keyed.entry(tag).or_default().push(&l.name);
-            }
-            scenarios.push(("with a key", keyed));
-            if r.key == KeyRequirement::Optional {
-                let mut open: BTreeMap<String, Vec<&str>> = BTreeMap::new();
-                for &(li, _) in &r.costs {
-                    let l = &limits[li as usize];
-                    let tag = match &l.dimension {
-                        Dimension::Key | Dimension::Claim(_) => continue,
-                        Dimension::Route | Dimension::Ip => ip_slot(l),
-                        Dimension::Header(h) => format!("the {h} header"),
-                        Dimension::BodyField(f) => format!("the body field {f:?}"),
-                        Dimension::Fingerprint => "the client fingerprint".to_string(),
-                    };
-                    open.entry(tag).or_default().push(&l.name);
-                }
-                if let Some((li, _)) = unauth {
-                    let name = &*limits[li as usize].name;
-                    let ip = open.entry(ip_slot(&limits[li as usize])).or_default();
-                    if !ip.contains(&name) {
-                        ip.push(name);
-                    }
-                }
-                scenarios.push(("without a key", open));
-            }
-            for (when, tags) in scenarios {
-                if tags.len() > 1 {
-                    let parts: Vec<String> = tags
-                        .iter()
-                        .map(|(tag, names)| format!("{names:?} on {tag}"))
-                        .collect();
-                    return Err(self.err(
-                        format!("routes ({})", r.name),
-                        format!(
-                            "with redis-cluster:// every bucket of one request must share one hash slot, but {when} this route keys limits {}",
-                            parts.join(" and ")
-                        ),
-                    ));
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
-/// What a limit's per-IP buckets are tagged on, for the one-slot check: limits keyed on
-/// different prefixes of one address have different tags.
-fn ip_slot(l: &Limit) -> String {
-    if l.ip_prefixes == identity::IpPrefixes::default() {
-        "the client IP".to_string()
-    } else {
-        format!(
-            "the client IP (IPv4 /{}, IPv6 /{})",
-            l.ip_prefixes.v4, l.ip_prefixes.v6
-        )
     }
 }
 

@@ -377,17 +377,33 @@ mod tests {
     }
 
     #[test]
-    fn fingerprint_limits_share_a_slot_with_the_tenant_only() {
-        let cluster = crate::CompileOptions { cluster: true };
-        fingerprint_rules(cluster).expect("keyed: every bucket on the tenant's tag");
+    fn a_route_over_two_hash_tags_compiles() {
+        // On a cluster the store checks the two tags slot by slot (tollgate_store::slots).
         let text = br#"{"version": 1, "upstreams": {"u": {"url": "http://127.0.0.1:9"}},
             "limits": {"clients": {"dimension": "fingerprint", "rate": "20/60s", "burst": 20},
                        "account": {"dimension": {"header": "X-Account"}, "rate": "5/60s", "burst": 5}},
             "routes": [{"method": "POST", "path": "/login", "upstream": "u", "key": "optional",
                         "cost": {"clients": 1, "account": 1}}]}"#;
-        let e = crate::compile(text, "t.json", cluster).unwrap_err();
-        assert!(e.reason.contains("on the client fingerprint"), "{e}");
-        crate::compile(text, "t.json", crate::CompileOptions::default()).expect("one Redis: fine");
+        let snap = crate::compile(text, "t.json", crate::CompileOptions::default()).unwrap();
+        let mut headers = HeaderMap::new();
+        headers.insert("x-account", "ann".parse().unwrap());
+        let fp = Fingerprint::None;
+        let names: Vec<String> = build(
+            &snap,
+            &snap.routes[0],
+            None,
+            "203.0.113.9".parse().unwrap(),
+            fp,
+            &headers,
+            None,
+        )
+        .unwrap()
+        .iter()
+        .map(|i| i.key.to_string())
+        .collect();
+        assert_eq!(names.len(), 2, "{names:?}");
+        assert!(names.iter().any(|n| n.starts_with("rl:{fp:none}")), "{names:?}");
+        assert!(!names.iter().all(|n| n.starts_with("rl:{fp:none}")), "{names:?}");
     }
 
     /// Rules with per-IP limits: `unauth` (the unauthenticated bucket), `per-ip` and `paths`
@@ -520,24 +536,17 @@ mod tests {
     }
 
     #[test]
-    fn per_ip_limits_on_different_prefixes_are_two_slots() {
-        let rules = |extra: &str| {
-            let text = format!(
-                r#"{{"version": 1, "upstreams": {{"u": {{"url": "http://127.0.0.1:9"}}}},
-                    "limits": {{"unauth": {{"dimension": "ip", "rate": "5/60s", "burst": 5}},
-                               "per-ip": {{"dimension": "ip", "rate": "5/60s", "burst": 5{extra}}}}},
-                    "unauthenticated": {{"limit": "unauth", "cost": 1}},
-                    "routes": [{{"method": "GET", "path": "/p", "upstream": "u", "key": "optional",
-                                "cost": {{"per-ip": 1}}}}]}}"#
-            );
-            crate::compile(text.as_bytes(), "t.json", crate::CompileOptions { cluster: true })
-        };
-        // Without a key, `per-ip` on /48 and the unauthenticated limit on /64 are two tags.
-        let e = rules(r#", "ipv6_prefix": 48"#).unwrap_err();
-        assert!(e.reason.contains("one hash slot"), "{e}");
-        assert!(e.reason.contains("IPv6 /48"), "{e}");
-        rules("").expect("every per-IP bucket on the same tag");
-        rules(r#", "ipv6_prefix": 64, "ipv4_prefix": 32"#).expect("the defaults, written out");
+    fn per_ip_limits_on_different_prefixes_are_two_tags() {
+        let snap = ip_rules(r#", "ipv6_prefix": 48"#, crate::CompileOptions::default()).unwrap();
+        let names = anonymous_names(&snap, "2001:db8:1:2:aaaa::7");
+        assert_eq!(
+            names,
+            [
+                "rl:{ip:2001:db8:1::/48}:paths:GET%20/p",
+                "rl:{ip:2001:db8:1::/48}:per-ip",
+                "rl:{ip:2001:db8:1:2::/64}:unauth"
+            ]
+        );
     }
 
     #[test]
