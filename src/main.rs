@@ -9,7 +9,9 @@ use tollgate_gateway::app::{self, GatewayConfig, MeterConfig, RulesSource};
 use tollgate_gateway::regions::RegionsConfig;
 
 use clap::{Parser, Subcommand};
-use tollgate_gateway::config::{CommonArgs, DemoArgs, LogFormat, ServeArgs, StoreUrl, host_name};
+use tollgate_gateway::config::{
+    CommonArgs, DEFAULT_ACCESS_BUFFER, DemoArgs, LogFormat, ServeArgs, StoreUrl, host_name,
+};
 use tollgate_gateway::server::{self, ServerLimits};
 use tollgate_rules::identity::TrustedProxies;
 
@@ -103,20 +105,62 @@ pub enum RegionsCommand {
 /// events on stdout, at any `TOLLGATE_LOG` level, where the default mode prints plain lines.
 const STARTUP: &str = "tollgate::startup";
 
-fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("TOLLGATE_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+/// Stderr, each write whole under its lock: a buffer of access lines that a slow reader takes
+/// in pieces must not let another log line in between two of them.
+struct WholeWrites;
+
+impl std::io::Write for WholeWrites {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        std::io::stderr().lock().write_all(buf)?;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::io::stderr().flush()
+    }
+}
+
+/// The target of the one line each request ends with (`tollgate_gateway::request`).
+const ACCESS: &str = "tollgate::access";
+
+/// Sets up logging. Access lines go through a writer thread of their own (see "Access lines"
+/// in the README): a request only hands its line over, and when `access_buffer` lines are
+/// already waiting the line is dropped and counted, never waited for. The returned guard
+/// writes what is still waiting when it is dropped, at the end of `main`.
+fn init_logging(format: LogFormat, access_buffer: usize) -> tracing_appender::non_blocking::WorkerGuard {
+    use tracing_subscriber::filter::{FilterExt, filter_fn};
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::{Layer, fmt};
+    let filter = || {
+        tracing_subscriber::EnvFilter::try_from_env("TOLLGATE_LOG")
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"))
+    };
+    // A buffer in front of stderr: the writer thread flushes it whenever it has caught up, so
+    // a busy second costs a few writes rather than one per line.
+    let (access_out, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .buffered_lines_limit(access_buffer)
+        .lossy(true)
+        .thread_name("tollgate-access-log")
+        .finish(std::io::BufWriter::with_capacity(64 * 1024, WholeWrites));
+    let dropped = access_out.error_counter();
+    let _ = tollgate_telemetry::metrics::ACCESS_LINES_DROPPED
+        .set(Box::new(move || dropped.dropped_lines() as u64));
+    let is_access = || filter_fn(|m| m.target() == ACCESS);
     match format {
-        LogFormat::Human => tracing_subscriber::fmt()
-            .with_env_filter(filter)
-            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-            .with_writer(std::io::stderr)
-            .init(),
+        LogFormat::Human => {
+            let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+            let logs = fmt::layer()
+                .with_ansi(ansi)
+                .with_writer(std::io::stderr)
+                .with_filter(filter().and(is_access().not()));
+            let access = fmt::layer()
+                .with_ansi(ansi)
+                .with_writer(access_out)
+                .with_filter(filter().and(is_access()));
+            tracing_subscriber::registry().with(logs).with(access).init();
+        }
         LogFormat::Json => {
-            use tracing_subscriber::filter::{FilterExt, filter_fn};
-            use tracing_subscriber::layer::SubscriberExt;
-            use tracing_subscriber::util::SubscriberInitExt;
-            use tracing_subscriber::{Layer, fmt};
             let startup = fmt::layer()
                 .json()
                 .flatten_event(true)
@@ -129,8 +173,18 @@ fn init_logging(format: LogFormat) {
                 .flatten_event(true)
                 .with_current_span(false)
                 .with_writer(std::io::stderr)
-                .with_filter(filter.and(filter_fn(|m| m.target() != STARTUP)));
-            tracing_subscriber::registry().with(startup).with(logs).init();
+                .with_filter(filter().and(filter_fn(|m| m.target() != STARTUP && m.target() != ACCESS)));
+            let access = fmt::layer()
+                .json()
+                .flatten_event(true)
+                .with_current_span(false)
+                .with_writer(access_out)
+                .with_filter(filter().and(is_access()));
+            tracing_subscriber::registry()
+                .with(startup)
+                .with(logs)
+                .with(access)
+                .init();
             // A panic's default report is plain text on stderr: log it as one event instead.
             std::panic::set_hook(Box::new(|info| {
                 let location = info
@@ -147,6 +201,7 @@ fn init_logging(format: LogFormat) {
             }));
         }
     }
+    guard
 }
 
 /// Whether the command line asks for json logs from `serve` or `demo`, read before clap has
@@ -334,7 +389,7 @@ fn main() -> Result<()> {
     let cli = match Cli::try_parse_from(&args) {
         Ok(cli) => cli,
         Err(e) if e.use_stderr() && json_asked(&args) => {
-            init_logging(LogFormat::Json);
+            let _access_log = init_logging(LogFormat::Json, DEFAULT_ACCESS_BUFFER);
             tracing::error!("{}", e.to_string().trim_end());
             std::process::exit(e.exit_code());
         }
@@ -370,7 +425,7 @@ fn main() -> Result<()> {
     }
     if let Command::Meter(a) = &cli.command {
         // Runs its own runtime; errors name the flag, file or field already.
-        init_logging(LogFormat::Human);
+        let _access_log = init_logging(LogFormat::Human, DEFAULT_ACCESS_BUFFER);
         if let Err(e) = tollgate_meter::cli::main(a) {
             eprintln!("tollgate meter: {e}");
             std::process::exit(1);
@@ -415,22 +470,24 @@ fn main() -> Result<()> {
             }
         }
     }
-    let (format, threads) = match &cli.command {
-        Command::Serve(a) => (a.common.log_format, a.common.threads),
-        Command::Demo(a) => (a.common.log_format, a.common.threads),
+    let (format, threads, access_buffer) = match &cli.command {
+        Command::Serve(a) => (a.common.log_format, a.common.threads, a.common.access_log_buffer),
+        Command::Demo(a) => (a.common.log_format, a.common.threads, a.common.access_log_buffer),
         Command::DemoUpstream { .. }
         | Command::CheckRules { .. }
         | Command::Replay(_)
         | Command::Fleet(_)
         | Command::Meter(_)
         | Command::DemoToken { .. }
-        | Command::Regions(_) => (LogFormat::Human, None),
+        | Command::Regions(_) => (LogFormat::Human, None, DEFAULT_ACCESS_BUFFER),
     };
-    init_logging(format);
+    // Held to the end of main: dropping it writes the access lines still waiting.
+    let access_log = init_logging(format, access_buffer);
     match run(cli, threads, format) {
         // Errors name the flag, file or field already; in json mode they are one event too.
         Err(e) if format == LogFormat::Json => {
             tracing::error!("{}", one_line(&e));
+            drop(access_log);
             std::process::exit(1);
         }
         r => r,

@@ -261,8 +261,7 @@ async fn only_a_good_token_passes_and_each_refusal_says_why() {
             }
         }
         // Logs name the caller by its key id, never by its token.
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let log = gw.stderr();
+        let log = gw.stderr_when(|l| l.contains("k-rs")).await;
         assert!(log.contains("k-rs"), "access lines name the key id: {log}");
         for (what, token, _) in &cases {
             if let Some(t) = token {

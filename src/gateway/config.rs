@@ -44,6 +44,18 @@ pub struct DemoArgs {
     pub common: CommonArgs,
 }
 
+fn parse_lines(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1 line".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("{s:?} is not a number of lines: {e}")),
+    }
+}
+
+/// Access lines that may wait for the log writer: about 20 MB of lines, a few seconds of a
+/// busy gateway's output.
+pub const DEFAULT_ACCESS_BUFFER: usize = 65_536;
+
 #[derive(Debug, Args, Clone)]
 pub struct CommonArgs {
     /// Public listener.
@@ -82,6 +94,10 @@ pub struct CommonArgs {
     /// Log format.
     #[arg(long, env = "TOLLGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Human)]
     pub log_format: LogFormat,
+    /// Access lines waiting for the log writer, at most; past this a line is dropped and
+    /// counted (`tollgate_access_lines_dropped_total`) rather than making its request wait.
+    #[arg(long, env = "TOLLGATE_ACCESS_LOG_BUFFER", default_value_t = DEFAULT_ACCESS_BUFFER, value_parser = parse_lines)]
+    pub access_log_buffer: usize,
     /// How long to finish requests in flight after SIGTERM or SIGINT.
     #[arg(long, env = "TOLLGATE_DRAIN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub drain_timeout: Duration,

@@ -18,6 +18,11 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
+/// How many access lines the process's log writer has dropped so far: set once by the binary
+/// that owns the writer (the writer is the logging setup's, not the gateway's).
+pub static ACCESS_LINES_DROPPED: std::sync::OnceLock<Box<dyn Fn() -> u64 + Send + Sync>> =
+    std::sync::OnceLock::new();
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RouteStatus {
     pub route: Arc<str>,
@@ -98,6 +103,10 @@ pub struct Metrics {
     pub lease_tokens_held: Gauge,
     /// Request spans dropped because the OTLP export queue was full.
     pub otlp_spans_dropped: Counter,
+    /// Access lines dropped because the log writer fell behind; brought up to date from
+    /// [`ACCESS_LINES_DROPPED`] at each render.
+    access_lines_dropped: Counter,
+    access_sync: std::sync::Mutex<()>,
     /// Client connections closed at accept: a cap was full with none idle.
     pub connections_refused: Family<CapLabel, Counter>,
     /// Idle client connections closed to make room for a new one.
@@ -256,6 +265,12 @@ impl Metrics {
             "Request spans dropped, not exported, because the OTLP export queue was full",
             otlp_spans_dropped.clone(),
         );
+        let access_lines_dropped = Counter::default();
+        registry.register(
+            "access_lines_dropped",
+            "Access lines dropped, not written, because the log writer fell behind",
+            access_lines_dropped.clone(),
+        );
         let connections_refused = Family::<CapLabel, Counter>::default();
         registry.register(
             "connections_refused",
@@ -306,6 +321,8 @@ impl Metrics {
             lease_tokens_returned,
             lease_tokens_held,
             otlp_spans_dropped,
+            access_lines_dropped,
+            access_sync: std::sync::Mutex::new(()),
             connections_refused,
             connections_evicted,
             connections_open,
@@ -315,6 +332,14 @@ impl Metrics {
 
     /// The exposition text (OpenMetrics, which Prometheus scrapes).
     pub fn render(&self) -> String {
+        if let Some(dropped) = ACCESS_LINES_DROPPED.get() {
+            // Two scrapes at once must not both add the same difference.
+            let _one = self.access_sync.lock().unwrap_or_else(|e| e.into_inner());
+            let (now, shown) = (dropped(), self.access_lines_dropped.get());
+            if now > shown {
+                self.access_lines_dropped.inc_by(now - shown);
+            }
+        }
         let mut out = String::with_capacity(8192);
         // Writing into a String cannot fail.
         let _ = encode(&mut out, &self.registry);

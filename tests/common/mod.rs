@@ -465,9 +465,16 @@ impl Tollgate {
 
     /// [`Tollgate::spawn`] with extra environment variables (`TOLLGATE_LOG`, say).
     pub fn spawn_with_env(args: &[&str], env: &[(&str, &str)]) -> Tollgate {
+        Tollgate::spawn_with_stderr(args, env, None)
+    }
+
+    /// [`Tollgate::spawn_with_env`] with stderr sent to `stderr` (a pipe the test takes from
+    /// `child.stderr`, say) instead of the file [`Tollgate::stderr`] reads.
+    pub fn spawn_with_stderr(args: &[&str], env: &[(&str, &str)], stderr: Option<Stdio>) -> Tollgate {
         let dir = tempfile::tempdir().unwrap();
         let stderr_path = dir.path().join("stderr.log");
-        let stderr = std::fs::File::create(&stderr_path).unwrap();
+        let file = std::fs::File::create(&stderr_path).unwrap();
+        let stderr = stderr.unwrap_or_else(|| file.into());
         // Usage records of the embedded store go to the test's own directory.
         let meter_file = dir.path().join("usage.db");
         let meter_args: Vec<&str> = if args.contains(&"--meter-file") {
@@ -560,6 +567,19 @@ impl Tollgate {
 
     pub fn admin_url(&self, path: &str) -> String {
         format!("http://{}{}", self.admin.expect("admin listener"), path)
+    }
+
+    /// Stderr once `seen` holds for it, for up to 10 s: access lines are written by a thread
+    /// of their own, a moment after their request is answered. Returns it either way.
+    pub async fn stderr_when(&self, seen: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let log = self.stderr();
+            if seen(&log) || Instant::now() > deadline {
+                return log;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     pub fn stderr(&self) -> String {
