@@ -4,6 +4,12 @@
 //! `denied_until` and the same units left on every step. The Rust side keeps its own copy of
 //! every bucket and is fed the `now` the script reports.
 //!
+//! Every lease and give-back comes from one of a few gateways (holder ids) reporting random
+//! spending, so the records of outstanding grants beside each bucket are held to
+//! `lease_recorded`/`give_back_recorded` too: the tokens reclaimed from expired records and the
+//! caller's record on every step, and the whole hash at the end. On the gateway clock the clock
+//! jumps far past a record's 12 s, so silent gateways' records are reclaimed without a real wait.
+//!
 //! Set `TOLLGATE_EQ_SEED` to replay a failing seed; every failure prints its seed and step.
 
 mod common;
@@ -15,7 +21,10 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tollgate_limit::bucket::{BucketParams, BucketState, BucketVerdict, Charge, Rate, check_all};
 use tollgate_limit::clock::{Clock, ManualClock};
-use tollgate_limit::lease::{Grant, LeaseConfig, block_cycle_us, give_back, lease};
+use tollgate_limit::lease::{
+    Account, Grant, LeaseConfig, Record, Records, block_cycle_us, give_back_recorded, lease_recorded,
+};
+use tollgate_store::lease::held_key;
 use tollgate_store::redis::{RedisStore, Target};
 use tollgate_store::{CheckItem, FailurePolicy, Store};
 
@@ -59,12 +68,51 @@ fn move_clock(rng: &mut StdRng, clock: &ManualClock) {
     clock.set_us(next);
 }
 
-async fn run(store: &RedisStore, clock: Option<&ManualClock>, seed: u64) {
+const HOLDERS: [&str; 3] = ["g0", "0123456789abcdef0123456789abcdef", "g2"];
+
+/// Tokens a gateway reports spent: mostly a block's worth or less, sometimes more than its
+/// record (which stops at 0).
+fn random_spent(rng: &mut StdRng, p: &BucketParams) -> u64 {
+    match rng.random_range(0..4) {
+        0 => 0,
+        1 => rng.random_range(1..=p.burst),
+        2 => rng.random_range(1..=10 * p.burst),
+        _ => rng.random_range(1..=50),
+    }
+}
+
+/// The records hash as stored, parsed.
+fn stored_records(redis: &common::RedisServer, key: &str) -> Records {
+    let out = redis.cli(&["HGETALL", &held_key(key)]);
+    let lines: Vec<&str> = out.lines().filter(|l| !l.is_empty()).collect();
+    let mut recs = Records::new();
+    for pair in lines.chunks(2) {
+        let (tokens, expires) = pair[1].split_once(':').expect("tokens:expires");
+        recs.insert(
+            pair[0].to_string(),
+            Record {
+                tokens: tokens.parse().unwrap(),
+                expires_us: expires.parse().unwrap(),
+            },
+        );
+    }
+    recs
+}
+
+/// Runs the random steps; returns how many calls reclaimed an expired record.
+async fn run(
+    redis: &common::RedisServer,
+    store: &RedisStore,
+    clock: Option<&ManualClock>,
+    seed: u64,
+) -> usize {
     let mut rng = StdRng::seed_from_u64(seed);
     let keys: Vec<String> = (0..BUCKETS).map(|i| format!("rl:{{eq}}:lease{i}")).collect();
     let mut rules: Vec<BucketParams> = (0..BUCKETS).map(|_| random_params(&mut rng)).collect();
     let mut states: HashMap<usize, BucketState> = HashMap::new();
+    let mut records: Vec<Records> = vec![Records::new(); BUCKETS];
     let (mut grants, mut denials, mut gives, mut checks, mut changes) = (0, 0, 0, 0, 0);
+    let mut reclaims = 0;
     for step in 0..STEPS {
         if rng.random_range(0..12) == 0 {
             let i = rng.random_range(0..BUCKETS);
@@ -78,9 +126,14 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, seed: u64) {
         }
         let mut state = states.get(&i).copied();
         let before = state;
+        let recs_before = records[i].clone();
+        let acct = Account {
+            holder: HOLDERS[rng.random_range(0..HOLDERS.len())],
+            spent: random_spent(&mut rng, &p),
+        };
         let context = |now: u64, what: &str| {
             format!(
-                "seed {seed} step {step} (replay with TOLLGATE_EQ_SEED={seed}), now {now}, {what}:\n  params {p:?}\n  state before {before:?}"
+                "seed {seed} step {step} (replay with TOLLGATE_EQ_SEED={seed}), now {now}, {what}:\n  params {p:?}\n  state before {before:?}\n  records before {recs_before:?}\n  {acct:?}"
             )
         };
         match rng.random_range(0..10) {
@@ -95,11 +148,19 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, seed: u64) {
                 let cfg = LeaseConfig::new(p, block, gateways).unwrap();
                 let cycle = block_cycle_us(&p, block, gateways);
                 let reply = store
-                    .lease(&keys[i], &p, block, cycle)
+                    .lease(&keys[i], &p, block, cycle, acct)
                     .await
                     .unwrap_or_else(|e| panic!("seed {seed} step {step}: {e}"));
-                let expected = lease(&cfg, &mut state, reply.now_us);
+                let (expected, recorded) =
+                    lease_recorded(&cfg, &mut state, &mut records[i], &acct, reply.now_us);
                 let what = format!("lease of {block} for {gateways} gateways");
+                assert_eq!(
+                    reply.recorded,
+                    recorded,
+                    "records differ; {}",
+                    context(reply.now_us, &what)
+                );
+                reclaims += usize::from(recorded.reclaimed > 0);
                 assert_eq!(
                     reply.grant,
                     expected,
@@ -125,10 +186,18 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, seed: u64) {
                     _ => rng.random_range(1..=p.burst),
                 };
                 let reply = store
-                    .give_back(&keys[i], &p, tokens)
+                    .give_back(&keys[i], &p, tokens, acct)
                     .await
                     .unwrap_or_else(|e| panic!("seed {seed} step {step}: {e}"));
-                give_back(&p, &mut state, tokens, reply.now_us);
+                let recorded =
+                    give_back_recorded(&p, &mut state, &mut records[i], &acct, tokens, reply.now_us);
+                assert_eq!(
+                    reply.recorded,
+                    recorded,
+                    "records differ; {}",
+                    context(reply.now_us, &format!("give-back of {tokens}"))
+                );
+                reclaims += usize::from(recorded.reclaimed > 0);
                 assert_eq!(
                     Some(reply.units_left),
                     state.map(|s| s.tokens),
@@ -183,6 +252,15 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, seed: u64) {
         grants > 100 && denials > 100 && gives > 300 && checks > 300 && changes > 50,
         "seed {seed}: {grants} grants, {denials} denials, {gives} give-backs, {checks} checks, {changes} rule changes"
     );
+    // The hashes hold exactly the records the Rust side kept.
+    for (i, key) in keys.iter().enumerate() {
+        assert_eq!(
+            stored_records(redis, key),
+            records[i],
+            "seed {seed}: records of {key}"
+        );
+    }
+    reclaims
 }
 
 #[tokio::test]
@@ -193,7 +271,7 @@ async fn lease_script_and_lease_rs_agree_on_the_store_clock() {
         .unwrap();
     let seed = common::eq_seed();
     eprintln!("TOLLGATE_EQ_SEED={seed}");
-    run(&store, None, seed).await;
+    run(&redis, &store, None, seed).await;
 }
 
 #[tokio::test]
@@ -205,7 +283,13 @@ async fn lease_script_and_lease_rs_agree_on_a_jumping_gateway_clock() {
         .unwrap();
     let seed = common::eq_seed();
     eprintln!("TOLLGATE_EQ_SEED={seed}");
-    run(&store, Some(&clock), seed).await;
+    let reclaims = run(&redis, &store, Some(&clock), seed).await;
+    // The clock jumps past records' expiries: silent gateways' records must have been
+    // reclaimed often, or the sweep went untested.
+    assert!(
+        reclaims > 50,
+        "seed {seed}: only {reclaims} calls reclaimed a record"
+    );
 }
 
 #[tokio::test]
@@ -218,12 +302,31 @@ async fn the_lease_script_comes_back_after_a_script_flush() {
     assert_eq!(redis.cli(&["SCRIPT", "EXISTS", store.lease_script_sha()]), "1");
     redis.cli(&["SCRIPT", "FLUSH"]);
     assert_eq!(redis.cli(&["SCRIPT", "EXISTS", store.lease_script_sha()]), "0");
-    let reply = store.lease("rl:{kbig}:plan", &p, 125, 250_000).await.unwrap();
+    let acct = Account {
+        holder: "g0",
+        spent: 0,
+    };
+    let reply = store
+        .lease("rl:{kbig}:plan", &p, 125, 250_000, acct)
+        .await
+        .unwrap();
     assert_eq!(reply.grant, Grant::Granted { tokens: 125 });
     assert_eq!(reply.units_left, (20_000 - 125) * p.scale);
     assert_eq!(redis.cli(&["SCRIPT", "EXISTS", store.lease_script_sha()]), "1");
     // The script refuses what it can't read rather than guess.
     redis.cli(&["SET", "rl:{kbig}:plan", "not a bucket"]);
-    let err = store.lease("rl:{kbig}:plan", &p, 125, 250_000).await.unwrap_err();
+    let err = store
+        .lease("rl:{kbig}:plan", &p, 125, 250_000, acct)
+        .await
+        .unwrap_err();
     assert!(err.to_string().contains("18-byte bucket"), "{err}");
+    // So does it a record it did not write, naming the hash and the field, and writes nothing.
+    redis.cli(&["DEL", "rl:{kbig}:plan"]);
+    redis.cli(&["HSET", "rl:{kbig}:plan|held", "g9", "lots"]);
+    let err = store
+        .lease("rl:{kbig}:plan", &p, 125, 250_000, acct)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("rl:{kbig}:plan|held field g9"), "{err}");
+    assert_eq!(redis.cli(&["EXISTS", "rl:{kbig}:plan"]), "0");
 }

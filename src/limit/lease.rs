@@ -27,6 +27,19 @@
 //!
 //! The Lua twin must keep the same integer arithmetic: tokens in units of `1 / scale`,
 //! microseconds, `denied_until` rounded up to the next microsecond.
+//!
+//! **A gateway that dies holding blocks** ([`Records`], [`lease_recorded`],
+//! [`give_back_recorded`]): beside the bucket the store keeps one record per gateway, the
+//! tokens granted to it that it has not yet reported spent or given back, and a store-clock
+//! expiry [`RECORD_TTL_US`] after its last call. Every call reports the tokens the gateway
+//! spent since its previous call, so a record is what the gateway held at its last call plus
+//! what that call granted. A live gateway calls again before its record expires (a block's
+//! expiry gives back, or a sync with nothing to give); a killed one doesn't, and the next lease
+//! or give-back on the bucket after the expiry puts its record's tokens back, capped at the
+//! burst. The store can't know how many of them the dead gateway had spent: each crash may
+//! admit up to that record (at most 1.2 × B with requests of cost 1) once more.
+
+use std::collections::BTreeMap;
 
 use smallvec::SmallVec;
 
@@ -37,6 +50,15 @@ pub const BLOCK_TTL_US: u64 = 10 * US_PER_S;
 
 /// The largest random delay a denied gateway adds to `denied_until`.
 pub const MAX_JITTER_US: u64 = 50_000;
+
+/// How long past a block's TTL the store keeps a silent gateway's record: room for the lease's
+/// answer on its way (a gateway drops one older than a second), its expiry timer running late
+/// and the give-back's trip, so a live gateway's own give-back always arrives first.
+pub const RECORD_GRACE_US: u64 = 2 * US_PER_S;
+
+/// A record expires this long after the gateway's last call on the store's clock: the block
+/// TTL plus [`RECORD_GRACE_US`]. A killed gateway's tokens are back within it.
+pub const RECORD_TTL_US: u64 = BLOCK_TTL_US + RECORD_GRACE_US;
 
 /// The automatic block: about a quarter second of one gateway's share of the rate, and at
 /// least 10 tokens: `max(10, ⌈0.25 s × r / N⌉)`. For k-big (10,000/s, 20 gateways) it is 125.
@@ -131,6 +153,115 @@ pub fn lease(cfg: &LeaseConfig, state: &mut Option<BucketState>, now: u64) -> Gr
 /// GIVE BACK, in the store: refill to `now`, add `tokens` unused tokens, cap at the burst.
 pub fn give_back(p: &BucketParams, state: &mut Option<BucketState>, tokens: u64, now: u64) {
     *state = Some(bucket::give_back(p, *state, p.units(tokens), now));
+}
+
+/// One gateway's record in the store: tokens granted and not yet reported spent or given back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Record {
+    pub tokens: u64,
+    /// Store time (µs) at and after which the next lease or give-back reclaims them.
+    pub expires_us: u64,
+}
+
+/// A leased bucket's records, by the holder id each gateway picks at start.
+pub type Records = BTreeMap<String, Record>;
+
+/// What a lease or give-back call says about its caller's tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Account<'a> {
+    /// The gateway's holder id, chosen at start and kept until it exits.
+    pub holder: &'a str,
+    /// Tokens it spent from its blocks since its previous call on this bucket.
+    pub spent: u64,
+}
+
+/// Removes the records that expired at or before `now` and returns their tokens.
+pub fn sweep(records: &mut Records, now: u64) -> u64 {
+    let mut back = 0u64;
+    records.retain(|_, r| {
+        if r.expires_us <= now {
+            back = back.saturating_add(r.tokens);
+            false
+        } else {
+            true
+        }
+    });
+    back
+}
+
+/// Puts `tokens` reclaimed by [`sweep`] back in the bucket at `now`, capped at the burst: no
+/// more than a burst is added, which is all a bucket can take.
+fn reclaim(p: &BucketParams, state: &mut Option<BucketState>, tokens: u64, now: u64) {
+    if tokens > 0 {
+        *state = Some(bucket::give_back(p, *state, p.units(tokens.min(p.burst)), now));
+    }
+}
+
+/// The caller's record after a call: what it spent and gave back comes off (never below 0),
+/// then what it was granted goes on; it expires [`RECORD_TTL_US`] after `now`, and a record of 0
+/// is removed. Returns the tokens now recorded.
+fn note(records: &mut Records, acct: &Account<'_>, granted: u64, given: u64, now: u64) -> u64 {
+    let before = records.get(acct.holder).map_or(0, |r| r.tokens);
+    let tokens = before.saturating_sub(given.saturating_add(acct.spent)) + granted;
+    if tokens == 0 {
+        records.remove(acct.holder);
+    } else {
+        records.insert(
+            acct.holder.to_string(),
+            Record {
+                tokens,
+                expires_us: now.saturating_add(RECORD_TTL_US),
+            },
+        );
+    }
+    tokens
+}
+
+/// What the store answers to a recorded lease or give-back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Recorded {
+    /// Tokens of expired records put back in the bucket before the call (before the cap).
+    pub reclaimed: u64,
+    /// The caller's record after the call.
+    pub held: u64,
+}
+
+/// LEASE with records (`lua/lease.lua`): reclaim expired records, then [`lease`], then note
+/// the grant and the reported spending in the caller's record.
+pub fn lease_recorded(
+    cfg: &LeaseConfig,
+    state: &mut Option<BucketState>,
+    records: &mut Records,
+    acct: &Account<'_>,
+    now: u64,
+) -> (Grant, Recorded) {
+    let reclaimed = sweep(records, now);
+    reclaim(&cfg.params, state, reclaimed, now);
+    let grant = lease(cfg, state, now);
+    let granted = match grant {
+        Grant::Granted { tokens } => tokens,
+        Grant::Denied { .. } => 0,
+    };
+    let held = note(records, acct, granted, 0, now);
+    (grant, Recorded { reclaimed, held })
+}
+
+/// GIVE BACK with records: reclaim expired records, then [`give_back`], then take the tokens
+/// given (at most a burst, as the store caps them) and the reported spending off the caller's
+/// record.
+pub fn give_back_recorded(
+    p: &BucketParams,
+    state: &mut Option<BucketState>,
+    records: &mut Records,
+    acct: &Account<'_>,
+    tokens: u64,
+    now: u64,
+) -> Recorded {
+    let reclaimed = sweep(records, now);
+    reclaim(p, state, reclaimed, now);
+    give_back(p, state, tokens.min(p.burst), now);
+    let held = note(records, acct, 0, tokens.min(p.burst), now);
+    Recorded { reclaimed, held }
 }
 
 /// One block a gateway holds.
@@ -388,6 +519,72 @@ mod tests {
         // Nothing held any more: the refund is the store's.
         assert_eq!(h.refund(10 + BLOCK_TTL_US, 3), 3);
         assert_eq!(h.held(), 0);
+    }
+
+    #[test]
+    fn a_silent_gateways_record_goes_back_after_its_expiry_and_a_live_one_never_does() {
+        let c = kbig();
+        let mut s = None;
+        let mut recs = Records::new();
+        let dead = Account {
+            holder: "dead",
+            spent: 0,
+        };
+        let live = |spent| Account {
+            holder: "live",
+            spent,
+        };
+        let (g, r) = lease_recorded(&c, &mut s, &mut recs, &dead, 0);
+        assert_eq!((g, r.held), (Grant::Granted { tokens: 125 }, 125));
+        lease_recorded(&c, &mut s, &mut recs, &live(0), 0);
+        // The live gateway spends 100 of its block, asks for the next and reports them.
+        let (_, r) = lease_recorded(&c, &mut s, &mut recs, &live(100), 1_000);
+        assert_eq!((r.reclaimed, r.held), (0, 150));
+        assert_eq!(s.unwrap().tokens, (20_000 - 375 + 10) * c.params.scale);
+        // Its first block expires with 25 left: given back with nothing more spent.
+        let r = give_back_recorded(&c.params, &mut s, &mut recs, &live(0), 25, BLOCK_TTL_US);
+        assert_eq!((r.reclaimed, r.held), (0, 125));
+        // One microsecond before the dead gateway's record expires nothing is reclaimed; at
+        // its expiry its 125 go back (to a bucket that is full by then, so capped).
+        let r = give_back_recorded(&c.params, &mut s, &mut recs, &live(0), 0, RECORD_TTL_US - 1);
+        assert_eq!((r.reclaimed, recs.len()), (0, 2));
+        let r = give_back_recorded(&c.params, &mut s, &mut recs, &live(125), 0, RECORD_TTL_US);
+        assert_eq!((r.reclaimed, r.held), (125, 0));
+        assert!(recs.is_empty(), "{recs:?}");
+        assert_eq!(s.unwrap().tokens, c.params.capacity);
+    }
+
+    #[test]
+    fn reclaimed_tokens_refill_a_drained_bucket_up_to_its_burst_only() {
+        let p = BucketParams::new(Rate::parse("500/1s").unwrap(), 500).unwrap();
+        let c = LeaseConfig::new(p, 200, 3).unwrap();
+        let mut s = None;
+        let mut recs = Records::new();
+        for h in ["a", "b"] {
+            let acct = Account { holder: h, spent: 0 };
+            lease_recorded(&c, &mut s, &mut recs, &acct, 0);
+        }
+        assert_eq!(s.unwrap().tokens, 100 * p.scale);
+        let c_acct = Account {
+            holder: "c",
+            spent: 0,
+        };
+        // 12 s later the bucket is full by refill alone; the 400 reclaimed change nothing.
+        let (g, r) = lease_recorded(&c, &mut s, &mut recs, &c_acct, RECORD_TTL_US);
+        assert_eq!(
+            (g, r.reclaimed, r.held),
+            (Grant::Granted { tokens: 200 }, 400, 200)
+        );
+        assert_eq!(s.unwrap().tokens, 300 * p.scale);
+        // Reported spending never takes a record below 0, and a give-back of more than the
+        // burst comes off as the burst.
+        let big = Account {
+            holder: "c",
+            spent: 1_000,
+        };
+        let r = give_back_recorded(&p, &mut s, &mut recs, &big, 0, RECORD_TTL_US);
+        assert_eq!(r.held, 0);
+        assert!(recs.is_empty());
     }
 
     #[test]

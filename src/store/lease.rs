@@ -31,6 +31,15 @@
 //! this gateway's newest unexpired block of that key (or gives them back to the store when none is
 //! left), and sends the rest of the request to the inner store's refund. The outcome says which
 //! items a block paid (`Outcome::leased`); only the first 64 items of a request are leased.
+//!
+//! A gateway killed with -9 gives nothing back, so the store keeps a record per gateway of what
+//! it holds (`tollgate_limit::lease` [`Records`](tollgate_limit::lease::Records)): this gateway
+//! has a holder id of its own, and every lease and give-back reports the tokens it spent from
+//! that key's blocks since its previous call. A record expires 12 s after the gateway's last
+//! call, when the store puts its tokens back; so that a live gateway's never does, one that has
+//! spent since its last call and has nothing else to send sends a give-back of nothing 11 s after
+//! it (a sync). A call that fails counts what it carried as spent, so the record can only come
+//! out low (an undershoot, as a lost give-back is), never high.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -46,7 +55,8 @@ use super::{Adjusted, BoxFuture, CheckFuture, CheckItem, Outcome, Source, Store,
 use tollgate_limit::batch::LeaseBlock;
 use tollgate_limit::bucket::{BucketParams, BucketVerdict};
 use tollgate_limit::lease::{
-    BLOCK_TTL_US, Grant, Holder, LeaseConfig, MAX_JITTER_US, auto_block, block_cycle_us,
+    Account, BLOCK_TTL_US, Grant, Holder, LeaseConfig, MAX_JITTER_US, RECORD_GRACE_US, Recorded, auto_block,
+    block_cycle_us,
 };
 use tollgate_telemetry::logsample::Sampler;
 use tollgate_telemetry::metrics::{Kind, Metrics};
@@ -59,6 +69,12 @@ pub(crate) const LEASE_CALL_TIMEOUT: Duration = Duration::from_secs(1);
 /// it, for this long.
 pub(crate) const RETRY_AFTER_FAILURE: Duration = Duration::from_secs(1);
 
+/// A key with spending its store record does not know and no call for this long gets a sync:
+/// after the block TTL, so the give-back of a block leased by that last call (whose answer
+/// took at most [`LEASE_CALL_TIMEOUT`]) goes first and carries it; and half the record's grace
+/// before the store's record of this gateway expires.
+const SYNC_AFTER_US: u64 = BLOCK_TTL_US + RECORD_GRACE_US / 2;
+
 /// The store's answer to a LEASE.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LeaseReply {
@@ -68,6 +84,8 @@ pub struct LeaseReply {
     pub now_us: u64,
     /// Units left in the bucket after the call.
     pub units_left: u64,
+    /// Tokens of silent gateways reclaimed, and the caller's record after the call.
+    pub recorded: Recorded,
 }
 
 /// The store's answer to a GIVE BACK.
@@ -75,9 +93,17 @@ pub struct LeaseReply {
 pub struct GiveBackReply {
     pub now_us: u64,
     pub units_left: u64,
+    pub recorded: Recorded,
 }
 
-/// A store that can lease blocks: `lua/lease.lua` in Redis.
+/// The key of a leased bucket's records: the bucket's name, hash tag included, so one script
+/// on one shard reads both, and a suffix no bucket name ends with.
+pub fn held_key(bucket: &str) -> String {
+    format!("{bucket}|held")
+}
+
+/// A store that can lease blocks: `lua/lease.lua` in Redis. Both calls reclaim the records of
+/// gateways silent past their expiry first, and update the caller's record (`acct`).
 pub trait Lessor: Send + Sync + 'static {
     /// A whole block of `block` tokens, or nothing and `now + cycle_us`.
     fn lease<'a>(
@@ -86,6 +112,7 @@ pub trait Lessor: Send + Sync + 'static {
         p: &'a BucketParams,
         block: u64,
         cycle_us: u64,
+        acct: Account<'a>,
     ) -> BoxFuture<'a, Result<LeaseReply, StoreError>>;
 
     /// Adds `tokens` unused tokens back, capped at the burst.
@@ -94,6 +121,7 @@ pub trait Lessor: Send + Sync + 'static {
         key: &'a str,
         p: &'a BucketParams,
         tokens: u64,
+        acct: Account<'a>,
     ) -> BoxFuture<'a, Result<GiveBackReply, StoreError>>;
 }
 
@@ -107,6 +135,12 @@ struct Entry {
     failing_until: u64,
     /// Bumped on every lease answer, for requests waiting on one.
     answered: watch::Sender<u64>,
+    /// Tokens spent from blocks (net of refunds) not yet reported to the store's record.
+    unspoken: u64,
+    /// Gateway time of the last lease or give-back sent for the key.
+    last_call: u64,
+    /// A sync timer is running for the key.
+    sync_armed: bool,
 }
 
 struct State {
@@ -155,6 +189,8 @@ pub struct Leases {
     calls: AtomicUsize,
     idle: Notify,
     warn: Sampler,
+    /// This gateway's name in the store's records, picked at start.
+    holder: Arc<str>,
     me: Weak<Leases>,
 }
 
@@ -191,6 +227,7 @@ impl Leases {
             calls: AtomicUsize::new(0),
             idle: Notify::new(),
             warn: Sampler::new(Duration::from_secs(5)),
+            holder: format!("{:032x}", rand::random::<u128>()).into(),
             me: me.clone(),
         })
     }
@@ -219,6 +256,11 @@ impl Leases {
             .filter(|e| &*e.key == key)
             .map(|e| e.holder.held())
             .sum()
+    }
+
+    /// This gateway's holder id in the store's records.
+    pub fn holder_id(&self) -> &str {
+        &self.holder
     }
 
     /// Lease and give-back calls still running.
@@ -255,19 +297,27 @@ impl Leases {
             holder: Holder::new(),
             failing_until: 0,
             answered: watch::Sender::new(0),
+            unspoken: 0,
+            last_call: 0,
+            sync_armed: false,
         });
         entry.params = p;
         let back = entry.holder.expire(now);
         if back > 0 {
             self.metrics.lease_tokens_held.dec_by(back as i64);
-            self.give_back_later(entry.key.clone(), p, back);
+            self.give_from(item.fp, entry, back, now);
         }
         if now < entry.failing_until && entry.holder.held() < cost {
             return Try::Store;
         }
         let s = entry.holder.spend(&cfg, now, cost);
+        if s.admitted {
+            entry.unspoken += cost;
+        }
         if s.ask {
-            self.send_lease(item.fp, entry.key.clone(), cfg);
+            let spent = std::mem::take(&mut entry.unspoken);
+            self.called(item.fp, entry, now);
+            self.send_lease(item.fp, entry.key.clone(), cfg, spent);
         }
         let held = entry.holder.held();
         if s.admitted {
@@ -302,14 +352,16 @@ impl Leases {
             }
             let Some(e) = st.keys.get_mut(&item.fp) else {
                 // Entries are never removed; still, paid tokens must not be lost.
-                self.give_back_later(item.key.clone(), item.charge.params, item.charge.cost);
+                self.give_back_later(item.fp, item.key.clone(), item.charge.params, item.charge.cost, 0);
                 continue;
             };
             let cost = item.charge.cost;
             let back = e.holder.refund(now, cost);
+            // Back in a block or given back: either way no longer spent.
+            e.unspoken = e.unspoken.saturating_sub(cost);
             self.metrics.lease_tokens_held.inc_by((cost - back) as i64);
             if back > 0 {
-                self.give_back_later(e.key.clone(), e.params, back);
+                self.give_from(item.fp, e, back, now);
             }
         }
     }
@@ -434,7 +486,54 @@ impl Leases {
         }
     }
 
-    fn send_lease(&self, fp: u64, key: Arc<str>, cfg: LeaseConfig) {
+    /// Notes a call about to be sent for the key, and makes sure a sync timer runs.
+    fn called(&self, fp: u64, e: &mut Entry, now: u64) {
+        e.last_call = now;
+        if !e.sync_armed {
+            e.sync_armed = true;
+            self.sync_at(fp, now + SYNC_AFTER_US);
+        }
+    }
+
+    /// Gives `tokens` back for an entry, with what it spent since its last call.
+    fn give_from(&self, fp: u64, e: &mut Entry, tokens: u64, now: u64) {
+        let spent = std::mem::take(&mut e.unspoken);
+        self.called(fp, e, now);
+        self.give_back_later(fp, e.key.clone(), e.params, tokens, spent);
+    }
+
+    /// A call failed, so the store may or may not have applied it: what it carried counts as
+    /// spent, and the next call takes it off the record, which then errs low.
+    fn call_failed(&self, fp: u64, carried: u64) {
+        if let Some(e) = self.lock().keys.get_mut(&fp) {
+            e.unspoken = e.unspoken.saturating_add(carried);
+        }
+    }
+
+    /// At `at_us`: if no call for the key went out for [`SYNC_AFTER_US`] and tokens were spent
+    /// since the last one, a give-back of nothing reports them, before the store's record of
+    /// this gateway expires and hands back what it has already spent.
+    fn sync_at(&self, fp: u64, at_us: u64) {
+        let weak = self.me.clone();
+        let deadline = self.origin + Duration::from_micros(at_us);
+        tokio::spawn(async move {
+            tokio::time::sleep_until(deadline).await;
+            let Some(me) = weak.upgrade() else { return };
+            let now = me.now_us();
+            let mut st = me.lock();
+            let Some(e) = st.keys.get_mut(&fp) else { return };
+            e.sync_armed = false;
+            let due = e.last_call + SYNC_AFTER_US;
+            if due > now {
+                e.sync_armed = true;
+                me.sync_at(fp, due);
+            } else if e.unspoken > 0 {
+                me.give_from(fp, e, 0, now);
+            }
+        });
+    }
+
+    fn send_lease(&self, fp: u64, key: Arc<str>, cfg: LeaseConfig, spent: u64) {
         let Some(me) = self.me.upgrade() else { return };
         self.call_started();
         self.metrics
@@ -443,12 +542,20 @@ impl Leases {
             .inc();
         tokio::spawn(async move {
             let cycle = block_cycle_us(&cfg.params, cfg.block, cfg.gateways);
+            let acct = Account {
+                holder: &me.holder,
+                spent,
+            };
             let answer = tokio::time::timeout(
                 LEASE_CALL_TIMEOUT,
-                me.lessor.lease(&key, &cfg.params, cfg.block, cycle),
+                me.lessor.lease(&key, &cfg.params, cfg.block, cycle, acct),
             )
             .await
             .unwrap_or(Err(StoreError::Timeout));
+            if answer.is_err() {
+                // Its block may have been granted and the answer lost.
+                me.call_failed(fp, spent.saturating_add(cfg.block));
+            }
             me.answered(fp, key, cfg.params, answer);
             me.call_done();
         });
@@ -465,7 +572,7 @@ impl Leases {
                 ..
             }) = answer
             {
-                self.give_back_later(key, p, tokens);
+                self.give_back_later(fp, key, p, tokens, 0);
             }
             return;
         };
@@ -478,7 +585,7 @@ impl Leases {
                 self.metrics.lease_tokens_granted.inc_by(tokens);
                 if closed {
                     e.holder.failed();
-                    self.give_back_later(key, p, tokens);
+                    self.give_from(fp, e, tokens, now);
                 } else {
                     e.holder.granted(now, tokens);
                     e.failing_until = 0;
@@ -526,13 +633,13 @@ impl Leases {
                 let back = e.holder.expire(now);
                 if back > 0 {
                     me.metrics.lease_tokens_held.dec_by(back as i64);
-                    me.give_back_later(e.key.clone(), e.params, back);
+                    me.give_from(fp, e, back, now);
                 }
             }
         });
     }
 
-    fn give_back_later(&self, key: Arc<str>, p: BucketParams, tokens: u64) {
+    fn give_back_later(&self, fp: u64, key: Arc<str>, p: BucketParams, tokens: u64, spent: u64) {
         let Some(me) = self.me.upgrade() else { return };
         self.call_started();
         self.metrics
@@ -540,12 +647,18 @@ impl Leases {
             .get_or_create(&Kind { kind: "give_back" })
             .inc();
         tokio::spawn(async move {
-            let r = tokio::time::timeout(LEASE_CALL_TIMEOUT, me.lessor.give_back(&key, &p, tokens)).await;
+            let acct = Account {
+                holder: &me.holder,
+                spent,
+            };
+            let r =
+                tokio::time::timeout(LEASE_CALL_TIMEOUT, me.lessor.give_back(&key, &p, tokens, acct)).await;
             match r {
                 Ok(Ok(_)) => {
                     me.metrics.lease_tokens_returned.inc_by(tokens);
                 }
                 Ok(Err(_)) | Err(_) => {
+                    me.call_failed(fp, spent.saturating_add(tokens));
                     // Lost to this bucket until it refills: an undershoot, never an overshoot.
                     me.metrics
                         .lease_failures
@@ -564,14 +677,18 @@ impl Leases {
         let deadline = Instant::now() + within;
         let mut given = 0;
         {
+            let now = self.now_us();
             let mut st = self.lock();
             st.closed = true;
-            for e in st.keys.values_mut() {
+            for (&fp, e) in st.keys.iter_mut() {
                 let t = e.holder.drain();
                 if t > 0 {
                     given += t;
                     self.metrics.lease_tokens_held.dec_by(t as i64);
-                    self.give_back_later(e.key.clone(), e.params, t);
+                }
+                // Spent tokens are reported too, so a clean exit leaves no record to reclaim.
+                if t > 0 || e.unspoken > 0 {
+                    self.give_from(fp, e, t, now);
                 }
             }
         }
@@ -666,13 +783,14 @@ mod tests {
     use crate::FailurePolicy;
     use std::sync::atomic::{AtomicBool, AtomicU64};
     use tollgate_limit::bucket::{BucketState, Charge, Rate};
-    use tollgate_limit::lease::{give_back, lease};
+    use tollgate_limit::lease::{Records, give_back_recorded, lease_recorded};
 
     /// A store in memory on tokio's (paused) clock: leases by `limit::lease`, checks answered
     /// as told, and a switch that makes every lease call fail.
     struct Fake {
         origin: Instant,
         bucket: Mutex<Option<BucketState>>,
+        records: Mutex<Records>,
         fail: AtomicBool,
         /// Lease answers take this long (virtual ms).
         delay_ms: AtomicU64,
@@ -689,6 +807,7 @@ mod tests {
             Arc::new(Fake {
                 origin: Instant::now(),
                 bucket: Mutex::new(None),
+                records: Mutex::new(Records::new()),
                 fail: AtomicBool::new(false),
                 delay_ms: AtomicU64::new(0),
                 leases: AtomicU64::new(0),
@@ -712,6 +831,7 @@ mod tests {
             p: &'a BucketParams,
             block: u64,
             cycle_us: u64,
+            acct: Account<'a>,
         ) -> BoxFuture<'a, Result<LeaseReply, StoreError>> {
             Box::pin(async move {
                 self.leases.fetch_add(1, Ordering::SeqCst);
@@ -725,7 +845,9 @@ mod tests {
                 let now = self.now();
                 let cfg = LeaseConfig::new(*p, block, 1).unwrap();
                 let mut b = self.bucket.lock().unwrap();
-                let grant = match lease(&cfg, &mut b, now) {
+                let mut recs = self.records.lock().unwrap();
+                let (grant, recorded) = lease_recorded(&cfg, &mut b, &mut recs, &acct, now);
+                let grant = match grant {
                     Grant::Denied { .. } => Grant::Denied {
                         until_us: now + cycle_us,
                     },
@@ -735,6 +857,7 @@ mod tests {
                     grant,
                     now_us: now,
                     units_left: b.unwrap().tokens,
+                    recorded,
                 })
             })
         }
@@ -744,15 +867,18 @@ mod tests {
             _key: &'a str,
             p: &'a BucketParams,
             tokens: u64,
+            acct: Account<'a>,
         ) -> BoxFuture<'a, Result<GiveBackReply, StoreError>> {
             Box::pin(async move {
                 let now = self.now();
                 let mut b = self.bucket.lock().unwrap();
-                give_back(p, &mut b, tokens, now);
+                let mut recs = self.records.lock().unwrap();
+                let recorded = give_back_recorded(p, &mut b, &mut recs, &acct, tokens, now);
                 self.given.lock().unwrap().push(tokens);
                 Ok(GiveBackReply {
                     now_us: now,
                     units_left: b.unwrap().tokens,
+                    recorded,
                 })
             })
         }
@@ -884,6 +1010,34 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_gateway_that_spent_its_block_and_fell_silent_syncs_before_its_record_expires() {
+        let fake = Fake::new();
+        let (l, _m) = leases(&fake);
+        // Burst = block: the second lease, at 20 left, is denied, so the last call the store
+        // saw reported 80 spent and the record says 20.
+        let hot = [item("1000/1s", 100, 100, 1)];
+        for _ in 0..100 {
+            assert!(l.check(&hot).await.unwrap().admitted);
+            settle(&l).await;
+        }
+        let record = |f: &Fake| f.records.lock().unwrap().get(l.holder_id()).map(|r| r.tokens);
+        assert_eq!(record(&fake), Some(20));
+        assert_eq!(l.held(), 0);
+        // Nothing is left to give back at the block's expiry; 11 s after the last call a
+        // give-back of nothing reports the 20 spent, 1 s before the store would reclaim them.
+        tokio::time::sleep(Duration::from_micros(SYNC_AFTER_US) - Duration::from_millis(1)).await;
+        assert_eq!(record(&fake), Some(20));
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        settle(&l).await;
+        assert_eq!(record(&fake), None);
+        assert_eq!(*fake.given.lock().unwrap(), vec![0]);
+        // Past the record's own expiry nothing more is sent and nothing is reclaimed.
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        settle(&l).await;
+        assert_eq!(fake.given.lock().unwrap().len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn failed_leases_send_the_key_through_the_inner_store_then_leasing_resumes() {
         let fake = Fake::new();
         let (l, m) = leases(&fake);
@@ -951,6 +1105,11 @@ mod tests {
         given.sort_unstable();
         assert_eq!(given, vec![99, 100]);
         assert_eq!(m.lease_tokens_returned.get(), 199);
+        assert!(
+            fake.records.lock().unwrap().is_empty(),
+            "a clean exit leaves a record: {:?}",
+            fake.records.lock().unwrap()
+        );
         // Drained: later requests go to the store, nothing more is leased.
         assert!(l.check(&[a]).await.unwrap().admitted);
         assert_eq!(fake.leases.load(Ordering::SeqCst), 2);

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tollgate_limit::bucket::{BucketParams, BucketState, Charge, Rate, refill};
+use tollgate_limit::lease::Account;
 use tollgate_rules::LeaseBlock;
 use tollgate_store::guard::FleetSize;
 use tollgate_store::lease::{GiveBackReply, LeaseReply, Leases, Lessor};
@@ -135,9 +136,10 @@ impl Lessor for Recorder {
         p: &'a BucketParams,
         block: u64,
         cycle_us: u64,
+        acct: Account<'a>,
     ) -> BoxFuture<'a, Result<LeaseReply, StoreError>> {
         Box::pin(async move {
-            let r = self.store.lease(key, p, block, cycle_us).await?;
+            let r = self.store.lease(key, p, block, cycle_us, acct).await?;
             self.note(r.now_us, r.units_left);
             Ok(r)
         })
@@ -148,9 +150,10 @@ impl Lessor for Recorder {
         key: &'a str,
         p: &'a BucketParams,
         tokens: u64,
+        acct: Account<'a>,
     ) -> BoxFuture<'a, Result<GiveBackReply, StoreError>> {
         Box::pin(async move {
-            let r = self.store.give_back(key, p, tokens).await?;
+            let r = self.store.give_back(key, p, tokens, acct).await?;
             self.note(r.now_us, r.units_left);
             Ok(r)
         })
