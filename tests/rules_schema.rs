@@ -1,10 +1,10 @@
 //! `tollgate rules-schema` and rules/schema.json: the committed schema is the binary's output,
-//! every shipped rules file names and passes it, and it refuses exactly the broken files whose
-//! fault is one of structure.
+//! every shipped rules file names and passes it, it refuses exactly the broken files whose
+//! fault is one of structure, and the README's field reference lists exactly its fields.
 
 mod common;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use common::cli::{ok, tollgate};
@@ -259,4 +259,116 @@ fn the_loader_takes_a_schema_field_and_no_other_unknown_one() {
         "{err}"
     );
     assert!(!validator().is_valid(&doc));
+}
+
+/// Follows `$ref`s and the `anyOf` that an optional field's `null` makes.
+fn resolve<'a>(defs: &'a Value, mut node: &'a Value) -> &'a Value {
+    loop {
+        if let Some(r) = node["$ref"].as_str() {
+            let name = r.strip_prefix("#/$defs/").expect("local refs only");
+            node = &defs[name];
+        } else if let Some(any) = node["anyOf"].as_array() {
+            let mut not_null = any.iter().filter(|s| s["type"] != "null");
+            match (not_null.next(), not_null.next()) {
+                (Some(only), None) => node = only,
+                _ => return node,
+            }
+        } else {
+            return node;
+        }
+    }
+}
+
+/// What the reference must say of a field: whether it is required, and its default.
+#[derive(Debug, PartialEq)]
+struct Field {
+    required: bool,
+    default: Option<Value>,
+}
+
+/// Every field path in the schema: `*` for a map's entries, `[]` for a list's.
+fn schema_fields(defs: &Value, node: &Value, prefix: &str, out: &mut BTreeMap<String, Field>) {
+    let node = resolve(defs, node);
+    let required: Vec<&str> = node["required"]
+        .as_array()
+        .map(|r| r.iter().map(|s| s.as_str().unwrap()).collect())
+        .unwrap_or_default();
+    if let Some(props) = node["properties"].as_object() {
+        for (name, sub) in props {
+            let path = if prefix.is_empty() {
+                name.clone()
+            } else {
+                format!("{prefix}.{name}")
+            };
+            let default = sub.get("default").filter(|d| !d.is_null()).cloned();
+            out.insert(
+                path.clone(),
+                Field {
+                    required: required.contains(&name.as_str()),
+                    default,
+                },
+            );
+            schema_fields(defs, sub, &path, out);
+        }
+    }
+    if node["additionalProperties"].is_object() {
+        schema_fields(defs, &node["additionalProperties"], &format!("{prefix}.*"), out);
+    }
+    if node["items"].is_object() {
+        schema_fields(defs, &node["items"], &format!("{prefix}[]"), out);
+    }
+}
+
+/// The README's reference rows: path → default cell.
+fn readme_fields() -> BTreeMap<String, String> {
+    let readme = std::fs::read_to_string(common::repo().join("README.md")).unwrap();
+    let start = readme
+        .find("<!-- rules-reference:start -->")
+        .expect("the README marks its rules reference");
+    let end = readme.find("<!-- rules-reference:end -->").expect("and its end");
+    let mut rows = BTreeMap::new();
+    for line in readme[start..end].lines().filter(|l| l.starts_with("| `")) {
+        let cells: Vec<String> = line
+            .replace("\\|", "\u{0}")
+            .split('|')
+            .map(|c| c.trim().replace('\u{0}', "|"))
+            .collect();
+        assert_eq!(cells.len(), 6, "a row of four cells: {line}");
+        let path = cells[1].trim_matches('`').to_string();
+        assert!(
+            rows.insert(path.clone(), cells[3].clone()).is_none(),
+            "{path} is listed twice"
+        );
+    }
+    rows
+}
+
+#[test]
+fn the_readme_reference_lists_every_field_of_the_schema() {
+    let schema = read_json(&schema_path());
+    let mut fields = BTreeMap::new();
+    schema_fields(&schema["$defs"], &schema, "", &mut fields);
+    assert!(fields.contains_key("limits.*.dimension") && fields.contains_key("keys[].sha256"));
+    let rows = readme_fields();
+    let missing: Vec<_> = fields.keys().filter(|p| !rows.contains_key(*p)).collect();
+    let extra: Vec<_> = rows.keys().filter(|p| !fields.contains_key(*p)).collect();
+    assert!(
+        missing.is_empty() && extra.is_empty(),
+        "README field reference: missing {missing:?}, not in the schema {extra:?}"
+    );
+    for (path, field) in &fields {
+        let cell = &rows[path];
+        assert_eq!(
+            cell == "required",
+            field.required,
+            "{path}: the README's default is {cell:?} but the schema has it {}required",
+            if field.required { "" } else { "not " }
+        );
+        if let Some(d) = &field.default {
+            assert!(
+                cell.contains(&d.to_string()),
+                "{path}: the README's default {cell:?} does not show the schema's {d}"
+            );
+        }
+    }
 }
