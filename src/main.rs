@@ -40,6 +40,8 @@ pub enum Command {
         #[arg(long, hide = true)]
         cluster: bool,
     },
+    /// Print the JSON Schema of a rules file (rules/schema.json is its output).
+    RulesSchema,
     /// Run only the built-in demo upstream ("orders").
     DemoUpstream {
         #[arg(long, env = "TOLLGATE_LISTEN", default_value = "127.0.0.1:8081")]
@@ -458,6 +460,10 @@ fn main() -> Result<()> {
         }
         return Ok(());
     }
+    if let Command::RulesSchema = &cli.command {
+        print!("{}", tollgate_rules::raw::schema());
+        return Ok(());
+    }
     if let Command::CheckRules { file, cluster: _ } = &cli.command {
         match tollgate_rules::load(file, tollgate_rules::CompileOptions::default()) {
             Ok(snap) => {
@@ -475,6 +481,7 @@ fn main() -> Result<()> {
         Command::Demo(a) => (a.common.log_format, a.common.threads, a.common.access_log_buffer),
         Command::DemoUpstream { .. }
         | Command::CheckRules { .. }
+        | Command::RulesSchema
         | Command::Replay(_)
         | Command::Fleet(_)
         | Command::Meter(_)
@@ -540,6 +547,7 @@ fn run(cli: Cli, threads: Option<u16>, format: LogFormat) -> Result<()> {
             }
             // These returned before the runtime started.
             Command::CheckRules { .. }
+            | Command::RulesSchema
             | Command::Replay(_)
             | Command::Fleet(_)
             | Command::Meter(_)

@@ -252,9 +252,12 @@ fn the_compose_fleet_serves_the_fleet_rules_with_twenty_gateways() {
     let compose_rules = std::fs::read_to_string(&path).unwrap();
     let fleet = std::fs::read_to_string(repo.join("rules/fleet.json")).unwrap();
     assert_eq!(
-        compose_rules.replace("http://upstream:8081", "http://127.0.0.1:8081"),
+        compose_rules
+            .replace("http://upstream:8081", "http://127.0.0.1:8081")
+            .replace("\"../../rules/schema.json\"", "\"./schema.json\""),
         fleet,
-        "benches/fleet/rules.json must be rules/fleet.json with the upstream at upstream:8081"
+        "benches/fleet/rules.json must be rules/fleet.json with the upstream at upstream:8081 \
+         and the schema named from its directory"
     );
 }
 

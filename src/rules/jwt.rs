@@ -10,18 +10,24 @@ use jsonwebtoken::{Algorithm, DecodingKey, Validation, errors::ErrorKind};
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-/// The `jwt` object of a rules file.
-#[derive(Debug, Deserialize)]
+/// How bearer tokens of `"identity": "jwt"` routes are verified and who they name.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "Jwt")]
 pub(crate) struct RawJwt {
-    /// A JWKS file, relative to the rules file's directory.
+    /// A JWKS file, relative to the rules file's directory; read again on every reload.
     pub jwks: String,
+    /// The `iss` a token must carry.
     pub issuer: String,
+    /// The `aud` a token must carry.
     pub audience: String,
+    /// Seconds of clock drift allowed on `exp` and `nbf` (default 30, at most 300).
     #[serde(default)]
     pub leeway_s: Option<u64>,
+    /// The claim that is the caller's key id (default `"sub"`).
     #[serde(default)]
     pub key_claim: Option<String>,
+    /// The claim that is the caller's tenant (default: the key id).
     #[serde(default)]
     pub tenant_claim: Option<String>,
 }

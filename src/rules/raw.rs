@@ -1,21 +1,47 @@
-//! The rules file as written: serde types with `deny_unknown_fields`, checked later by `compile`.
+//! The rules file as written: serde types with `deny_unknown_fields`, checked later by `compile`,
+//! and the JSON Schema derived from the same types.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
-use serde::Deserialize;
+use schemars::{JsonSchema, Schema, SchemaGenerator, json_schema};
+use serde::{Deserialize, Serialize};
 
 use tollgate_limit::batch::FailurePolicy;
 
-#[derive(Debug, Deserialize)]
+/// The JSON Schema of a rules file as `tollgate rules-schema` prints it and rules/schema.json
+/// holds it: pretty-printed, with a trailing newline.
+pub fn schema() -> String {
+    let schema = schemars::schema_for!(RawRules);
+    let mut text = serde_json::to_string_pretty(&schema).expect("a schema is a JSON value");
+    text.push('\n');
+    text
+}
+
+/// A Tollgate rules file: the upstreams, the limits, the API keys and the routes that charge
+/// them. Every object refuses fields it does not know.
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "TollgateRules")]
 pub(crate) struct RawRules {
+    /// The JSON Schema this file follows (`"./schema.json"` in rules/), so editors can check
+    /// it; the gateway never reads it.
+    #[serde(rename = "$schema", default)]
+    #[allow(dead_code)]
+    pub schema: Option<String>,
     /// Only goes up: a running gateway ignores a file whose version is not above its own.
     pub version: u64,
+    /// The services behind the gateway, by the name routes give them.
     pub upstreams: BTreeMap<String, RawUpstream>,
+    /// The token buckets, by the name costs, keys and `unauthenticated` give them (letters,
+    /// digits, `-`, `_` and `.`).
     #[serde(default)]
     pub limits: BTreeMap<String, RawLimit>,
+    /// The API keys, by the SHA-256 of their secret.
     #[serde(default)]
     pub keys: Vec<RawKey>,
+    /// Which requests go to which upstream and what each costs; the longest matching path
+    /// prefix wins.
     pub routes: Vec<RawRoute>,
     /// The limit charged to every request that has no valid key, keyed on the client IP.
     #[serde(default)]
@@ -25,8 +51,10 @@ pub(crate) struct RawRules {
     pub jwt: Option<crate::jwt::RawJwt>,
 }
 
-#[derive(Debug, Deserialize)]
+/// A service the gateway forwards to.
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "Upstream")]
 pub(crate) struct RawUpstream {
     /// Base URL: `http://host:port[/prefix]`.
     pub url: String,
@@ -54,19 +82,26 @@ pub(crate) struct RawUpstream {
     pub concurrency: Option<RawConcurrency>,
 }
 
-#[derive(Debug, Deserialize)]
+/// An upstream's adaptive limit on requests in flight, under its `max_in_flight`.
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "Concurrency")]
 pub(crate) struct RawConcurrency {
-    /// Required, so a block that was meant to be off says so.
+    /// Whether the limit follows the upstream's latency; required, so a block that was meant
+    /// to be off says so.
     pub adaptive: bool,
+    /// The fewest requests in flight the limit goes down to (default 4).
     #[serde(default)]
     pub min: Option<u32>,
+    /// The most requests in flight the limit goes up to (default 2000, at most 1000000).
     #[serde(default)]
     pub max: Option<u32>,
 }
 
-#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq)]
+/// What a path's `%2F` and `%5C` do.
+#[derive(Debug, Deserialize, JsonSchema, Clone, Copy, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
+#[schemars(rename = "EncodedSlashes")]
 pub(crate) enum RawEncodedSlashes {
     /// A 400, so an upstream can't decode them into separators the gateway didn't route on.
     Refuse,
@@ -74,9 +109,12 @@ pub(crate) enum RawEncodedSlashes {
     Keep,
 }
 
-#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq, Default)]
+/// How a route's path prefix is compared with a request's path.
+#[derive(Debug, Deserialize, Serialize, JsonSchema, Clone, Copy, PartialEq, Eq, Default)]
 #[serde(rename_all = "kebab-case")]
+#[schemars(rename = "PathMatch")]
 pub(crate) enum RawPathMatch {
+    /// Paths match byte for byte.
     #[default]
     Exact,
     /// For upstreams that serve `/V1/Exports` as `/v1/exports`, so limits can't be dodged by
@@ -157,7 +195,62 @@ impl<'de> Deserialize<'de> for RawDimension {
     }
 }
 
-#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq, Default)]
+/// Written by hand to accept what the hand-written `Deserialize` above accepts: one of the
+/// four names, or an object of exactly one of the three named fields holding a string.
+impl JsonSchema for RawDimension {
+    fn schema_name() -> Cow<'static, str> {
+        "Dimension".into()
+    }
+
+    fn json_schema(_: &mut SchemaGenerator) -> Schema {
+        let named = |name: &str, about: &str| {
+            json_schema!({
+                "const": name,
+                "description": about,
+            })
+        };
+        let with = |field: &str, about: &str| {
+            json_schema!({
+                "type": "object",
+                "properties": { field: { "type": "string" } },
+                "required": [field],
+                "additionalProperties": false,
+                "description": about,
+            })
+        };
+        json_schema!({
+            "description": "What gets a bucket of its own: a name, or an object naming a header, a body field or a claim.",
+            "oneOf": [
+                named("key", "One bucket per tenant (the key's plan)."),
+                named("route", "One bucket per tenant (or client IP, without a key) per route."),
+                named("ip", "One bucket per client IP (or network prefix)."),
+                named("fingerprint", "One bucket per client fingerprint (the TLS ClientHello's; `none` on plain TCP)."),
+                with("header", "One bucket per value of this request header."),
+                with("body_field", "One bucket per value of this top-level field of a JSON request body (read at most 16 KiB of it)."),
+                with("claim", "One bucket per value of this claim of a verified JWT, inside its tenant."),
+            ],
+        })
+    }
+}
+
+/// The schema's copy of `tollgate_limit::batch::FailurePolicy`, whose crate stays free of
+/// schema code; the tests hold the two to the same names.
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+#[schemars(rename = "FailurePolicy")]
+// Never built: only its schema is used.
+#[allow(dead_code)]
+pub(crate) enum FailurePolicySchema {
+    /// A share of the limit (rate r/N, burst max(1, b/N)) in this gateway's memory.
+    Local,
+    /// Admit, and count the bypass.
+    Open,
+    /// Refuse with 503.
+    Closed,
+}
+
+/// Whether a limit refuses or only counts.
+#[derive(Debug, Deserialize, Serialize, JsonSchema, Clone, Copy, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
     /// Refuses when short.
@@ -168,7 +261,7 @@ pub enum Mode {
 }
 
 /// Where a limit's number holds: in each Region alone, or once across every Region.
-#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Deserialize, Serialize, JsonSchema, Clone, Copy, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Scope {
     /// Each Region enforces the whole limit on its own store.
@@ -178,7 +271,8 @@ pub enum Scope {
     Global,
 }
 
-#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq, Default)]
+/// What a limit protects.
+#[derive(Debug, Deserialize, Serialize, JsonSchema, Clone, Copy, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum LimitClass {
     /// Protects capacity or fairness.
@@ -188,31 +282,42 @@ pub enum LimitClass {
     Security,
 }
 
-#[derive(Debug, Deserialize, Clone, PartialEq, Eq)]
+#[derive(Debug, Deserialize, JsonSchema, Clone, PartialEq, Eq)]
 #[serde(untagged)]
+#[schemars(rename = "Block")]
 pub(crate) enum RawBlock {
+    /// This many tokens per block (at least 1).
     Fixed(u64),
+    /// `"auto"`: the block size follows the limit's rate.
     Auto(String),
 }
 
-#[derive(Debug, Deserialize, Clone, PartialEq, Eq)]
+/// Spend the limit from blocks of tokens leased into each gateway's memory (for hot keys).
+#[derive(Debug, Deserialize, JsonSchema, Clone, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "Lease")]
 pub(crate) struct RawLease {
     /// `"auto"` or a fixed number of tokens per block.
     pub block: RawBlock,
 }
 
-#[derive(Debug, Deserialize)]
+/// A token bucket per value of its dimension, or a count of requests in flight.
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "Limit")]
 pub(crate) struct RawLimit {
+    /// What gets a bucket of its own.
     pub dimension: RawDimension,
     /// `N/P`, e.g. `600/60s`. Optional for `key` limits whose numbers every key sets.
     #[serde(default)]
     pub rate: Option<String>,
+    /// The most tokens a bucket holds: the largest burst it lets through at once.
     #[serde(default)]
     pub burst: Option<u64>,
+    /// Whether the limit refuses or only counts.
     #[serde(default)]
     pub mode: Mode,
+    /// What the limit protects, which decides how it fails and whether it is leased.
     #[serde(default)]
     pub class: LimitClass,
     /// Requests of one key in flight at once, instead of a rate and a burst.
@@ -228,8 +333,12 @@ pub(crate) struct RawLimit {
     /// spend a full allowance in every Region.
     #[serde(default)]
     pub home_region: Option<String>,
+    /// What the limit does when its store can't answer (default `"local"`; a security limit
+    /// may not fail open).
     #[serde(default)]
+    #[schemars(with = "Option<FailurePolicySchema>")]
     pub on_store_failure: Option<FailurePolicy>,
+    /// Spend a `key` limit from leased blocks of tokens in the gateway's memory.
     #[serde(default)]
     pub lease: Option<RawLease>,
     /// A billing quota every key on this plan gets, unless the key sets its own.
@@ -238,6 +347,7 @@ pub(crate) struct RawLimit {
     /// Numbers per value of a JWT claim (`plan_claim`, default `"plan"`), for JWT callers.
     #[serde(default)]
     pub plans: Option<BTreeMap<String, RawNumbers>>,
+    /// The JWT claim whose value picks a plan (default `"plan"`).
     #[serde(default)]
     pub plan_claim: Option<String>,
     /// Accepted so a rules file can say what a limit is for; the gateway never reads it.
@@ -265,34 +375,45 @@ pub(crate) struct RawLimit {
 }
 
 /// `{"header": "X-Usage-Tokens"}`: the response header whose decimal value is the cost.
-#[derive(Debug, Deserialize, Clone)]
+#[derive(Debug, Deserialize, JsonSchema, Clone)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "CostFromResponse")]
 pub(crate) struct RawCostFromResponse {
+    /// The response header that reports the cost.
     pub header: String,
 }
 
 /// `{"status": [401, 403]}`.
-#[derive(Debug, Deserialize, Clone)]
+#[derive(Debug, Deserialize, JsonSchema, Clone)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "ChargeOn")]
 pub(crate) struct RawChargeOn {
+    /// The statuses that keep the charge (100 to 599, at least one).
     pub status: Vec<u16>,
 }
 
-#[derive(Debug, Deserialize, Clone)]
+/// A rate and a burst that replace a limit's own.
+#[derive(Debug, Deserialize, JsonSchema, Clone)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "Numbers")]
 pub(crate) struct RawNumbers {
+    /// `N/P`, e.g. `600/60s`.
     pub rate: String,
+    /// The most tokens the bucket holds.
     pub burst: u64,
 }
 
-#[derive(Debug, Deserialize)]
+/// An API key: its hash, its tenant and its own numbers.
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "Key")]
 pub(crate) struct RawKey {
     /// The key's public id, as in access logs and replay traces (`k-7`). Never the secret.
     pub id: String,
     /// Buckets of `key` and `route` limits are per tenant; defaults to the id.
     #[serde(default)]
     pub tenant: Option<String>,
+    /// A name for people, such as the customer's.
     #[serde(default)]
     pub name: Option<String>,
     /// Lower-case hex SHA-256 of the secret key.
@@ -306,17 +427,21 @@ pub(crate) struct RawKey {
 }
 
 /// `{"per": "day", "limit": 100000, "timezone": "Europe/Paris"}`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "Quota")]
 pub(crate) struct RawQuota {
+    /// The calendar period the count resets on.
     pub per: crate::quota::Per,
+    /// The most admitted requests in one period.
     pub limit: u64,
     /// An IANA name; UTC when absent.
     #[serde(default)]
     pub timezone: Option<String>,
 }
 
-#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq, Default)]
+/// Whether a route needs a valid API key.
+#[derive(Debug, Deserialize, Serialize, JsonSchema, Clone, Copy, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum KeyRequirement {
     /// No key: 401.
@@ -326,7 +451,8 @@ pub enum KeyRequirement {
     Optional,
 }
 
-#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq, Default)]
+/// Who a route's caller is.
+#[derive(Debug, Deserialize, Serialize, JsonSchema, Clone, Copy, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Identity {
     /// `Authorization: Bearer` or `X-API-Key` holds a secret whose hash is in `keys`.
@@ -336,16 +462,22 @@ pub enum Identity {
     Jwt,
 }
 
-#[derive(Debug, Deserialize)]
+/// Requests of one method under one path prefix: where they go and what they cost.
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "Route")]
 pub(crate) struct RawRoute {
+    /// How metrics, access lines and messages name the route, unique among routes (default:
+    /// the method and the path, `"POST /v1/exports"`).
     #[serde(default)]
     pub name: Option<String>,
     /// An HTTP method, or `*` for any.
     pub method: String,
     /// A path prefix, matched on whole segments.
     pub path: String,
+    /// The name of an upstream in `upstreams`.
     pub upstream: String,
+    /// Whether a request needs a valid API key.
     #[serde(default)]
     pub key: KeyRequirement,
     /// Who the caller is: an API key (the default) or a verified JWT.
@@ -362,14 +494,132 @@ pub(crate) struct RawRoute {
     pub encoded_slashes: Option<RawEncodedSlashes>,
 }
 
-#[derive(Debug, Deserialize)]
+/// The bucket of requests without a valid key.
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "Unauthenticated")]
 pub(crate) struct RawUnauthenticated {
+    /// The name of an `"ip"` limit in `limits`.
     pub limit: String,
+    /// Tokens each such request costs in it.
     #[serde(default = "one")]
     pub cost: u64,
 }
 
 fn one() -> u64 {
     1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{Value, json};
+
+    fn validator<T: JsonSchema>() -> jsonschema::Validator {
+        let schema = serde_json::to_value(schemars::schema_for!(T)).unwrap();
+        jsonschema::validator_for(&schema).unwrap()
+    }
+
+    fn parses<T: for<'de> Deserialize<'de>>(v: &Value) -> bool {
+        serde_json::from_value::<T>(v.clone()).is_ok()
+    }
+
+    /// The dimension is read by hand, so its schema is written by hand: both must take the
+    /// same values.
+    #[test]
+    fn the_dimension_schema_takes_what_the_parser_takes() {
+        let schema = validator::<RawDimension>();
+        let cases = [
+            json!("key"),
+            json!("route"),
+            json!("ip"),
+            json!("fingerprint"),
+            json!({"header": "X-Tenant"}),
+            json!({"body_field": "account"}),
+            json!({"claim": "sub"}),
+            json!({"header": ""}),
+            json!("Key"),
+            json!("fingerprnt"),
+            json!(""),
+            json!(7),
+            json!(null),
+            json!(["key"]),
+            json!({"header": 1}),
+            json!({"header": null}),
+            json!({"key": "x"}),
+            json!({"ip": {}}),
+            json!({"cookie": "session"}),
+            json!({}),
+            json!({"header": "X-A", "claim": "sub"}),
+        ];
+        let mut taken = 0;
+        for c in &cases {
+            let parsed = parses::<RawDimension>(c);
+            assert_eq!(schema.is_valid(c), parsed, "{c}: the parser says {parsed}");
+            taken += usize::from(parsed);
+        }
+        assert_eq!(taken, 8, "the cases cover both answers");
+    }
+
+    /// `FailurePolicy` lives in tollgate-limit, which carries no schema code; its copy here
+    /// must name the same values.
+    #[test]
+    fn the_failure_policy_copy_names_what_the_limit_crate_parses() {
+        use FailurePolicy::{Closed, Local, Open};
+        // Stops compiling when a policy is added, so the list below gets it too.
+        let _ = |p: FailurePolicy| match p {
+            Local | Open | Closed => (),
+        };
+        let schema = validator::<FailurePolicySchema>();
+        for p in [Local, Open, Closed] {
+            let name = serde_json::to_value(p).unwrap();
+            assert!(schema.is_valid(&name), "{name} is missing from the schema");
+        }
+        for name in ["local", "open", "closed", "Local", "fail-open", "", "none"] {
+            let v = json!(name);
+            assert_eq!(schema.is_valid(&v), parses::<FailurePolicy>(&v), "{name}");
+        }
+    }
+
+    /// The schema describes the parse (types, required and unknown fields, names), not the
+    /// checks `compile` makes afterwards: on every shipped and every broken file, the schema
+    /// and the parser agree. tests/rules_schema.rs names which broken files that refuses.
+    #[test]
+    fn on_every_rules_file_the_schema_and_the_parser_agree() {
+        let schema = validator::<RawRules>();
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let mut files = Vec::new();
+        for dir in ["rules", "tests/broken_rules"] {
+            for e in std::fs::read_dir(root.join(dir)).unwrap() {
+                let p = e.unwrap().path();
+                let name = p.file_name().unwrap().to_string_lossy().into_owned();
+                // Not rules files: JWKS and the schema itself.
+                if name.ends_with("-jwks.json") || name == "schema.json" {
+                    continue;
+                }
+                if name.ends_with(".json") || name.ends_with(".json.txt") {
+                    files.push(p);
+                }
+            }
+        }
+        assert!(files.len() > 40, "found only {files:?}");
+        let (mut taken, mut refused) = (0, 0);
+        for f in &files {
+            let v: Value = serde_json::from_slice(&std::fs::read(f).unwrap())
+                .unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+            let parsed = parses::<RawRules>(&v);
+            assert_eq!(
+                schema.is_valid(&v),
+                parsed,
+                "{}: the parser says {parsed}",
+                f.display()
+            );
+            if parsed {
+                taken += 1;
+            } else {
+                refused += 1;
+            }
+        }
+        assert!(taken > 0 && refused > 0, "{taken} taken, {refused} refused");
+    }
 }
