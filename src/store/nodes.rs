@@ -35,11 +35,16 @@ pub(crate) const REFRESH_GAP: Duration = Duration::from_millis(100);
 pub(crate) const REFRESH_EVERY: Duration = Duration::from_secs(1);
 /// How long reading the map from one node, or connecting to a new primary, may take.
 const REFRESH_TIMEOUT: Duration = Duration::from_millis(500);
-/// Redirections followed for one call before its error is the caller's.
+/// `MOVED` and `ASK` followed for one call before its error is the caller's.
 const MAX_REDIRECTIONS: usize = 16;
-/// The pause before a call the cluster asked to try again: a slot half moved (`TRYAGAIN`)
-/// finishes moving in about a millisecond.
+/// The first pause before a call the cluster asked to try again (`TRYAGAIN`: a slot half
+/// moved, which takes a millisecond or so to finish; `CLUSTERDOWN`), doubled up to
+/// [`TRY_AGAIN_MAX`] each time.
 const TRY_AGAIN_AFTER: Duration = Duration::from_millis(1);
+const TRY_AGAIN_MAX: Duration = Duration::from_millis(10);
+/// How long one call keeps trying again; the guard's timeout, far shorter, usually ends it
+/// first, and the limits' failure policies decide.
+const TRY_AGAIN_FOR: Duration = Duration::from_secs(2);
 
 /// What one call runs on a node.
 #[derive(Clone, Copy)]
@@ -294,8 +299,10 @@ impl Nodes {
         let slot = keys.first().map(|k| redis_keyslot(k.as_bytes()));
         // Where a redirection sent the call, and whether it must say ASKING first.
         let mut to: Option<(Server, bool)> = None;
-        let mut last = None;
-        for _ in 0..MAX_REDIRECTIONS {
+        let started = Instant::now();
+        let mut pause = TRY_AGAIN_AFTER;
+        let mut redirections = 0;
+        loop {
             let (server, pool, asking) = match to.take() {
                 Some((server, asking)) => {
                     let pool = self.pool_of(&server).await?;
@@ -344,16 +351,23 @@ impl Nodes {
                 Err(e) => e,
             };
             match redirect(&e) {
-                Some(Redirect::Moved(server)) => {
+                Some(Redirect::Moved(server)) if redirections < MAX_REDIRECTIONS => {
+                    redirections += 1;
                     self.refresh_soon();
                     to = Some((server, false));
                 }
-                Some(Redirect::Ask(server)) => to = Some((server, true)),
-                Some(Redirect::TryAgain) => tokio::time::sleep(TRY_AGAIN_AFTER).await,
-                Some(Redirect::Down) => {
-                    self.refresh_soon();
-                    tokio::time::sleep(TRY_AGAIN_AFTER).await;
+                Some(Redirect::Ask(server)) if redirections < MAX_REDIRECTIONS => {
+                    redirections += 1;
+                    to = Some((server, true));
                 }
+                Some(Redirect::TryAgain | Redirect::Down) if started.elapsed() < TRY_AGAIN_FOR => {
+                    if matches!(redirect(&e), Some(Redirect::Down)) {
+                        self.refresh_soon();
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(TRY_AGAIN_MAX);
+                }
+                Some(_) => return Err(e),
                 None => {
                     if matches!(e.kind(), ErrorKind::IO | ErrorKind::Timeout | ErrorKind::Canceled) {
                         self.refresh_soon();
@@ -361,9 +375,7 @@ impl Nodes {
                     return Err(e);
                 }
             }
-            last = Some(e);
         }
-        Err(last.unwrap_or_else(|| unreachable("too many redirections".into())))
     }
 
     /// `SCRIPT LOAD` on every primary in the map.
