@@ -313,11 +313,12 @@ async fn a_killed_master_fails_over_and_every_slot_comes_back_to_the_store() {
         .filter(|(i, _)| *i != victim_idx)
         .map(|(_, n)| n.port)
         .collect();
+    let redis_cli = common::require_binary("redis-cli");
     let promoted_at = tokio::task::spawn_blocking(move || {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             let cli = |p: &u16, args: &[&str]| {
-                let out = std::process::Command::new("redis-cli")
+                let out = std::process::Command::new(&redis_cli)
                     .args(["-p", &p.to_string()])
                     .args(args)
                     .output()
