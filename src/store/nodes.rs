@@ -273,12 +273,20 @@ impl Nodes {
         Ok(map.primaries.entry(server.clone()).or_insert(pool).clone())
     }
 
-    /// The primary of `slot` in the map, or any primary for a call without keys.
+    /// The primary of `slot` in the map, or for a call without keys (`/readyz`, the clock) a
+    /// connected one: one master away does not make the store unready.
     fn route(&self, slot: Option<u16>) -> Result<(Server, Pool), FredError> {
         let map = self.map.read().unwrap_or_else(|p| p.into_inner());
         let server = match slot {
             Some(s) => map.routing.get_server(s).cloned(),
-            None => map.primaries.keys().min().cloned(),
+            None => map
+                .primaries
+                .iter()
+                .filter(|(_, p)| p.next().is_connected())
+                .map(|(s, _)| s)
+                .min()
+                .or_else(|| map.primaries.keys().min())
+                .cloned(),
         }
         .ok_or_else(|| unreachable("no cluster node serves this slot yet".into()))?;
         let pool = map
