@@ -32,7 +32,7 @@ use tollgate_store::lease::Leases;
 use tollgate_store::memory::MemoryStore;
 use tollgate_store::redis::{ConnectError, RedisStore, Target, side_client};
 use tollgate_store::seats::RedisSeats;
-use tollgate_store::slots::Slots;
+use tollgate_store::slots::{Slots, cluster_slot};
 use tollgate_telemetry::metrics::Metrics;
 
 /// A validated configuration.
@@ -383,14 +383,16 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
             Some(n) => FleetSize::fixed(n),
             None => FleetSize::learned(),
         });
-        let g = Arc::new(Guard::new(
+        let g = Guard::new(
             store,
             cfg.store_timeout,
             fleet,
             cfg.clock.clone(),
             limit_names(rules.clone()),
             metrics.clone(),
-        ));
+        );
+        // One master of a cluster failing opens only its own slots' breakers.
+        let g = Arc::new(if cluster { g.per_slot(cluster_slot) } else { g });
         g.spawn_heartbeat(format!("{:032x}", rand::random::<u128>()));
         (g.clone() as Arc<dyn Store>, Some(g))
     } else {

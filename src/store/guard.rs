@@ -8,6 +8,12 @@
 //! five failures in a row the breaker opens: no request waits on the store, and one probe a
 //! second finds out when it is back; the first success closes it and forgets the local shares.
 //!
+//! On a cluster ([`Guard::per_slot`]) every hash slot has a breaker of its own, since one master
+//! failing says nothing about the others: its slots open theirs while the rest keep deciding on
+//! the store. Only timeouts open a slot's breaker (an error that comes at once costs no wait),
+//! and an open one probes every [`SLOT_PROBE_EVERY`]. The local shares are forgotten when the
+//! last open breaker closes.
+//!
 //! A refund ([`Store::refund`]) goes where the charge went: to the store when it decided the
 //! check, within the same timeout and never while the breaker is open; into the local shares
 //! for a `local` bypass (at the fleet size known now); nowhere for an `open` or `closed` one,
@@ -23,6 +29,7 @@ use tokio::time::Instant;
 use smallvec::SmallVec;
 
 use super::memory::MemoryStore;
+use super::slots::SlotOf;
 use super::{
     Adjusted, BoxFuture, CheckFuture, CheckItem, FailurePolicy, Outcome, Source, Store, StoreError,
     units_mismatch,
@@ -36,6 +43,10 @@ use tollgate_telemetry::metrics::{Kind, LimitPolicy, Metrics};
 pub(crate) const FAILURES_TO_OPEN: u32 = 5;
 /// How often an open breaker lets one check through to the store.
 pub(crate) const PROBE_EVERY: Duration = Duration::from_secs(1);
+/// The same for one hash slot's breaker. A probe costs one request of that slot a wait of at
+/// most the timeout, and a promoted replica's slots come back within one probe, so slots probe
+/// ten times as often as a whole store does.
+pub(crate) const SLOT_PROBE_EVERY: Duration = Duration::from_millis(100);
 
 /// Whether a check may go to the store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,8 +65,10 @@ struct Breaker {
     failures: AtomicU32,
     open: AtomicBool,
     next_probe_us: AtomicU64,
-    origin: Instant,
 }
+
+/// Hash slots of a Redis Cluster, each with a breaker under [`Guard::per_slot`].
+const CLUSTER_SLOTS: usize = 16_384;
 
 impl Breaker {
     fn new() -> Breaker {
@@ -63,26 +76,24 @@ impl Breaker {
             failures: AtomicU32::new(0),
             open: AtomicBool::new(false),
             next_probe_us: AtomicU64::new(0),
-            origin: Instant::now(),
         }
     }
 
-    fn now_us(&self) -> u64 {
-        self.origin.elapsed().as_micros() as u64
+    fn is_open(&self) -> bool {
+        self.open.load(Ordering::Acquire)
     }
 
-    fn admit(&self) -> Admit {
+    fn admit(&self, now: u64, every: Duration) -> Admit {
         if !self.open.load(Ordering::Acquire) {
             return Admit::Pass;
         }
-        let now = self.now_us();
         let due = self.next_probe_us.load(Ordering::Acquire);
         if now >= due
             && self
                 .next_probe_us
                 .compare_exchange(
                     due,
-                    now + PROBE_EVERY.as_micros() as u64,
+                    now + every.as_micros() as u64,
                     Ordering::AcqRel,
                     Ordering::Acquire,
                 )
@@ -101,11 +112,11 @@ impl Breaker {
     }
 
     /// Returns true when this failure opened the breaker.
-    fn failure(&self) -> bool {
+    fn failure(&self, now: u64, every: Duration) -> bool {
         let n = self.failures.fetch_add(1, Ordering::AcqRel) + 1;
         if n >= FAILURES_TO_OPEN && !self.open.load(Ordering::Acquire) {
             self.next_probe_us
-                .store(self.now_us() + PROBE_EVERY.as_micros() as u64, Ordering::Release);
+                .store(now + every.as_micros() as u64, Ordering::Release);
             return !self.open.swap(true, Ordering::AcqRel);
         }
         false
@@ -162,7 +173,15 @@ pub type LimitNames = Arc<dyn Fn(u16) -> Arc<str> + Send + Sync>;
 pub struct Guard {
     inner: Arc<dyn Store>,
     timeout: Duration,
-    breaker: Breaker,
+    /// One for the store, or one per hash slot ([`Guard::per_slot`]).
+    breakers: Box<[Breaker]>,
+    slot_of: Option<SlotOf>,
+    probe_every: Duration,
+    /// Breakers open now: the `tollgate_store_breaker_open` gauge.
+    open: AtomicU32,
+    /// The breakers' time base (their probe times are microseconds since then).
+    origin: Instant,
+    breaker_warn: Sampler,
     local: MemoryStore,
     pub fleet: Arc<FleetSize>,
     names: LimitNames,
@@ -183,7 +202,12 @@ impl Guard {
         Guard {
             inner,
             timeout,
-            breaker: Breaker::new(),
+            breakers: Box::new([Breaker::new()]),
+            slot_of: None,
+            probe_every: PROBE_EVERY,
+            open: AtomicU32::new(0),
+            origin: Instant::now(),
+            breaker_warn: Sampler::new(Duration::from_secs(5)),
             local: MemoryStore::new(clock),
             fleet,
             names,
@@ -193,36 +217,80 @@ impl Guard {
         }
     }
 
-    pub fn breaker_open(&self) -> bool {
-        self.breaker.open.load(Ordering::Acquire)
+    /// A breaker per Redis Cluster hash slot (`slot_of` names a key's), instead of one for the
+    /// store: a master that fails opens only its own slots' breakers.
+    pub fn per_slot(mut self, slot_of: SlotOf) -> Guard {
+        self.breakers = (0..CLUSTER_SLOTS).map(|_| Breaker::new()).collect();
+        self.slot_of = Some(slot_of);
+        self.probe_every = SLOT_PROBE_EVERY;
+        self
     }
 
-    fn on_success(&self) {
-        if self.breaker.success() {
-            self.metrics.breaker_open.set(0);
-            // The next outage starts from full local shares again.
-            self.local.clear();
-            tracing::info!(
-                store = self.inner.kind(),
-                "limiter store answers again; breaker closed"
-            );
+    /// Whether any breaker is open.
+    pub fn breaker_open(&self) -> bool {
+        self.open.load(Ordering::Acquire) > 0
+    }
+
+    /// The breaker of the batch's slot (a batch in front of [`Slots`](crate::slots::Slots) lies
+    /// in one), or the store's.
+    fn breaker(&self, batch: &[CheckItem]) -> &Breaker {
+        match (self.slot_of, batch.first()) {
+            (Some(slot_of), Some(item)) => {
+                &self.breakers[usize::from(slot_of(item.key.as_bytes())) % self.breakers.len()]
+            }
+            _ => &self.breakers[0],
         }
     }
 
-    fn on_failure(&self, e: &StoreError) {
+    fn now_us(&self) -> u64 {
+        self.origin.elapsed().as_micros() as u64
+    }
+
+    fn on_success(&self, breaker: &Breaker) {
+        if breaker.success() {
+            let left = self.open.fetch_sub(1, Ordering::AcqRel) - 1;
+            self.metrics.breaker_open.set(i64::from(left));
+            if left == 0 {
+                // The next outage starts from full local shares again.
+                self.local.clear();
+            }
+            if let Some(suppressed) = self.breaker_warn.allow(1) {
+                tracing::info!(
+                    store = self.inner.kind(),
+                    open = left,
+                    suppressed,
+                    "limiter store answers again; breaker closed"
+                );
+            }
+        }
+    }
+
+    fn on_failure(&self, breaker: &Breaker, e: &StoreError) {
         let kind = if *e == StoreError::Timeout {
             "timeout"
         } else {
             "error"
         };
         self.metrics.store_errors.get_or_create(&Kind { kind }).inc();
-        if self.breaker.failure() {
-            self.metrics.breaker_open.set(1);
-            tracing::warn!(
-                store = self.inner.kind(),
-                error = %e,
-                "limiter store failed {FAILURES_TO_OPEN} times in a row; breaker open, deciding by failure policy"
-            );
+        // A slot's breaker saves its checks the wait of a master that does not answer; an error
+        // that comes at once (its master is not connected) costs nothing to meet again, and
+        // leaving the breaker closed sends the slot's next check to a promoted replica as soon
+        // as the store knows of it, with no probe to wait for.
+        if self.slot_of.is_some() && *e != StoreError::Timeout {
+            return;
+        }
+        if breaker.failure(self.now_us(), self.probe_every) {
+            let open = self.open.fetch_add(1, Ordering::AcqRel) + 1;
+            self.metrics.breaker_open.set(i64::from(open));
+            if let Some(suppressed) = self.breaker_warn.allow(0) {
+                tracing::warn!(
+                    store = self.inner.kind(),
+                    error = %e,
+                    open,
+                    suppressed,
+                    "limiter store failed {FAILURES_TO_OPEN} times in a row; breaker open, deciding by failure policy"
+                );
+            }
         }
     }
 
@@ -384,7 +452,8 @@ impl Guard {
             loop {
                 tick.tick().await;
                 let Some(g) = weak.upgrade() else { break };
-                if g.breaker_open() {
+                // A cluster's heartbeat key is in one slot; its own timeout bounds a beat there.
+                if g.slot_of.is_none() && g.breaker_open() {
                     continue;
                 }
                 let beat =
@@ -399,21 +468,22 @@ impl Guard {
 
 impl Store for Guard {
     fn check<'a>(&'a self, batch: &'a [CheckItem]) -> CheckFuture<'a> {
-        if self.breaker.admit() == Admit::Skip {
+        let breaker = self.breaker(batch);
+        if breaker.admit(self.now_us(), self.probe_every) == Admit::Skip {
             return CheckFuture::ready(Ok(self.fallback(batch)));
         }
         CheckFuture::Boxed(Box::pin(async move {
             match tokio::time::timeout(self.timeout, self.inner.check(batch)).await {
                 Ok(Ok(outcome)) => {
-                    self.on_success();
+                    self.on_success(breaker);
                     Ok(outcome)
                 }
                 Ok(Err(e)) => {
-                    self.on_failure(&e);
+                    self.on_failure(breaker, &e);
                     Ok(self.fallback(batch))
                 }
                 Err(_) => {
-                    self.on_failure(&StoreError::Timeout);
+                    self.on_failure(breaker, &StoreError::Timeout);
                     Ok(self.fallback(batch))
                 }
             }
@@ -444,7 +514,7 @@ impl Store for Guard {
                 Source::Bypass(_) => Ok(Adjusted::none(batch.len())),
                 Source::Store => {
                     // A store that fails checks would only make the change wait for its timeout.
-                    let r = if self.breaker_open() {
+                    let r = if self.breaker(batch).is_open() {
                         Err(StoreError::BreakerOpen)
                     } else {
                         match tokio::time::timeout(self.timeout, self.inner.adjust(batch, outcome, units))
@@ -754,6 +824,99 @@ mod tests {
         ] {
             assert!(text.contains(line), "{line} missing from\n{text}");
         }
+    }
+
+    /// Hangs (or fails at once) on keys of the tag `down`, answers from memory on the others.
+    struct OneSlotDown {
+        fail_fast: AtomicBool,
+        up: AtomicBool,
+        calls_down: AtomicU64,
+        mem: MemoryStore,
+    }
+
+    impl Store for OneSlotDown {
+        fn check<'a>(&'a self, batch: &'a [CheckItem]) -> CheckFuture<'a> {
+            if batch[0].key.contains("{down}") && !self.up.load(Ordering::SeqCst) {
+                self.calls_down.fetch_add(1, Ordering::SeqCst);
+                if self.fail_fast.load(Ordering::SeqCst) {
+                    return CheckFuture::ready(Err(StoreError::Unavailable("not connected".into())));
+                }
+                return CheckFuture::Boxed(Box::pin(std::future::pending()));
+            }
+            CheckFuture::ready(Ok(self.mem.check_now(batch)))
+        }
+        fn kind(&self) -> &'static str {
+            "one-slot-down"
+        }
+        fn adjust<'a>(
+            &'a self,
+            batch: &'a [CheckItem],
+            outcome: &'a Outcome,
+            units: &'a [i64],
+        ) -> BoxFuture<'a, Result<Adjusted, StoreError>> {
+            self.mem.adjust(batch, outcome, units)
+        }
+    }
+
+    /// A test's slots: the tag's first letter.
+    fn slot_of(key: &[u8]) -> u16 {
+        key.iter()
+            .position(|b| *b == b'{')
+            .map_or(0, |i| u16::from(key[i + 1]))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn on_a_cluster_one_slot_timing_out_opens_only_its_own_breaker() {
+        let clock = ManualClock::new(1_000_000);
+        let store = Arc::new(OneSlotDown {
+            fail_fast: AtomicBool::new(true),
+            up: AtomicBool::new(false),
+            calls_down: AtomicU64::new(0),
+            mem: MemoryStore::new(clock.clone()),
+        });
+        let metrics = Metrics::new();
+        let g = Guard::new(
+            store.clone(),
+            Duration::from_millis(3),
+            Arc::new(FleetSize::fixed(1)),
+            clock,
+            Arc::new(|_| Arc::from("plan")),
+            metrics.clone(),
+        )
+        .per_slot(slot_of);
+        let down = [item("rl:{down}:plan", 0, "10/1s", 20, FailurePolicy::Closed)];
+        let live = [item("rl:{live}:plan", 0, "10/1s", 20, FailurePolicy::Closed)];
+
+        // Errors that come at once never open the breaker: every check still asks.
+        for _ in 0..20 {
+            assert_eq!(
+                g.check(&down).await.unwrap().source,
+                Source::Bypass(FailurePolicy::Closed)
+            );
+        }
+        assert_eq!(store.calls_down.load(Ordering::SeqCst), 20);
+        assert!(!g.breaker_open());
+
+        // Timeouts do, for that slot alone.
+        store.fail_fast.store(false, Ordering::SeqCst);
+        for _ in 0..FAILURES_TO_OPEN + 10 {
+            assert!(!g.check(&down).await.unwrap().admitted);
+            let out = g.check(&live).await.unwrap();
+            assert_eq!(out.source, Source::Store, "the live slot decides on the store");
+            assert!(out.admitted || out.buckets[0].tokens == 0);
+        }
+        assert_eq!(
+            store.calls_down.load(Ordering::SeqCst),
+            20 + u64::from(FAILURES_TO_OPEN)
+        );
+        assert!(metrics.render().contains("tollgate_store_breaker_open 1"));
+
+        // Its probe comes a slot's interval later, and the first success closes it.
+        store.up.store(true, Ordering::SeqCst);
+        tokio::time::advance(SLOT_PROBE_EVERY).await;
+        assert_eq!(g.check(&down).await.unwrap().source, Source::Store);
+        assert!(!g.breaker_open());
+        assert!(metrics.render().contains("tollgate_store_breaker_open 0"));
     }
 
     #[test]

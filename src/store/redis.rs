@@ -28,6 +28,7 @@ use smallvec::SmallVec;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use super::lease::{GiveBackReply, LeaseReply, Lessor, held_key};
+use super::nodes::{Nodes, Script};
 use super::{Adjusted, BoxFuture, CheckFuture, CheckItem, Outcome, Source, Store, StoreError, mismatch};
 use tollgate_limit::bucket::{BucketParams, BucketVerdict};
 use tollgate_limit::clock::Clock;
@@ -122,10 +123,44 @@ pub struct RedisStore {
     kind: &'static str,
 }
 
+/// The connections: one node's, or a cluster's primaries each on its own client.
+enum Conn {
+    One(Pool),
+    Cluster(Arc<Nodes>),
+}
+
+impl Conn {
+    async fn run(&self, script: Script<'_>, keys: Vec<Key>, args: Vec<Value>) -> Result<Value, FredError> {
+        match self {
+            Conn::One(pool) => match script {
+                Script::Sha(sha) => pool.evalsha(sha, keys, args).await,
+                Script::Text(text) => pool.eval(text, keys, args).await,
+            },
+            Conn::Cluster(nodes) => nodes.run(script, keys, args).await,
+        }
+    }
+
+    async fn load(&self, script: &str) -> Result<(), FredError> {
+        match self {
+            Conn::One(pool) => pool.script_load_cluster::<(), _>(script).await,
+            Conn::Cluster(nodes) => nodes.load(script).await,
+        }
+    }
+
+    async fn quit(&self) {
+        match self {
+            Conn::One(pool) => {
+                let _ = pool.quit().await;
+            }
+            Conn::Cluster(nodes) => nodes.quit().await,
+        }
+    }
+}
+
 /// What the queue's task and the callers share.
 struct Shared {
     /// [`DEFAULT_CONNECTIONS`] per node unless told otherwise, used round-robin.
-    client: Pool,
+    client: Conn,
     sha: Str,
     lease_sha: Str,
     refund_sha: Str,
@@ -251,25 +286,52 @@ fn kind_of(target: Target<'_>) -> (&'static str, bool) {
     }
 }
 
-/// The fred client: `fail_fast` makes the first connection's failure an error (start-up) rather
-/// than a reconnect loop (a store that is down at start-up).
+/// The connections: `fail_fast` makes the first connection's failure an error (start-up) rather
+/// than a reconnect loop (a store that is down at start-up). A cluster gets a client per
+/// primary (`nodes.rs`), each built as one node's.
 fn build_client(
     target: Target<'_>,
     name: &str,
     fail_fast: bool,
     connections: usize,
-) -> Result<Pool, ConnectError> {
+) -> Result<Conn, ConnectError> {
     let bad = |reason: String| ConnectError::BadTarget {
         store: name.to_string(),
         reason,
     };
-    let mut config = fred_config(target).map_err(bad)?;
-    config.fail_fast = fail_fast;
-    let policy = if fail_fast {
-        ReconnectPolicy::new_exponential(0, 100, 2_000, 2)
-    } else {
-        ReconnectPolicy::new_constant(0, 500)
-    };
+    let config = fred_config(target).map_err(bad)?;
+    match config.server {
+        ServerConfig::Clustered { hosts, .. } => {
+            let make = move |server: &Server| {
+                let config = Config {
+                    server: ServerConfig::Centralized {
+                        server: server.clone(),
+                    },
+                    fail_fast: true,
+                    ..Config::default()
+                };
+                // A primary that drops is tried again every 100 ms: its checks fail at once
+                // meanwhile (`nodes.rs`), and the map moves its slots when a replica takes over.
+                build_pool(config, ReconnectPolicy::new_constant(0, 100), connections)
+            };
+            Ok(Conn::Cluster(Nodes::new(hosts, Box::new(make))))
+        }
+        _ => {
+            let mut config = config;
+            config.fail_fast = fail_fast;
+            let policy = if fail_fast {
+                ReconnectPolicy::new_exponential(0, 100, 2_000, 2)
+            } else {
+                ReconnectPolicy::new_constant(0, 500)
+            };
+            build_pool(config, policy, connections)
+                .map(Conn::One)
+                .map_err(|e| bad(e.details().to_string()))
+        }
+    }
+}
+
+fn build_pool(config: Config, policy: ReconnectPolicy, connections: usize) -> Result<Pool, FredError> {
     Builder::from_config(config)
         .with_connection_config(|c: &mut ConnectionConfig| {
             c.connection_timeout = CONNECT_TIMEOUT;
@@ -287,7 +349,6 @@ fn build_client(
         })
         .set_policy(policy)
         .build_pool(connections.max(1))
-        .map_err(|e| bad(e.details().to_string()))
 }
 
 impl RedisStore {
@@ -310,10 +371,17 @@ impl RedisStore {
         let name = target.to_string();
         let (kind, cluster) = kind_of(target);
         let client = build_client(target, &name, true, connections)?;
-        client.init().await.map_err(|e| ConnectError::Unreachable {
-            store: name.clone(),
-            reason: e.details().to_string(),
-        })?;
+        let up = match &client {
+            Conn::One(pool) => pool.init().await.map(drop),
+            Conn::Cluster(nodes) => nodes.init().await,
+        };
+        if let Err(e) = up {
+            client.quit().await;
+            return Err(ConnectError::Unreachable {
+                store: name.clone(),
+                reason: e.details().to_string(),
+            });
+        }
         let shared = Shared::new(client, clock, cluster, name);
         let fail = |e: FredError, shared: &Shared| {
             let (store, reason) = (shared.name.clone(), e.details().to_string());
@@ -330,14 +398,14 @@ impl RedisStore {
             }
         };
         if let Err(e) = shared.load().await {
-            let _ = shared.client.quit().await;
+            shared.client.quit().await;
             return Err(ConnectError::ScriptLoad {
                 store: shared.name.clone(),
                 reason: e.details().to_string(),
             });
         }
         if let Err(e) = shared.probe().await {
-            let _ = shared.client.quit().await;
+            shared.client.quit().await;
             return Err(fail(e, &shared));
         }
         Ok(RedisStore::start(shared, kind))
@@ -354,13 +422,19 @@ impl RedisStore {
         let (kind, cluster) = kind_of(target);
         // Keep trying the first connection as if it had dropped.
         let client = build_client(target, &name, false, DEFAULT_CONNECTIONS)?;
-        // The connection tasks run on their own; their handle is not needed.
-        drop(client.connect());
+        // The connection tasks run on their own; their handle is not needed. A cluster's map is
+        // read by its refresher once a node answers.
+        if let Conn::One(pool) = &client {
+            drop(pool.connect());
+        }
         Ok(RedisStore::start(Shared::new(client, clock, cluster, name), kind))
     }
 
     /// Starts the queue's task: needs a tokio runtime.
     fn start(shared: Arc<Shared>, kind: &'static str) -> RedisStore {
+        if let Conn::Cluster(nodes) = &shared.client {
+            nodes.spawn_refresher();
+        }
         let (queue, rx) = mpsc::unbounded_channel();
         tokio::spawn(run_queue(shared.clone(), rx));
         RedisStore { shared, queue, kind }
@@ -447,7 +521,7 @@ impl RedisStore {
 }
 
 impl Shared {
-    fn new(client: Pool, clock: Option<Arc<dyn Clock>>, cluster: bool, name: String) -> Arc<Shared> {
+    fn new(client: Conn, clock: Option<Arc<dyn Clock>>, cluster: bool, name: String) -> Arc<Shared> {
         Arc::new(Shared {
             client,
             sha: fred::util::sha1_hash(SCRIPT).into(),
@@ -464,9 +538,9 @@ impl Shared {
 
     /// `SCRIPT LOAD` of every script on every primary.
     async fn load(&self) -> Result<(), FredError> {
-        self.client.script_load_cluster::<(), _>(SCRIPT).await?;
-        self.client.script_load_cluster::<(), _>(LEASE_SCRIPT).await?;
-        self.client.script_load_cluster::<(), _>(REFUND_SCRIPT).await
+        self.client.load(SCRIPT).await?;
+        self.client.load(LEASE_SCRIPT).await?;
+        self.client.load(REFUND_SCRIPT).await
     }
 
     fn clock_arg(&self) -> i64 {
@@ -489,16 +563,12 @@ impl Shared {
         request: impl Fn() -> (Vec<Key>, Vec<Value>),
     ) -> Result<Value, FredError> {
         let (keys, args) = request();
-        match self
-            .client
-            .evalsha::<Value, _, _, _>(sha.clone(), keys, args)
-            .await
-        {
+        match self.client.run(Script::Sha(sha), keys, args).await {
             Err(e) if is_noscript(&e) => {
                 tracing::info!(store = %self.name, "the store lost its scripts (NOSCRIPT); loading them again");
                 self.load().await?;
                 let (keys, args) = request();
-                self.client.evalsha(sha.clone(), keys, args).await
+                self.client.run(Script::Sha(sha), keys, args).await
             }
             other => other,
         }
@@ -937,16 +1007,17 @@ impl Store for RedisStore {
 
     fn heartbeat<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<Option<u32>, StoreError>> {
         Box::pin(async move {
-            let n: i64 = self
+            let n = self
                 .shared
                 .client
-                .eval(
-                    HEARTBEAT,
+                .run(
+                    Script::Text(HEARTBEAT),
                     vec![Key::from(FLEET_KEY)],
                     vec![Value::from(instance), Value::Integer(FLEET_WINDOW_MS)],
                 )
                 .await
                 .map_err(|e| store_error(&e))?;
+            let n = int(&n).ok_or_else(|| StoreError::Protocol(format!("the heartbeat answered {n:?}")))?;
             Ok(u32::try_from(n).ok().filter(|n| *n > 0))
         })
     }

@@ -157,7 +157,7 @@ impl Metrics {
         let breaker_open = Gauge::default();
         registry.register(
             "store_breaker_open",
-            "1 while the breaker in front of the limiter store is open",
+            "Breakers open in front of the limiter store: 1 or 0, or on a cluster the hash slots whose breaker is open",
             breaker_open.clone(),
         );
         let store_bypass = Family::<LimitPolicy, Counter>::default();

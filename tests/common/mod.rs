@@ -189,6 +189,31 @@ impl Http {
         }
     }
 
+    /// [`Http::send`] that returns a failed exchange (refused, reset) instead of panicking.
+    pub async fn try_send(
+        &self,
+        method: Method,
+        url: &str,
+        headers: &[(&str, &str)],
+    ) -> Result<Answer, String> {
+        let mut req = Request::builder().method(method).uri(url);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let resp = self
+            .client
+            .request(req.body(Full::new(Bytes::new())).unwrap())
+            .await
+            .map_err(|e| format!("{url}: {e}"))?;
+        let (parts, body) = resp.into_parts();
+        let body = body.collect().await.map_err(|e| format!("{url}: body: {e}"))?;
+        Ok(Answer {
+            status: parts.status,
+            headers: parts.headers,
+            body: body.to_bytes(),
+        })
+    }
+
     pub async fn get(&self, url: &str, headers: &[(&str, &str)]) -> Answer {
         self.send(Method::GET, url, headers, b"").await
     }
@@ -294,6 +319,12 @@ impl RedisServer {
         self.child.id()
     }
 
+    /// Kills the server with SIGKILL, as a crash would, and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
     /// Runs `redis-cli` against this server and returns its output.
     pub fn cli(&self, args: &[&str]) -> String {
         let out = Command::new(require_binary("redis-cli"))
@@ -312,29 +343,44 @@ impl Drop for RedisServer {
     }
 }
 
-/// A Redis Cluster of three masters and no replicas, each a `RedisServer` on free ports (client
-/// and bus); stopped on drop.
+/// A Redis Cluster of three masters (and, from [`RedisCluster::with_replicas`], a replica of
+/// each), each a `RedisServer` on free ports (client and bus); stopped on drop.
 pub struct RedisCluster {
     pub nodes: Vec<RedisServer>,
 }
 
 impl RedisCluster {
+    /// Three masters, no replicas, a node timeout of 5 s.
     pub fn start() -> RedisCluster {
-        let nodes: Vec<RedisServer> = (0..3)
+        RedisCluster::start_as(0, 5_000, &[])
+    }
+
+    /// Three masters and one replica each, failing over after `node_timeout_ms` of silence.
+    /// `cluster-require-full-coverage no`: while one master is down and not yet replaced, the
+    /// other masters keep serving their slots rather than the whole cluster refusing.
+    pub fn with_replicas(node_timeout_ms: u32) -> RedisCluster {
+        RedisCluster::start_as(1, node_timeout_ms, &["--cluster-require-full-coverage", "no"])
+    }
+
+    fn start_as(replicas: usize, node_timeout_ms: u32, extra: &[&str]) -> RedisCluster {
+        let count = 3 * (1 + replicas);
+        let nodes: Vec<RedisServer> = (0..count)
             .map(|_| {
                 RedisServer::start_with_fn(|| {
-                    [
+                    let mut args = [
                         "--cluster-enabled",
                         "yes",
                         "--cluster-config-file",
                         "nodes.conf",
                         "--cluster-node-timeout",
-                        "5000",
+                        &node_timeout_ms.to_string(),
                         "--cluster-port",
                         &free_port().to_string(),
                     ]
                     .map(String::from)
-                    .to_vec()
+                    .to_vec();
+                    args.extend(extra.iter().map(|s| s.to_string()));
+                    args
                 })
             })
             .collect();
@@ -342,7 +388,7 @@ impl RedisCluster {
         let out = Command::new(require_binary("redis-cli"))
             .args(["--cluster", "create"])
             .args(&addrs)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .output()
             .expect("redis-cli --cluster create runs");
         assert!(
@@ -352,20 +398,24 @@ impl RedisCluster {
             String::from_utf8_lossy(&out.stderr)
         );
         let cluster = RedisCluster { nodes };
+        let known = format!("cluster_known_nodes:{count}");
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             let ready = cluster.nodes.iter().all(|n| {
                 let info = n.cli(&["CLUSTER", "INFO"]);
+                let synced = n.cli(&["ROLE"]).starts_with("master")
+                    || n.cli(&["INFO", "replication"]).contains("master_link_status:up");
                 info.contains("cluster_state:ok")
                     && info.contains("cluster_slots_ok:16384")
-                    && info.contains("cluster_known_nodes:3")
+                    && info.contains(&known)
+                    && synced
             });
             if ready {
                 return cluster;
             }
             assert!(
                 Instant::now() < deadline,
-                "the 3-master cluster did not become ready in 20 s"
+                "the cluster of {count} nodes did not become ready in 20 s"
             );
             std::thread::sleep(Duration::from_millis(50));
         }
