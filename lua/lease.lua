@@ -6,6 +6,7 @@
 -- Rust side, check.lua calls included.
 --
 -- KEYS[1]           the bucket, e.g. rl:{kbig}:plan.
+-- KEYS[2]           its page (see lua/bucket.lua).
 -- ARGV[1]           the clock: -1 reads the store's TIME (the default); any other value is the
 --                   gateway's now in microseconds (`--clock gateway`).
 -- ARGV[2]           the operation: 'lease' or 'give'.
@@ -28,13 +29,13 @@
 --
 -- A lease grants a whole block or nothing: a partial grant would bring the gateway straight
 -- back, one call per request. A give adds the unused tokens to the refilled bucket and never
--- takes it above its capacity. Both write the refilled state back with SET ... PX ttl, as a
--- check does: 18 bytes, struct '<I7I7I4' (tokens in units, ts in microseconds, scale).
+-- takes it above its capacity. Both write the refilled state back into the bucket's field of its
+-- page, as a check does.
 --
 -- The bucket encoding and arithmetic come from lua/bucket.lua, loaded in front of this script.
 
-if #KEYS ~= 1 or #ARGV ~= 8 then
-  return redis.error_reply('lease.lua: expected 1 key and 8 ARGV, got ' .. #KEYS .. ' and ' .. #ARGV)
+if #KEYS ~= 2 or #ARGV ~= 8 then
+  return redis.error_reply('lease.lua: expected 2 keys (the bucket, its page) and 8 ARGV, got ' .. #KEYS .. ' and ' .. #ARGV)
 end
 
 local now = clock_now(ARGV[1])
@@ -55,9 +56,9 @@ if scale == nil or refill == nil or cap == nil or units == nil or cycle == nil o
   return redis.error_reply('lease.lua: ARGV[3..8] must be integers, refill above 0')
 end
 
-local t = refilled(redis.call('GET', KEYS[1]), scale, cap, refill, now)
+local t = refilled(load(KEYS[1], KEYS[2], now), scale, cap, refill, now)
 if t == nil then
-  return redis.error_reply('lease.lua: ' .. KEYS[1] .. ' does not hold an 18-byte bucket')
+  return redis.error_reply('lease.lua: ' .. KEYS[1] .. ' does not hold a bucket these scripts wrote')
 end
 
 local granted, untl = 0, 0
@@ -75,5 +76,5 @@ else
   end
 end
 
-save(KEYS[1], t, now, scale, ARGV[7])
+save(KEYS[1], KEYS[2], t, now, scale, ARGV[7], now)
 return { granted, now, t, untl }

@@ -17,6 +17,7 @@
 pub mod guard;
 pub mod lease;
 pub mod memory;
+pub mod page;
 pub mod redis;
 pub mod seats;
 pub mod slots;
