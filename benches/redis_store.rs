@@ -209,9 +209,11 @@ fn redis_benchmark_with(
         "EVALSHA",
         sha,
         "2",
-        "rl:{t__rand_int__}:plan",
-        // A page per random number, not the bucket's own (`page_of`, which redis-benchmark
-        // can't compute): one node doesn't care which key a script touches.
+        // redis-benchmark draws every `__rand_int__` on its own and can't compute `page_of`, so
+        // the random part is the page and the bucket's name is fixed: one field in each of
+        // `keys` pages, as the store's 10,000 buckets mostly are over 16,384 pages. One node
+        // doesn't care which slot a key hashes to.
+        "rl:{t}:plan",
         "rl:page:{__rand_int__}",
     ]
     .map(String::from)

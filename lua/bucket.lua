@@ -15,7 +15,7 @@
 -- the tokens are counted in, so a changed rule can convert them) and the field's expiry, in the
 -- call's clock (microseconds), after which it reads as missing, a full bucket, as a key written
 -- with PX would be gone. The page's own TTL is only ever raised, to the latest expiry of its
--- fields, and each write deletes a few long-expired fields it finds at random.
+-- fields, and each write that adds a field deletes a few long-expired ones it finds at random.
 --
 -- Before pages, a bucket was its own key: an 18-byte string (the first three numbers) under
 -- the bucket's name, written with SET ... PX ttl. A bucket without a field is read from there,
@@ -30,8 +30,10 @@ local fmod, floor = math.fmod, math.floor
 local pack, unpack = struct.pack, struct.unpack
 local STATE = '<I7I7I4'
 local FIELD = '<I7I7I4I7'
--- Expired fields a write deletes from its page at most: bounded work per call, and enough to
--- keep up, since every write of a page looks again.
+-- Expired fields a write that adds a field deletes from its page at most: bounded work per call,
+-- and only when the page grows, so rewriting a live bucket costs no sweep. Each new field looks
+-- at SWEEP at random, which keeps the stale fields of a page whose buckets come and go to about
+-- as many as its live ones.
 local SWEEP = 2
 -- How long past its expiry a field is kept before a write may delete it, in microseconds. An
 -- expired field already reads as a full bucket; deleting it only once it is a minute stale keeps
@@ -125,13 +127,16 @@ local function save(key, page, t, ts, scale, ttl, now)
   if ts > now then
     px = px + div_ceil(ts - now, 1000)
   end
-  redis.call('HSET', page, key, pack(FIELD, t, ts, scale, now + px * 1000))
+  local added = redis.call('HSET', page, key, pack(FIELD, t, ts, scale, now + px * 1000))
   if redis.call('PTTL', page) < px then
     redis.call('PEXPIRE', page, px)
   end
   if old_keys[key] then
     redis.call('DEL', key)
     old_keys[key] = nil
+  end
+  if added == 0 then
+    return
   end
   local seen = redis.call('HRANDFIELD', page, SWEEP, 'WITHVALUES')
   for i = 1, #seen, 2 do

@@ -682,3 +682,82 @@ async fn buckets_of_the_old_layout_are_read_with_their_tokens_and_moved() {
     assert_eq!(old.wait_us, Some(1_250_000 + 100_000), "the debt, then one token");
     moved("rl:{up}:old-debt");
 }
+
+/// A field past its expiry reads as a full bucket, even under a rule slow enough that refill
+/// alone would not have filled it; a page's TTL is only ever raised; and a write that adds a
+/// field deletes the fields of its page expired for over a minute, never a fresher one.
+#[tokio::test]
+async fn fields_expire_as_keys_did_and_are_swept_only_long_after() {
+    let redis = RedisServer::start();
+    let t0 = 1_800_000_000_000_000u64;
+    let clock = tollgate_limit::clock::ManualClock::new(t0);
+    let store = RedisStore::connect(Target::Node(&redis.url()), Some(clock.clone()))
+        .await
+        .unwrap();
+    let check = |key: &str, rate: &str, burst: u64, cost: u64| {
+        let batch = [item(key, rate, burst, cost)];
+        let store = &store;
+        async move { store.check(&batch).await.unwrap().buckets[0].tokens }
+    };
+    let fast = BucketParams::new(Rate::parse("10/1s").unwrap(), 10).unwrap();
+    let slow = BucketParams::new(Rate::parse("1/10s").unwrap(), 10).unwrap();
+    assert_eq!(fast.ttl_ms(), 2_000, "b/r plus a second");
+
+    // Expiry: half spent at t0, read 2.5 s later (past its 2 s) under the slow rule.
+    check("rl:{exp}:a", "10/1s", 10, 5).await;
+    clock.advance_us(2_500_000);
+    assert_eq!(
+        check("rl:{exp}:a", "1/10s", 10, 1).await,
+        slow.units(9),
+        "an expired field is a full bucket"
+    );
+    // Not yet expired (the slow rule's TTL is 101 s): 9 tokens and 1.5 s of refill.
+    clock.advance_us(1_500_000);
+    assert_eq!(
+        check("rl:{exp}:a", "1/10s", 10, 0).await,
+        slow.units(9) + 1_500_000 * slow.refill,
+        "a live field is read as it is"
+    );
+
+    // The page's TTL: a long bucket's, not lowered by a short one written after it.
+    let page = tollgate_store::page::page_of("rl:{ttl}:long");
+    check("rl:{ttl}:long", "1/60s", 100, 1).await;
+    check("rl:{ttl}:short", "10/1s", 10, 1).await;
+    let pttl: u64 = redis.cli(&["PTTL", &page]).parse().unwrap();
+    assert!(pttl > 6_000_000 - 60_000, "the page's TTL went down to {pttl} ms");
+
+    // Sweeping: each page holds one old field, then a write adds a second, so both are seen.
+    let (stale, fresh) = ("rl:{sweep}:stale", "rl:{keep}:fresh");
+    check(stale, "10/1s", 10, 1).await;
+    check(fresh, "10/1s", 10, 1).await;
+    for key in [stale, fresh] {
+        let page = tollgate_store::page::page_of(key);
+        assert_eq!(redis.cli(&["HLEN", &page]), "1", "{key} is alone in {page}");
+    }
+    // 61 s past the stale field's expiry: swept. Then, on a gateway clock 31 s behind, the
+    // fresh one is 30 s past its expiry: kept, and read as full.
+    clock.advance_us(2_000_000 + 61_000_000);
+    check("rl:{sweep}:new", "10/1s", 10, 1).await;
+    assert_eq!(
+        redis.bucket("HEXISTS", stale),
+        "0",
+        "a long-expired field was kept"
+    );
+    clock.set_us(clock_now(&clock) - 31_000_000);
+    check("rl:{keep}:new", "10/1s", 10, 1).await;
+    assert_eq!(
+        redis.bucket("HEXISTS", fresh),
+        "1",
+        "a field expired under a minute was swept"
+    );
+    assert_eq!(
+        check(fresh, "10/1s", 10, 0).await,
+        fast.units(10),
+        "and reads as full"
+    );
+}
+
+fn clock_now(clock: &tollgate_limit::clock::ManualClock) -> u64 {
+    use tollgate_limit::clock::Clock;
+    clock.now_us()
+}
