@@ -4,8 +4,9 @@
 //! latency of one check, and Redis memory per bucket key over 1,000,000 keys.
 //!
 //! Run: `cargo bench --bench redis_store` (options after `--`: `--rounds 3 --seconds 5
-//! --tasks 128 --keys 10000 --memory-keys 1000000 --workers 0 --connections 0`). Under `cargo test --all-targets` it only
-//! says how to run it.
+//! --tasks 128 --keys 10000 --memory-keys 1000000 --workers 0 --connections 0`; `--only-store`
+//! for the store's rounds alone, `--only-memory` for the memory alone). Under `cargo test
+//! --all-targets` it only says how to run it.
 
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -28,6 +29,8 @@ struct Opts {
     connections: usize,
     /// Only the RedisStore throughput rounds (for profiling the client).
     only_store: bool,
+    /// Only the memory per bucket (no throughput or latency rounds).
+    only_memory: bool,
 }
 
 fn opts() -> Opts {
@@ -40,6 +43,7 @@ fn opts() -> Opts {
         workers: 0,
         connections: 0,
         only_store: false,
+        only_memory: false,
     };
     let args: Vec<String> = std::env::args().collect();
     let mut i = 1;
@@ -59,6 +63,11 @@ fn opts() -> Opts {
             "--connections" => o.connections = value(),
             "--only-store" => {
                 o.only_store = true;
+                i += 1;
+                continue;
+            }
+            "--only-memory" => {
+                o.only_memory = true;
                 i += 1;
                 continue;
             }
@@ -172,7 +181,7 @@ fn redis_benchmark_with(
     pipeline: u32,
 ) -> (f64, f64, f64, String) {
     let p = k7();
-    // The clock (-1: TIME), one request, of one bucket, then the bucket's six numbers.
+    // The clock (-1: TIME), one request, of one bucket, then the bucket's seven numbers.
     let argv = [
         "-1".to_string(),
         "1".to_string(),
@@ -182,6 +191,7 @@ fn redis_benchmark_with(
         p.capacity.to_string(),
         p.units(1).to_string(),
         p.ttl_ms().to_string(),
+        "0".to_string(),
         "0".to_string(),
     ];
     let mut args: Vec<String> = [
@@ -198,8 +208,13 @@ fn redis_benchmark_with(
         "--csv",
         "EVALSHA",
         sha,
-        "1",
-        "rl:{t__rand_int__}:plan",
+        "2",
+        // redis-benchmark draws every `__rand_int__` on its own and can't compute `page_of`, so
+        // the random part is the page and the bucket's name is fixed: one field in each of
+        // `keys` pages, as the store's 10,000 buckets mostly are over 16,384 pages. One node
+        // doesn't care which slot a key hashes to.
+        "rl:{t}:plan",
+        "rl:page:{__rand_int__}",
     ]
     .map(String::from)
     .to_vec();
@@ -361,6 +376,10 @@ fn main() {
         rt.block_on(RedisStore::connect_with(Target::Node(&url), None, connections))
             .expect("connect"),
     );
+    if o.only_memory {
+        memory(&o, &rt, &store, port);
+        return;
+    }
     let sha = store.script_sha().to_string();
     let items: Arc<Vec<CheckItem>> = Arc::new((0..o.keys).map(|i| item(bench_key(i), k7())).collect());
 
@@ -453,7 +472,35 @@ fn main() {
         lat.len()
     );
 
-    // Memory per bucket key, written through RedisStore.
+    memory(&o, &rt, &store, port);
+    drop(server);
+}
+
+/// Buckets the store holds under `rl:`, whatever their layout: a string is one bucket, a hash
+/// holds one per field.
+fn bucket_count(port: u16) -> u64 {
+    const COUNT: &str = r#"
+local n, cursor = 0, '0'
+repeat
+  local page = redis.call('SCAN', cursor, 'MATCH', 'rl:*', 'COUNT', 1000)
+  cursor = page[1]
+  for _, k in ipairs(page[2]) do
+    if redis.call('TYPE', k).ok == 'hash' then
+      n = n + redis.call('HLEN', k)
+    else
+      n = n + 1
+    end
+  end
+until cursor == '0'
+return n
+"#;
+    let n = cli(port, &["EVAL", COUNT, "0"]);
+    n.parse().unwrap_or_else(|_| panic!("bucket count: {n}"))
+}
+
+/// Redis memory per bucket over `memory_keys` buckets, each written by one check through the
+/// store, then the same count of keys of other encodings built inside Redis.
+fn memory(o: &Opts, rt: &tokio::runtime::Runtime, store: &Arc<RedisStore>, port: u16) {
     println!(
         "\n## Memory per bucket key over {} keys (INFO memory used_memory)",
         o.memory_keys
@@ -483,13 +530,13 @@ fn main() {
             h.await.unwrap();
         }
     });
-    assert_eq!(cli(port, &["DBSIZE"]), o.memory_keys.to_string());
     let after = used_memory(port);
+    assert_eq!(bucket_count(port), o.memory_keys as u64);
     let sample = format!("rl:{{k{}}}:plan", o.memory_keys - 1);
     println!(
-        "RedisStore (18-byte string + TTL, names like {sample}): {:.1} bytes per key; MEMORY USAGE of one key {}",
+        "RedisStore (names like {sample}): {:.1} bytes per bucket over {} Redis keys",
         (after - before) as f64 / o.memory_keys as f64,
-        cli(port, &["MEMORY", "USAGE", &sample])
+        cli(port, &["DBSIZE"])
     );
     for kind in ["hash-of-two-floats", "packed-18-bytes", "integer"] {
         println!(
@@ -497,5 +544,4 @@ fn main() {
             price_encoding(port, kind, o.memory_keys)
         );
     }
-    drop(server);
 }

@@ -7,9 +7,20 @@
 -- integer division goes through math.fmod, which is exact, so the quotient's division has an
 -- exact result.
 --
--- A bucket is one string of 18 bytes, struct '<I7I7I4': tokens (units), ts (microseconds) and
--- scale (the units per token the tokens are counted in, so a changed rule can convert them),
--- written with SET ... PX ttl.
+-- A bucket is one field of its page, a hash shared by every bucket of one cluster hash slot: the
+-- field is the bucket's name (e.g. rl:{k7}:plan), the page's name (rl:page:{N}, N chosen by the
+-- gateway so that the page lies in the bucket's slot) comes after the buckets in KEYS. Many
+-- buckets then share one key's overhead, and Redis keeps a small page as a listpack. The value
+-- is 25 bytes, struct '<I7I7I4I7': tokens (units), ts (microseconds), scale (the units per token
+-- the tokens are counted in, so a changed rule can convert them) and the field's expiry, in the
+-- call's clock (microseconds), after which it reads as missing, a full bucket, as a key written
+-- with PX would be gone. The page's own TTL is only ever raised, to the latest expiry of its
+-- fields and a second more, and each write that adds a field deletes a few long-expired ones it
+-- finds at random.
+--
+-- Before pages, a bucket was its own key: an 18-byte string (the first three numbers) under
+-- the bucket's name, written with SET ... PX ttl. A bucket without a field is read from there,
+-- and the next write moves it into its page and deletes the old key.
 
 -- Redis before 5 replicates scripts verbatim unless told otherwise; TIME needs effects.
 if redis.replicate_commands then
@@ -19,6 +30,18 @@ end
 local fmod, floor = math.fmod, math.floor
 local pack, unpack = struct.pack, struct.unpack
 local STATE = '<I7I7I4'
+local FIELD = '<I7I7I4I7'
+-- Expired fields a write that adds a field deletes from its page at most: bounded work per call,
+-- and only when the page grows, so rewriting a live bucket costs no sweep. Each new field looks
+-- at SWEEP at random, which keeps the stale fields of a page whose buckets come and go to about
+-- as many as its live ones.
+local SWEEP = 2
+-- How long past its expiry a field is kept before a write may delete it, in microseconds. An
+-- expired field already reads as a full bucket; deleting it only once it is a minute stale keeps
+-- that answer when a gateway clock (`--clock gateway`) steps back by less than a minute.
+local SWEEP_AFTER = 60000000
+-- Buckets read from the old layout (name -> true), whose keys their write deletes.
+local old_keys = {}
 
 -- The time a call uses: ARGV's clock argument, or -1 for the store's TIME. nil if not a number.
 local function clock_now(arg)
@@ -51,6 +74,27 @@ local function rescale(tokens, from, to)
   return whole * to + floor((frac / from) * to)
 end
 
+-- The stored state of bucket `key` in `page` at now: 18 bytes of STATE, false when it has none
+-- (never written, or expired), or a value of another length when the field or the old key holds
+-- something these scripts did not write.
+local function load(key, page, now)
+  local v = redis.call('HGET', page, key)
+  if v then
+    if #v ~= 25 then
+      return v
+    end
+    if unpack('<I7', v, 19) < now then
+      return false
+    end
+    return string.sub(v, 1, 18)
+  end
+  v = redis.call('GET', key)
+  if v then
+    old_keys[key] = true
+  end
+  return v
+end
+
 -- bucket.rs `refill` of the value stored at a key: a missing bucket starts full; a stored one is
 -- converted to this rule's scale, clamped to its capacity, then refilled for the time since ts
 -- (never negative). nil when the key holds a value these scripts did not write.
@@ -79,12 +123,35 @@ end
 -- Writes a bucket back: tokens at `ts` (now, or later for a bucket in debt), in `scale` units,
 -- expiring `ttl` milliseconds after `ts`: a debt must outlive its repayment, then the bucket's
 -- fill time, like any other bucket.
-local function save(key, t, ts, scale, ttl, now)
+-- How much longer a page lives than the field that last raised its TTL (see `save`).
+local PAGE_SLACK_MS = 1000
+
+local function save(key, page, t, ts, scale, ttl, now)
   local px = tonumber(ttl)
-  if now ~= nil and ts > now then
+  if ts > now then
     px = px + div_ceil(ts - now, 1000)
   end
-  redis.call('SET', key, pack(STATE, t, ts, scale), 'PX', px)
+  local added = redis.call('HSET', page, key, pack(FIELD, t, ts, scale, now + px * 1000))
+  -- The field's expiry counts from this script's clock, the page's TTL from the time Redis
+  -- took for the command, which a stalled server can put a few milliseconds earlier: a second
+  -- more keeps the page alive past every field in it.
+  if redis.call('PTTL', page) < px + PAGE_SLACK_MS then
+    redis.call('PEXPIRE', page, px + PAGE_SLACK_MS)
+  end
+  if old_keys[key] then
+    redis.call('DEL', key)
+    old_keys[key] = nil
+  end
+  if added == 0 then
+    return
+  end
+  local seen = redis.call('HRANDFIELD', page, SWEEP, 'WITHVALUES')
+  for i = 1, #seen, 2 do
+    local v = seen[i + 1]
+    if #v == 25 and unpack('<I7', v, 19) + SWEEP_AFTER < now then
+      redis.call('HDEL', page, seen[i])
+    end
+  end
 end
 
 -- bucket.rs `owed_us`: the microseconds of refill a post-paid bucket (debt > 0) still owes. A

@@ -9,8 +9,10 @@
 -- checked one after another, in order, at the same `now`, as if they had arrived in that order
 -- within one microsecond.
 --
--- KEYS              every bucket of request 1, then of request 2, ..., e.g. rl:{k7}:plan. In a
---                   cluster all keys of one call share one hash slot; no name holds a rule version.
+-- KEYS              every bucket of request 1, then of request 2, ..., e.g. rl:{k7}:plan, then the
+--                   page of each bucket in the same order (see lua/bucket.lua), so 2 keys per
+--                   bucket. In a cluster all keys of one call share one hash slot; no name holds
+--                   a rule version.
 -- ARGV[1]           the clock: -1 reads the store's TIME (the default); any other value is the
 --                   gateway's now in microseconds (`--clock gateway`, for stores that refuse TIME).
 -- ARGV[2]           G, the number of requests in this call.
@@ -42,11 +44,11 @@
 -- The bucket encoding and arithmetic come from lua/bucket.lua, loaded in front of this script.
 -- Every bucket is written back on every check, admitted or limited.
 
-local nkeys = #KEYS
+local nkeys = #KEYS / 2
 local groups = tonumber(ARGV[2])
-if groups == nil or #ARGV ~= 2 + groups + 7 * nkeys then
-  return redis.error_reply('check.lua: ARGV must be clock, G, G bucket counts and 7 numbers per key; got '
-    .. #ARGV .. ' ARGV for ' .. nkeys .. ' keys')
+if groups == nil or nkeys % 1 ~= 0 or #ARGV ~= 2 + groups + 7 * nkeys then
+  return redis.error_reply('check.lua: KEYS must be buckets then their pages, ARGV clock, G, G bucket counts and 7 numbers per bucket; got '
+    .. #ARGV .. ' ARGV for ' .. #KEYS .. ' keys')
 end
 
 local now = clock_now(ARGV[1])
@@ -60,7 +62,7 @@ for g = 1, groups do
   local n = tonumber(ARGV[2 + g])
   local last = first + n - 1
   if n < 0 or last > nkeys then
-    return redis.error_reply('check.lua: the bucket counts add up to more than #KEYS')
+    return redis.error_reply('check.lua: the bucket counts add up to more than the buckets in KEYS')
   end
 
   -- bucket.rs `check_all`, first pass: every bucket refilled to now and measured.
@@ -73,7 +75,7 @@ for g = 1, groups do
     local cap = tonumber(ARGV[a + 3])
     local need = tonumber(ARGV[a + 4])
 
-    local stored = redis.call('GET', KEYS[i])
+    local stored = load(KEYS[i], KEYS[nkeys + i], now)
     local t = refilled(stored, scale, cap, refill, now)
     local o = 0
     if t == nil then
@@ -113,7 +115,7 @@ for g = 1, groups do
       if waits[i] == 0 and (admitted or ARGV[a + 6] == '1') then
         t = t - tonumber(ARGV[a + 4])
       end
-      save(KEYS[i], t, now + oweds[i], tonumber(ARGV[a + 1]), ARGV[a + 5], now)
+      save(KEYS[i], KEYS[nkeys + i], t, now + oweds[i], tonumber(ARGV[a + 1]), ARGV[a + 5], now)
       out[#out + 1] = t
       out[#out + 1] = waits[i]
     end
@@ -121,6 +123,6 @@ for g = 1, groups do
   first = last + 1
 end
 if first ~= nkeys + 1 then
-  return redis.error_reply('check.lua: the bucket counts add up to less than #KEYS')
+  return redis.error_reply('check.lua: the bucket counts add up to less than the buckets in KEYS')
 end
 return out

@@ -6,7 +6,8 @@
 -- Rust side, check.lua calls included.
 --
 -- KEYS[1]           the bucket, e.g. rl:{kbig}:plan.
--- KEYS[2]           its records of outstanding grants, e.g. rl:{kbig}:plan|held: the same hash
+-- KEYS[2]           its page (see lua/bucket.lua).
+-- KEYS[3]           its records of outstanding grants, e.g. rl:{kbig}:plan|held: the same hash
 --                   tag, so one script on one shard touches both (see "Records" below).
 -- ARGV[1]           the clock: -1 reads the store's TIME (the default); any other value is the
 --                   gateway's now in microseconds (`--clock gateway`).
@@ -35,21 +36,21 @@
 --
 -- A lease grants a whole block or nothing: a partial grant would bring the gateway straight
 -- back, one call per request. A give adds the unused tokens to the refilled bucket and never
--- takes it above its capacity. Both write the refilled state back with SET ... PX ttl, as a
--- check does: 18 bytes, struct '<I7I7I4' (tokens in units, ts in microseconds, scale).
+-- takes it above its capacity. Both write the refilled state back into the bucket's field of its
+-- page, as a check does.
 --
 -- The bucket encoding and arithmetic come from lua/bucket.lua, loaded in front of this script.
 
 -- ---- Records: the grants each gateway holds (src/limit/lease.rs `lease_recorded`) ----
 --
--- A gateway killed with -9 never gives its blocks back. So KEYS[2] keeps, per gateway (field =
+-- A gateway killed with -9 never gives its blocks back. So KEYS[3] keeps, per gateway (field =
 -- its holder id), the whole tokens granted to it and not yet reported spent or given back, and
 -- the store time its record expires, hold microseconds after its last call: the value is
 -- 'tokens:expires'. Every call first puts the tokens of expired records back in the bucket
 -- (capped at the burst, as a give is), then does its lease or give, then updates the caller's
 -- record: minus what it gave and reported spent (never below 0), plus what it was granted. A
 -- record of 0 is removed. A live gateway calls again before its record expires, so only a
--- gateway that stopped calling is ever reclaimed. These functions touch KEYS[2] only.
+-- gateway that stopped calling is ever reclaimed. These functions touch KEYS[3] only.
 
 -- Every record of the hash, parsed, or nil and the field that holds something else. Nothing is
 -- written before the whole hash has been read, so a bad record changes nothing.
@@ -104,8 +105,8 @@ end
 
 -- ---- the call ----
 
-if #KEYS ~= 2 or #ARGV ~= 11 then
-  return redis.error_reply('lease.lua: expected 2 keys and 11 ARGV, got ' .. #KEYS .. ' and ' .. #ARGV)
+if #KEYS ~= 3 or #ARGV ~= 11 then
+  return redis.error_reply('lease.lua: expected 3 keys (the bucket, its page, its records) and 11 ARGV, got ' .. #KEYS .. ' and ' .. #ARGV)
 end
 
 local now = clock_now(ARGV[1])
@@ -132,19 +133,19 @@ if holder == '' or spent == nil or spent < 0 or hold == nil or hold <= 0 then
   return redis.error_reply('lease.lua: ARGV[9] must be a holder id, ARGV[10] spent >= 0, ARGV[11] hold > 0')
 end
 
-local t = refilled(redis.call('GET', KEYS[1]), scale, cap, refill, now)
+local t = refilled(load(KEYS[1], KEYS[2], now), scale, cap, refill, now)
 if t == nil then
-  return redis.error_reply('lease.lua: ' .. KEYS[1] .. ' does not hold an 18-byte bucket')
+  return redis.error_reply('lease.lua: ' .. KEYS[1] .. ' does not hold a bucket these scripts wrote')
 end
-local recs, bad = held_read(KEYS[2])
+local recs, bad = held_read(KEYS[3])
 if recs == nil then
-  return redis.error_reply('lease.lua: ' .. KEYS[2] .. ' field ' .. bad .. " does not hold 'tokens:expires'")
+  return redis.error_reply('lease.lua: ' .. KEYS[3] .. ' field ' .. bad .. " does not hold 'tokens:expires'")
 end
 -- The whole tokens of this call: a block, or a give of at most the capacity (the caller caps).
 local whole = units / scale
 local burst = cap / scale
 
-local reclaimed = held_sweep(KEYS[2], recs, now)
+local reclaimed = held_sweep(KEYS[3], recs, now)
 if reclaimed > 0 then
   local add = reclaimed
   if add > burst then
@@ -171,7 +172,7 @@ else
   end
 end
 
-save(KEYS[1], t, now, scale, ARGV[7])
+save(KEYS[1], KEYS[2], t, now, scale, ARGV[7], now)
 local given, got = 0, 0
 if op == 'give' then
   given = whole
@@ -179,5 +180,5 @@ elseif granted == 1 then
   got = whole
 end
 local px = div_ceil(hold, 1000) + tonumber(ARGV[7])
-local held = held_note(KEYS[2], recs, holder, got, given, spent, now, hold, px)
+local held = held_note(KEYS[3], recs, holder, got, given, spent, now, hold, px)
 return { granted, now, t, untl, reclaimed, held }

@@ -9,7 +9,8 @@
 -- each other.
 --
 -- KEYS              the buckets to change, e.g. rl:{k7}:plan; the gateway leaves out those it
---                   does not change. In a cluster they share one hash slot (the tenant).
+--                   does not change. Then the page of each (see lua/bucket.lua), in the same
+--                   order. In a cluster they share one hash slot (the tenant).
 -- ARGV[1]           the clock: -1 reads the store's TIME (the default); any other value is the
 --                   gateway's now in microseconds (`--clock gateway`).
 -- ARGV[2 + 6(i-1) ... 7 + 6(i-1)], the rule of bucket i (KEYS[i]), in integers:
@@ -31,10 +32,10 @@
 --
 -- The bucket encoding and arithmetic come from lua/bucket.lua, loaded in front of this script.
 
-local nkeys = #KEYS
-if #ARGV ~= 1 + 6 * nkeys then
-  return redis.error_reply('refund.lua: ARGV must be clock and 6 numbers per key; got '
-    .. #ARGV .. ' ARGV for ' .. nkeys .. ' keys')
+local nkeys = #KEYS / 2
+if nkeys % 1 ~= 0 or #ARGV ~= 1 + 6 * nkeys then
+  return redis.error_reply('refund.lua: KEYS must be buckets then their pages, ARGV clock and 6 numbers per bucket; got '
+    .. #ARGV .. ' ARGV for ' .. #KEYS .. ' keys')
 end
 
 local now = clock_now(ARGV[1])
@@ -54,9 +55,9 @@ for i = 1, nkeys do
   if scale == nil or refill == nil or cap == nil or units == nil or debt == nil or refill <= 0 then
     return redis.error_reply('refund.lua: the numbers of ' .. KEYS[i] .. ' must be integers, refill above 0')
   end
-  local b = balance(redis.call('GET', KEYS[i]), scale, cap, refill, debt, now)
+  local b = balance(load(KEYS[i], KEYS[nkeys + i], now), scale, cap, refill, debt, now)
   if b == nil then
-    return redis.error_reply('refund.lua: ' .. KEYS[i] .. ' does not hold an 18-byte bucket')
+    return redis.error_reply('refund.lua: ' .. KEYS[i] .. ' does not hold a bucket these scripts wrote')
   end
   b = b + units
   if b > cap then
@@ -71,7 +72,7 @@ local out = { now }
 for i = 1, nkeys do
   local a = 1 + 6 * (i - 1)
   local t, ts = at_balance(balances[i], tonumber(ARGV[a + 2]), now)
-  save(KEYS[i], t, ts, tonumber(ARGV[a + 1]), ARGV[a + 5], now)
+  save(KEYS[i], KEYS[nkeys + i], t, ts, tonumber(ARGV[a + 1]), ARGV[a + 5], now)
   out[#out + 1] = balances[i]
 end
 return out

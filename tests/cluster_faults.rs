@@ -555,7 +555,8 @@ async fn moving_slots_under_load_fails_nothing_and_resets_no_bucket() {
             assert_eq!(pair(&gws[i % 2], a).await.status, StatusCode::OK);
         }
         for l in ["a", "b"] {
-            let raw = cluster.cli(&["--no-raw", "GET", &key(a, l)]);
+            let (k, page) = (key(a, l), tollgate_store::page::page_of(&key(a, l)));
+            let raw = cluster.cli(&["--no-raw", "HGET", &page, &k]);
             assert!(raw.starts_with('"'), "{a}'s bucket {l}: {raw}");
             before.push(raw);
         }
@@ -631,7 +632,8 @@ async fn moving_slots_under_load_fails_nothing_and_resets_no_bucket() {
     let mut after = Vec::new();
     for a in &sentinels {
         for l in ["a", "b"] {
-            after.push(target_node.cli(&["--no-raw", "GET", &key(a, l)]));
+            let (k, page) = (key(a, l), tollgate_store::page::page_of(&key(a, l)));
+            after.push(target_node.cli(&["--no-raw", "HGET", &page, &k]));
         }
     }
     assert_eq!(after, before, "a bucket changed as its slot moved");
@@ -704,19 +706,31 @@ async fn a_check_follows_ask_and_moved_while_its_slot_moves() {
         "OK"
     );
     let port = target.port.to_string();
-    let moved = src.cli(&["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS", &it.key]);
+    // The bucket is a field of its page (lua/bucket.lua): the page is the key that moves.
+    let page = tollgate_store::page::page_of(&it.key);
+    let moved = src.cli(&["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS", &page]);
     assert_eq!(moved, "OK");
 
-    // The slot is the source's still, the bucket the target's: the source answers ASK.
-    let asked = store
-        .check(std::slice::from_ref(&it))
-        .await
-        .expect("ASK is followed");
-    assert_eq!(tokens(&asked), 8, "the moved bucket, not a new one");
-
+    // The slot is the source's still, the page the target's: the source answers ASK, and the
+    // target, asked, TRYAGAIN (a script also names the bucket's key of the layout before
+    // pages, which is on neither node), until the slot is the target's. The check waits
+    // through it and lands on the moved bucket.
+    let store = std::sync::Arc::new(store);
+    let waiting = {
+        let (store, it) = (store.clone(), it.clone());
+        tokio::spawn(async move { store.check(std::slice::from_ref(&it)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!waiting.is_finished(), "a check in a half-moved slot waits");
     for n in [src, dst] {
         assert_eq!(n.cli(&["CLUSTER", "SETSLOT", &slot, "NODE", &target.id]), "OK");
     }
+    let asked = waiting
+        .await
+        .unwrap()
+        .expect("ASK, TRYAGAIN and MOVED are followed");
+    assert_eq!(tokens(&asked), 8, "the moved bucket, not a new one");
+
     // Now the source answers MOVED.
     let after = store
         .check(std::slice::from_ref(&it))

@@ -463,12 +463,7 @@ async fn ipv6_clients_of_one_slash_64_share_the_unauthenticated_bucket() {
         through_the_proxy(&http, &gw, &["203.0.113.9".to_string()]).await,
         [StatusCode::UNAUTHORIZED]
     );
-    let mut buckets: Vec<String> = redis
-        .cli(&["--scan", "--pattern", "rl:{ip:*"])
-        .lines()
-        .map(String::from)
-        .collect();
-    buckets.sort();
+    let buckets = redis.bucket_names("rl:{ip:");
     assert_eq!(
         buckets,
         [

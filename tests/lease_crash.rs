@@ -39,17 +39,19 @@ struct Snapshot {
     records: Vec<(String, String)>,
 }
 
-const READ: &str = "local v = redis.call('GET', KEYS[1]) \
+const READ: &str = "local v = redis.call('HGET', KEYS[1], KEYS[2]) \
     local t = redis.call('TIME') \
     local out = {-1, 0, 0} \
     if v then local a, b, c = struct.unpack('<I7I7I4', v) out = {a, b, c} end \
     out[4] = tonumber(t[1]) * 1000000 + tonumber(t[2]) \
-    local h = redis.call('HGETALL', KEYS[2]) \
+    local h = redis.call('HGETALL', KEYS[3]) \
     for i = 1, #h do out[#out + 1] = h[i] end \
     return out";
 
 fn snapshot(redis: &RedisServer, p: &BucketParams) -> Snapshot {
-    let out = redis.cli(&["EVAL", READ, "2", KEY, HELD]);
+    // The bucket is a field of its page (lua/bucket.lua); its first 18 bytes are tokens, ts, scale.
+    let page = tollgate_store::page::page_of(KEY);
+    let out = redis.cli(&["EVAL", READ, "3", &page, KEY, HELD]);
     let lines: Vec<&str> = out.lines().collect();
     assert!(lines.len() >= 4, "unexpected answer {out:?}");
     let n = |i: usize| -> i64 { lines[i].trim().parse().unwrap_or_else(|_| panic!("{out:?}")) };

@@ -109,7 +109,7 @@ async fn run(
     let mut rng = StdRng::seed_from_u64(seed);
     let keys: Vec<String> = (0..BUCKETS).map(|i| format!("rl:{{eq}}:lease{i}")).collect();
     let mut rules: Vec<BucketParams> = (0..BUCKETS).map(|_| random_params(&mut rng)).collect();
-    let mut states: HashMap<usize, BucketState> = HashMap::new();
+    let mut states: HashMap<usize, common::Stored> = HashMap::new();
     let mut records: Vec<Records> = vec![Records::new(); BUCKETS];
     let (mut grants, mut denials, mut gives, mut checks, mut changes) = (0, 0, 0, 0, 0);
     let mut reclaims = 0;
@@ -124,8 +124,10 @@ async fn run(
         if let Some(c) = clock {
             move_clock(&mut rng, c);
         }
-        let mut state = states.get(&i).copied();
-        let before = state;
+        let stored = states.get(&i).copied();
+        let before = stored;
+        // The state the script reads at the call's now: none once its field has expired.
+        let read = |now: u64| common::Stored::read(stored.as_ref(), now);
         let recs_before = records[i].clone();
         let acct = Account {
             holder: HOLDERS[rng.random_range(0..HOLDERS.len())],
@@ -136,7 +138,7 @@ async fn run(
                 "seed {seed} step {step} (replay with TOLLGATE_EQ_SEED={seed}), now {now}, {what}:\n  params {p:?}\n  state before {before:?}\n  records before {recs_before:?}\n  {acct:?}"
             )
         };
-        match rng.random_range(0..10) {
+        let (state, now): (Option<BucketState>, u64) = match rng.random_range(0..10) {
             // LEASE: a block from 1 token to the whole burst, for 1 to 50 gateways.
             0..=4 => {
                 let block = match rng.random_range(0..4) {
@@ -151,6 +153,7 @@ async fn run(
                     .lease(&keys[i], &p, block, cycle, acct)
                     .await
                     .unwrap_or_else(|e| panic!("seed {seed} step {step}: {e}"));
+                let mut state = read(reply.now_us);
                 let (expected, recorded) =
                     lease_recorded(&cfg, &mut state, &mut records[i], &acct, reply.now_us);
                 let what = format!("lease of {block} for {gateways} gateways");
@@ -177,6 +180,7 @@ async fn run(
                     Grant::Granted { .. } => grants += 1,
                     Grant::Denied { .. } => denials += 1,
                 }
+                (state, reply.now_us)
             }
             // GIVE BACK: nothing, a few tokens, or more than the bucket can hold.
             5..=6 => {
@@ -189,6 +193,7 @@ async fn run(
                     .give_back(&keys[i], &p, tokens, acct)
                     .await
                     .unwrap_or_else(|e| panic!("seed {seed} step {step}: {e}"));
+                let mut state = read(reply.now_us);
                 let recorded =
                     give_back_recorded(&p, &mut state, &mut records[i], &acct, tokens, reply.now_us);
                 assert_eq!(
@@ -206,6 +211,7 @@ async fn run(
                 );
                 assert!(reply.units_left <= p.capacity, "a give-back went above the burst");
                 gives += 1;
+                (state, reply.now_us)
             }
             // CHECK through lua/check.lua: the same bucket, read and written in one encoding.
             _ => {
@@ -220,14 +226,14 @@ async fn run(
                     .check(std::slice::from_ref(&item))
                     .await
                     .unwrap_or_else(|e| panic!("seed {seed} step {step}: {e}"));
-                let mut states_one = [state];
+                let mut states_one = [read(out.now_us)];
                 let mut v = [BucketVerdict {
                     sufficient: false,
                     tokens: 0,
                     wait_us: None,
                 }];
                 let admitted = check_all(&[charge], &mut states_one, out.now_us, &mut v);
-                state = states_one[0];
+                let state = states_one[0];
                 let what = format!("check of cost {cost}");
                 assert_eq!(
                     out.admitted,
@@ -242,9 +248,11 @@ async fn run(
                     context(out.now_us, &what)
                 );
                 checks += 1;
+                (state, out.now_us)
             }
-        }
-        states.insert(i, state.expect("every call writes its bucket"));
+        };
+        let state = state.expect("every call writes its bucket");
+        states.insert(i, common::Stored::written(&p, state, now));
     }
     // The run must have granted, denied, given back, checked and changed rules, or it proves
     // little.
@@ -313,20 +321,26 @@ async fn the_lease_script_comes_back_after_a_script_flush() {
     assert_eq!(reply.grant, Grant::Granted { tokens: 125 });
     assert_eq!(reply.units_left, (20_000 - 125) * p.scale);
     assert_eq!(redis.cli(&["SCRIPT", "EXISTS", store.lease_script_sha()]), "1");
-    // The script refuses what it can't read rather than guess.
-    redis.cli(&["SET", "rl:{kbig}:plan", "not a bucket"]);
+    // The script refuses what it can't read rather than guess: in the bucket's field, or in the
+    // key of the layout before pages.
+    redis.bucket_with("HSET", "rl:{kbig}:plan", &["not a bucket"]);
     let err = store
         .lease("rl:{kbig}:plan", &p, 125, 250_000, acct)
         .await
         .unwrap_err();
-    assert!(err.to_string().contains("18-byte bucket"), "{err}");
+    assert!(err.to_string().contains("does not hold a bucket"), "{err}");
+    redis.cli(&["SET", "rl:{kbig}:old", "not a bucket"]);
+    let err = store
+        .lease("rl:{kbig}:old", &p, 125, 250_000, acct)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("does not hold a bucket"), "{err}");
     // So does it a record it did not write, naming the hash and the field, and writes nothing.
-    redis.cli(&["DEL", "rl:{kbig}:plan"]);
-    redis.cli(&["HSET", "rl:{kbig}:plan|held", "g9", "lots"]);
+    redis.cli(&["HSET", "rl:{kbig}:rec|held", "g9", "lots"]);
     let err = store
-        .lease("rl:{kbig}:plan", &p, 125, 250_000, acct)
+        .lease("rl:{kbig}:rec", &p, 125, 250_000, acct)
         .await
         .unwrap_err();
-    assert!(err.to_string().contains("rl:{kbig}:plan|held field g9"), "{err}");
-    assert_eq!(redis.cli(&["EXISTS", "rl:{kbig}:plan"]), "0");
+    assert!(err.to_string().contains("rl:{kbig}:rec|held field g9"), "{err}");
+    assert_eq!(redis.bucket_with("HEXISTS", "rl:{kbig}:rec", &[]), "0");
 }

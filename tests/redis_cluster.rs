@@ -67,9 +67,10 @@ async fn units(store: &dyn Store, it: &CheckItem) -> u64 {
     o.buckets[0].tokens
 }
 
-/// The bucket's bytes in the cluster, as redis-cli prints them.
+/// The bucket's bytes in the cluster (its field of its page), as redis-cli prints them.
 fn raw(cluster: &RedisCluster, it: &CheckItem) -> String {
-    cluster.cli(&["--no-raw", "GET", &it.key])
+    let page = tollgate_store::page::page_of(&it.key);
+    cluster.cli(&["--no-raw", "HGET", &page, &it.key])
 }
 
 /// The cluster on a clock the test holds still, so a give-back restores a bucket to the unit.
@@ -310,7 +311,20 @@ async fn the_demo_rules_serve_every_route_on_a_cluster() {
     let r = http.get(&gw.url("/v1/orders"), &[]).await;
     assert_eq!(r.status, StatusCode::UNAUTHORIZED, "{:?}", r.body);
 
-    let per_node: Vec<String> = cluster.nodes.iter().map(|n| n.cli(&["KEYS", "rl:*"])).collect();
+    // Each node holds the pages of its slots; the buckets are their fields.
+    let per_node: Vec<String> = cluster
+        .nodes
+        .iter()
+        .map(|n| {
+            let pages = n.cli(&["KEYS", "rl:*"]);
+            let mut buckets = Vec::new();
+            for page in pages.lines().filter(|p| !p.is_empty()) {
+                assert!(page.starts_with("rl:page:{"), "{page} is not a page");
+                buckets.push(n.cli(&["HKEYS", page]));
+            }
+            buckets.join("\n")
+        })
+        .collect();
     let keys = per_node.join("\n");
     for key in [
         "rl:{k7}:plan",

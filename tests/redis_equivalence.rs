@@ -10,6 +10,8 @@
 
 mod common;
 
+use common::Stored;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -134,7 +136,7 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u
     let mut rng = StdRng::seed_from_u64(seed);
     let keys: Vec<String> = (0..BUCKETS).map(|i| format!("rl:{{{tag}}}:b{i}")).collect();
     let mut rules: Vec<BucketParams> = (0..BUCKETS).map(|_| random_params(&mut rng)).collect();
-    let mut states: HashMap<String, BucketState> = HashMap::new();
+    let mut states: HashMap<String, Stored> = HashMap::new();
     let (mut admitted, mut refused, mut changes, mut multi, mut refunds) = (0, 0, 0, 0, 0);
     let mut debts = 0;
     for step in 0..STEPS {
@@ -180,8 +182,10 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u
         for (r, (batch, outcome)) in batches.iter().zip(&outcomes).enumerate() {
             assert_eq!(outcome.now_us, outcomes[0].now_us, "one call, one now");
             let charges: Vec<Charge> = batch.iter().map(|i| i.charge).collect();
-            let mut expected_states: Vec<Option<BucketState>> =
-                batch.iter().map(|i| states.get(&*i.key).copied()).collect();
+            let mut expected_states: Vec<Option<BucketState>> = batch
+                .iter()
+                .map(|i| Stored::read(states.get(&*i.key), outcome.now_us))
+                .collect();
             let before = expected_states.clone();
             let mut verdicts = vec![
                 BucketVerdict {
@@ -211,7 +215,11 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u
                 context()
             );
             for (item, s) in batch.iter().zip(expected_states) {
-                states.insert(item.key.to_string(), s.expect("check_all writes every state"));
+                let s = s.expect("check_all writes every state");
+                states.insert(
+                    item.key.to_string(),
+                    Stored::written(&item.charge.params, s, outcome.now_us),
+                );
             }
             if outcome.admitted {
                 admitted += 1;
@@ -254,8 +262,10 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u
                 .await
                 .unwrap_or_else(|e| panic!("seed {seed} step {step} change {r}: {e}"));
             let charges: Vec<Charge> = batch.iter().map(|i| i.charge).collect();
-            let before: Vec<Option<BucketState>> =
-                batch.iter().map(|i| states.get(&*i.key).copied()).collect();
+            let before: Vec<Option<BucketState>> = batch
+                .iter()
+                .map(|i| Stored::read(states.get(&*i.key), got.now_us))
+                .collect();
             let mut want: Vec<Option<i64>> = vec![None; batch.len()];
             let mut after = before.clone();
             for (i, c) in charges.iter().enumerate() {
@@ -273,9 +283,14 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u
                 got.now_us,
                 outcome.buckets
             );
-            for (item, s) in batch.iter().zip(after) {
-                if let Some(s) = s {
-                    states.insert(item.key.to_string(), s);
+            for ((item, s), u) in batch.iter().zip(after).zip(&units) {
+                if let Some(s) = s
+                    && *u != 0
+                {
+                    states.insert(
+                        item.key.to_string(),
+                        Stored::written(&item.charge.params, s, got.now_us),
+                    );
                 }
             }
             debts += usize::from(got.balances.iter().any(|b| b.is_some_and(|b| b < 0)));

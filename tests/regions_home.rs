@@ -44,10 +44,9 @@ async fn login(http: &Http, gw: &Tollgate, account: &str) -> StatusCode {
 /// Bucket names in a store that mention `what`.
 fn buckets(store: &RedisServer, what: &str) -> Vec<String> {
     store
-        .cli(&["--scan", "--pattern", &format!("rl:*{what}*")])
-        .lines()
-        .map(String::from)
-        .filter(|l| !l.is_empty())
+        .bucket_names("rl:")
+        .into_iter()
+        .filter(|n| n.contains(what))
         .collect()
 }
 

@@ -193,7 +193,7 @@ async fn store_killed_mid_load_then_restarted() {
         "bypass counters still move after the store came back: {moved} of {sent} requests"
     );
     assert_eq!(
-        redis.cli(&["EXISTS", "rl:{k7}:plan"]),
+        redis.bucket("HEXISTS", "rl:{k7}:plan"),
         "1",
         "decisions are not in Redis"
     );

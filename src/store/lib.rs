@@ -18,6 +18,7 @@ pub mod guard;
 pub mod lease;
 pub mod memory;
 mod nodes;
+pub mod page;
 pub mod redis;
 pub mod seats;
 pub mod slots;

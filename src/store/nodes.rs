@@ -372,6 +372,10 @@ impl Nodes {
                     if matches!(redirect(&e), Some(Redirect::Down)) {
                         self.refresh_soon();
                     }
+                    // A half-moved slot answers ASK and then TRYAGAIN until it is moved (a
+                    // script's page is there, the bucket's key of the layout before pages never
+                    // is): the time bound, not the count, ends that loop.
+                    redirections = 0;
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(TRY_AGAIN_MAX);
                 }

@@ -2,9 +2,10 @@
 //! Redis or Valkey (one node or a Cluster), on the store's clock.
 //!
 //! The script is the arithmetic of `limit/bucket.rs`; the gateway sends only numbers (ARGV) and
-//! bucket names (KEYS) and reads back integers, so both sides agree to the unit. A refund of an
-//! undelivered request is one `EVALSHA` of `lua/refund.lua` on the buckets its check charged,
-//! sent at once (not through the queue: refunds are rare) and, like every call, at most once.
+//! bucket names followed by their pages (KEYS, [`page_of`]) and reads back integers, so both
+//! sides agree to the unit. A refund of an undelivered request is one `EVALSHA` of
+//! `lua/refund.lua` on the buckets its check charged, sent at once (not through the queue:
+//! refunds are rare) and, like every call, at most once.
 //!
 //! While fewer than [`MAX_IN_FLIGHT`] calls are out, a check is sent at once, alone, from the
 //! caller's task. When the store falls behind, checks wait in one queue, and those that queued
@@ -29,6 +30,7 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use super::lease::{GiveBackReply, LeaseReply, Lessor, held_key};
 use super::nodes::{Nodes, Script};
+use super::page::page_of;
 use super::{Adjusted, BoxFuture, CheckFuture, CheckItem, Outcome, Source, Store, StoreError, mismatch};
 use tollgate_limit::bucket::{BucketParams, BucketVerdict};
 use tollgate_limit::clock::Clock;
@@ -177,6 +179,8 @@ struct Shared {
 /// One request's check, waiting in the queue: its buckets already in the script's terms.
 struct Pending {
     keys: SmallVec<[Key; 4]>,
+    /// The page of each bucket in `keys` (`page::page_of`), in the same order.
+    pages: SmallVec<[Key; 4]>,
     /// [`ARGS_PER_BUCKET`] per bucket.
     args: SmallVec<[i64; 28]>,
     /// The hash slot of its keys in a cluster: only requests of one slot share a call.
@@ -188,6 +192,7 @@ impl Pending {
     fn new(batch: &[CheckItem], cluster: bool) -> (Pending, oneshot::Receiver<Result<Outcome, StoreError>>) {
         let (reply, rx) = oneshot::channel();
         let keys: SmallVec<[Key; 4]> = batch.iter().map(|i| Key::from(&*i.key)).collect();
+        let pages: SmallVec<[Key; 4]> = batch.iter().map(|i| Key::from(page_of(&i.key))).collect();
         let mut args = SmallVec::new();
         for i in batch {
             let p = &i.charge.params;
@@ -208,6 +213,7 @@ impl Pending {
         (
             Pending {
                 keys,
+                pages,
                 args,
                 slot,
                 reply,
@@ -432,6 +438,7 @@ impl RedisStore {
 
     /// Starts the queue's task: needs a tokio runtime.
     fn start(shared: Arc<Shared>, kind: &'static str) -> RedisStore {
+        super::page::prepare();
         if let Conn::Cluster(nodes) = &shared.client {
             nodes.spawn_refresher();
         }
@@ -603,7 +610,7 @@ impl Shared {
         self.checks.fetch_add(requests.len() as u64, Ordering::Relaxed);
         let build = || {
             let nkeys: usize = requests.iter().map(|r| r.keys.len()).sum();
-            let mut keys = Vec::with_capacity(nkeys);
+            let mut keys = Vec::with_capacity(2 * nkeys);
             let mut args = Vec::with_capacity(2 + requests.len() + ARGS_PER_BUCKET * nkeys);
             args.push(Value::Integer(self.clock_arg()));
             args.push(Value::Integer(requests.len() as i64));
@@ -613,6 +620,9 @@ impl Shared {
             for r in &requests {
                 keys.extend(r.keys.iter().cloned());
                 args.extend(r.args.iter().map(|&v| Value::Integer(v)));
+            }
+            for r in &requests {
+                keys.extend(r.pages.iter().cloned());
             }
             (keys, args)
         };
@@ -765,7 +775,7 @@ fn lease_args(
 
 /// The two keys of a `lua/lease.lua` call: the bucket and its records.
 fn lease_keys(key: &str) -> Vec<Key> {
-    vec![Key::from(key), Key::from(held_key(key))]
+    vec![Key::from(key), Key::from(page_of(key)), Key::from(held_key(key))]
 }
 
 /// Reads `{granted, now, tokens, until, reclaimed, held}`.
@@ -904,12 +914,14 @@ impl RedisStore {
         let reply = self
             .shared
             .eval_script(&self.shared.refund_sha, || {
-                let mut keys = Vec::with_capacity(n);
+                let mut keys = Vec::with_capacity(2 * n);
+                let mut pages = Vec::with_capacity(n);
                 let mut args = Vec::with_capacity(1 + 6 * n);
                 args.push(Value::Integer(self.shared.clock_arg()));
                 for (item, &u) in batch.iter().zip(units).filter(|(_, u)| **u != 0) {
                     let p = &item.charge.params;
                     keys.push(Key::from(&*item.key));
+                    pages.push(Key::from(page_of(&item.key)));
                     args.extend(
                         [
                             as_i64(p.scale),
@@ -922,6 +934,7 @@ impl RedisStore {
                         .map(Value::Integer),
                     );
                 }
+                keys.extend(pages);
                 (keys, args)
             })
             .await

@@ -63,16 +63,17 @@ pub fn evalsha_calls(port: u16) -> u64 {
         .unwrap_or(0)
 }
 
-/// The stored state of a bucket: (tokens in units, ts in µs, scale), from its 18 bytes
-/// (`<I7I7I4`, as lua/check.lua, lua/lease.lua and lua/refund.lua write it).
+/// The stored state of a bucket: (tokens in units, ts in µs, scale), from the first 18 of the
+/// 25 bytes of its field in its page (`<I7I7I4I7`, as lua/bucket.lua writes it).
 pub fn stored_bucket(port: u16, key: &str) -> Option<(u64, u64, u64)> {
+    let page = tollgate_store::page::page_of(key);
     let out = Command::new("redis-cli")
-        .args(["-p", &port.to_string(), "--raw", "GET", key])
+        .args(["-p", &port.to_string(), "--raw", "HGET", &page, key])
         .output()
         .expect("redis-cli runs");
     let b = out.stdout;
-    // --raw prints the bytes and a newline; a missing key prints just the newline.
-    if b.len() < 18 {
+    // --raw prints the bytes and a newline; a missing field prints just the newline.
+    if b.len() < 25 {
         return None;
     }
     let le = |s: &[u8]| s.iter().rev().fold(0u64, |acc, &x| (acc << 8) | u64::from(x));

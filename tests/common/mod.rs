@@ -334,6 +334,39 @@ impl RedisServer {
             .expect("redis-cli runs");
         String::from_utf8_lossy(&out.stdout).trim().to_string()
     }
+
+    /// Runs a hash command on the bucket `key` where the store keeps it, its field of its page
+    /// (`lua/bucket.lua`): `bucket("HEXISTS", key)`, `bucket("HGET", key)`, `bucket("HSTRLEN",
+    /// key)`, or `bucket_with("HSET", key, &[value])`.
+    pub fn bucket(&self, command: &str, key: &str) -> String {
+        self.bucket_with(command, key, &[])
+    }
+
+    /// The names of every bucket the store holds whose name starts with `prefix`, sorted: the
+    /// fields of every page.
+    pub fn bucket_names(&self, prefix: &str) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .cli(&["--scan", "--pattern", "rl:page:*"])
+            .lines()
+            .filter(|p| !p.is_empty())
+            .flat_map(|page| {
+                self.cli(&["HKEYS", page])
+                    .lines()
+                    .map(String::from)
+                    .collect::<Vec<_>>()
+            })
+            .filter(|n| n.starts_with(prefix))
+            .collect();
+        names.sort();
+        names
+    }
+
+    pub fn bucket_with(&self, command: &str, key: &str, rest: &[&str]) -> String {
+        let page = tollgate_store::page::page_of(key);
+        let mut args = vec![command, page.as_str(), key];
+        args.extend_from_slice(rest);
+        self.cli(&args)
+    }
 }
 
 impl Drop for RedisServer {
@@ -733,5 +766,38 @@ pub async fn read_status(tcp: &mut tokio::net::TcpStream, within: Duration) -> u
             .expect("read a response");
         assert!(n > 0, "the gateway closed a connection mid-request");
         buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// A bucket as the Redis scripts keep it, for the models the equivalence tests hold them to:
+/// its state and its field's expiry in the call's clock (`lua/bucket.lua`). A field past its
+/// expiry reads as missing, a full bucket, whatever rule reads it.
+#[derive(Clone, Copy, Debug)]
+pub struct Stored {
+    pub state: tollgate_limit::bucket::BucketState,
+    pub expires_us: u64,
+}
+
+impl Stored {
+    /// `state` written at `now` under `p`: expiring `b/r` plus a second after its ts, which is
+    /// later than now for a bucket in debt.
+    pub fn written(
+        p: &tollgate_limit::bucket::BucketParams,
+        state: tollgate_limit::bucket::BucketState,
+        now: u64,
+    ) -> Stored {
+        let mut px = p.ttl_ms();
+        if state.ts > now {
+            px += (state.ts - now).div_ceil(1_000);
+        }
+        Stored {
+            state,
+            expires_us: now + px * 1_000,
+        }
+    }
+
+    /// What a script reads at `now`.
+    pub fn read(stored: Option<&Stored>, now: u64) -> Option<tollgate_limit::bucket::BucketState> {
+        stored.filter(|s| s.expires_us >= now).map(|s| s.state)
     }
 }
