@@ -722,9 +722,12 @@ async fn a_check_follows_ask_and_moved_while_its_slot_moves() {
     };
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert!(!waiting.is_finished(), "a check in a half-moved slot waits");
-    for n in [src, dst] {
-        assert_eq!(n.cli(&["CLUSTER", "SETSLOT", &slot, "NODE", &target.id]), "OK");
-    }
+    // The move is set on the source first: for the next 100 ms the source says MOVED to the
+    // target and the target, still importing, MOVED back. The check waits through that too.
+    assert_eq!(src.cli(&["CLUSTER", "SETSLOT", &slot, "NODE", &target.id]), "OK");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!waiting.is_finished(), "a check between two MOVEDs waits");
+    assert_eq!(dst.cli(&["CLUSTER", "SETSLOT", &slot, "NODE", &target.id]), "OK");
     let asked = waiting
         .await
         .unwrap()

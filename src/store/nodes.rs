@@ -35,7 +35,7 @@ pub(crate) const REFRESH_GAP: Duration = Duration::from_millis(100);
 pub(crate) const REFRESH_EVERY: Duration = Duration::from_secs(1);
 /// How long reading the map from one node, or connecting to a new primary, may take.
 const REFRESH_TIMEOUT: Duration = Duration::from_millis(500);
-/// `MOVED` and `ASK` followed for one call before its error is the caller's.
+/// `MOVED` and `ASK` followed in a row before a call pauses, as for `TRYAGAIN`.
 const MAX_REDIRECTIONS: usize = 16;
 /// The first pause before a call the cluster asked to try again (`TRYAGAIN`: a slot half
 /// moved, which takes a millisecond or so to finish; `CLUSTERDOWN`), doubled up to
@@ -359,14 +359,24 @@ impl Nodes {
                 Err(e) => e,
             };
             match redirect(&e) {
-                Some(Redirect::Moved(server)) if redirections < MAX_REDIRECTIONS => {
+                Some(Redirect::Moved(server) | Redirect::Ask(server)) => {
+                    let asking = matches!(redirect(&e), Some(Redirect::Ask(_)));
+                    if !asking {
+                        self.refresh_soon();
+                    }
                     redirections += 1;
-                    self.refresh_soon();
-                    to = Some((server, false));
-                }
-                Some(Redirect::Ask(server)) if redirections < MAX_REDIRECTIONS => {
-                    redirections += 1;
-                    to = Some((server, true));
+                    if redirections >= MAX_REDIRECTIONS {
+                        // While a slot's move is set on one node and not yet on the other, the
+                        // two send a call back and forth with MOVED: wait as for TRYAGAIN,
+                        // within the same time.
+                        if started.elapsed() >= TRY_AGAIN_FOR {
+                            return Err(e);
+                        }
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(TRY_AGAIN_MAX);
+                        redirections = 0;
+                    }
+                    to = Some((server, asking));
                 }
                 Some(Redirect::TryAgain | Redirect::Down) if started.elapsed() < TRY_AGAIN_FOR => {
                     if matches!(redirect(&e), Some(Redirect::Down)) {
