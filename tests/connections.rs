@@ -80,14 +80,15 @@ async fn cap_holds(flag: &str, label: &str, path_args: &[&str]) {
     let gw = Tollgate::spawn(&args);
     let http = Http::new();
     let mut conns = Vec::new();
-    for _ in 0..CAP {
+    // A connection is idle again once the gateway has finished its request, a moment after the
+    // client has the response: each is waited for before the next opens, so they become idle
+    // in order even when the gateway's tasks run late.
+    for i in 0..CAP {
         let mut c = Conn::open(gw.addr).await;
         assert_eq!(c.get("/v1/orders").await, 200);
         conns.push(c);
+        wait_for(&http, &gw, "tollgate_connections_idle ", i + 1, &args).await;
     }
-    // A connection is idle again once the gateway has finished its request, a moment after the
-    // client has the response.
-    wait_for(&http, &gw, "tollgate_connections_idle ", CAP, &args).await;
     let mut newcomer = Conn::open(gw.addr).await;
     assert_eq!(
         newcomer.get("/v1/orders").await,
