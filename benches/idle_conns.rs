@@ -23,7 +23,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{Tollgate, repo};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 const KEY: &str = "bench-demo-key";
@@ -81,19 +81,13 @@ impl Drop for Nginx {
 }
 
 /// Resident memory of a process and its children (nginx's workers), in KiB.
-fn rss_kib(pid: u32) -> u64 {
-    let own = std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
+fn tree_rss_kib(pid: u32) -> u64 {
+    let own = common::rss_kib(pid);
     let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
     own + children
         .split_whitespace()
         .filter_map(|c| c.parse().ok())
-        .map(rss_kib)
+        .map(tree_rss_kib)
         .sum::<u64>()
 }
 
@@ -101,28 +95,7 @@ fn rss_kib(pid: u32) -> u64 {
 async fn request(tcp: &mut TcpStream, addr: SocketAddr, buf: &mut Vec<u8>) -> std::io::Result<u16> {
     let head = format!("GET /v1/orders HTTP/1.1\r\nHost: {addr}\r\nX-API-Key: {KEY}\r\n\r\n");
     tcp.write_all(head.as_bytes()).await?;
-    buf.clear();
-    loop {
-        let mut headers = [httparse::EMPTY_HEADER; 32];
-        let mut resp = httparse::Response::new(&mut headers);
-        if let Ok(httparse::Status::Complete(len)) = resp.parse(buf) {
-            let body: usize = resp
-                .headers
-                .iter()
-                .find(|h| h.name.eq_ignore_ascii_case("content-length"))
-                .and_then(|h| std::str::from_utf8(h.value).ok()?.parse().ok())
-                .ok_or_else(|| std::io::Error::other("a response without Content-Length"))?;
-            if buf.len() >= len + body {
-                return Ok(resp.code.unwrap_or(0));
-            }
-        }
-        let mut chunk = [0u8; 2048];
-        let n = tcp.read(&mut chunk).await?;
-        if n == 0 {
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    }
+    Ok(common::read_framed(tcp, buf).await?.0)
 }
 
 /// Opens `n` connections, 200 at a time, each after one request that got 200.
@@ -153,10 +126,10 @@ async fn per_conn(addr: SocketAddr, pid: u32, n: usize) -> (f64, u64) {
     // Warm-up: pools, allocator arenas and the upstream's connections, then let it settle.
     drop(open_idle(addr, 500).await);
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let before = rss_kib(pid);
+    let before = tree_rss_kib(pid);
     let conns = open_idle(addr, n).await;
     tokio::time::sleep(Duration::from_millis(1000)).await;
-    let after = rss_kib(pid);
+    let after = tree_rss_kib(pid);
     // They are still there and usable.
     let mut buf = Vec::new();
     for mut c in conns.into_iter().step_by((n / 50).max(1)) {

@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 
 use common::{DemoUpstreamProc, RedisServer, Tollgate};
 use sha2::{Digest, Sha256};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
@@ -88,31 +88,9 @@ fn write_rules(path: &Path, text: &str) {
 /// One GET; its status and whether it was a `limiter_unavailable` answer.
 async fn request(tcp: &mut TcpStream, head: &str, buf: &mut Vec<u8>) -> std::io::Result<(u16, bool)> {
     tcp.write_all(head.as_bytes()).await?;
-    buf.clear();
-    loop {
-        let mut headers = [httparse::EMPTY_HEADER; 32];
-        let mut resp = httparse::Response::new(&mut headers);
-        if let Ok(httparse::Status::Complete(len)) = resp.parse(buf) {
-            let body: usize = resp
-                .headers
-                .iter()
-                .find(|h| h.name.eq_ignore_ascii_case("content-length"))
-                .and_then(|h| std::str::from_utf8(h.value).ok()?.parse().ok())
-                .ok_or_else(|| std::io::Error::other("a response without Content-Length"))?;
-            if buf.len() >= len + body {
-                let unavailable = buf[len..len + body]
-                    .windows(19)
-                    .any(|w| w == b"limiter_unavailable");
-                return Ok((resp.code.unwrap_or(0), unavailable));
-            }
-        }
-        let mut chunk = [0u8; 4096];
-        let n = tcp.read(&mut chunk).await?;
-        if n == 0 {
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    }
+    let (status, body) = common::read_framed(tcp, buf).await?;
+    let unavailable = buf[body].windows(19).any(|w| w == b"limiter_unavailable");
+    Ok((status, unavailable))
 }
 
 #[derive(Default)]
@@ -247,16 +225,6 @@ async fn worker(
     }
 }
 
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
-
 fn fds(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd"))
         .map(|d| d.count())
@@ -360,7 +328,7 @@ async fn main() {
         }
         if now >= next_sample {
             let t = now.duration_since(started).as_secs_f64();
-            let (rss, fd) = (rss_kib(pid), fds(pid));
+            let (rss, fd) = (common::rss_kib(pid), fds(pid));
             let v = running_version(&http, &gw).await;
             println!("| {t:.0} | {rss} | {fd} | {v} | {} |", counts.line());
             samples.push((t, rss, fd));
@@ -370,7 +338,7 @@ async fn main() {
     while set.join_next().await.is_some() {}
     // The last reload a moment to land, then the final sample.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let (rss, fd) = (rss_kib(pid), fds(pid));
+    let (rss, fd) = (common::rss_kib(pid), fds(pid));
     let v = running_version(&http, &gw).await;
     let t = started.elapsed().as_secs_f64();
     println!("| {t:.0} (end) | {rss} | {fd} | {v} | {} |", counts.line());

@@ -740,6 +740,49 @@ impl Drop for DemoUpstreamProc {
     }
 }
 
+/// Reads one response with a `Content-Length` body from `tcp` into `buf` (cleared first): its
+/// status and where its body lies in `buf`. For benches that drive raw connections and count
+/// errors rather than fail on them.
+pub async fn read_framed(
+    tcp: &mut tokio::net::TcpStream,
+    buf: &mut Vec<u8>,
+) -> std::io::Result<(u16, std::ops::Range<usize>)> {
+    use tokio::io::AsyncReadExt;
+    buf.clear();
+    loop {
+        let mut headers = [httparse::EMPTY_HEADER; 32];
+        let mut resp = httparse::Response::new(&mut headers);
+        if let Ok(httparse::Status::Complete(len)) = resp.parse(buf) {
+            let body: usize = resp
+                .headers
+                .iter()
+                .find(|h| h.name.eq_ignore_ascii_case("content-length"))
+                .and_then(|h| std::str::from_utf8(h.value).ok()?.parse().ok())
+                .ok_or_else(|| std::io::Error::other("a response without Content-Length"))?;
+            if buf.len() >= len + body {
+                return Ok((resp.code.unwrap_or(0), len..len + body));
+            }
+        }
+        let mut chunk = [0u8; 4096];
+        let n = tcp.read(&mut chunk).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// Resident memory of process `pid` in KiB (`VmRSS`), 0 once it is gone.
+pub fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
 /// Reads one response with a `Content-Length` body from `tcp`, waiting at most `within` for each
 /// read; its status. For tests that hold raw keep-alive connections.
 pub async fn read_status(tcp: &mut tokio::net::TcpStream, within: Duration) -> u16 {
