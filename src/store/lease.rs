@@ -510,10 +510,9 @@ impl Leases {
         }
     }
 
-    /// At `at_us`: if no call for the key went out for [`SYNC_AFTER_US`] and tokens were spent
-    /// since the last one, a give-back of nothing reports them, before the store's record of
-    /// this gateway expires and hands back what it has already spent.
-    fn sync_at(&self, fp: u64, at_us: u64) {
+    /// Runs `then` on the key's entry, under the lock, once `at_us` has passed on this gateway's
+    /// clock; nothing if the gateway or the key is gone by then.
+    fn on_key_at(&self, fp: u64, at_us: u64, then: impl FnOnce(&Leases, &mut Entry, u64) + Send + 'static) {
         let weak = self.me.clone();
         let deadline = self.origin + Duration::from_micros(at_us);
         tokio::spawn(async move {
@@ -521,7 +520,17 @@ impl Leases {
             let Some(me) = weak.upgrade() else { return };
             let now = me.now_us();
             let mut st = me.lock();
-            let Some(e) = st.keys.get_mut(&fp) else { return };
+            if let Some(e) = st.keys.get_mut(&fp) {
+                then(&me, e, now);
+            }
+        });
+    }
+
+    /// At `at_us`: if no call for the key went out for [`SYNC_AFTER_US`] and tokens were spent
+    /// since the last one, a give-back of nothing reports them, before the store's record of
+    /// this gateway expires and hands back what it has already spent.
+    fn sync_at(&self, fp: u64, at_us: u64) {
+        self.on_key_at(fp, at_us, move |me, e, now| {
             e.sync_armed = false;
             let due = e.last_call + SYNC_AFTER_US;
             if due > now {
@@ -622,19 +631,11 @@ impl Leases {
 
     /// Expires the key's blocks once `at_us` has passed, and sends their rest back.
     fn expire_at(&self, fp: u64, at_us: u64) {
-        let weak = self.me.clone();
-        let deadline = self.origin + Duration::from_micros(at_us);
-        tokio::spawn(async move {
-            tokio::time::sleep_until(deadline).await;
-            let Some(me) = weak.upgrade() else { return };
-            let now = me.now_us();
-            let mut st = me.lock();
-            if let Some(e) = st.keys.get_mut(&fp) {
-                let back = e.holder.expire(now);
-                if back > 0 {
-                    me.metrics.lease_tokens_held.dec_by(back as i64);
-                    me.give_from(fp, e, back, now);
-                }
+        self.on_key_at(fp, at_us, move |me, e, now| {
+            let back = e.holder.expire(now);
+            if back > 0 {
+                me.metrics.lease_tokens_held.dec_by(back as i64);
+                me.give_from(fp, e, back, now);
             }
         });
     }
