@@ -435,7 +435,39 @@ async fn slots_of(pool: &Pool, server: &Server) -> Result<ClusterRouting, FredEr
             )));
         }
     };
-    ClusterRouting::from_cluster_slots(value, server.host.clone())
+    ClusterRouting::from_cluster_slots(unknown_hosts_as_null(value), server.host.clone())
+}
+
+/// Redis answers an empty host for a node that has not learned its own address (a cluster of
+/// one node that never met another); the address to use is then the one asked. fred takes that
+/// address for a null host only, so an empty one becomes null before it parses the map.
+fn unknown_hosts_as_null(value: Value) -> Value {
+    let Value::Array(ranges) = value else {
+        return value;
+    };
+    let node = |n: Value| match n {
+        Value::Array(mut block) => {
+            if let Some(first) = block.first_mut()
+                && matches!(first.as_str().as_deref(), Some("") | Some("?"))
+            {
+                *first = Value::Null;
+            }
+            Value::Array(block)
+        }
+        other => other,
+    };
+    let range = |r: Value| match r {
+        // [start, end, primary, replica...]
+        Value::Array(items) => Value::Array(
+            items
+                .into_iter()
+                .enumerate()
+                .map(|(i, v)| if i >= 2 { node(v) } else { v })
+                .collect(),
+        ),
+        other => other,
+    };
+    Value::Array(ranges.into_iter().map(range).collect())
 }
 
 #[cfg(test)]
@@ -460,5 +492,25 @@ mod tests {
         ));
         assert!(redirect(&e("NOSCRIPT No matching script")).is_none());
         assert!(redirect(&e("MOVED garbage")).is_none());
+    }
+
+    #[test]
+    fn a_node_that_does_not_know_its_address_is_the_one_asked() {
+        let block = |host: &str, port: i64, id: &str| {
+            Value::Array(vec![host.into(), port.into(), id.into(), Value::Array(vec![])])
+        };
+        // What a one-node cluster answers, and a known node beside it.
+        let value = Value::Array(vec![
+            Value::Array(vec![0.into(), 8191.into(), block("", 7001, "a")]),
+            Value::Array(vec![8192.into(), 16383.into(), block("10.0.0.9", 7002, "b")]),
+        ]);
+        let routing =
+            ClusterRouting::from_cluster_slots(unknown_hosts_as_null(value), "127.0.0.1").expect("parses");
+        let primaries: Vec<String> = routing
+            .slots()
+            .iter()
+            .map(|r| format!("{}:{}", r.primary.host, r.primary.port))
+            .collect();
+        assert_eq!(primaries, ["127.0.0.1:7001", "10.0.0.9:7002"]);
     }
 }
