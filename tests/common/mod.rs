@@ -395,8 +395,17 @@ impl RedisCluster {
         RedisCluster::start_as(1, node_timeout_ms, &["--cluster-require-full-coverage", "no"])
     }
 
+    /// `masters` masters and no replicas, a node timeout of 5 s: the slots split evenly.
+    pub fn with_masters(masters: usize) -> RedisCluster {
+        RedisCluster::start_n(masters, 0, 5_000, &[])
+    }
+
     fn start_as(replicas: usize, node_timeout_ms: u32, extra: &[&str]) -> RedisCluster {
-        let count = 3 * (1 + replicas);
+        RedisCluster::start_n(3, replicas, node_timeout_ms, extra)
+    }
+
+    fn start_n(masters: usize, replicas: usize, node_timeout_ms: u32, extra: &[&str]) -> RedisCluster {
+        let count = masters * (1 + replicas);
         let nodes: Vec<RedisServer> = (0..count)
             .map(|_| {
                 RedisServer::start_with_fn(|| {
@@ -418,18 +427,24 @@ impl RedisCluster {
             })
             .collect();
         let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
-        let out = Command::new(require_binary("redis-cli"))
-            .args(["--cluster", "create"])
-            .args(&addrs)
-            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
-            .output()
-            .expect("redis-cli --cluster create runs");
-        assert!(
-            out.status.success(),
-            "redis-cli --cluster create failed: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        if count == 1 {
+            // `redis-cli --cluster create` wants three masters; one node takes every slot itself.
+            let added = nodes[0].cli(&["CLUSTER", "ADDSLOTSRANGE", "0", "16383"]);
+            assert_eq!(added, "OK", "CLUSTER ADDSLOTSRANGE on a one-node cluster");
+        } else {
+            let out = Command::new(require_binary("redis-cli"))
+                .args(["--cluster", "create"])
+                .args(&addrs)
+                .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
+                .output()
+                .expect("redis-cli --cluster create runs");
+            assert!(
+                out.status.success(),
+                "redis-cli --cluster create failed: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
         let cluster = RedisCluster { nodes };
         let known = format!("cluster_known_nodes:{count}");
         let deadline = Instant::now() + Duration::from_secs(20);
