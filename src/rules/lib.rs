@@ -14,7 +14,7 @@ pub mod raw;
 mod routes;
 pub mod summary;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -1363,6 +1363,9 @@ impl Compiler<'_> {
     ) -> Result<Vec<Route>, RulesError> {
         let mut routes: Vec<Route> = Vec::new();
         let mut seen = HashMap::new();
+        // A set, not a look through the routes so far: 10,000 routes made that 50 million
+        // name compares per load.
+        let mut names = HashSet::new();
         for (i, r) in raw.routes.iter().enumerate() {
             let field = format!("routes[{i}]");
             let method = if r.method == "*" {
@@ -1394,7 +1397,7 @@ impl Compiler<'_> {
             if let Some(prev) = seen.insert((r.method.clone(), r.path.clone()), i) {
                 return Err(self.err(&field, format!("same method and path as routes[{prev}]")));
             }
-            if routes.iter().any(|x| *x.name == *name) {
+            if !names.insert(name.clone()) {
                 return Err(self.err(format!("{field}.name"), format!("duplicate route name {name:?}")));
             }
             let costs = self.costs(&field, r, &name, limits, keys)?;

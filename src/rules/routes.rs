@@ -286,4 +286,28 @@ mod tests {
             );
         }
     }
+
+    #[test]
+    fn a_second_route_of_the_same_name_is_refused() {
+        let rules = json!({
+            "version": 1,
+            "upstreams": {"exact": {"url": "http://127.0.0.1:9"}},
+            "routes": [
+                {"name": "orders", "method": "GET", "path": "/v1/orders", "upstream": "exact"},
+                {"name": "other", "method": "GET", "path": "/v1/other", "upstream": "exact"},
+                {"name": "orders", "method": "POST", "path": "/v1/orders", "upstream": "exact"},
+            ],
+        });
+        let e = compile(
+            rules.to_string().as_bytes(),
+            "routes.json",
+            CompileOptions::default(),
+        )
+        .map(|_| ())
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "routes.json: routes[2].name: duplicate route name \"orders\""
+        );
+    }
 }
