@@ -147,7 +147,7 @@ fn rules_and_plans(c: &mut Criterion) {
     let orders = &snap.routes[snap.route(&get, "/v1/orders").unwrap()];
     let exports = &snap.routes[snap.route(&post, "/v1/exports").unwrap()];
     let k7 = snap.key_by_id("k-7");
-    c.bench_function("plan/orders (1 bucket, prepared)", |b| {
+    c.bench_function("plan/orders (1 key bucket)", |b| {
         b.iter(|| black_box(plan::build(&snap, orders, k7, ip, Fingerprint::None, &headers, None).unwrap()))
     });
     c.bench_function("plan/exports (2 buckets)", |b| {

@@ -111,11 +111,7 @@ fn refill_time(snap: &tollgate_rules::Snapshot) -> Duration {
     let mut longest = 0f64;
     for (li, limit) in snap.limits.iter().enumerate() {
         let mut all: Vec<_> = limit.numbers.iter().collect();
-        all.extend(
-            snap.keys
-                .iter()
-                .filter_map(|k| k.numbers.get(li).and_then(Option::as_ref)),
-        );
+        all.extend((0..snap.keys.len()).filter_map(|k| snap.keys.own_numbers(k, li)));
         for n in all {
             longest = longest.max(n.params.burst as f64 / n.params.rate.per_second());
         }

@@ -172,14 +172,15 @@ pub fn contract(snap: &Snapshot, secret: &str) -> Result<Contract, String> {
             snap.source
         )
     })?;
-    let key = &snap.keys[key];
+    let k = key;
+    let key = &snap.keys[k];
     let mut best: Option<Contract> = None;
     for &(li, cost) in &snap.routes[route].costs {
         let limit = &snap.limits[li as usize];
         if limit.mode != tollgate_rules::Mode::Enforce || cost == 0 {
             continue;
         }
-        let Some(nums) = key.numbers(limit, li as usize) else {
+        let Some(nums) = snap.keys.numbers(k, limit, li as usize) else {
             continue;
         };
         let p = &nums.params;

@@ -278,7 +278,7 @@ pub(crate) fn budget_values(
     let li = batch[i].limit as usize;
     let limit = &snap.limits[li];
     let numbers = match caller {
-        Caller::Key(k) => snap.keys[k].numbers(limit, li),
+        Caller::Key(k) => snap.keys.numbers(k, limit, li),
         Caller::Jwt(j) => limit.jwt_numbers(j),
         Caller::Anonymous => limit.numbers.as_ref(),
     };
@@ -318,7 +318,7 @@ pub(crate) fn budget_after(
     let li = batch[i].limit as usize;
     let limit = &snap.limits[li];
     let numbers = match caller {
-        Caller::Key(k) => snap.keys[k].numbers(limit, li),
+        Caller::Key(k) => snap.keys.numbers(k, limit, li),
         Caller::Jwt(j) => limit.jwt_numbers(j),
         Caller::Anonymous => limit.numbers.as_ref(),
     };

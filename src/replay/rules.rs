@@ -87,12 +87,14 @@ impl RulesFleet {
     /// The limit and rate that the excess statistic of a key follows: its first enforced
     /// key-dimension limit (the plan, in the demo rules).
     pub(crate) fn excess_limit(&self, key: usize) -> Option<(u16, Rate)> {
-        let k = &self.snap.keys[key];
         self.snap.limits.iter().enumerate().find_map(|(i, l)| {
             if l.dimension != Dimension::Key || l.shadow() {
                 return None;
             }
-            k.numbers(l, i).map(|n| (i as u16, n.params.rate))
+            self.snap
+                .keys
+                .numbers(key, l, i)
+                .map(|n| (i as u16, n.params.rate))
         })
     }
 

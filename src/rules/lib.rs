@@ -8,6 +8,7 @@
 pub mod headers;
 pub mod identity;
 pub mod jwt;
+pub mod keys;
 pub mod plan;
 pub mod quota;
 pub mod raw;
@@ -23,6 +24,8 @@ use http::{HeaderName, HeaderValue, Method, uri::Authority};
 use sha2::{Digest, Sha256};
 
 use headers::policy_value;
+use keys::KeysBuilder;
+pub use keys::{ApiKey, Keys};
 pub use raw::{Identity, KeyRequirement, LimitClass, Mode, Scope};
 use raw::{
     RawBlock, RawConcurrency, RawDimension, RawDimensionName, RawEncodedSlashes, RawKey, RawLimit,
@@ -31,8 +34,8 @@ use raw::{
 pub use tollgate_hello::{BadFingerprint, Fingerprint};
 use tollgate_http1::path::{self, EncodedSlashes};
 pub use tollgate_limit::adaptive::Bounds as ConcurrencyBounds;
+use tollgate_limit::batch::FailurePolicy;
 pub use tollgate_limit::batch::LeaseBlock;
-use tollgate_limit::batch::{FailurePolicy, fingerprint};
 use tollgate_limit::bucket::{BucketParams, Rate};
 
 /// A rules file that can't be used, with where and why.
@@ -224,51 +227,6 @@ impl Limit {
     }
 }
 
-/// One bucket name prepared at load time, so keyed requests build no strings.
-#[derive(Debug, Clone)]
-pub struct Prepared {
-    pub key: Arc<str>,
-    pub fp: u64,
-}
-
-impl Prepared {
-    pub fn new(key: String) -> Prepared {
-        Prepared {
-            fp: fingerprint(&key),
-            key: key.into(),
-        }
-    }
-}
-
-#[derive(Debug)]
-pub struct ApiKey {
-    /// The public id (`k-7`): logs, traces and replay name keys by it.
-    pub id: Arc<str>,
-    pub tenant: Arc<str>,
-    pub name: Option<String>,
-    /// The first 8 hex digits of the secret's SHA-256, the most of it that logs may show.
-    pub hash_prefix: String,
-    /// This key's numbers per limit, where it overrides the limit's.
-    pub numbers: Vec<Option<Numbers>>,
-    /// Bucket names of `key` limits, per limit index.
-    pub key_buckets: Vec<Option<Prepared>>,
-    /// `X-Tollgate-Key-Id` and `X-Tollgate-Tenant` for the upstream, made once.
-    pub id_header: HeaderValue,
-    pub tenant_header: HeaderValue,
-    /// The key's billing quota: counted by metering, enforced from its flags.
-    pub quota: Option<quota::Quota>,
-}
-
-impl ApiKey {
-    /// The numbers a bucket of `limit` uses for this key.
-    pub fn numbers<'a>(&'a self, limit: &'a Limit, idx: usize) -> Option<&'a Numbers> {
-        self.numbers
-            .get(idx)
-            .and_then(Option::as_ref)
-            .or(limit.numbers.as_ref())
-    }
-}
-
 #[derive(Debug)]
 pub struct Route {
     pub name: Arc<str>,
@@ -328,9 +286,7 @@ pub struct Snapshot {
     pub loaded_at: SystemTime,
     pub upstreams: Vec<Upstream>,
     pub limits: Vec<Limit>,
-    pub keys: Vec<ApiKey>,
-    key_index: HashMap<[u8; 32], usize>,
-    key_ids: HashMap<Arc<str>, usize>,
+    pub keys: Keys,
     /// Sorted longest prefix first. `matcher` indexes it as compiled: it never changes after.
     pub routes: Vec<Route>,
     matcher: routes::Matcher,
@@ -358,12 +314,12 @@ impl Snapshot {
 
     /// The key whose secret hashes to `digest`.
     pub fn key_by_hash(&self, digest: &[u8; 32]) -> Option<usize> {
-        self.key_index.get(digest).copied()
+        self.keys.by_hash(digest)
     }
 
     /// The key with this public id.
     pub fn key_by_id(&self, id: &str) -> Option<usize> {
-        self.key_ids.get(id).copied()
+        self.keys.by_id(id)
     }
 
     /// Verifies a bearer token for a JWT route: the token itself, then that every limit the
@@ -493,41 +449,47 @@ fn compile_with(
     opts: CompileOptions,
     read: ReadNamed<'_>,
 ) -> Result<Snapshot, RulesError> {
-    let err = |field: &str, reason: String| RulesError {
-        file: file.to_string(),
-        field: field.to_string(),
-        reason,
-    };
+    // Everything but the keys, which this pass skips: they are read one at a time later, each
+    // compiled and dropped before the next, so a file's keys are never all held as parsed.
     let mut de = serde_json::Deserializer::from_slice(bytes);
     let raw: RawRules = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();
-        let inner = e.into_inner();
-        let field = if path == "." {
-            "(top level)".to_string()
-        } else {
-            path
-        };
-        let reason = match field.as_str() {
-            "version" => format!("must be a positive integer ({inner})"),
-            _ => inner.to_string(),
-        };
-        err(&field, reason)
+        parse_error(file, path, e.into_inner())
     })?;
-    de.end().map_err(|e| {
-        err(
-            "(top level)",
-            format!("trailing data after the rules object: {e}"),
-        )
+    de.end().map_err(|e| RulesError {
+        file: file.to_string(),
+        field: "(top level)".into(),
+        reason: format!("trailing data after the rules object: {e}"),
     })?;
     let digest = hex::encode(Sha256::digest(bytes));
     // An option added later must be handled here.
     let CompileOptions {} = opts;
-    Compiler { file, read }.run(raw, digest)
+    Compiler { file, read, bytes }.run(raw, digest)
+}
+
+/// A parse error at `path` (serde_path_to_error's form, `.` for the top level).
+fn parse_error(file: &str, path: String, inner: serde_json::Error) -> RulesError {
+    let field = if path == "." {
+        "(top level)".to_string()
+    } else {
+        path
+    };
+    let reason = match field.as_str() {
+        "version" => format!("must be a positive integer ({inner})"),
+        _ => inner.to_string(),
+    };
+    RulesError {
+        file: file.to_string(),
+        field,
+        reason,
+    }
 }
 
 struct Compiler<'a> {
     file: &'a str,
     read: ReadNamed<'a>,
+    /// The whole file, for the pass that reads its keys.
+    bytes: &'a [u8],
 }
 
 /// The compiled upstreams, and where each is by name for the routes that name it.
@@ -541,20 +503,6 @@ struct Upstreams {
 struct Limits<'r> {
     list: Vec<Limit>,
     by_name: BTreeMap<&'r str, usize>,
-}
-
-/// The compiled keys, found by the hash of a secret and by public id.
-struct Keys {
-    list: Vec<ApiKey>,
-    by_hash: HashMap<[u8; 32], usize>,
-    by_id: HashMap<Arc<str>, usize>,
-}
-
-/// A key's numbers per limit, compiled and also as written: keys of one tenant are compared
-/// on what they wrote.
-struct KeyLimits {
-    numbers: Vec<Option<Numbers>>,
-    written: KeyNumbers,
 }
 
 impl Compiler<'_> {
@@ -583,7 +531,7 @@ impl Compiler<'_> {
         let mut limits = self.limits(&raw)?;
         let mut keys = self.keys(&raw, &limits)?;
         self.owing(&mut limits, &mut keys)?;
-        let mut routes = self.routes(&raw, &upstreams, &limits, &keys)?;
+        let mut routes = self.routes(&raw, &upstreams, &limits, keys.keys())?;
         sort_routes(&mut routes);
         let matcher = routes::Matcher::new(&routes);
         let unauthenticated = self.unauthenticated(&raw, &limits)?;
@@ -603,9 +551,7 @@ impl Compiler<'_> {
             loaded_at: SystemTime::now(),
             upstreams: upstreams.list,
             limits: limits.list,
-            keys: keys.list,
-            key_index: keys.by_hash,
-            key_ids: keys.by_id,
+            keys: keys.finish(),
             routes,
             matcher,
             unauthenticated,
@@ -972,7 +918,7 @@ impl Compiler<'_> {
 
     /// Lets every bucket of each post-paid limit owe down to its debt: the limit's numbers, its
     /// plans' and each key's.
-    fn owing(&self, limits: &mut Limits, keys: &mut Keys) -> Result<(), RulesError> {
+    fn owing(&self, limits: &mut Limits, keys: &mut KeysBuilder) -> Result<(), RulesError> {
         let owe = |field: String, n: &mut Numbers, max_debt: Option<u64>| {
             let debt = max_debt.unwrap_or(n.params.burst);
             n.params = n
@@ -992,10 +938,10 @@ impl Compiler<'_> {
                     owe(format!("{field}.plans.{plan}"), n, pp.max_debt)?;
                 }
             }
-            for (ki, k) in keys.list.iter_mut().enumerate() {
-                if let Some(Some(n)) = k.numbers.get_mut(li) {
-                    owe(format!("keys[{ki}].limits.{}", l.name), n, pp.max_debt)?;
-                }
+            // Keys that write the same numbers share them: each is owed once, and an error
+            // names the first key that wrote them.
+            for (_, ki, n) in keys.numbers_mut().filter(|(l, _, _)| *l as usize == li) {
+                owe(format!("keys[{ki}].limits.{}", l.name), n, pp.max_debt)?;
             }
         }
         Ok(())
@@ -1186,23 +1132,27 @@ impl Compiler<'_> {
         }
     }
 
-    fn keys(&self, raw: &RawRules, limits: &Limits) -> Result<Keys, RulesError> {
-        let mut keys = Keys {
-            list: Vec::new(),
-            by_hash: HashMap::new(),
-            by_id: HashMap::new(),
+    /// The keys, read from the file one at a time: each is parsed, checked and compiled before
+    /// the next, so the parsed form of one key at most is held, never the whole list.
+    fn keys(&self, raw: &RawRules, limits: &Limits) -> Result<KeysBuilder, RulesError> {
+        let mut pass = KeysPass {
+            compiler: self,
+            limits,
+            plan_quota: self.plan_quota(raw)?.map(Arc::new),
+            keys: KeysBuilder::default(),
+            failed: None,
         };
-        let mut tenants = HashMap::new();
-        let plan_quota = self.plan_quota(raw)?;
-        for (i, k) in raw.keys.iter().enumerate() {
-            let field = format!("keys[{i}]");
-            let hash = self.key_hash(&field, k, &keys)?;
-            let key = self.key(&field, k, hash, limits, &mut tenants, plan_quota.as_ref())?;
-            keys.by_hash.insert(hash, keys.list.len());
-            keys.by_id.insert(key.id.clone(), keys.list.len());
-            keys.list.push(key);
+        let mut de = serde_json::Deserializer::from_slice(self.bytes);
+        let mut track = serde_path_to_error::Track::new();
+        let read = serde::de::DeserializeSeed::deserialize(
+            &mut pass,
+            serde_path_to_error::Deserializer::new(&mut de, &mut track),
+        );
+        if let Some(e) = pass.failed.take() {
+            return Err(e);
         }
-        Ok(keys)
+        read.map_err(|e| parse_error(self.file, track.path().to_string(), e))?;
+        Ok(pass.keys)
     }
 
     /// A quota set on a limit: the default of every key. Quotas count a key's admitted
@@ -1243,115 +1193,118 @@ impl Compiler<'_> {
 
     /// The hash of a key's secret, once its id and its hash are known to be new: a request
     /// finds its key by the hash, and logs and replay name it by the id.
-    fn key_hash(&self, field: &str, k: &RawKey, keys: &Keys) -> Result<[u8; 32], RulesError> {
+    fn key_hash(&self, field: &str, k: &RawKey, keys: &KeysBuilder) -> Result<[u8; 32], RulesError> {
         if k.id.is_empty() {
             return Err(self.err(format!("{field}.id"), "must not be empty"));
         }
-        if keys.by_id.contains_key(k.id.as_str()) {
+        if keys.id_of(&k.id).is_some() {
             return Err(self.err(format!("{field}.id"), format!("duplicate key id {:?}", k.id)));
         }
         let hash = parse_sha256(&k.sha256)
             .map_err(|reason| self.err(format!("{field}.sha256"), format!("key {}: {reason}", k.id)))?;
-        if let Some(&other) = keys.by_hash.get(&hash) {
-            let other: &ApiKey = &keys.list[other];
+        if let Some(other) = keys.hash_of(&hash) {
             return Err(self.err(
                 format!("{field}.sha256"),
                 format!(
                     "duplicate key hash: keys {:?} and {:?} have the same secret",
-                    other.id, k.id
+                    keys.keys()[other].id,
+                    k.id
                 ),
             ));
         }
         Ok(hash)
     }
 
-    /// One key, with `tenants` holding the first key of each tenant and the numbers it set.
+    /// One key, added to `keys`; keys of one tenant must set the same numbers.
     fn key(
         &self,
         field: &str,
-        k: &RawKey,
+        k: RawKey,
         hash: [u8; 32],
         limits: &Limits,
-        tenants: &mut HashMap<String, (String, KeyNumbers)>,
-        plan_quota: Option<&quota::Quota>,
-    ) -> Result<ApiKey, RulesError> {
-        let tenant = k.tenant.clone().unwrap_or_else(|| k.id.clone());
-        if tenant.is_empty() || tenant.contains(['{', '}']) {
+        keys: &mut KeysBuilder,
+        plan_quota: Option<&Arc<quota::Quota>>,
+    ) -> Result<(), RulesError> {
+        let tenant_text = k.tenant.as_deref().unwrap_or(&k.id);
+        if tenant_text.is_empty() || tenant_text.contains(['{', '}']) {
             return Err(self.err(format!("{field}.tenant"), "must be non-empty, without braces"));
         }
         let quota = match &k.quota {
-            Some(q) => Some(self.quota(&format!("{field}.quota"), &format!("key {}", k.id), q)?),
+            Some(q) => Some(Arc::new(self.quota(
+                &format!("{field}.quota"),
+                &format!("key {}", k.id),
+                q,
+            )?)),
             None => plan_quota.cloned(),
         };
-        let KeyLimits { numbers, written } = self.key_limits(field, k, limits)?;
+        let run = self.key_limits(field, &k, limits, keys)?;
         // Keys of one tenant share buckets, so they must share numbers.
-        match tenants.get(&tenant) {
-            Some((first, theirs)) if *theirs != written => {
+        let shared = match keys.tenant(tenant_text) {
+            Some((_, first)) if keys.run(first) != run.as_slice() => {
                 return Err(self.err(
                     format!("{field}.limits"),
                     format!(
-                        "keys {first:?} and {:?} share tenant {tenant:?} but set different limits",
+                        "keys {:?} and {:?} share tenant {tenant_text:?} but set different limits",
+                        &*keys.keys()[first].id,
                         k.id
                     ),
                 ));
             }
-            Some(_) => {}
-            None => {
-                tenants.insert(tenant.clone(), (k.id.clone(), written));
+            Some((name, _)) => Some(name.clone()),
+            None => None,
+        };
+        for (what, text) in [("id", &*k.id), ("tenant", tenant_text)] {
+            if HeaderValue::from_str(text).is_err() {
+                return Err(self.err(
+                    format!("{field}.{what}"),
+                    "must be printable ASCII (it is sent upstream)",
+                ));
             }
         }
-        let key_buckets = limits
-            .list
-            .iter()
-            .map(|l| {
-                (l.dimension == Dimension::Key).then(|| Prepared::new(format!("rl:{{{tenant}}}:{}", l.name)))
-            })
-            .collect();
-        let id_header = HeaderValue::from_str(&k.id).map_err(|_| {
-            self.err(
-                format!("{field}.id"),
-                "must be printable ASCII (it is sent upstream)",
-            )
-        })?;
-        let tenant_header = HeaderValue::from_str(&tenant).map_err(|_| {
-            self.err(
-                format!("{field}.tenant"),
-                "must be printable ASCII (it is sent upstream)",
-            )
-        })?;
-        Ok(ApiKey {
-            id: k.id.as_str().into(),
-            tenant: tenant.into(),
-            name: k.name.clone(),
-            hash_prefix: hex::encode(&hash[..4]),
-            numbers,
-            key_buckets,
-            id_header,
-            tenant_header,
-            quota,
-        })
+        let id: Arc<str> = k.id.as_str().into();
+        let tenant = match (shared, &k.tenant) {
+            (Some(name), _) => name,
+            // The tenant is the id: one allocation for both.
+            (None, None) => id.clone(),
+            (None, Some(t)) => t.as_str().into(),
+        };
+        let name = k.name.map(String::into_boxed_str);
+        keys.push(keys::new_key(id, tenant, name, hash, quota), &run);
+        Ok(())
     }
 
-    fn key_limits(&self, field: &str, k: &RawKey, limits: &Limits) -> Result<KeyLimits, RulesError> {
-        let mut numbers = vec![None; limits.list.len()];
-        let mut written = BTreeMap::new();
+    /// A key's own numbers, as (limit index, index of the shared numbers) in limit order:
+    /// numbers written alike for one limit are compiled once and shared.
+    fn key_limits(
+        &self,
+        field: &str,
+        k: &RawKey,
+        limits: &Limits,
+        keys: &mut KeysBuilder,
+    ) -> Result<Vec<(u16, u32)>, RulesError> {
+        let mut run = Vec::with_capacity(k.limits.len());
         for (lname, RawNumbers { rate, burst }) in &k.limits {
-            let lfield = format!("{field}.limits.{lname}");
+            let lfield = || format!("{field}.limits.{lname}");
             let Some(&li) = limits.by_name.get(lname.as_str()) else {
-                return Err(self.err(&lfield, format!("no limit named {lname:?}")));
+                return Err(self.err(lfield(), format!("no limit named {lname:?}")));
             };
             let limit = &limits.list[li];
             if limit.dimension == Dimension::Ip {
-                return Err(self.err(&lfield, "ip limits are per address and can't be set per key"));
+                return Err(self.err(lfield(), "ip limits are per address and can't be set per key"));
             }
-            let n = self.numbers(&lfield, lname, rate, *burst)?;
-            if let Some(block) = limit.lease {
-                self.check_leasable(&lfield, &n.params, block)?;
-            }
-            numbers[li] = Some(n);
-            written.insert(lname.clone(), (rate.clone(), *burst));
+            let n = match keys.written(li as u16, rate, *burst) {
+                keys::Written::Known(n) => n,
+                keys::Written::New => {
+                    let n = self.numbers(&lfield(), lname, rate, *burst)?;
+                    if let Some(block) = limit.lease {
+                        self.check_leasable(&lfield(), &n.params, block)?;
+                    }
+                    keys.add_numbers(li as u16, rate, *burst, n)
+                }
+            };
+            run.push((li as u16, n));
         }
-        Ok(KeyLimits { numbers, written })
+        Ok(run)
     }
 
     fn routes(
@@ -1493,13 +1446,15 @@ impl Compiler<'_> {
                 costs.push((li as u16, cost));
                 continue;
             }
-            let check = |n: &Numbers, who: &str| {
+            // `who` is called only for the error: this runs for every key of every route.
+            let check = |n: &Numbers, who: &dyn Fn() -> String| {
                 if cost > n.params.burst {
                     Err(self.err(
                         &cfield,
                         format!(
-                            "route {name:?} costs {cost} in limit {lname:?}, above its burst {}{who}: it could never pass",
-                            n.params.burst
+                            "route {name:?} costs {cost} in limit {lname:?}, above its burst {}{}: it could never pass",
+                            n.params.burst,
+                            who()
                         ),
                     ))
                 } else {
@@ -1507,17 +1462,17 @@ impl Compiler<'_> {
                 }
             };
             if let Some(n) = &limit.numbers {
-                check(n, "")?;
+                check(n, &String::new)?;
             }
-            for k in &keys.list {
-                match k.numbers(limit, li) {
-                    Some(n) => check(n, &format!(" for key {:?}", k.id))?,
+            for ki in 0..keys.len() {
+                match keys.numbers(ki, limit, li) {
+                    Some(n) => check(n, &|| format!(" for key {:?}", keys[ki].id))?,
                     None if r.key == KeyRequirement::Required || limit.dimension == Dimension::Key => {
                         return Err(self.err(
-                            format!("keys[{}].limits.{lname}", keys.by_id[&k.id]),
+                            format!("keys[{ki}].limits.{lname}"),
                             format!(
                                 "limit {lname:?} has no numbers of its own and key {:?} sets none, but route {name:?} charges it",
-                                k.id
+                                keys[ki].id
                             ),
                         ));
                     }
@@ -1692,8 +1647,93 @@ fn slashes(raw: Option<RawEncodedSlashes>) -> Option<EncodedSlashes> {
     })
 }
 
-/// A key's own numbers as written, per limit: keys of one tenant must agree on them.
-type KeyNumbers = BTreeMap<String, (String, u64)>;
+/// The second pass over a rules file: its `keys`, each compiled as soon as it is parsed.
+struct KeysPass<'p, 'a, 'r> {
+    compiler: &'p Compiler<'a>,
+    limits: &'p Limits<'r>,
+    /// The quota of a key that names none, shared.
+    plan_quota: Option<Arc<quota::Quota>>,
+    keys: KeysBuilder,
+    /// Why the pass stopped, when a key parsed but is not valid.
+    failed: Option<RulesError>,
+}
+
+impl KeysPass<'_, '_, '_> {
+    fn add(&mut self, k: RawKey) -> Result<(), RulesError> {
+        let c = self.compiler;
+        let i = self.keys.len();
+        if i >= keys::MAX_KEYS {
+            return Err(c.err("keys", format!("more than {} keys", keys::MAX_KEYS)));
+        }
+        let field = format!("keys[{i}]");
+        let hash = c.key_hash(&field, &k, &self.keys)?;
+        c.key(
+            &field,
+            k,
+            hash,
+            self.limits,
+            &mut self.keys,
+            self.plan_quota.as_ref(),
+        )
+    }
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for &mut KeysPass<'_, '_, '_> {
+    type Value = ();
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for &mut KeysPass<'_, '_, '_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("the rules object")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        // The first pass has checked every field but the keys' contents.
+        while let Some(field) = map.next_key::<String>()? {
+            if field == "keys" {
+                map.next_value_seed(KeyList(&mut *self))?;
+            } else {
+                map.next_value::<serde::de::IgnoredAny>()?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The `keys` array of [`KeysPass`].
+struct KeyList<'x, 'p, 'a, 'r>(&'x mut KeysPass<'p, 'a, 'r>);
+
+impl<'de> serde::de::DeserializeSeed<'de> for KeyList<'_, '_, '_, '_> {
+    type Value = ();
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for KeyList<'_, '_, '_, '_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a sequence")
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while let Some(k) = seq.next_element::<RawKey>()? {
+            if let Err(e) = self.0.add(k) {
+                self.0.failed = Some(e);
+                return Err(serde::de::Error::custom("an invalid key"));
+            }
+        }
+        Ok(())
+    }
+}
 
 fn parse_sha256(text: &str) -> Result<[u8; 32], String> {
     if text.len() != 64

@@ -77,8 +77,8 @@ pub fn summary(snap: &Snapshot) -> String {
                     ))
                     .unwrap_or_default()
         );
-        for k in &snap.keys {
-            if let Some(Some(n)) = k.numbers.get(i) {
+        for (ki, k) in snap.keys.iter().enumerate() {
+            if let Some(n) = snap.keys.own_numbers(ki, i) {
                 let _ = writeln!(
                     out,
                     "    key {:<8} {} ({:.3}/s), burst {}",

@@ -41,7 +41,7 @@ fn connection_named(headers: &HeaderMap) -> smallvec::SmallVec<[HeaderName; 2]> 
 }
 
 /// What the proxy needs to know about the caller.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Caller<'a> {
     /// The TCP peer, as a header value.
     pub peer: &'a HeaderValue,
@@ -50,7 +50,7 @@ pub struct Caller<'a> {
     /// `http` or `https`, as the client reached us.
     pub proto: &'static str,
     /// The authenticated key: its id and tenant headers, and where its secret came from.
-    pub key: Option<(&'a HeaderValue, &'a HeaderValue, KeySource)>,
+    pub key: Option<(HeaderValue, HeaderValue, KeySource)>,
 }
 
 /// Forwards requests to upstreams, each over its own keep-alive connections.
@@ -210,10 +210,11 @@ impl HeaderEdits {
     pub fn new(up: &Upstream, parts: &http::request::Parts, caller: Caller<'_>) -> HeaderEdits {
         let h = &parts.headers;
         let mut set = smallvec::SmallVec::new();
+        let credential = caller.key.as_ref().map(|k| k.2);
         if let Some((id, tenant, _)) = caller.key {
             // The upstream learns who called from us, not from the secret.
-            set.push((X_TOLLGATE_KEY_ID.clone(), id.clone()));
-            set.push((X_TOLLGATE_TENANT.clone(), tenant.clone()));
+            set.push((X_TOLLGATE_KEY_ID.clone(), id));
+            set.push((X_TOLLGATE_TENANT.clone(), tenant));
         }
         let peer = caller.peer.clone();
         let forwarded_for = match (caller.peer_trusted, h.get(&X_FORWARDED_FOR)) {
@@ -243,7 +244,7 @@ impl HeaderEdits {
         set.push((header::HOST, up.host_header.clone()));
         HeaderEdits {
             connection_named: connection_named(h),
-            credential: caller.key.map(|k| k.2),
+            credential,
             set,
         }
     }

@@ -188,8 +188,8 @@ impl Slots {
             if limit.scope != Scope::Global {
                 continue;
             }
-            for key in &snap.keys {
-                let Some(numbers) = key.numbers(limit, li) else {
+            for (k, key) in snap.keys.iter().enumerate() {
+                let Some(numbers) = snap.keys.numbers(k, limit, li) else {
                     continue;
                 };
                 let rate = numbers.params.rate;

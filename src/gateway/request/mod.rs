@@ -530,8 +530,8 @@ impl Gateway {
             peer_trusted: !self.trusted.is_empty() && self.trusted.contains(c.peer),
             proto: conn.proto,
             key: match (&c.jwt, c.key) {
-                (Some(j), _) => Some((&j.id_header, &j.tenant_header, KeySource::Bearer)),
-                (None, Some((k, src))) => Some((&snap.keys[k].id_header, &snap.keys[k].tenant_header, src)),
+                (Some(j), _) => Some((j.id_header.clone(), j.tenant_header.clone(), KeySource::Bearer)),
+                (None, Some((k, src))) => Some((snap.keys[k].id_header(), snap.keys[k].tenant_header(), src)),
                 (None, None) => None,
             },
         }
