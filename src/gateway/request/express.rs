@@ -99,7 +99,8 @@ pub async fn serve(
             rest.extend_from_slice(&buf);
             return Ended::HandOff(Prefixed::new(rest.freeze(), tcp));
         };
-        let mut b = gw.begin(parts.method.clone(), &mut parts.headers, info);
+        let access = gw.access_record(&parts.method, &parts.uri, parts.version, &parts.headers, info);
+        let mut b = gw.begin(parts.method.clone(), &mut parts.headers, info, access);
         let closing = *stop.borrow();
         let is_head = parts.method == Method::HEAD;
         // The steps of a request are boxed (`Box::pin`): held inline, the largest of them sized
@@ -190,14 +191,19 @@ pub async fn serve(
                 continue;
             }
         };
+        // `out` holds the response head: what is written past it is the body.
+        let head_len = out.len() as u64;
+        let mut written = 0;
         let relayed = Box::pin(relay(
             &mut conn,
             &mut tcp,
             &mut out,
             BodyState::new(shape.framing),
             up.timeout,
+            &mut written,
         ))
         .await;
+        b.body_sent(Some(written.saturating_sub(head_len)));
         gw.finish(b, shape.status);
         drop(f);
         match relayed {
@@ -441,13 +447,14 @@ fn status_line(out: &mut BytesMut, status: u16, reason: &str) {
 }
 
 /// Writes one of the gateway's own answers, with `Date`, `Content-Length` and the request id.
+/// Returns the bytes of its body written.
 fn render_answer(
     out: &mut BytesMut,
     resp: Response<Body>,
     request_id: &HeaderValue,
     close: bool,
     is_head: bool,
-) {
+) -> u64 {
     let (parts, body) = resp.into_parts();
     status_line(out, parts.status.as_u16(), "");
     for (name, value) in &parts.headers {
@@ -465,9 +472,11 @@ fn render_answer(
         itoa::Buffer::new().format(body.len()).as_bytes(),
     );
     out.extend_from_slice(b"\r\n");
-    if !is_head {
-        out.extend_from_slice(&body);
+    if is_head {
+        return 0;
     }
+    out.extend_from_slice(&body);
+    body.len() as u64
 }
 
 /// The bytes of a gateway-made body, which is always whole.
@@ -486,7 +495,7 @@ fn full_bytes(body: Body) -> Bytes {
 fn answer(
     gw: &Gateway,
     out: &mut BytesMut,
-    b: crate::request::Begun<'_>,
+    mut b: crate::request::Begun<'_>,
     resp: Response<Body>,
     close: bool,
     is_head: bool,
@@ -494,7 +503,10 @@ fn answer(
     let status = resp.status().as_u16();
     out.clear();
     out.reserve(READ_SIZE);
-    render_answer(out, resp, &b.request_id, close, is_head);
+    let body = render_answer(out, resp, &b.request_id, close, is_head);
+    // Recorded before the caller writes it: a client gone by then still counts as sent, as
+    // the bytes were handed to its socket's buffer.
+    b.body_sent(Some(body));
     gw.finish(b, status);
 }
 
@@ -565,13 +577,15 @@ enum Relayed {
 
 /// Sends the rendered head and the body to the client, reading the body from the upstream
 /// with `idle` as the longest wait for each read. The body's bytes go through as they came,
-/// framing and all, except a close-delimited body, which is chunked on the way.
+/// framing and all, except a close-delimited body, which is chunked on the way. `written`
+/// counts the bytes the client's socket took, head included.
 async fn relay(
     conn: &mut RawConn,
     client: &mut TcpStream,
     out: &mut BytesMut,
     mut body: BodyState,
     idle: Duration,
+    written: &mut u64,
 ) -> Relayed {
     let rechunk = body.eof_ends();
     loop {
@@ -591,6 +605,7 @@ async fn relay(
             if client.write_all(out).await.is_err() {
                 return Relayed::Broken;
             }
+            *written += out.len() as u64;
             out.clear();
         }
         if step.done {
@@ -603,7 +618,10 @@ async fn relay(
         match tokio::time::timeout(idle, conn.tcp.read_buf(&mut conn.buf)).await {
             Ok(Ok(0)) if rechunk => {
                 return match client.write_all(b"0\r\n\r\n").await {
-                    Ok(()) => Relayed::Done { clean: false },
+                    Ok(()) => {
+                        *written += 5;
+                        Relayed::Done { clean: false }
+                    }
                     Err(_) => Relayed::Broken,
                 };
             }

@@ -65,6 +65,9 @@ pub struct Gateway {
     pub clock: Arc<dyn Clock>,
     /// A span per request over OTLP; `None`: off, and nothing is built.
     pub otel: Option<Arc<crate::otel::Otel>>,
+    /// Access lines in a conventional format, formatted on their writer thread; `None`: each
+    /// request's line is a `tollgate::access` log event.
+    pub access: Option<crate::access::AccessLog>,
     shadow_log: Sampler,
     live: ArcSwap<Live>,
     building: std::sync::Mutex<()>,
@@ -94,6 +97,8 @@ struct Trace {
     check: Option<crate::otel::Checked>,
     /// Admitted, and on its way upstream.
     admitted: bool,
+    /// Its line for `--access-log-format`, filled in as it goes.
+    access: Option<Box<crate::access::Record>>,
 }
 
 impl Trace {
@@ -150,6 +155,7 @@ impl Gateway {
             local_seats: MemorySeats::new(),
             clock: tollgate_limit::clock::SystemClock::shared(),
             otel: None,
+            access: None,
             shadow_log: Sampler::new(std::time::Duration::from_secs(1)),
             live: ArcSwap::from_pointee(Live::default()),
             building: std::sync::Mutex::new(()),
@@ -622,6 +628,7 @@ impl Gateway {
         method: http::Method,
         headers: &mut http::HeaderMap,
         conn: &ConnInfo,
+        access: Option<Box<crate::access::Record>>,
     ) -> Begun<'_> {
         let started = Instant::now();
         let in_flight = InFlight::new(&self.metrics.in_flight);
@@ -645,11 +652,33 @@ impl Gateway {
             trace: Trace {
                 fingerprint: conn.fingerprint,
                 span: self.otel.as_ref().map(|o| o.begin(headers)),
+                access,
                 ..Trace::default()
             },
             end: End::Open,
             _in_flight: in_flight,
         }
+    }
+
+    /// The start of a request's line for `--access-log-format` (`None` when that is off): the
+    /// head as the client sent it, taken before [`Gateway::begin`] and `identify` change it.
+    pub(crate) fn access_record(
+        &self,
+        method: &http::Method,
+        uri: &http::Uri,
+        version: http::Version,
+        headers: &http::HeaderMap,
+        conn: &ConnInfo,
+    ) -> Option<Box<crate::access::Record>> {
+        self.access.as_ref()?;
+        Some(crate::access::Record::begin(
+            identity::canonical(conn.peer.ip()),
+            method.clone(),
+            uri,
+            version,
+            headers,
+            conn.fingerprint,
+        ))
     }
 
     /// Ends a request with the status its client got: its metrics and its access line.
@@ -662,7 +691,7 @@ impl Gateway {
         b.end = End::HandedOff;
     }
 
-    fn record(&self, b: &Begun<'_>, status: u16) {
+    fn record(&self, b: &mut Begun<'_>, status: u16) {
         if let Some(counter) = b.trace.metered.and_then(|k| b.live.meter.get(k)) {
             counter.fetch_add(1, Ordering::Relaxed);
         }
@@ -674,6 +703,17 @@ impl Gateway {
         b.live
             .handles
             .request(&self.metrics, b.trace.route, &NO_ROUTE, status);
+        if let (Some(log), Some(mut r)) = (&self.access, b.trace.access.take()) {
+            r.time = std::time::SystemTime::now();
+            r.status = status;
+            r.request_id = b.request_id.clone();
+            r.route = b.trace.route.map(|i| b.snap.routes[i].name.clone());
+            r.limit = b.trace.limit.clone();
+            r.key_id = b.trace.key_id.clone();
+            r.latency_us = b.started.elapsed().as_micros() as u64;
+            log.send(r);
+            return;
+        }
         let route = b.trace.route.map_or("(none)", |r| &*b.snap.routes[r].name);
         tracing::info!(
             target: "tollgate::access",
@@ -699,7 +739,8 @@ impl Gateway {
     /// Serves one request with one rules snapshot from start to end, whatever reloads meanwhile.
     pub async fn serve(&self, mut req: Request<Incoming>, conn: ConnInfo) -> Response<Body> {
         let method = req.method().clone();
-        let mut b = self.begin(method, req.headers_mut(), &conn);
+        let access = self.access_record(&method, req.uri(), req.version(), req.headers(), &conn);
+        let mut b = self.begin(method, req.headers_mut(), &conn, access);
         let mut resp = match conn.framing.next_request() {
             // Framed two ways: refuse, and close the connection, whose next bytes can't be trusted.
             Some(why) => {
@@ -714,6 +755,10 @@ impl Gateway {
         resp.headers_mut()
             .insert(X_REQUEST_ID.clone(), b.request_id.clone());
         let status = resp.status().as_u16();
+        if b.trace.access.is_some() {
+            // hyper sends the body after this returns: what the answer says it will send.
+            b.body_sent(promised_body(&b.method, status, resp.body()));
+        }
         self.finish(b, status);
         resp
     }
@@ -732,7 +777,15 @@ impl Gateway {
         // Disjoint borrows of the request's state, not clones of its `Arc`s.
         let (snap, live, trace) = (&*b.snap, &*b.live, &mut b.trace);
         let peer = identity::canonical(conn.peer.ip());
-        let (c, path) = match classify(snap, parts, peer, conn.fingerprint, &self.trusted) {
+        let classified = classify(snap, parts, peer, conn.fingerprint, &self.trusted);
+        if let Some(r) = &mut trace.access {
+            r.client_ip = match &classified {
+                Ok((c, _)) => Some(c.ip),
+                Err(Early::Unauthorized { ip, .. }) => Some(*ip),
+                Err(Early::Refuse(_)) => None,
+            };
+        }
+        let (c, path) = match classified {
             Ok(c) => c,
             Err(Early::Refuse(r)) => return Err(r.into_response()),
             Err(Early::Unauthorized { route, ip, why }) => {
@@ -991,6 +1044,27 @@ enum End {
 /// The status recorded for a request whose client went away before its answer (nginx's).
 const CLIENT_GONE: u16 = 499;
 
+impl Begun<'_> {
+    /// The bytes of the answer's body the client was sent, for the access line (`None`: not
+    /// known).
+    pub(crate) fn body_sent(&mut self, bytes: Option<u64>) {
+        if let Some(r) = &mut self.trace.access {
+            r.body_bytes = bytes;
+        }
+    }
+}
+
+/// The body an answer handed to hyper will send: none to a `HEAD` or with a status that has
+/// none, else its length when the body knows it (a gateway's own answer, an upstream's with
+/// `Content-Length`), else `None`.
+fn promised_body(method: &http::Method, status: u16, body: &Body) -> Option<u64> {
+    use http_body::Body as _;
+    if *method == http::Method::HEAD || status < 200 || status == 204 || status == 304 {
+        return Some(0);
+    }
+    body.size_hint().exact()
+}
+
 impl Drop for Begun<'_> {
     fn drop(&mut self) {
         let status = match self.end {
@@ -998,7 +1072,8 @@ impl Drop for Begun<'_> {
             End::Answered(status) => status,
             End::Open => CLIENT_GONE,
         };
-        self.gw.record(self, status);
+        let gw = self.gw;
+        gw.record(self, status);
         if let Some(span) = self.trace.span.take() {
             self.gw.end_span(self, &span, status);
         }
