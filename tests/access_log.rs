@@ -518,3 +518,68 @@ fn a_bad_format_is_refused_by_name() {
         "{err}"
     );
 }
+
+/// An upstream that answers every request with a chunked body of `CHUNKED_BODY`, in two
+/// chunks, on a connection it keeps.
+async fn chunked_upstream() -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut tcp, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut piece = [0u8; 4096];
+                loop {
+                    while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        buf.drain(..end + 4);
+                        let answer = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\
+                            transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n";
+                        if tcp.write_all(answer).await.is_err() {
+                            return;
+                        }
+                    }
+                    match tcp.read(&mut piece).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&piece[..n]),
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+const CHUNKED_BODY: &str = "hello world";
+
+/// A chunked answer's bytes are counted as they are sent, without the chunk framing, on both
+/// paths (hyper's writes the line when the body is done, not when its head goes out).
+#[tokio::test]
+async fn a_chunked_answer_is_counted_as_sent_on_both_paths() {
+    let up = chunked_upstream().await;
+    let (_dir, rules) = common::rules_file(&common::demo_rules_for(up));
+    for extra in [&[][..], &["--no-express"][..]] {
+        let mut args = vec![
+            "serve",
+            "--rules",
+            rules.to_str().unwrap(),
+            "--access-log-format",
+            "json",
+            "--log-format",
+            "json",
+        ];
+        args.extend_from_slice(extra);
+        let mut gw = Tollgate::spawn(&args);
+        let http = Http::new();
+        let headers = [("x-api-key", K7), ("x-request-id", "al-chunked")];
+        let a = http.get(&gw.url("/v1/orders"), &headers).await;
+        assert_eq!(a.status, StatusCode::OK);
+        assert_eq!(a.body, CHUNKED_BODY.as_bytes(), "{extra:?}");
+        let (_, stderr) = gw.stop();
+        let lines = access_lines("json", &stderr);
+        assert_eq!(lines.len(), 1, "{extra:?}:\n{stderr}");
+        assert_eq!(lines[0].request_id, "al-chunked");
+        assert_eq!(lines[0].status, 200);
+        assert_eq!(lines[0].body, Some(CHUNKED_BODY.len() as u64), "{extra:?}");
+    }
+}

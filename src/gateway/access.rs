@@ -11,7 +11,7 @@ use std::io::Write;
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use crossbeam_channel::{Receiver, Sender, TrySendError};
 use http::{HeaderMap, HeaderValue, Method, Uri, Version};
@@ -81,6 +81,43 @@ impl Record {
             fingerprint,
             latency_us: 0,
         })
+    }
+}
+
+/// A record whose line waits for its body (on hyper's path, which sends the body after the
+/// request's steps end): the body's bytes counted as they go, and the line handed over when
+/// the body is done or dropped, with the time and latency of then.
+pub(crate) struct Pending {
+    record: Option<Box<Record>>,
+    log: AccessLog,
+    started: Instant,
+}
+
+impl Pending {
+    pub(crate) fn new(mut record: Box<Record>, log: AccessLog, started: Instant) -> Pending {
+        record.body_bytes = Some(0);
+        Pending {
+            record: Some(record),
+            log,
+            started,
+        }
+    }
+
+    /// `n` more bytes of the body handed to the client's connection.
+    pub(crate) fn count(&mut self, n: usize) {
+        if let Some(r) = &mut self.record {
+            *r.body_bytes.get_or_insert(0) += n as u64;
+        }
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if let Some(mut r) = self.record.take() {
+            r.time = SystemTime::now();
+            r.latency_us = self.started.elapsed().as_micros() as u64;
+            self.log.send(r);
+        }
     }
 }
 

@@ -191,19 +191,17 @@ pub async fn serve(
                 continue;
             }
         };
-        // `out` holds the response head: what is written past it is the body.
-        let head_len = out.len() as u64;
-        let mut written = 0;
+        let mut sent = 0;
         let relayed = Box::pin(relay(
             &mut conn,
             &mut tcp,
             &mut out,
             BodyState::new(shape.framing),
             up.timeout,
-            &mut written,
+            &mut sent,
         ))
         .await;
-        b.body_sent(Some(written.saturating_sub(head_len)));
+        b.body_sent(Some(sent));
         gw.finish(b, shape.status);
         drop(f);
         match relayed {
@@ -577,20 +575,21 @@ enum Relayed {
 
 /// Sends the rendered head and the body to the client, reading the body from the upstream
 /// with `idle` as the longest wait for each read. The body's bytes go through as they came,
-/// framing and all, except a close-delimited body, which is chunked on the way. `written`
-/// counts the bytes the client's socket took, head included.
+/// framing and all, except a close-delimited body, which is chunked on the way. `sent` counts
+/// the body's bytes the client's socket took, without chunk framing.
 async fn relay(
     conn: &mut RawConn,
     client: &mut TcpStream,
     out: &mut BytesMut,
     mut body: BodyState,
     idle: Duration,
-    written: &mut u64,
+    sent: &mut u64,
 ) -> Relayed {
     let rechunk = body.eof_ends();
     loop {
         // Move what the upstream sent so far into `out`, up to the body's end.
-        let Ok(step) = body.step(&conn.buf, |_| {}) else {
+        let mut payload = 0;
+        let Ok(step) = body.step(&conn.buf, |r| payload += r.len() as u64) else {
             return Relayed::Broken;
         };
         if rechunk && step.take > 0 {
@@ -605,9 +604,9 @@ async fn relay(
             if client.write_all(out).await.is_err() {
                 return Relayed::Broken;
             }
-            *written += out.len() as u64;
             out.clear();
         }
+        *sent += payload;
         if step.done {
             // Bytes past the response's end mean the upstream framed it differently from us.
             return Relayed::Done {
@@ -618,10 +617,7 @@ async fn relay(
         match tokio::time::timeout(idle, conn.tcp.read_buf(&mut conn.buf)).await {
             Ok(Ok(0)) if rechunk => {
                 return match client.write_all(b"0\r\n\r\n").await {
-                    Ok(()) => {
-                        *written += 5;
-                        Relayed::Done { clean: false }
-                    }
+                    Ok(()) => Relayed::Done { clean: false },
                     Err(_) => Relayed::Broken,
                 };
             }

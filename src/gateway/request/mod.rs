@@ -703,15 +703,11 @@ impl Gateway {
         b.live
             .handles
             .request(&self.metrics, b.trace.route, &NO_ROUTE, status);
-        if let (Some(log), Some(mut r)) = (&self.access, b.trace.access.take()) {
-            r.time = std::time::SystemTime::now();
-            r.status = status;
-            r.request_id = b.request_id.clone();
-            r.route = b.trace.route.map(|i| b.snap.routes[i].name.clone());
-            r.limit = b.trace.limit.clone();
-            r.key_id = b.trace.key_id.clone();
-            r.latency_us = b.started.elapsed().as_micros() as u64;
-            log.send(r);
+        if let Some(log) = &self.access {
+            // None: handed to the answer's body, which writes it when it is sent.
+            if let Some(r) = access_line(b, status) {
+                log.send(r);
+            }
             return;
         }
         let route = b.trace.route.map_or("(none)", |r| &*b.snap.routes[r].name);
@@ -755,9 +751,20 @@ impl Gateway {
         resp.headers_mut()
             .insert(X_REQUEST_ID.clone(), b.request_id.clone());
         let status = resp.status().as_u16();
-        if b.trace.access.is_some() {
-            // hyper sends the body after this returns: what the answer says it will send.
-            b.body_sent(promised_body(&b.method, status, resp.body()));
+        if let Some(log) = &self.access {
+            // hyper sends the body after this returns: an upstream's body still to come counts
+            // itself and writes the line at its end; any other says what it will send.
+            match resp.body_mut() {
+                Either::Left(up) if !http_body::Body::is_end_stream(&*up) => {
+                    if let Some(r) = access_line(&mut b, status) {
+                        up.log_when_done(crate::access::Pending::new(r, log.clone(), b.started));
+                    }
+                }
+                body => {
+                    let promised = promised_body(&b.method, status, body);
+                    b.body_sent(promised);
+                }
+            }
         }
         self.finish(b, status);
         resp
@@ -1052,6 +1059,20 @@ impl Begun<'_> {
             r.body_bytes = bytes;
         }
     }
+}
+
+/// The request's `--access-log-format` record, filled in with how it ended; `None` when it has
+/// none (the format is off, or the record went with the body).
+fn access_line(b: &mut Begun<'_>, status: u16) -> Option<Box<crate::access::Record>> {
+    let mut r = b.trace.access.take()?;
+    r.time = std::time::SystemTime::now();
+    r.status = status;
+    r.request_id = b.request_id.clone();
+    r.route = b.trace.route.map(|i| b.snap.routes[i].name.clone());
+    r.limit = b.trace.limit.clone();
+    r.key_id = b.trace.key_id.clone();
+    r.latency_us = b.started.elapsed().as_micros() as u64;
+    Some(r)
 }
 
 /// The body an answer handed to hyper will send: none to a `HEAD` or with a status that has
