@@ -36,15 +36,19 @@ pub struct Record {
     /// The client's address after trusted proxies, when the request got that far.
     pub(crate) client_ip: Option<IpAddr>,
     pub(crate) method: Method,
-    /// The target as the client sent it, before the path is made canonical.
-    pub(crate) uri: Uri,
     pub(crate) version: Version,
     pub(crate) status: u16,
-    /// Bytes of the response body sent (see [`Record::body_bytes`]); `None`: not known.
+    /// Bytes of the response body sent; `None`: not known.
     pub(crate) body_bytes: Option<u64>,
-    pub(crate) referer: Option<HeaderValue>,
-    pub(crate) user_agent: Option<HeaderValue>,
-    pub(crate) request_id: HeaderValue,
+    /// The client's bytes the line shows, copied: a `Uri` or `HeaderValue` would share the
+    /// connection's whole read buffer, kept alive while the line waits for the writer. The
+    /// target as sent (before the path is made canonical), then Referer, User-Agent and the
+    /// request id where `referer`, `user_agent` and `request_id` say.
+    text: Vec<u8>,
+    target: Part,
+    referer: Option<Part>,
+    user_agent: Option<Part>,
+    request_id: Option<Part>,
     pub(crate) route: Option<Arc<str>>,
     pub(crate) limit: Option<Arc<str>>,
     /// The caller's public id (an API key's or a verified token's), never a secret.
@@ -52,6 +56,19 @@ pub struct Record {
     pub(crate) fingerprint: Fingerprint,
     pub(crate) latency_us: u64,
 }
+
+/// A range of [`Record::text`].
+#[derive(Clone, Copy)]
+struct Part(u32, u32);
+
+fn push(text: &mut Vec<u8>, bytes: &[u8]) -> Part {
+    let start = text.len() as u32;
+    text.extend_from_slice(bytes);
+    Part(start, text.len() as u32)
+}
+
+/// Room for a request id of the usual length, so adding it does not move the text.
+const ID_ROOM: usize = 32;
 
 impl Record {
     /// A record of a request whose head is `headers`; the rest is filled in as it goes.
@@ -63,24 +80,58 @@ impl Record {
         headers: &HeaderMap,
         fingerprint: Fingerprint,
     ) -> Box<Record> {
+        let referer = headers.get(http::header::REFERER).map(HeaderValue::as_bytes);
+        let user_agent = headers.get(http::header::USER_AGENT).map(HeaderValue::as_bytes);
+        let sent_target = target(uri, version);
+        let mut text = Vec::with_capacity(
+            sent_target.len() + referer.map_or(0, <[u8]>::len) + user_agent.map_or(0, <[u8]>::len) + ID_ROOM,
+        );
+        let target = push(&mut text, sent_target.as_bytes());
+        let referer = referer.map(|v| push(&mut text, v));
+        let user_agent = user_agent.map(|v| push(&mut text, v));
         Box::new(Record {
             time: SystemTime::UNIX_EPOCH,
             peer,
             client_ip: None,
             method,
-            uri: uri.clone(),
             version,
             status: 0,
             body_bytes: None,
-            referer: headers.get(http::header::REFERER).cloned(),
-            user_agent: headers.get(http::header::USER_AGENT).cloned(),
-            request_id: HeaderValue::from_static("-"),
+            text,
+            target,
+            referer,
+            user_agent,
+            request_id: None,
             route: None,
             limit: None,
             key_id: None,
             fingerprint,
             latency_us: 0,
         })
+    }
+
+    pub(crate) fn set_request_id(&mut self, id: &HeaderValue) {
+        self.request_id = Some(push(&mut self.text, id.as_bytes()));
+    }
+
+    fn part(&self, p: Part) -> &[u8] {
+        &self.text[p.0 as usize..p.1 as usize]
+    }
+
+    fn target(&self) -> &[u8] {
+        self.part(self.target)
+    }
+
+    fn referer(&self) -> Option<&[u8]> {
+        self.referer.map(|p| self.part(p))
+    }
+
+    fn user_agent(&self) -> Option<&[u8]> {
+        self.user_agent.map(|p| self.part(p))
+    }
+
+    fn request_id(&self) -> &[u8] {
+        self.request_id.map_or(b"-", |p| self.part(p))
     }
 }
 
@@ -283,13 +334,13 @@ fn protocol(v: Version) -> &'static str {
 
 /// The target as the request line had it: an HTTP/2 request's path and query (its authority
 /// is a pseudo-header, as nginx logs it), an HTTP/1 target whole.
-fn target(r: &Record) -> Cow<'_, str> {
-    match (r.version, r.uri.path_and_query()) {
+fn target(uri: &Uri, version: Version) -> Cow<'_, str> {
+    match (version, uri.path_and_query()) {
         (Version::HTTP_2, Some(pq)) => Cow::Borrowed(pq.as_str()),
-        _ if r.uri.scheme().is_none() && r.uri.authority().is_none() => {
-            Cow::Borrowed(r.uri.path_and_query().map_or("/", |pq| pq.as_str()))
+        _ if uri.scheme().is_none() && uri.authority().is_none() => {
+            Cow::Borrowed(uri.path_and_query().map_or("/", |pq| pq.as_str()))
         }
-        _ => Cow::Owned(r.uri.to_string()),
+        _ => Cow::Owned(uri.to_string()),
     }
 }
 
@@ -333,7 +384,7 @@ fn combined(r: &Record, clock: &mut LocalClock, out: &mut Vec<u8>) {
     out.extend_from_slice(b"] \"");
     escape(out, r.method.as_str().as_bytes(), false);
     out.push(b' ');
-    escape(out, target(r).as_bytes(), false);
+    escape(out, r.target(), false);
     out.push(b' ');
     out.extend_from_slice(protocol(r.version).as_bytes());
     out.extend_from_slice(b"\" ");
@@ -344,11 +395,11 @@ fn combined(r: &Record, clock: &mut LocalClock, out: &mut Vec<u8>) {
         None => out.push(b'-'),
     }
     out.push(b' ');
-    quoted(out, r.referer.as_ref().map(HeaderValue::as_bytes));
+    quoted(out, r.referer());
     out.push(b' ');
-    quoted(out, r.user_agent.as_ref().map(HeaderValue::as_bytes));
+    quoted(out, r.user_agent());
     out.extend_from_slice(b" request_id=");
-    escape(out, r.request_id.as_bytes(), true);
+    escape(out, r.request_id(), true);
     out.extend_from_slice(b" route=");
     quoted(out, r.route.as_deref().map(str::as_bytes));
     out.extend_from_slice(b" limit=");
@@ -366,9 +417,9 @@ fn combined(r: &Record, clock: &mut LocalClock, out: &mut Vec<u8>) {
     out.push(b'\n');
 }
 
-/// A header's text for JSON: bytes that are not UTF-8 become U+FFFD.
-fn text(v: &HeaderValue) -> Cow<'_, str> {
-    String::from_utf8_lossy(v.as_bytes())
+/// A client's bytes for JSON: bytes that are not UTF-8 become U+FFFD.
+fn text(v: &[u8]) -> Cow<'_, str> {
+    String::from_utf8_lossy(v)
 }
 
 #[derive(serde::Serialize)]
@@ -397,13 +448,13 @@ fn json(r: &Record, clock: &mut LocalClock, out: &mut Vec<u8>) {
         remote_addr: r.peer,
         remote_user: r.key_id.as_deref(),
         request_method: r.method.as_str(),
-        request_uri: target(r),
+        request_uri: text(r.target()),
         server_protocol: protocol(r.version),
         status: r.status,
         body_bytes_sent: r.body_bytes,
-        http_referer: r.referer.as_ref().map(text),
-        http_user_agent: r.user_agent.as_ref().map(text),
-        request_id: text(&r.request_id),
+        http_referer: r.referer().map(text),
+        http_user_agent: r.user_agent().map(text),
+        request_id: text(r.request_id()),
         route: r.route.as_deref(),
         limit: r.limit.as_deref(),
         client_ip: r.client_ip.filter(|ip| *ip != r.peer),
@@ -426,7 +477,7 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.insert(
             http::header::USER_AGENT,
-            HeaderValue::from_bytes(b"curl \"8\"\\x\xff").unwrap(),
+            HeaderValue::from_bytes(b"curl \"8\"\\x\xff\t").unwrap(),
         );
         let uri: Uri = "/v1/orders?id=7&q=%22".parse().unwrap();
         let mut r = Record::begin(
@@ -440,7 +491,7 @@ mod tests {
         r.time = SystemTime::UNIX_EPOCH + Duration::from_millis(1_764_680_709_120);
         r.status = 429;
         r.body_bytes = Some(112);
-        r.request_id = HeaderValue::from_static("abc-1");
+        r.set_request_id(&HeaderValue::from_static("abc-1"));
         r.route = Some(Arc::from("GET /v1/orders"));
         r.limit = Some(Arc::from("per-key"));
         r.key_id = Some(Arc::from("k 7"));
@@ -460,7 +511,7 @@ mod tests {
         assert_eq!(
             String::from_utf8(out).unwrap(),
             "10.0.0.1 - k\\x207 [02/Dec/2025:18:35:09 +0530] \"GET /v1/orders?id=7&q=%22 HTTP/1.1\" \
-             429 112 \"-\" \"curl \\x228\\x22\\x5Cx\\xFF\" request_id=abc-1 route=\"GET /v1/orders\" \
+             429 112 \"-\" \"curl \\x228\\x22\\x5Cx\\xFF\\x09\" request_id=abc-1 route=\"GET /v1/orders\" \
              limit=\"per-key\" client_ip=203.0.113.9 fingerprint=none latency_us=250\n"
         );
     }
@@ -474,6 +525,7 @@ mod tests {
         r.key_id = None;
         r.client_ip = Some(r.peer);
         r.user_agent = None;
+        r.referer = None;
         let mut out = Vec::new();
         render(AccessLogFormat::Combined, &r, &mut zone(), &mut out);
         let line = String::from_utf8(out).unwrap();
@@ -486,9 +538,30 @@ mod tests {
 
     #[test]
     fn json_has_the_stable_names() {
-        let mut r = record();
-        r.version = Version::HTTP_2;
-        r.uri = "https://api.example/v1/x?y=1".parse().unwrap();
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            http::header::USER_AGENT,
+            HeaderValue::from_bytes(b"curl \"8\"\\x\xff").unwrap(),
+        );
+        let uri: Uri = "https://api.example/v1/x?y=1".parse().unwrap();
+        let mut r = Record::begin(
+            "10.0.0.1".parse().unwrap(),
+            Method::GET,
+            &uri,
+            Version::HTTP_2,
+            &headers,
+            Fingerprint::None,
+        );
+        let full = record();
+        r.time = full.time;
+        r.status = 429;
+        r.body_bytes = Some(112);
+        r.set_request_id(&HeaderValue::from_static("abc-1"));
+        r.route = full.route.clone();
+        r.limit = full.limit.clone();
+        r.key_id = full.key_id.clone();
+        r.client_ip = full.client_ip;
+        r.latency_us = 250;
         let mut out = Vec::new();
         render(AccessLogFormat::Json, &r, &mut zone(), &mut out);
         assert_eq!(out.last(), Some(&b'\n'));

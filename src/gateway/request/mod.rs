@@ -1067,7 +1067,7 @@ fn access_line(b: &mut Begun<'_>, status: u16) -> Option<Box<crate::access::Reco
     let mut r = b.trace.access.take()?;
     r.time = std::time::SystemTime::now();
     r.status = status;
-    r.request_id = b.request_id.clone();
+    r.set_request_id(&b.request_id);
     r.route = b.trace.route.map(|i| b.snap.routes[i].name.clone());
     r.limit = b.trace.limit.clone();
     r.key_id = b.trace.key_id.clone();
