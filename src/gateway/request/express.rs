@@ -502,8 +502,8 @@ fn answer(
     out.clear();
     out.reserve(READ_SIZE);
     let body = render_answer(out, resp, &b.request_id, close, is_head);
-    // Recorded before the caller writes it: a client gone by then still counts as sent, as
-    // the bytes were handed to its socket's buffer.
+    // Recorded before the caller writes it: the line says what was to be sent, even to a
+    // client whose socket then fails.
     b.body_sent(Some(body));
     gw.finish(b, status);
 }

@@ -1075,9 +1075,9 @@ fn access_line(b: &mut Begun<'_>, status: u16) -> Option<Box<crate::access::Reco
     Some(r)
 }
 
-/// The body an answer handed to hyper will send: none to a `HEAD` or with a status that has
-/// none, else its length when the body knows it (a gateway's own answer, an upstream's with
-/// `Content-Length`), else `None`.
+/// The body an answer handed to hyper will send, when nothing of it is still to come from an
+/// upstream: none to a `HEAD` or with a status that has none, else its length (a gateway's own
+/// answer is whole; an upstream's that has ended is empty).
 fn promised_body(method: &http::Method, status: u16, body: &Body) -> Option<u64> {
     use http_body::Body as _;
     if *method == http::Method::HEAD || status < 200 || status == 204 || status == 304 {
