@@ -5,6 +5,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use tollgate_gateway::access::{self, AccessLogFormat};
 use tollgate_gateway::app::{self, GatewayConfig, MeterConfig, RulesSource};
 use tollgate_gateway::regions::RegionsConfig;
 
@@ -128,8 +129,14 @@ const ACCESS: &str = "tollgate::access";
 /// Sets up logging. Access lines go through a writer thread of their own (see "Access lines"
 /// in the README): a request only hands its line over, and when `access_buffer` lines are
 /// already waiting the line is dropped and counted, never waited for. The returned guard
-/// writes what is still waiting when it is dropped, at the end of `main`.
-fn init_logging(format: LogFormat, access_buffer: usize) -> tracing_appender::non_blocking::WorkerGuard {
+/// writes what is still waiting when it is dropped, at the end of `main`. With
+/// `--access-log-format` the access lines have a writer of their own ([`start_access_log`]), which
+/// counts the dropped lines instead (`counts_access` false).
+fn init_logging(
+    format: LogFormat,
+    access_buffer: usize,
+    counts_access: bool,
+) -> tracing_appender::non_blocking::WorkerGuard {
     use tracing_subscriber::filter::{FilterExt, filter_fn};
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
@@ -145,9 +152,11 @@ fn init_logging(format: LogFormat, access_buffer: usize) -> tracing_appender::no
         .lossy(true)
         .thread_name("tollgate-access-log")
         .finish(std::io::BufWriter::with_capacity(64 * 1024, WholeWrites));
-    let dropped = access_out.error_counter();
-    let _ = tollgate_telemetry::metrics::ACCESS_LINES_DROPPED
-        .set(Box::new(move || dropped.dropped_lines() as u64));
+    if counts_access {
+        let dropped = access_out.error_counter();
+        let _ = tollgate_telemetry::metrics::ACCESS_LINES_DROPPED
+            .set(Box::new(move || dropped.dropped_lines() as u64));
+    }
     let is_access = || filter_fn(|m| m.target() == ACCESS);
     match format {
         LogFormat::Human => {
@@ -204,6 +213,20 @@ fn init_logging(format: LogFormat, access_buffer: usize) -> tracing_appender::no
         }
     }
     guard
+}
+
+/// The writer of `--access-log-format` lines: stderr through the same 64 KiB buffer, each line
+/// one write, and its dropped lines counted in `tollgate_access_lines_dropped_total`.
+fn start_access_log(format: AccessLogFormat, buffer: usize) -> Result<(access::AccessLog, access::Flush)> {
+    let (log, flush) = access::start(
+        format,
+        buffer,
+        std::io::BufWriter::with_capacity(64 * 1024, WholeWrites),
+    )
+    .context("cannot start the access log's writer thread")?;
+    let counted = log.clone();
+    let _ = tollgate_telemetry::metrics::ACCESS_LINES_DROPPED.set(Box::new(move || counted.dropped()));
+    Ok((log, flush))
 }
 
 /// Whether the command line asks for json logs from `serve` or `demo`, read before clap has
@@ -391,7 +414,7 @@ fn main() -> Result<()> {
     let cli = match Cli::try_parse_from(&args) {
         Ok(cli) => cli,
         Err(e) if e.use_stderr() && json_asked(&args) => {
-            let _access_log = init_logging(LogFormat::Json, DEFAULT_ACCESS_BUFFER);
+            let _access_log = init_logging(LogFormat::Json, DEFAULT_ACCESS_BUFFER, true);
             tracing::error!("{}", e.to_string().trim_end());
             std::process::exit(e.exit_code());
         }
@@ -427,7 +450,7 @@ fn main() -> Result<()> {
     }
     if let Command::Meter(a) = &cli.command {
         // Runs its own runtime; errors name the flag, file or field already.
-        let _access_log = init_logging(LogFormat::Human, DEFAULT_ACCESS_BUFFER);
+        let _access_log = init_logging(LogFormat::Human, DEFAULT_ACCESS_BUFFER, true);
         if let Err(e) = tollgate_meter::cli::main(a) {
             eprintln!("tollgate meter: {e}");
             std::process::exit(1);
@@ -476,9 +499,19 @@ fn main() -> Result<()> {
             }
         }
     }
-    let (format, threads, access_buffer) = match &cli.command {
-        Command::Serve(a) => (a.common.log_format, a.common.threads, a.common.access_log_buffer),
-        Command::Demo(a) => (a.common.log_format, a.common.threads, a.common.access_log_buffer),
+    let (format, threads, access_buffer, access_format) = match &cli.command {
+        Command::Serve(a) => (
+            a.common.log_format,
+            a.common.threads,
+            a.common.access_log_buffer,
+            a.common.access_log_format,
+        ),
+        Command::Demo(a) => (
+            a.common.log_format,
+            a.common.threads,
+            a.common.access_log_buffer,
+            a.common.access_log_format,
+        ),
         Command::DemoUpstream { .. }
         | Command::CheckRules { .. }
         | Command::RulesSchema
@@ -486,14 +519,22 @@ fn main() -> Result<()> {
         | Command::Fleet(_)
         | Command::Meter(_)
         | Command::DemoToken { .. }
-        | Command::Regions(_) => (LogFormat::Human, None, DEFAULT_ACCESS_BUFFER),
+        | Command::Regions(_) => (LogFormat::Human, None, DEFAULT_ACCESS_BUFFER, None),
     };
-    // Held to the end of main: dropping it writes the access lines still waiting.
-    let access_log = init_logging(format, access_buffer);
-    match run(cli, threads, format) {
+    // Held to the end of main: dropping them writes the access lines still waiting.
+    let access_log = init_logging(format, access_buffer, access_format.is_none());
+    let (lines, formatted) = match access_format
+        .map(|f| start_access_log(f, access_buffer))
+        .transpose()?
+    {
+        Some((log, flush)) => (Some(log), Some(flush)),
+        None => (None, None),
+    };
+    match run(cli, threads, format, lines) {
         // Errors name the flag, file or field already; in json mode they are one event too.
         Err(e) if format == LogFormat::Json => {
             tracing::error!("{}", one_line(&e));
+            drop(formatted);
             drop(access_log);
             std::process::exit(1);
         }
@@ -516,7 +557,7 @@ fn one_line(e: &anyhow::Error) -> String {
 }
 
 /// Runs `serve`, `demo` or `demo-upstream` on a runtime of `threads`.
-fn run(cli: Cli, threads: Option<u16>, format: LogFormat) -> Result<()> {
+fn run(cli: Cli, threads: Option<u16>, format: LogFormat, lines: Option<access::AccessLog>) -> Result<()> {
     // One thread: the current-thread scheduler, with no work-stealing machinery to pay for.
     let mut rt = match threads {
         Some(1) => tokio::runtime::Builder::new_current_thread(),
@@ -534,7 +575,8 @@ fn run(cli: Cli, threads: Option<u16>, format: LogFormat) -> Result<()> {
     rt.block_on(async move {
         match cli.command {
             Command::Serve(a) => {
-                let cfg = config(RulesSource::File(a.rules.clone()), &a.common, false)?;
+                let mut cfg = config(RulesSource::File(a.rules.clone()), &a.common, false)?;
+                cfg.access_log = lines;
                 run_gateway(cfg, false, format).await
             }
             Command::Demo(a) => {
@@ -542,7 +584,8 @@ fn run(cli: Cli, threads: Option<u16>, format: LogFormat) -> Result<()> {
                     Some(p) => RulesSource::File(p.clone()),
                     None => RulesSource::demo(),
                 };
-                let cfg = config(rules, &a.common, true)?;
+                let mut cfg = config(rules, &a.common, true)?;
+                cfg.access_log = lines;
                 run_gateway(cfg, true, format).await
             }
             // These returned before the runtime started.

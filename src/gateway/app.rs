@@ -62,6 +62,8 @@ pub struct GatewayConfig {
     pub seat_lease: Duration,
     /// A span per request over OTLP; off when `None`.
     pub otlp: Option<crate::otel::OtlpConfig>,
+    /// Where access lines go in a conventional format; `None`: as `tollgate::access` events.
+    pub access_log: Option<crate::access::AccessLog>,
 }
 
 /// Where and how often this gateway writes its usage records.
@@ -94,6 +96,7 @@ impl GatewayConfig {
             regions: None,
             seat_lease: Duration::from_secs(30),
             otlp: None,
+            access_log: None,
         }
     }
 }
@@ -447,6 +450,7 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         None => None,
     };
     gateway.otel = otel.clone();
+    gateway.access = cfg.access_log.clone();
     let (meter, meter_task, flag_task) = match &cfg.meter {
         Some(m) => {
             let metering = start_meter(m, &cfg.store).await?;

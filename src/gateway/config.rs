@@ -98,6 +98,12 @@ pub struct CommonArgs {
     /// counted (`tollgate_access_lines_dropped_total`) rather than making its request wait.
     #[arg(long, env = "TOLLGATE_ACCESS_LOG_BUFFER", default_value_t = DEFAULT_ACCESS_BUFFER, value_parser = parse_lines)]
     pub access_log_buffer: usize,
+    /// Access lines as `json` (one object per line) or `combined` (nginx's combined format and
+    /// Tollgate's fields after it), written to stderr whatever `--log-format` says; unset, an
+    /// access line is a log event like any other, in `--log-format` (README "Access log
+    /// formats").
+    #[arg(long, env = "TOLLGATE_ACCESS_LOG_FORMAT", value_enum)]
+    pub access_log_format: Option<crate::access::AccessLogFormat>,
     /// How long to finish requests in flight after SIGTERM or SIGINT.
     #[arg(long, env = "TOLLGATE_DRAIN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub drain_timeout: Duration,

@@ -16,9 +16,12 @@
 //!   header edits (hop-by-hop stripping, `X-Forwarded-*`), 502/504.
 //! - [`reload`]: live rules: the file watch and SIGHUP, swapping in only higher versions.
 //! - [`admin`]: the admin listener (health, readiness, metrics, running rules).
+//! - [`access`]: the access log in a conventional format (`--access-log-format`), formatted
+//!   on its writer thread.
 //! - [`otel`]: a span per request over OTLP, the caller's `traceparent` continued upstream.
 //! - [`demo`]: the built-in demo upstream.
 
+pub mod access;
 pub mod admin;
 pub mod app;
 pub mod concurrency;

@@ -385,6 +385,8 @@ pub struct UpstreamBody {
     _permit: Option<crate::concurrency::Place>,
     /// The key's seats of limits on requests in flight, held as long.
     seats: Vec<tollgate_store::seats::Seat>,
+    /// The request's `--access-log-format` line, written when the body is done or dropped.
+    access: Option<Box<crate::access::Pending>>,
 }
 
 impl UpstreamBody {
@@ -405,6 +407,7 @@ impl UpstreamBody {
             timer: None,
             _permit: permit,
             seats: Vec::new(),
+            access: None,
         };
         if framing == Framing::Empty {
             b.finish();
@@ -429,6 +432,11 @@ impl UpstreamBody {
         if self.conn.is_some() {
             self.seats = seats;
         }
+    }
+
+    /// Counts the body's bytes into `line` and hands it over when the body is done or dropped.
+    pub(crate) fn log_when_done(&mut self, line: crate::access::Pending) {
+        self.access = Some(Box::new(line));
     }
 }
 
@@ -471,6 +479,9 @@ impl Body for UpstreamBody {
                 }
                 if !data.is_empty() {
                     this.timer = None;
+                    if let Some(a) = &mut this.access {
+                        a.count(data.len());
+                    }
                     return Poll::Ready(Some(Ok(Frame::data(data))));
                 }
                 continue;

@@ -99,7 +99,8 @@ pub async fn serve(
             rest.extend_from_slice(&buf);
             return Ended::HandOff(Prefixed::new(rest.freeze(), tcp));
         };
-        let mut b = gw.begin(parts.method.clone(), &mut parts.headers, info);
+        let access = gw.access_record(&parts.method, &parts.uri, parts.version, &parts.headers, info);
+        let mut b = gw.begin(parts.method.clone(), &mut parts.headers, info, access);
         let closing = *stop.borrow();
         let is_head = parts.method == Method::HEAD;
         // The steps of a request are boxed (`Box::pin`): held inline, the largest of them sized
@@ -190,14 +191,17 @@ pub async fn serve(
                 continue;
             }
         };
+        let mut sent = 0;
         let relayed = Box::pin(relay(
             &mut conn,
             &mut tcp,
             &mut out,
             BodyState::new(shape.framing),
             up.timeout,
+            &mut sent,
         ))
         .await;
+        b.body_sent(Some(sent));
         gw.finish(b, shape.status);
         drop(f);
         match relayed {
@@ -441,13 +445,14 @@ fn status_line(out: &mut BytesMut, status: u16, reason: &str) {
 }
 
 /// Writes one of the gateway's own answers, with `Date`, `Content-Length` and the request id.
+/// Returns the bytes of its body written.
 fn render_answer(
     out: &mut BytesMut,
     resp: Response<Body>,
     request_id: &HeaderValue,
     close: bool,
     is_head: bool,
-) {
+) -> u64 {
     let (parts, body) = resp.into_parts();
     status_line(out, parts.status.as_u16(), "");
     for (name, value) in &parts.headers {
@@ -465,9 +470,11 @@ fn render_answer(
         itoa::Buffer::new().format(body.len()).as_bytes(),
     );
     out.extend_from_slice(b"\r\n");
-    if !is_head {
-        out.extend_from_slice(&body);
+    if is_head {
+        return 0;
     }
+    out.extend_from_slice(&body);
+    body.len() as u64
 }
 
 /// The bytes of a gateway-made body, which is always whole.
@@ -486,7 +493,7 @@ fn full_bytes(body: Body) -> Bytes {
 fn answer(
     gw: &Gateway,
     out: &mut BytesMut,
-    b: crate::request::Begun<'_>,
+    mut b: crate::request::Begun<'_>,
     resp: Response<Body>,
     close: bool,
     is_head: bool,
@@ -494,7 +501,10 @@ fn answer(
     let status = resp.status().as_u16();
     out.clear();
     out.reserve(READ_SIZE);
-    render_answer(out, resp, &b.request_id, close, is_head);
+    let body = render_answer(out, resp, &b.request_id, close, is_head);
+    // Recorded before the caller writes it: the line says what was to be sent, even to a
+    // client whose socket then fails.
+    b.body_sent(Some(body));
     gw.finish(b, status);
 }
 
@@ -565,18 +575,21 @@ enum Relayed {
 
 /// Sends the rendered head and the body to the client, reading the body from the upstream
 /// with `idle` as the longest wait for each read. The body's bytes go through as they came,
-/// framing and all, except a close-delimited body, which is chunked on the way.
+/// framing and all, except a close-delimited body, which is chunked on the way. `sent` counts
+/// the body's bytes the client's socket took, without chunk framing.
 async fn relay(
     conn: &mut RawConn,
     client: &mut TcpStream,
     out: &mut BytesMut,
     mut body: BodyState,
     idle: Duration,
+    sent: &mut u64,
 ) -> Relayed {
     let rechunk = body.eof_ends();
     loop {
         // Move what the upstream sent so far into `out`, up to the body's end.
-        let Ok(step) = body.step(&conn.buf, |_| {}) else {
+        let mut payload = 0;
+        let Ok(step) = body.step(&conn.buf, |r| payload += r.len() as u64) else {
             return Relayed::Broken;
         };
         if rechunk && step.take > 0 {
@@ -593,6 +606,7 @@ async fn relay(
             }
             out.clear();
         }
+        *sent += payload;
         if step.done {
             // Bytes past the response's end mean the upstream framed it differently from us.
             return Relayed::Done {

@@ -65,6 +65,9 @@ pub struct Gateway {
     pub clock: Arc<dyn Clock>,
     /// A span per request over OTLP; `None`: off, and nothing is built.
     pub otel: Option<Arc<crate::otel::Otel>>,
+    /// Access lines in a conventional format, formatted on their writer thread; `None`: each
+    /// request's line is a `tollgate::access` log event.
+    pub access: Option<crate::access::AccessLog>,
     shadow_log: Sampler,
     live: ArcSwap<Live>,
     building: std::sync::Mutex<()>,
@@ -94,6 +97,8 @@ struct Trace {
     check: Option<crate::otel::Checked>,
     /// Admitted, and on its way upstream.
     admitted: bool,
+    /// Its line for `--access-log-format`, filled in as it goes.
+    access: Option<Box<crate::access::Record>>,
 }
 
 impl Trace {
@@ -150,6 +155,7 @@ impl Gateway {
             local_seats: MemorySeats::new(),
             clock: tollgate_limit::clock::SystemClock::shared(),
             otel: None,
+            access: None,
             shadow_log: Sampler::new(std::time::Duration::from_secs(1)),
             live: ArcSwap::from_pointee(Live::default()),
             building: std::sync::Mutex::new(()),
@@ -622,6 +628,7 @@ impl Gateway {
         method: http::Method,
         headers: &mut http::HeaderMap,
         conn: &ConnInfo,
+        access: Option<Box<crate::access::Record>>,
     ) -> Begun<'_> {
         let started = Instant::now();
         let in_flight = InFlight::new(&self.metrics.in_flight);
@@ -645,11 +652,33 @@ impl Gateway {
             trace: Trace {
                 fingerprint: conn.fingerprint,
                 span: self.otel.as_ref().map(|o| o.begin(headers)),
+                access,
                 ..Trace::default()
             },
             end: End::Open,
             _in_flight: in_flight,
         }
+    }
+
+    /// The start of a request's line for `--access-log-format` (`None` when that is off): the
+    /// head as the client sent it, taken before [`Gateway::begin`] and `identify` change it.
+    pub(crate) fn access_record(
+        &self,
+        method: &http::Method,
+        uri: &http::Uri,
+        version: http::Version,
+        headers: &http::HeaderMap,
+        conn: &ConnInfo,
+    ) -> Option<Box<crate::access::Record>> {
+        self.access.as_ref()?;
+        Some(crate::access::Record::begin(
+            identity::canonical(conn.peer.ip()),
+            method.clone(),
+            uri,
+            version,
+            headers,
+            conn.fingerprint,
+        ))
     }
 
     /// Ends a request with the status its client got: its metrics and its access line.
@@ -662,7 +691,7 @@ impl Gateway {
         b.end = End::HandedOff;
     }
 
-    fn record(&self, b: &Begun<'_>, status: u16) {
+    fn record(&self, b: &mut Begun<'_>, status: u16) {
         if let Some(counter) = b.trace.metered.and_then(|k| b.live.meter.get(k)) {
             counter.fetch_add(1, Ordering::Relaxed);
         }
@@ -674,6 +703,13 @@ impl Gateway {
         b.live
             .handles
             .request(&self.metrics, b.trace.route, &NO_ROUTE, status);
+        if let Some(log) = &self.access {
+            // None: handed to the answer's body, which writes it when it is sent.
+            if let Some(r) = access_line(b, status) {
+                log.send(r);
+            }
+            return;
+        }
         let route = b.trace.route.map_or("(none)", |r| &*b.snap.routes[r].name);
         tracing::info!(
             target: "tollgate::access",
@@ -699,7 +735,8 @@ impl Gateway {
     /// Serves one request with one rules snapshot from start to end, whatever reloads meanwhile.
     pub async fn serve(&self, mut req: Request<Incoming>, conn: ConnInfo) -> Response<Body> {
         let method = req.method().clone();
-        let mut b = self.begin(method, req.headers_mut(), &conn);
+        let access = self.access_record(&method, req.uri(), req.version(), req.headers(), &conn);
+        let mut b = self.begin(method, req.headers_mut(), &conn, access);
         let mut resp = match conn.framing.next_request() {
             // Framed two ways: refuse, and close the connection, whose next bytes can't be trusted.
             Some(why) => {
@@ -714,6 +751,21 @@ impl Gateway {
         resp.headers_mut()
             .insert(X_REQUEST_ID.clone(), b.request_id.clone());
         let status = resp.status().as_u16();
+        if let Some(log) = &self.access {
+            // hyper sends the body after this returns: an upstream's body still to come counts
+            // itself and writes the line at its end; any other says what it will send.
+            match resp.body_mut() {
+                Either::Left(up) if !http_body::Body::is_end_stream(&*up) => {
+                    if let Some(r) = access_line(&mut b, status) {
+                        up.log_when_done(crate::access::Pending::new(r, log.clone(), b.started));
+                    }
+                }
+                body => {
+                    let promised = promised_body(&b.method, status, body);
+                    b.body_sent(promised);
+                }
+            }
+        }
         self.finish(b, status);
         resp
     }
@@ -732,7 +784,15 @@ impl Gateway {
         // Disjoint borrows of the request's state, not clones of its `Arc`s.
         let (snap, live, trace) = (&*b.snap, &*b.live, &mut b.trace);
         let peer = identity::canonical(conn.peer.ip());
-        let (c, path) = match classify(snap, parts, peer, conn.fingerprint, &self.trusted) {
+        let classified = classify(snap, parts, peer, conn.fingerprint, &self.trusted);
+        if let Some(r) = &mut trace.access {
+            r.client_ip = match &classified {
+                Ok((c, _)) => Some(c.ip),
+                Err(Early::Unauthorized { ip, .. }) => Some(*ip),
+                Err(Early::Refuse(_)) => None,
+            };
+        }
+        let (c, path) = match classified {
             Ok(c) => c,
             Err(Early::Refuse(r)) => return Err(r.into_response()),
             Err(Early::Unauthorized { route, ip, why }) => {
@@ -991,6 +1051,41 @@ enum End {
 /// The status recorded for a request whose client went away before its answer (nginx's).
 const CLIENT_GONE: u16 = 499;
 
+impl Begun<'_> {
+    /// The bytes of the answer's body the client was sent, for the access line (`None`: not
+    /// known).
+    pub(crate) fn body_sent(&mut self, bytes: Option<u64>) {
+        if let Some(r) = &mut self.trace.access {
+            r.body_bytes = bytes;
+        }
+    }
+}
+
+/// The request's `--access-log-format` record, filled in with how it ended; `None` when it has
+/// none (the format is off, or the record went with the body).
+fn access_line(b: &mut Begun<'_>, status: u16) -> Option<Box<crate::access::Record>> {
+    let mut r = b.trace.access.take()?;
+    r.time = std::time::SystemTime::now();
+    r.status = status;
+    r.set_request_id(&b.request_id);
+    r.route = b.trace.route.map(|i| b.snap.routes[i].name.clone());
+    r.limit = b.trace.limit.clone();
+    r.key_id = b.trace.key_id.clone();
+    r.latency_us = b.started.elapsed().as_micros() as u64;
+    Some(r)
+}
+
+/// The body an answer handed to hyper will send, when nothing of it is still to come from an
+/// upstream: none to a `HEAD` or with a status that has none, else its length (a gateway's own
+/// answer is whole; an upstream's that has ended is empty).
+fn promised_body(method: &http::Method, status: u16, body: &Body) -> Option<u64> {
+    use http_body::Body as _;
+    if *method == http::Method::HEAD || status < 200 || status == 204 || status == 304 {
+        return Some(0);
+    }
+    body.size_hint().exact()
+}
+
 impl Drop for Begun<'_> {
     fn drop(&mut self) {
         let status = match self.end {
@@ -998,7 +1093,8 @@ impl Drop for Begun<'_> {
             End::Answered(status) => status,
             End::Open => CLIENT_GONE,
         };
-        self.gw.record(self, status);
+        let gw = self.gw;
+        gw.record(self, status);
         if let Some(span) = self.trace.span.take() {
             self.gw.end_span(self, &span, status);
         }

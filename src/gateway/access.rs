@@ -1,0 +1,627 @@
+//! The access log in a conventional format (`--access-log-format json|combined`): each
+//! request's record, the writer thread that formats and writes it, and the two formats.
+//!
+//! A request only fills a boxed [`Record`] of plain values as it goes and hands the box over a
+//! bounded channel; the text (the local time, the escaping, the JSON) is made on the writer
+//! thread, so a request pays for neither. When the channel is full the record is dropped and
+//! counted, never waited for (README "Access lines").
+
+use std::borrow::Cow;
+use std::io::Write;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime};
+
+use crossbeam_channel::{Receiver, Sender, TrySendError};
+use http::{HeaderMap, HeaderValue, Method, Uri, Version};
+use tollgate_rules::Fingerprint;
+
+/// The shape of an access line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum AccessLogFormat {
+    /// One JSON object per line (README "Access log formats").
+    Json,
+    /// NCSA combined, as nginx writes it, then Tollgate's fields as `name=value`.
+    Combined,
+}
+
+/// One request as its access line tells it: made when the request begins (boxed, so the
+/// request carries one pointer), filled in as it goes, and formatted by the writer thread.
+pub struct Record {
+    /// When the line was recorded: the end of the request, as nginx's `$time_local`.
+    pub(crate) time: SystemTime,
+    /// The TCP peer (nginx's `$remote_addr`).
+    pub(crate) peer: IpAddr,
+    /// The client's address after trusted proxies, when the request got that far.
+    pub(crate) client_ip: Option<IpAddr>,
+    pub(crate) method: Method,
+    pub(crate) version: Version,
+    pub(crate) status: u16,
+    /// Bytes of the response body sent; `None`: not known.
+    pub(crate) body_bytes: Option<u64>,
+    /// The client's bytes the line shows, copied: a `Uri` or `HeaderValue` would share the
+    /// connection's whole read buffer, kept alive while the line waits for the writer. The
+    /// target as sent (before the path is made canonical), then Referer, User-Agent and the
+    /// request id where `referer`, `user_agent` and `request_id` say.
+    text: Vec<u8>,
+    target: Part,
+    referer: Option<Part>,
+    user_agent: Option<Part>,
+    request_id: Option<Part>,
+    pub(crate) route: Option<Arc<str>>,
+    pub(crate) limit: Option<Arc<str>>,
+    /// The caller's public id (an API key's or a verified token's), never a secret.
+    pub(crate) key_id: Option<Arc<str>>,
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) latency_us: u64,
+}
+
+/// A range of [`Record::text`].
+#[derive(Clone, Copy)]
+struct Part(u32, u32);
+
+fn push(text: &mut Vec<u8>, bytes: &[u8]) -> Part {
+    let start = text.len() as u32;
+    text.extend_from_slice(bytes);
+    Part(start, text.len() as u32)
+}
+
+/// Room for a request id of the usual length, so adding it does not move the text.
+const ID_ROOM: usize = 32;
+
+impl Record {
+    /// A record of a request whose head is `headers`; the rest is filled in as it goes.
+    pub(crate) fn begin(
+        peer: IpAddr,
+        method: Method,
+        uri: &Uri,
+        version: Version,
+        headers: &HeaderMap,
+        fingerprint: Fingerprint,
+    ) -> Box<Record> {
+        let referer = headers.get(http::header::REFERER).map(HeaderValue::as_bytes);
+        let user_agent = headers.get(http::header::USER_AGENT).map(HeaderValue::as_bytes);
+        let sent_target = target(uri, version);
+        let mut text = Vec::with_capacity(
+            sent_target.len() + referer.map_or(0, <[u8]>::len) + user_agent.map_or(0, <[u8]>::len) + ID_ROOM,
+        );
+        let target = push(&mut text, sent_target.as_bytes());
+        let referer = referer.map(|v| push(&mut text, v));
+        let user_agent = user_agent.map(|v| push(&mut text, v));
+        Box::new(Record {
+            time: SystemTime::UNIX_EPOCH,
+            peer,
+            client_ip: None,
+            method,
+            version,
+            status: 0,
+            body_bytes: None,
+            text,
+            target,
+            referer,
+            user_agent,
+            request_id: None,
+            route: None,
+            limit: None,
+            key_id: None,
+            fingerprint,
+            latency_us: 0,
+        })
+    }
+
+    pub(crate) fn set_request_id(&mut self, id: &HeaderValue) {
+        self.request_id = Some(push(&mut self.text, id.as_bytes()));
+    }
+
+    fn part(&self, p: Part) -> &[u8] {
+        &self.text[p.0 as usize..p.1 as usize]
+    }
+
+    fn target(&self) -> &[u8] {
+        self.part(self.target)
+    }
+
+    fn referer(&self) -> Option<&[u8]> {
+        self.referer.map(|p| self.part(p))
+    }
+
+    fn user_agent(&self) -> Option<&[u8]> {
+        self.user_agent.map(|p| self.part(p))
+    }
+
+    fn request_id(&self) -> &[u8] {
+        self.request_id.map_or(b"-", |p| self.part(p))
+    }
+}
+
+/// A record whose line waits for its body (on hyper's path, which sends the body after the
+/// request's steps end): the body's bytes counted as they go, and the line handed over when
+/// the body is done or dropped, with the time and latency of then.
+pub(crate) struct Pending {
+    record: Option<Box<Record>>,
+    log: AccessLog,
+    started: Instant,
+}
+
+impl Pending {
+    pub(crate) fn new(mut record: Box<Record>, log: AccessLog, started: Instant) -> Pending {
+        record.body_bytes = Some(0);
+        Pending {
+            record: Some(record),
+            log,
+            started,
+        }
+    }
+
+    /// `n` more bytes of the body handed to the client's connection.
+    pub(crate) fn count(&mut self, n: usize) {
+        if let Some(r) = &mut self.record {
+            *r.body_bytes.get_or_insert(0) += n as u64;
+        }
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if let Some(mut r) = self.record.take() {
+            r.time = SystemTime::now();
+            r.latency_us = self.started.elapsed().as_micros() as u64;
+            self.log.send(r);
+        }
+    }
+}
+
+enum Msg {
+    Line(Box<Record>),
+    Stop,
+}
+
+/// Where requests hand their records: cheap to clone, never blocks.
+#[derive(Clone)]
+pub struct AccessLog {
+    tx: Sender<Msg>,
+    dropped: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for AccessLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AccessLog")
+            .field("waiting", &self.tx.len())
+            .finish()
+    }
+}
+
+impl AccessLog {
+    /// Hands a finished record to the writer; when `buffer` records already wait (or the
+    /// writer has stopped) it is dropped and counted instead.
+    pub(crate) fn send(&self, r: Box<Record>) {
+        match self.tx.try_send(Msg::Line(r)) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
+                self.dropped.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Records dropped so far because the writer was behind.
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
+    }
+}
+
+/// Held until the process ends: dropping it writes the records still waiting (for up to a
+/// second each to hand over the stop and to hear it done, as the other logs' writer does).
+pub struct Flush {
+    tx: Sender<Msg>,
+    done: Receiver<()>,
+}
+
+impl Drop for Flush {
+    fn drop(&mut self) {
+        const WAIT: Duration = Duration::from_secs(1);
+        if self.tx.send_timeout(Msg::Stop, WAIT).is_ok() {
+            let _ = self.done.recv_timeout(WAIT);
+        }
+    }
+}
+
+/// Starts the writer thread: records in `format` to `out`, at most `buffer` of them waiting.
+/// `out` is flushed whenever the thread has caught up, so give it a buffer.
+pub fn start(
+    format: AccessLogFormat,
+    buffer: usize,
+    out: impl Write + Send + 'static,
+) -> std::io::Result<(AccessLog, Flush)> {
+    let (tx, rx) = crossbeam_channel::bounded(buffer);
+    let (done_tx, done) = crossbeam_channel::bounded(1);
+    std::thread::Builder::new()
+        .name("tollgate-access-log".into())
+        .spawn(move || write_lines(format, &rx, out, &done_tx))?;
+    let log = AccessLog {
+        tx: tx.clone(),
+        dropped: Arc::new(AtomicU64::new(0)),
+    };
+    Ok((log, Flush { tx, done }))
+}
+
+fn write_lines(format: AccessLogFormat, rx: &Receiver<Msg>, mut out: impl Write, done: &Sender<()>) {
+    let mut clock = LocalClock::new();
+    let mut line = Vec::with_capacity(1024);
+    let mut write = |r: &Record, out: &mut dyn Write| {
+        line.clear();
+        render(format, r, &mut clock, &mut line);
+        // A log that cannot be written has nowhere to say so.
+        let _ = out.write_all(&line);
+    };
+    while let Ok(msg) = rx.recv() {
+        match msg {
+            Msg::Line(r) => write(&r, &mut out),
+            Msg::Stop => break,
+        }
+        if rx.is_empty() {
+            let _ = out.flush();
+        }
+    }
+    // Lines handed over after the stop, while the process was ending.
+    while let Ok(Msg::Line(r)) = rx.try_recv() {
+        write(&r, &mut out);
+    }
+    let _ = out.flush();
+    let _ = done.send(());
+}
+
+/// Formats times in the process's local zone (`TZ`, else the system's), read once at start.
+pub(crate) struct LocalClock {
+    tz: jiff::tz::TimeZone,
+    /// The second `local` was made for, and `$time_local` for it.
+    second: i64,
+    local: String,
+}
+
+impl LocalClock {
+    pub(crate) fn new() -> LocalClock {
+        LocalClock::in_zone(jiff::tz::TimeZone::system())
+    }
+
+    pub(crate) fn in_zone(tz: jiff::tz::TimeZone) -> LocalClock {
+        LocalClock {
+            tz,
+            second: i64::MIN,
+            local: String::new(),
+        }
+    }
+
+    fn zoned(&self, t: SystemTime) -> jiff::Zoned {
+        jiff::Timestamp::try_from(t)
+            .unwrap_or(jiff::Timestamp::UNIX_EPOCH)
+            .to_zoned(self.tz.clone())
+    }
+
+    /// `02/Dec/2026:13:05:09 +0100`, nginx's `$time_local`; made once a second.
+    fn time_local(&mut self, t: SystemTime) -> &str {
+        let second = jiff::Timestamp::try_from(t).map_or(0, |ts| ts.as_second());
+        if second != self.second {
+            self.local = self.zoned(t).strftime("%d/%b/%Y:%H:%M:%S %z").to_string();
+            self.second = second;
+        }
+        &self.local
+    }
+
+    /// RFC 3339 with milliseconds and the local offset: `2026-12-02T13:05:09.120+01:00`.
+    fn iso(&self, t: SystemTime) -> String {
+        self.zoned(t).strftime("%Y-%m-%dT%H:%M:%S%.3f%:z").to_string()
+    }
+}
+
+/// One line, newline included.
+pub(crate) fn render(format: AccessLogFormat, r: &Record, clock: &mut LocalClock, out: &mut Vec<u8>) {
+    match format {
+        AccessLogFormat::Combined => combined(r, clock, out),
+        AccessLogFormat::Json => json(r, clock, out),
+    }
+}
+
+fn protocol(v: Version) -> &'static str {
+    match v {
+        Version::HTTP_09 => "HTTP/0.9",
+        Version::HTTP_10 => "HTTP/1.0",
+        Version::HTTP_2 => "HTTP/2.0",
+        Version::HTTP_3 => "HTTP/3.0",
+        _ => "HTTP/1.1",
+    }
+}
+
+/// The target as the request line had it: an HTTP/2 request's path and query (its authority
+/// is a pseudo-header, as nginx logs it), an HTTP/1 target whole.
+fn target(uri: &Uri, version: Version) -> Cow<'_, str> {
+    match (version, uri.path_and_query()) {
+        (Version::HTTP_2, Some(pq)) => Cow::Borrowed(pq.as_str()),
+        _ if uri.scheme().is_none() && uri.authority().is_none() => {
+            Cow::Borrowed(uri.path_and_query().map_or("/", |pq| pq.as_str()))
+        }
+        _ => Cow::Owned(uri.to_string()),
+    }
+}
+
+const HEX: &[u8; 16] = b"0123456789ABCDEF";
+
+/// nginx's escaping of a logged value: `"`, `\`, control bytes and bytes above 0x7E as `\xHH`.
+/// `space` too for a value that is not quoted, so it stays one field.
+fn escape(out: &mut Vec<u8>, v: &[u8], space: bool) {
+    for &b in v {
+        if b == b'"' || b == b'\\' || !(0x20..0x7f).contains(&b) || (space && b == b' ') {
+            out.extend_from_slice(&[b'\\', b'x', HEX[(b >> 4) as usize], HEX[(b & 0xf) as usize]]);
+        } else {
+            out.push(b);
+        }
+    }
+}
+
+/// A value, or `-` when there is none, as nginx logs an unset variable.
+fn field(out: &mut Vec<u8>, v: Option<&[u8]>, space: bool) {
+    match v {
+        Some(v) => escape(out, v, space),
+        None => out.push(b'-'),
+    }
+}
+
+fn quoted(out: &mut Vec<u8>, v: Option<&[u8]>) {
+    out.push(b'"');
+    field(out, v, false);
+    out.push(b'"');
+}
+
+/// `$remote_addr - $remote_user [$time_local] "$request" $status $body_bytes_sent
+/// "$http_referer" "$http_user_agent"`, then `request_id=… route="…" limit="…" client_ip=…
+/// fingerprint=… latency_us=…`.
+fn combined(r: &Record, clock: &mut LocalClock, out: &mut Vec<u8>) {
+    let mut num = itoa::Buffer::new();
+    let _ = write!(out, "{} - ", r.peer);
+    field(out, r.key_id.as_deref().map(str::as_bytes), true);
+    out.extend_from_slice(b" [");
+    out.extend_from_slice(clock.time_local(r.time).as_bytes());
+    out.extend_from_slice(b"] \"");
+    escape(out, r.method.as_str().as_bytes(), false);
+    out.push(b' ');
+    escape(out, r.target(), false);
+    out.push(b' ');
+    out.extend_from_slice(protocol(r.version).as_bytes());
+    out.extend_from_slice(b"\" ");
+    out.extend_from_slice(num.format(r.status).as_bytes());
+    out.push(b' ');
+    match r.body_bytes {
+        Some(n) => out.extend_from_slice(num.format(n).as_bytes()),
+        None => out.push(b'-'),
+    }
+    out.push(b' ');
+    quoted(out, r.referer());
+    out.push(b' ');
+    quoted(out, r.user_agent());
+    out.extend_from_slice(b" request_id=");
+    escape(out, r.request_id(), true);
+    out.extend_from_slice(b" route=");
+    quoted(out, r.route.as_deref().map(str::as_bytes));
+    out.extend_from_slice(b" limit=");
+    quoted(out, r.limit.as_deref().map(str::as_bytes));
+    out.extend_from_slice(b" client_ip=");
+    match r.client_ip.filter(|ip| *ip != r.peer) {
+        Some(ip) => {
+            let _ = write!(out, "{ip}");
+        }
+        None => out.push(b'-'),
+    }
+    let _ = write!(out, " fingerprint={}", r.fingerprint);
+    out.extend_from_slice(b" latency_us=");
+    out.extend_from_slice(num.format(r.latency_us).as_bytes());
+    out.push(b'\n');
+}
+
+/// A client's bytes for JSON: bytes that are not UTF-8 become U+FFFD.
+fn text(v: &[u8]) -> Cow<'_, str> {
+    String::from_utf8_lossy(v)
+}
+
+#[derive(serde::Serialize)]
+struct JsonLine<'a> {
+    time: String,
+    remote_addr: IpAddr,
+    remote_user: Option<&'a str>,
+    request_method: &'a str,
+    request_uri: Cow<'a, str>,
+    server_protocol: &'static str,
+    status: u16,
+    body_bytes_sent: Option<u64>,
+    http_referer: Option<Cow<'a, str>>,
+    http_user_agent: Option<Cow<'a, str>>,
+    request_id: Cow<'a, str>,
+    route: Option<&'a str>,
+    limit: Option<&'a str>,
+    client_ip: Option<IpAddr>,
+    fingerprint: String,
+    latency_us: u64,
+}
+
+fn json(r: &Record, clock: &mut LocalClock, out: &mut Vec<u8>) {
+    let line = JsonLine {
+        time: clock.iso(r.time),
+        remote_addr: r.peer,
+        remote_user: r.key_id.as_deref(),
+        request_method: r.method.as_str(),
+        request_uri: text(r.target()),
+        server_protocol: protocol(r.version),
+        status: r.status,
+        body_bytes_sent: r.body_bytes,
+        http_referer: r.referer().map(text),
+        http_user_agent: r.user_agent().map(text),
+        request_id: text(r.request_id()),
+        route: r.route.as_deref(),
+        limit: r.limit.as_deref(),
+        client_ip: r.client_ip.filter(|ip| *ip != r.peer),
+        fingerprint: r.fingerprint.to_string(),
+        latency_us: r.latency_us,
+    };
+    // Every field serializes: strings, numbers and addresses.
+    if serde_json::to_writer(&mut *out, &line).is_ok() {
+        out.push(b'\n');
+    } else {
+        out.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record() -> Box<Record> {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            http::header::USER_AGENT,
+            HeaderValue::from_bytes(b"curl \"8\"\\x\xff\t").unwrap(),
+        );
+        let uri: Uri = "/v1/orders?id=7&q=%22".parse().unwrap();
+        let mut r = Record::begin(
+            "10.0.0.1".parse().unwrap(),
+            Method::GET,
+            &uri,
+            Version::HTTP_11,
+            &headers,
+            Fingerprint::None,
+        );
+        r.time = SystemTime::UNIX_EPOCH + Duration::from_millis(1_764_680_709_120);
+        r.status = 429;
+        r.body_bytes = Some(112);
+        r.set_request_id(&HeaderValue::from_static("abc-1"));
+        r.route = Some(Arc::from("GET /v1/orders"));
+        r.limit = Some(Arc::from("per-key"));
+        r.key_id = Some(Arc::from("k 7"));
+        r.client_ip = Some("203.0.113.9".parse().unwrap());
+        r.latency_us = 250;
+        r
+    }
+
+    fn zone() -> LocalClock {
+        LocalClock::in_zone(jiff::tz::TimeZone::get("Asia/Kolkata").unwrap())
+    }
+
+    #[test]
+    fn combined_escapes_as_nginx_and_appends_the_gateway_fields() {
+        let mut out = Vec::new();
+        render(AccessLogFormat::Combined, &record(), &mut zone(), &mut out);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "10.0.0.1 - k\\x207 [02/Dec/2025:18:35:09 +0530] \"GET /v1/orders?id=7&q=%22 HTTP/1.1\" \
+             429 112 \"-\" \"curl \\x228\\x22\\x5Cx\\xFF\\x09\" request_id=abc-1 route=\"GET /v1/orders\" \
+             limit=\"per-key\" client_ip=203.0.113.9 fingerprint=none latency_us=250\n"
+        );
+    }
+
+    #[test]
+    fn combined_leaves_unknowns_as_dashes() {
+        let mut r = record();
+        r.body_bytes = None;
+        r.route = None;
+        r.limit = None;
+        r.key_id = None;
+        r.client_ip = Some(r.peer);
+        r.user_agent = None;
+        r.referer = None;
+        let mut out = Vec::new();
+        render(AccessLogFormat::Combined, &r, &mut zone(), &mut out);
+        let line = String::from_utf8(out).unwrap();
+        assert!(
+            line.starts_with("10.0.0.1 - - [") && line.contains("\" 429 - \"-\" \"-\" request_id="),
+            "{line}"
+        );
+        assert!(line.contains("route=\"-\" limit=\"-\" client_ip=- "), "{line}");
+    }
+
+    #[test]
+    fn json_has_the_stable_names() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            http::header::USER_AGENT,
+            HeaderValue::from_bytes(b"curl \"8\"\\x\xff").unwrap(),
+        );
+        let uri: Uri = "https://api.example/v1/x?y=1".parse().unwrap();
+        let mut r = Record::begin(
+            "10.0.0.1".parse().unwrap(),
+            Method::GET,
+            &uri,
+            Version::HTTP_2,
+            &headers,
+            Fingerprint::None,
+        );
+        let full = record();
+        r.time = full.time;
+        r.status = 429;
+        r.body_bytes = Some(112);
+        r.set_request_id(&HeaderValue::from_static("abc-1"));
+        r.route = full.route.clone();
+        r.limit = full.limit.clone();
+        r.key_id = full.key_id.clone();
+        r.client_ip = full.client_ip;
+        r.latency_us = 250;
+        let mut out = Vec::new();
+        render(AccessLogFormat::Json, &r, &mut zone(), &mut out);
+        assert_eq!(out.last(), Some(&b'\n'));
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["time"], "2025-12-02T18:35:09.120+05:30");
+        assert_eq!(v["remote_addr"], "10.0.0.1");
+        assert_eq!(v["remote_user"], "k 7");
+        assert_eq!(v["request_method"], "GET");
+        assert_eq!(v["request_uri"], "/v1/x?y=1");
+        assert_eq!(v["server_protocol"], "HTTP/2.0");
+        assert_eq!(v["status"], 429);
+        assert_eq!(v["body_bytes_sent"], 112);
+        assert_eq!(v["http_referer"], serde_json::Value::Null);
+        assert_eq!(v["http_user_agent"], "curl \"8\"\\x\u{fffd}");
+        assert_eq!(v["request_id"], "abc-1");
+        assert_eq!(v["route"], "GET /v1/orders");
+        assert_eq!(v["limit"], "per-key");
+        assert_eq!(v["client_ip"], "203.0.113.9");
+        assert_eq!(v["fingerprint"], "none");
+        assert_eq!(v["latency_us"], 250);
+        assert_eq!(v.as_object().unwrap().len(), 16);
+    }
+
+    #[test]
+    fn a_full_channel_drops_and_counts_and_the_flush_writes_the_rest() {
+        #[derive(Clone, Default)]
+        struct Shared(Arc<std::sync::Mutex<Vec<u8>>>);
+        impl Write for Shared {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        // A writer held up until the test lets it go, so the channel fills.
+        let gate = Arc::new(std::sync::Mutex::new(()));
+        struct Gated(Shared, Arc<std::sync::Mutex<()>>);
+        impl Write for Gated {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                let _open = self.1.lock().unwrap();
+                self.0.write(b)
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let written = Shared::default();
+        let held = gate.lock().unwrap();
+        let (log, flush) = start(AccessLogFormat::Combined, 2, Gated(written.clone(), gate.clone())).unwrap();
+        for _ in 0..10 {
+            log.send(record());
+        }
+        // The writer took at most one record off the channel before blocking: 2 wait, one is
+        // being written, the rest were dropped.
+        assert!(log.dropped() >= 7, "dropped {}", log.dropped());
+        drop(held);
+        drop(flush);
+        let lines = written.0.lock().unwrap().split(|b| *b == b'\n').count() - 1;
+        assert_eq!(lines as u64 + log.dropped(), 10);
+    }
+}
