@@ -737,7 +737,7 @@ impl Gateway {
         let method = req.method().clone();
         let access = self.access_record(&method, req.uri(), req.version(), req.headers(), &conn);
         let mut b = self.begin(method, req.headers_mut(), &conn, access);
-        let mut resp = match conn.framing.next_request() {
+        let mut resp = match conn.framing.as_ref().and_then(|f| f.next_request()) {
             // Framed two ways: refuse, and close the connection, whose next bytes can't be trusted.
             Some(why) => {
                 let mut r = Refusal::BadRequest(why.to_string()).into_response();
@@ -1371,14 +1371,14 @@ impl Handler for Gateway {
         true
     }
 
-    async fn serve_plain(
-        self: Arc<Self>,
+    fn serve_plain<'a>(
+        &'a self,
         tcp: tokio::net::TcpStream,
-        info: ConnInfo,
-        limits: crate::server::ServerLimits,
-        mut stop: tokio::sync::watch::Receiver<bool>,
-    ) -> crate::server::Ended {
-        express::serve(&self, tcp, &info, &limits, &mut stop).await
+        info: &'a ConnInfo,
+        limits: &'a crate::server::ServerLimits,
+        stop: &'a mut tokio::sync::watch::Receiver<bool>,
+    ) -> impl Future<Output = crate::server::Ended> + Send + 'a {
+        express::serve(self, tcp, info, limits, stop)
     }
 }
 

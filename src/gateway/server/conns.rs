@@ -261,8 +261,8 @@ impl Slot {
     }
 
     /// Resolves once the connection is to be closed for a newcomer.
-    pub async fn evicted(&self) {
-        self.close.notified().await;
+    pub fn evicted(&self) -> tokio::sync::futures::OwnedNotified {
+        self.close.clone().notified_owned()
     }
 }
 

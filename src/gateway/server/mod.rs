@@ -36,8 +36,9 @@ pub struct ConnInfo {
     pub peer: SocketAddr,
     /// `http` or `https`.
     pub proto: &'static str,
-    /// What the framing watcher saw of each request's raw head.
-    pub framing: Arc<Framing>,
+    /// What the framing watcher saw of each request's raw head: made when hyper takes the
+    /// connection, so a connection the express lane serves doesn't carry one (issue 24).
+    pub framing: Option<Arc<Framing>>,
     /// The peer's address as a header value, made once per connection for `X-Forwarded-For`.
     pub peer_header: http::HeaderValue,
     /// The client fingerprint of its TLS ClientHello (`none` on plain TCP), taken once before
@@ -71,14 +72,15 @@ pub trait Handler: Send + Sync + 'static {
 
     /// Serves a plain-TCP HTTP/1.1 connection on a fast path of its own until the client
     /// closes, the server stops, or a request needs the general path; then hands the
-    /// connection, with every byte read so far, to hyper.
-    fn serve_plain(
-        self: Arc<Self>,
+    /// connection, with every byte read so far, to hyper. It borrows what the connection's
+    /// task holds anyway, so an idle connection keeps one copy of each (issue 24).
+    fn serve_plain<'a>(
+        &'a self,
         tcp: TcpStream,
-        _info: ConnInfo,
-        _limits: ServerLimits,
-        _stop: tokio::sync::watch::Receiver<bool>,
-    ) -> impl Future<Output = Ended> + Send {
+        _info: &'a ConnInfo,
+        _limits: &'a ServerLimits,
+        _stop: &'a mut tokio::sync::watch::Receiver<bool>,
+    ) -> impl Future<Output = Ended> + Send + 'a {
         std::future::ready(Ended::HandOff(Prefixed::new(bytes::Bytes::new(), tcp)))
     }
 }
@@ -201,11 +203,10 @@ pub async fn run_counted<H: Handler>(
             },
         };
         let _ = tcp.set_nodelay(true);
-        let framing = Arc::new(Framing::default());
-        let info = ConnInfo {
+        let mut info = ConnInfo {
             peer,
             proto,
-            framing: framing.clone(),
+            framing: None,
             peer_header: http::HeaderValue::from_str(
                 &tollgate_rules::identity::canonical(peer.ip()).to_string(),
             )
@@ -233,10 +234,10 @@ pub async fn run_counted<H: Handler>(
         let builder = builder.clone();
         match &tls {
             None => {
-                let stop = stop_rx.clone();
+                let mut stop = stop_rx.clone();
                 let serve = async move {
                     let io = if lane {
-                        match handler_lane.serve_plain(tcp, info.clone(), limits, stop).await {
+                        match handler_lane.serve_plain(tcp, &info, &limits, &mut stop).await {
                             Ended::Closed => return,
                             Ended::HandOff(io) => io,
                         }
@@ -247,6 +248,10 @@ pub async fn run_counted<H: Handler>(
                     if let Some(s) = &info.slot {
                         s.idle();
                     }
+                    let framing = Arc::new(Framing::default());
+                    info.framing = Some(framing.clone());
+                    // Not captured: the task of every idle connection would carry it.
+                    let peer = info.peer;
                     let conn = builder.serve_connection(
                         TokioIo::new(Watched::new(io, framing, limits.header_read_timeout)),
                         service(info),
@@ -256,7 +261,7 @@ pub async fn run_counted<H: Handler>(
                         tracing::debug!(%peer, error = %e, "connection ended with an error");
                     }
                 };
-                tokio::spawn(closable(slot, serve));
+                tokio::spawn(Closable::new(slot, serve));
             }
             Some(acceptor) => {
                 let acceptor = acceptor.clone();
@@ -268,7 +273,8 @@ pub async fn run_counted<H: Handler>(
                         let fingerprint = tls::fingerprint(&tcp, peer).await;
                         (fingerprint, acceptor.accept(tcp).await)
                     };
-                    let mut info = info;
+                    let framing = Arc::new(Framing::default());
+                    info.framing = Some(framing.clone());
                     let stream = match tokio::time::timeout(handshake, handshake_done).await {
                         Ok((fingerprint, Ok(s))) => {
                             info.fingerprint = fingerprint;
@@ -291,7 +297,7 @@ pub async fn run_counted<H: Handler>(
                         tracing::debug!(%peer, error = %e, "connection ended with an error");
                     }
                 };
-                tokio::spawn(closable(slot, serve));
+                tokio::spawn(Closable::new(slot, serve));
             }
         }
     }
@@ -310,17 +316,40 @@ pub async fn run_counted<H: Handler>(
     }
 }
 
-/// Serves a connection until it ends or, while idle, is closed for a newcomer: dropping the
-/// future closes the socket, whichever path was serving it.
-async fn closable(slot: Option<Arc<Slot>>, serve: impl Future<Output = ()>) {
-    match slot {
-        None => serve.await,
-        Some(slot) => {
-            tokio::select! {
-                () = serve => {}
-                () = slot.evicted() => tracing::debug!("idle connection closed for a newcomer"),
-            }
+pin_project_lite::pin_project! {
+    /// Serves a connection until it ends or, while idle, is closed for a newcomer: dropping the
+    /// future closes the socket, whichever path was serving it. A struct rather than an
+    /// `async fn`: an `async fn` keeps its argument and the future it awaits side by side, so
+    /// every connection's task held its serving future twice (issue 24).
+    struct Closable<F> {
+        #[pin]
+        serve: F,
+        #[pin]
+        evicted: Option<tokio::sync::futures::OwnedNotified>,
+    }
+}
+
+impl<F> Closable<F> {
+    fn new(slot: Option<Arc<Slot>>, serve: F) -> Closable<F> {
+        Closable {
+            serve,
+            evicted: slot.map(|s| s.evicted()),
         }
+    }
+}
+
+impl<F: Future<Output = ()>> Future for Closable<F> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.project();
+        if let Some(evicted) = this.evicted.as_pin_mut()
+            && evicted.poll(cx).is_ready()
+        {
+            tracing::debug!("idle connection closed for a newcomer");
+            return Poll::Ready(());
+        }
+        this.serve.poll(cx)
     }
 }
 
