@@ -89,12 +89,17 @@ fn one(keys: u64, checks: u64) {
 }
 
 fn main() {
-    // `cargo bench` passes --bench; `--one N CHECKS` is this program calling itself.
+    // `cargo bench` passes --bench (`cargo test` does not); `--one N CHECKS` is this program
+    // calling itself.
     let args: Vec<String> = std::env::args().collect();
     if let Some(i) = args.iter().position(|a| a == "--one") {
         let keys = args[i + 1].parse().expect("--one KEYS");
         let checks = args[i + 2].parse().expect("--one KEYS CHECKS");
         one(keys, checks);
+        return;
+    }
+    if !args.iter().any(|a| a == "--bench") {
+        eprintln!("memory: a benchmark, not a test; run `cargo bench --bench memory`");
         return;
     }
     let max: u64 = args

@@ -155,6 +155,10 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 fn main() {
+    if !std::env::args().any(|a| a == "--bench") {
+        eprintln!("redis_cluster: a benchmark, not a test; run `cargo bench --bench redis_cluster`");
+        return;
+    }
     let o = opts();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
