@@ -61,6 +61,12 @@ pub(crate) const ARGS_PER_BUCKET: usize = 7;
 /// without making a lone check wait.
 pub const MAX_IN_FLIGHT: usize = 4;
 
+/// Calls out at once on a Cluster. A script may touch one hash slot only, so checks of
+/// different slots can never share a call, and a cap of four would only hold the rate to four
+/// round trips at a time (benches/README.md "Redis Cluster: three masters beside one"); checks
+/// of one slot still queue and share once this many are out.
+pub const MAX_IN_FLIGHT_CLUSTER: usize = 64;
+
 /// The most requests and buckets in one call: a script blocks its node while it runs, so one
 /// call stays short (about 3 µs of script per bucket).
 const MAX_REQUESTS_PER_CALL: usize = 64;
@@ -172,7 +178,7 @@ struct Shared {
     name: String,
     calls: AtomicU64,
     checks: AtomicU64,
-    /// One per call out, at most [`MAX_IN_FLIGHT`].
+    /// One per call out, at most [`MAX_IN_FLIGHT`] ([`MAX_IN_FLIGHT_CLUSTER`] on a Cluster).
     permits: Arc<Semaphore>,
 }
 
@@ -539,7 +545,11 @@ impl Shared {
             name,
             calls: AtomicU64::new(0),
             checks: AtomicU64::new(0),
-            permits: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
+            permits: Arc::new(Semaphore::new(if cluster {
+                MAX_IN_FLIGHT_CLUSTER
+            } else {
+                MAX_IN_FLIGHT
+            })),
         })
     }
 
