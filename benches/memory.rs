@@ -5,6 +5,9 @@
 //! Each size runs in a child process of its own, so memory one size freed and the allocator
 //! kept cannot hide the next size's growth.
 
+#[path = "../tests/common/mod.rs"]
+mod common;
+
 use std::process::Command;
 use std::time::Instant;
 
@@ -18,14 +21,7 @@ const SIZES: &[u64] = &[
 ];
 
 fn rss_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
-    status
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse::<u64>().ok())
-        .expect("VmRSS")
-        * 1024
+    common::rss_kib(std::process::id()) * 1024
 }
 
 /// The fingerprint of bucket `i`. The product's fingerprints are keyed hashes, uniform over

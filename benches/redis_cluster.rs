@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::RedisCluster;
+use common::{RedisCluster, cpu_secs};
 use tollgate_limit::bucket::{BucketParams, Charge, Rate};
 use tollgate_store::redis::{RedisStore, Target};
 use tollgate_store::{CheckItem, FailurePolicy, Store};
@@ -75,18 +75,6 @@ fn items(keys: usize) -> Vec<CheckItem> {
             )
         })
         .collect()
-}
-
-/// CPU seconds (user + system) of a process from /proc.
-fn cpu_secs(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
-    let f: Vec<f64> = rest
-        .split_whitespace()
-        .map(|v| v.parse().unwrap_or(0.0))
-        .collect();
-    // USER_HZ is 100 on Linux.
-    (f.get(11).copied().unwrap_or(0.0) + f.get(12).copied().unwrap_or(0.0)) / 100.0
 }
 
 struct Round {

@@ -798,6 +798,19 @@ pub fn rss_kib(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
+/// CPU seconds (user + system) process `pid` has used, from /proc; 0 once it is gone.
+pub fn cpu_secs(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<f64> = rest
+        .split_whitespace()
+        .map(|v| v.parse().unwrap_or(0.0))
+        .collect();
+    // utime and stime, in USER_HZ (100 on Linux).
+    (f.get(11).copied().unwrap_or(0.0) + f.get(12).copied().unwrap_or(0.0)) / 100.0
+}
+
 /// Reads one response with a `Content-Length` body from `tcp`, waiting at most `within` for each
 /// read; its status. For tests that hold raw keep-alive connections.
 pub async fn read_status(tcp: &mut tokio::net::TcpStream, within: Duration) -> u16 {
