@@ -108,14 +108,18 @@ impl ConnPool {
             if clean(&idle.conn.tcp) {
                 let mut c = idle.conn;
                 c.reused = true;
+                c.buf.reserve(READ_SIZE);
                 return Some(c);
             }
         }
     }
 
-    /// Keeps a connection whose last response was read exactly to its end.
-    pub fn put(&self, c: RawConn) {
+    /// Keeps a connection whose last response was read exactly to its end. Its read buffer is
+    /// given back while it waits: a pool grown by a burst would otherwise hold 8 KiB for each
+    /// connection kept, and `take` asks for a new one.
+    pub fn put(&self, mut c: RawConn) {
         debug_assert!(c.buf.is_empty(), "a kept connection must have nothing unread");
+        c.buf = BytesMut::new();
         let now = Instant::now();
         let mut list = self.list();
         while list.len() >= MAX_IDLE
@@ -205,6 +209,26 @@ mod tests {
         pool.put(c);
         let again = pool.take().expect("a clean connection is reused");
         assert!(again.reused);
+    }
+
+    #[tokio::test]
+    async fn kept_connections_hold_no_read_buffer() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let auth: Authority = l.local_addr().unwrap().to_string().parse().unwrap();
+        let pool = ConnPool::new(auth, Duration::from_secs(1), Duration::from_secs(60));
+        let (c, _s) = pair(&pool, &l).await;
+        assert!(c.buf.capacity() >= READ_SIZE);
+        pool.put(c);
+        assert_eq!(
+            pool.list()[0].conn.buf.capacity(),
+            0,
+            "an idle connection kept its buffer"
+        );
+        let again = pool.take().expect("a clean connection is reused");
+        assert!(
+            again.buf.capacity() >= READ_SIZE,
+            "a reused connection has room to read"
+        );
     }
 
     #[tokio::test]
