@@ -1193,7 +1193,7 @@ impl Compiler<'_> {
 
     /// The hash of a key's secret, once its id and its hash are known to be new: a request
     /// finds its key by the hash, and logs and replay name it by the id.
-    fn key_hash(&self, field: &str, k: &RawKey, keys: &KeysBuilder) -> Result<[u8; 32], RulesError> {
+    fn key_hash(&self, field: KeyAt, k: &RawKey, keys: &KeysBuilder) -> Result<[u8; 32], RulesError> {
         if k.id.is_empty() {
             return Err(self.err(format!("{field}.id"), "must not be empty"));
         }
@@ -1218,7 +1218,7 @@ impl Compiler<'_> {
     /// One key, added to `keys`; keys of one tenant must set the same numbers.
     fn key(
         &self,
-        field: &str,
+        field: KeyAt,
         k: RawKey,
         hash: [u8; 32],
         limits: &Limits,
@@ -1277,7 +1277,7 @@ impl Compiler<'_> {
     /// numbers written alike for one limit are compiled once and shared.
     fn key_limits(
         &self,
-        field: &str,
+        field: KeyAt,
         k: &RawKey,
         limits: &Limits,
         keys: &mut KeysBuilder,
@@ -1658,6 +1658,16 @@ struct KeysPass<'p, 'a, 'r> {
     failed: Option<RulesError>,
 }
 
+/// The field of the key at an index, `keys[i]`, written out only in an error.
+#[derive(Clone, Copy)]
+struct KeyAt(usize);
+
+impl std::fmt::Display for KeyAt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "keys[{}]", self.0)
+    }
+}
+
 impl KeysPass<'_, '_, '_> {
     fn add(&mut self, k: RawKey) -> Result<(), RulesError> {
         let c = self.compiler;
@@ -1665,10 +1675,10 @@ impl KeysPass<'_, '_, '_> {
         if i >= keys::MAX_KEYS {
             return Err(c.err("keys", format!("more than {} keys", keys::MAX_KEYS)));
         }
-        let field = format!("keys[{i}]");
-        let hash = c.key_hash(&field, &k, &self.keys)?;
+        let field = KeyAt(i);
+        let hash = c.key_hash(field, &k, &self.keys)?;
         c.key(
-            &field,
+            field,
             k,
             hash,
             self.limits,
