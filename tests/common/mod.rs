@@ -492,6 +492,12 @@ impl RedisCluster {
     }
 }
 
+/// The gateway binary spawned as `Tollgate`: this build's, or the one `TOLLGATE_BIN` names, so a
+/// bench can measure another commit's build beside this one in one run (benches/README.md).
+pub fn gateway_bin() -> std::ffi::OsString {
+    std::env::var_os("TOLLGATE_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_tollgate").into())
+}
+
 /// Runs `tollgate serve --rules <rules>` expecting it to exit; returns (success, stderr).
 pub fn serve_and_exit(rules: &str, args: &[&str]) -> (bool, String) {
     let (dir, rules) = rules_file(rules);
@@ -580,7 +586,7 @@ impl Tollgate {
         } else {
             vec!["--meter-file", meter_file.to_str().unwrap()]
         };
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        let mut child = Command::new(gateway_bin())
             .args(args)
             .args(meter_args)
             .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
