@@ -17,11 +17,7 @@ COPY --from=build /src/target/release/tollgate /usr/local/bin/tollgate
 COPY rules/demo.json /etc/tollgate/rules.json
 COPY rules/demo-jwks.json /etc/tollgate/demo-jwks.json
 USER 10001:10001
-# glibc's malloc keeps up to 8 arenas a core, and memory a burst leaves scattered over them is
-# not given back: in the 20-minute soak (benches/README.md "Soak") resident memory ran 4 MB
-# lower with two arenas, and grew less.
-ENV MALLOC_ARENA_MAX=2 \
-    TOLLGATE_LISTEN=0.0.0.0:8080 \
+ENV TOLLGATE_LISTEN=0.0.0.0:8080 \
     TOLLGATE_ADMIN_LISTEN=0.0.0.0:9090 \
     TOLLGATE_RULES=/etc/tollgate/rules.json
 EXPOSE 8080 9090

@@ -227,8 +227,8 @@ async fn swap(keys: usize, reloads: u64) {
     let upstream = DemoUpstreamProc::spawn(2, 0);
     let dir = tempfile::tempdir().unwrap();
     let up = upstream.addr.to_string();
-    // As the Dockerfile runs it: a reload compiles on a blocking thread, and each malloc
-    // arena would keep its own freed snapshot resident.
+    // MALLOC_ARENA_MAX reaches only a gateway on glibc's malloc (an older build through
+    // TOLLGATE_BIN), as the Dockerfile ran those; this tree's allocates with jemalloc.
     let env = [("TOLLGATE_LOG", "warn"), ("MALLOC_ARENA_MAX", "2")];
 
     // The same gateway with no keys, for the memory beside.

@@ -17,8 +17,8 @@
 //! limiter_unavailable` answers on the guarded route, no connection error, and every reload
 //! taken. It exits non-zero when one fails.
 //!
-//! The gateway runs with `MALLOC_ARENA_MAX=2`, as the Dockerfile sets it (`--arena-max N` for
-//! another value, `--arena-max 0` for glibc's default: see benches/README.md "Soak" for why).
+//! The gateway allocates with jemalloc; `--arena-max N` sets `MALLOC_ARENA_MAX` for a gateway on
+//! glibc's malloc (an older build through `TOLLGATE_BIN`; benches/README.md "Soak").
 //!
 //! Run: `cargo bench --bench soak -- --minutes 20` (CI does not: under `cargo test
 //! --all-targets` it only says how to run it).
@@ -249,7 +249,7 @@ async fn main() {
     let reload_every = Duration::from_secs(arg("--reload-every", 10));
     let restart_every = Duration::from_secs(arg("--restart-every", 300));
     let sample_every = Duration::from_secs(arg("--sample-every", 10));
-    let arena_max: u32 = arg("--arena-max", 2);
+    let arena_max: u32 = arg("--arena-max", 0);
     println!("{}", tollgate_testkit::machine_line());
 
     let port = common::free_port();

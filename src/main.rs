@@ -16,6 +16,10 @@ use tollgate_gateway::config::{
 use tollgate_gateway::server::{self, ServerLimits};
 use tollgate_rules::identity::TrustedProxies;
 
+// jemalloc, for what it gives back: see Cargo.toml.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[derive(Debug, Parser)]
 #[command(
     name = "tollgate",
@@ -410,6 +414,8 @@ async fn run_gateway(cfg: GatewayConfig, demo: bool, format: LogFormat) -> Resul
 }
 
 fn main() -> Result<()> {
+    // Freed memory goes back to the system within the decay time even while the process idles.
+    let _ = tikv_jemalloc_ctl::background_thread::write(true);
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
     let cli = match Cli::try_parse_from(&args) {
         Ok(cli) => cli,
