@@ -267,6 +267,7 @@ fn config(rules: RulesSource, c: &CommonArgs, demo: bool) -> Result<GatewayConfi
         ..ServerLimits::default()
     };
     cfg.demo = demo;
+    cfg.shards = shards(c.threads);
     cfg.store_timeout = c.store_timeout;
     cfg.fleet_size = c.fleet_size;
     cfg.seat_lease = c.concurrency_lease;
@@ -562,10 +563,23 @@ fn one_line(e: &anyhow::Error) -> String {
     out
 }
 
+/// Threads that serve a gateway's connections: `--threads`, or one per CPU.
+fn shards(threads: Option<u16>) -> usize {
+    threads.map_or_else(
+        || std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
+        usize::from,
+    )
+}
+
 /// Runs `serve`, `demo` or `demo-upstream` on a runtime of `threads`.
 fn run(cli: Cli, threads: Option<u16>, format: LogFormat, lines: Option<access::AccessLog>) -> Result<()> {
-    // One thread: the current-thread scheduler, with no work-stealing machinery to pay for.
+    let gateway = matches!(cli.command, Command::Serve(_) | Command::Demo(_));
+    // One thread: the current-thread scheduler, with no work-stealing machinery to pay for. A
+    // gateway's main thread is its first shard and also runs what is not a connection's (the
+    // admin listener, reloads, the store's clients); its other shards start their own
+    // runtimes (`server::run_shards`).
     let mut rt = match threads {
+        _ if gateway => tokio::runtime::Builder::new_current_thread(),
         Some(1) => tokio::runtime::Builder::new_current_thread(),
         Some(n) => {
             let mut b = tokio::runtime::Builder::new_multi_thread();

@@ -18,7 +18,7 @@ use crate::otel::Otel;
 use crate::regions::{RegionTasks, Regions};
 use crate::reload::{Reloader, WatchHandle};
 use crate::request::Gateway;
-use crate::server::{self, ServerLimits, tls};
+use crate::server::{self, ServerLimits, stopped, tls};
 use tollgate_limit::clock::{Clock, SystemClock};
 use tollgate_meter::counter::{self, Meter, Sink};
 use tollgate_meter::record::Identity;
@@ -64,6 +64,9 @@ pub struct GatewayConfig {
     pub otlp: Option<crate::otel::OtlpConfig>,
     /// Where access lines go in a conventional format; `None`: as `tollgate::access` events.
     pub access_log: Option<crate::access::AccessLog>,
+    /// Threads that accept and serve the public listener's connections, each on a listener
+    /// of its own (`server::run_shards`); 1: the caller's runtime serves them.
+    pub shards: usize,
 }
 
 /// Where and how often this gateway writes its usage records.
@@ -97,6 +100,7 @@ impl GatewayConfig {
             seat_lease: Duration::from_secs(30),
             otlp: None,
             access_log: None,
+            shards: 1,
         }
     }
 }
@@ -231,14 +235,6 @@ async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
         .map_err(|source| StartError::Bind { addr, source })
 }
 
-async fn stopped(mut rx: watch::Receiver<bool>) {
-    while !*rx.borrow_and_update() {
-        if rx.changed().await.is_err() {
-            return;
-        }
-    }
-}
-
 /// Connects the shared store; start-up fails with the store's name and the reason.
 async fn redis_store(target: Target<'_>, cfg: &GatewayConfig) -> Result<Arc<RedisStore>, StartError> {
     let clock = match cfg.clock_source {
@@ -312,6 +308,8 @@ const FLAG_READ: Duration = Duration::from_secs(1);
 
 /// Starts every listener. Fails before serving anything if a part can't start.
 pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
+    // Before anything keeps state per shard.
+    crate::shard::set_count(cfg.shards);
     let tls = match &cfg.tls {
         Some((cert, key)) => Some(tls::acceptor(cert, key)?),
         None => None,
@@ -424,8 +422,11 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         None => store,
     };
 
-    let listener = bind(cfg.listen).await?;
-    let addr = listener.local_addr().map_err(|source| StartError::Bind {
+    let listeners = server::bind_shards(cfg.listen, cfg.shards).map_err(|source| StartError::Bind {
+        addr: cfg.listen,
+        source,
+    })?;
+    let addr = listeners[0].local_addr().map_err(|source| StartError::Bind {
         addr: cfg.listen,
         source,
     })?;
@@ -506,8 +507,8 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         gateway.clone(),
         stopped(stop_rx.clone()),
     )));
-    tasks.push(tokio::spawn(server::run_counted(
-        listener,
+    let serving = server::run_shards(
+        listeners,
         tls,
         gateway.clone(),
         cfg.limits,
@@ -516,9 +517,15 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
             evicted: metrics.connections_evicted.clone(),
             open: metrics.connections_open.clone(),
             idle: metrics.connections_idle.clone(),
+            accepted: metrics.connections_accepted.clone(),
         },
-        stopped(stop_rx.clone()),
-    )));
+        stop_rx.clone(),
+    )
+    .map_err(|source| StartError::Bind {
+        addr: cfg.listen,
+        source,
+    })?;
+    tasks.push(tokio::spawn(serving));
     let admin_addr = match admin {
         Some((l, a)) => {
             let handler = Arc::new(Admin {

@@ -88,7 +88,8 @@ pub struct CommonArgs {
     /// Proxies whose X-Forwarded-For is believed (addresses or CIDRs, comma-separated).
     #[arg(long, env = "TOLLGATE_TRUSTED_PROXY", value_delimiter = ',')]
     pub trusted_proxy: Vec<String>,
-    /// Worker threads of the async runtime (default: one per CPU).
+    /// Threads serving connections, each accepting on a listener of its own on the same port
+    /// (SO_REUSEPORT) and serving what it accepts to the end (default: one per CPU).
     #[arg(long, env = "TOLLGATE_THREADS", value_parser = clap::value_parser!(u16).range(1..))]
     pub threads: Option<u16>,
     /// Log format.

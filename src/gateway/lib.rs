@@ -5,7 +5,9 @@
 //! - [`config`]: the `serve` flags and environment, validated.
 //! - [`app`]: assembles rules, store and listeners into a running gateway.
 //! - [`server`]: accepts TCP/TLS connections, HTTP/1.1 and HTTP/2, drains on shutdown; a
-//!   handler may serve plain HTTP/1.1 connections itself first.
+//!   handler may serve plain HTTP/1.1 connections itself first; one shard per thread, each
+//!   accepting on a listener of its own.
+//! - [`shard`]: which serving thread this is, for state kept per shard.
 //! - [`request`]: one request's steps: route → identity → plan → store check → 429 or forward
 //!   → finish, written once; its express lane serves plain HTTP/1.1 requests without a body in
 //!   the connection's task.
@@ -35,5 +37,6 @@ pub mod reload;
 pub mod request;
 pub mod respond;
 pub mod server;
+pub mod shard;
 
 pub use request::Gateway;

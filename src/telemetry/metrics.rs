@@ -52,6 +52,12 @@ pub struct Kind {
     pub kind: &'static str,
 }
 
+/// Which serving shard (thread) accepted a connection.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ShardLabel {
+    pub shard: u32,
+}
+
 /// Which connection cap acted: `max_connections` or `max_connections_per_ip`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CapLabel {
@@ -114,6 +120,9 @@ pub struct Metrics {
     /// Client connections open, and of them idle, when a connection cap is set.
     pub connections_open: Gauge,
     pub connections_idle: Gauge,
+    /// Client connections accepted, by the shard that accepted them: how the kernel spreads
+    /// them over the shards' listeners.
+    pub connections_accepted: Family<ShardLabel, Counter>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -295,6 +304,12 @@ impl Metrics {
             "Client connections open with no request in flight (kept only when a connection cap is set)",
             connections_idle.clone(),
         );
+        let connections_accepted = Family::<ShardLabel, Counter>::default();
+        registry.register(
+            "connections_accepted",
+            "Client connections accepted on the public listener, by the shard (thread) that accepted them",
+            connections_accepted.clone(),
+        );
         Arc::new(Metrics {
             registry,
             requests,
@@ -327,6 +342,7 @@ impl Metrics {
             connections_evicted,
             connections_open,
             connections_idle,
+            connections_accepted,
         })
     }
 

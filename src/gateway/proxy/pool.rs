@@ -11,7 +11,9 @@
 //!   request (common servers close after 5 to 60 s).
 //!
 //! The list sits under a mutex held only to push or pop: an upstream is one known address, so a
-//! pool keyed by scheme and authority (hyper-util's) would do work for nothing.
+//! pool keyed by scheme and authority (hyper-util's) would do work for nothing. There is one list
+//! per serving shard (`crate::shard`): a connection is taken again on the shard that opened it,
+//! whose reactor watches its socket.
 
 use std::collections::VecDeque;
 use std::io;
@@ -22,7 +24,7 @@ use bytes::BytesMut;
 use http::uri::Authority;
 use tokio::net::TcpStream;
 
-/// Most connections kept per upstream; past it the oldest is closed.
+/// Most connections kept per upstream and shard; past it the oldest is closed.
 const MAX_IDLE: usize = 1024;
 const READ_SIZE: usize = 8 * 1024;
 
@@ -51,8 +53,8 @@ pub struct ConnPool {
     authority: Authority,
     connect_timeout: Duration,
     idle_timeout: Duration,
-    /// Oldest first.
-    idle: Mutex<VecDeque<Idle>>,
+    /// One list per shard, oldest first.
+    idle: Box<[Mutex<VecDeque<Idle>>]>,
 }
 
 impl std::fmt::Debug for ConnPool {
@@ -73,12 +75,22 @@ fn clean(tcp: &TcpStream) -> bool {
 }
 
 impl ConnPool {
+    /// A pool with a list for each shard serving now.
     pub fn new(authority: Authority, connect_timeout: Duration, idle_timeout: Duration) -> ConnPool {
+        Self::with_shards(authority, connect_timeout, idle_timeout, crate::shard::count())
+    }
+
+    fn with_shards(
+        authority: Authority,
+        connect_timeout: Duration,
+        idle_timeout: Duration,
+        shards: usize,
+    ) -> ConnPool {
         ConnPool {
             authority,
             connect_timeout,
             idle_timeout,
-            idle: Mutex::new(VecDeque::new()),
+            idle: (0..shards.max(1)).map(|_| Mutex::new(VecDeque::new())).collect(),
         }
     }
 
@@ -90,8 +102,13 @@ impl ConnPool {
         self.idle_timeout
     }
 
+    /// The calling shard's list.
     fn list(&self) -> std::sync::MutexGuard<'_, VecDeque<Idle>> {
-        self.idle.lock().unwrap_or_else(PoisonError::into_inner)
+        Self::lock(&self.idle[crate::shard::current() % self.idle.len()])
+    }
+
+    fn lock(list: &Mutex<VecDeque<Idle>>) -> std::sync::MutexGuard<'_, VecDeque<Idle>> {
+        list.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// A kept connection that is still clean, most recently used first. Expired and unclean
@@ -136,8 +153,10 @@ impl ConnPool {
     /// lingers half-closed while no request comes to take it.
     pub fn sweep(&self) {
         let now = Instant::now();
-        self.list()
-            .retain(|i| now.duration_since(i.since) < self.idle_timeout && clean(&i.conn.tcp));
+        for list in &self.idle {
+            Self::lock(list)
+                .retain(|i| now.duration_since(i.since) < self.idle_timeout && clean(&i.conn.tcp));
+        }
     }
 
     /// A new connection.
@@ -170,7 +189,7 @@ mod tests {
     impl ConnPool {
         /// How many connections are kept now.
         fn idle_count(&self) -> usize {
-            self.list().len()
+            self.idle.iter().map(|l| Self::lock(l).len()).sum()
         }
     }
 
@@ -229,6 +248,36 @@ mod tests {
             again.buf.capacity() >= READ_SIZE,
             "a reused connection has room to read"
         );
+    }
+
+    #[tokio::test]
+    async fn a_connection_is_taken_again_only_on_its_own_shard() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let auth: Authority = l.local_addr().unwrap().to_string().parse().unwrap();
+        let pool = std::sync::Arc::new(ConnPool::with_shards(
+            auth,
+            Duration::from_secs(1),
+            Duration::from_secs(60),
+            2,
+        ));
+        let (c, _s) = pair(&pool, &l).await;
+        let on_one = pool.clone();
+        std::thread::spawn(move || {
+            crate::shard::enter(1);
+            on_one.put(c);
+        })
+        .join()
+        .unwrap();
+        assert!(pool.take().is_none(), "shard 0 took shard 1's connection");
+        assert_eq!(pool.idle_count(), 1);
+        let on_one = pool.clone();
+        let again = std::thread::spawn(move || {
+            crate::shard::enter(1);
+            on_one.take().map(|c| c.reused)
+        })
+        .join()
+        .unwrap();
+        assert_eq!(again, Some(true), "shard 1 did not get its own connection back");
     }
 
     #[tokio::test]

@@ -18,7 +18,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::Notify;
-use tollgate_telemetry::metrics::CapLabel;
+use tollgate_telemetry::metrics::{CapLabel, ShardLabel};
 
 const MAX: &str = "max_connections";
 const PER_IP: &str = "max_connections_per_ip";
@@ -31,6 +31,8 @@ pub struct ConnCounters {
     pub evicted: Family<CapLabel, Counter>,
     pub open: Gauge,
     pub idle: Gauge,
+    /// Connections accepted, by shard (counted whether or not a cap is set).
+    pub accepted: Family<ShardLabel, Counter>,
 }
 
 /// The open connections of one listener under its caps.

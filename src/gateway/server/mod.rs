@@ -28,7 +28,9 @@ use tokio_rustls::TlsAcceptor;
 use crate::respond::Body;
 use conns::{ConnCounters, Conns, Slot};
 use framing::{Framing, Watched};
+use prometheus_client::metrics::counter::Counter;
 use tollgate_hello::Fingerprint;
+use tollgate_telemetry::metrics::ShardLabel;
 
 /// The connection a request arrived on.
 #[derive(Debug, Clone)]
@@ -168,7 +170,118 @@ pub async fn run_counted<H: Handler>(
     counters: ConnCounters,
     shutdown: impl Future<Output = ()>,
 ) -> usize {
+    let accepted = counters.accepted.get_or_create(&ShardLabel { shard: 0 }).clone();
     let conns = Conns::new(limits.max_connections, limits.max_connections_per_ip, counters);
+    serve_listener(listener, tls, handler, limits, conns, accepted, shutdown).await
+}
+
+/// Listeners bound to one address, one for each shard to accept on by itself
+/// (`SO_REUSEPORT`: the kernel spreads new connections over them). The first is bound as
+/// `addr` says, a port of 0 included; the others to the address it got.
+pub fn bind_shards(addr: SocketAddr, shards: usize) -> io::Result<Vec<std::net::TcpListener>> {
+    let mut bound = Vec::with_capacity(shards);
+    let mut at = addr;
+    for _ in 0..shards.max(1) {
+        let socket = if at.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()?
+        } else {
+            tokio::net::TcpSocket::new_v6()?
+        };
+        socket.set_reuseaddr(true)?;
+        if shards > 1 {
+            socket.set_reuseport(true)?;
+        }
+        socket.bind(at)?;
+        let l = socket.listen(1024)?;
+        at = l.local_addr()?;
+        bound.push(l.into_std()?);
+    }
+    Ok(bound)
+}
+
+/// Serves `handler` on one shard per listener of [`bind_shards`]: the first on the task that
+/// awaits the returned future, each other on a thread of its own with a single-threaded
+/// runtime, so a connection is read, checked, forwarded and answered on the one thread that
+/// accepted it, with no hand-over between threads (the layout of nginx's workers;
+/// benches/README.md "The matrix"). The caps of `limits` hold over all the shards together.
+/// The threads start before this returns; the future stops accepting when `stop` turns true
+/// and resolves to how many connections were still open when the drains gave up.
+pub fn run_shards<H: Handler>(
+    listeners: Vec<std::net::TcpListener>,
+    tls: Option<TlsAcceptor>,
+    handler: Arc<H>,
+    limits: ServerLimits,
+    counters: ConnCounters,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> io::Result<impl Future<Output = usize> + Send + 'static> {
+    let accepted = counters.accepted.clone();
+    let on = move |shard: usize| {
+        accepted
+            .get_or_create(&ShardLabel { shard: shard as u32 })
+            .clone()
+    };
+    let conns = Conns::new(limits.max_connections, limits.max_connections_per_ip, counters);
+    let mut listeners = listeners.into_iter();
+    let first = listeners
+        .next()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "no listener to serve on"))?;
+    let first = TcpListener::from_std(first)?;
+    let mut others = Vec::new();
+    for (i, l) in listeners.enumerate() {
+        let shard = i + 1;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let (tls, handler, conns, stop) = (tls.clone(), handler.clone(), conns.clone(), stop.clone());
+        let accepted = on(shard);
+        let (done, ended) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new()
+            .name(format!("shard-{shard}"))
+            .spawn(move || {
+                crate::shard::enter(shard);
+                let open = rt.block_on(async move {
+                    match TcpListener::from_std(l) {
+                        Ok(l) => {
+                            serve_listener(l, tls, handler, limits, conns, accepted, stopped(stop)).await
+                        }
+                        Err(e) => {
+                            tracing::error!(shard, error = %e, "a shard cannot take its listener");
+                            0
+                        }
+                    }
+                });
+                let _ = done.send(open);
+            })?;
+        others.push(ended);
+    }
+    Ok(async move {
+        let mut open = serve_listener(first, tls, handler, limits, conns, on(0), stopped(stop)).await;
+        for ended in others {
+            open += ended.await.unwrap_or(0);
+        }
+        open
+    })
+}
+
+/// Resolves once `rx` reads true, or its sender is gone.
+pub async fn stopped(mut rx: tokio::sync::watch::Receiver<bool>) {
+    while !*rx.borrow_and_update() {
+        if rx.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Accepts on one listener until `shutdown`, then drains its connections.
+async fn serve_listener<H: Handler>(
+    listener: TcpListener,
+    tls: Option<TlsAcceptor>,
+    handler: Arc<H>,
+    limits: ServerLimits,
+    conns: Option<Arc<Conns>>,
+    accepted: Counter,
+    shutdown: impl Future<Output = ()>,
+) -> usize {
     let graceful = GracefulShutdown::new();
     // The express lane's connections hold a graceful watcher (so the drain waits for them) and
     // learn of the shutdown here, to close when idle.
@@ -190,6 +303,7 @@ pub async fn run_counted<H: Handler>(
                 }
             },
         };
+        accepted.inc();
         let slot = match &conns {
             None => None,
             Some(c) => match c.admit(tollgate_rules::identity::canonical(peer.ip())) {
