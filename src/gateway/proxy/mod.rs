@@ -42,9 +42,9 @@ fn connection_named(headers: &HeaderMap) -> smallvec::SmallVec<[HeaderName; 2]> 
 
 /// What the proxy needs to know about the caller.
 #[derive(Debug, Clone)]
-pub struct Caller<'a> {
-    /// The TCP peer, as a header value.
-    pub peer: &'a HeaderValue,
+pub struct Caller {
+    /// The TCP peer, its IPv4-mapped addresses as IPv4.
+    pub peer: std::net::IpAddr,
     /// Whether the peer is a trusted proxy whose `X-Forwarded-*` we keep.
     pub peer_trusted: bool,
     /// `http` or `https`, as the client reached us.
@@ -207,7 +207,7 @@ pub struct HeaderEdits {
 }
 
 impl HeaderEdits {
-    pub fn new(up: &Upstream, parts: &http::request::Parts, caller: Caller<'_>) -> HeaderEdits {
+    pub fn new(up: &Upstream, parts: &http::request::Parts, caller: Caller) -> HeaderEdits {
         let h = &parts.headers;
         let mut set = smallvec::SmallVec::new();
         let credential = caller.key.as_ref().map(|k| k.2);
@@ -216,7 +216,9 @@ impl HeaderEdits {
             set.push((X_TOLLGATE_KEY_ID.clone(), id));
             set.push((X_TOLLGATE_TENANT.clone(), tenant));
         }
-        let peer = caller.peer.clone();
+        // Written per request rather than kept per connection: an idle connection holds less.
+        let peer = HeaderValue::try_from(caller.peer.to_string())
+            .unwrap_or_else(|_| HeaderValue::from_static("unknown"));
         let forwarded_for = match (caller.peer_trusted, h.get(&X_FORWARDED_FOR)) {
             (true, Some(prior)) => {
                 let mut v = prior.as_bytes().to_vec();
@@ -289,9 +291,8 @@ mod tests {
         .remove(0);
         let (mut parts, ()) = http::Request::new(()).into_parts();
         parts.headers = h;
-        let peer = HeaderValue::from_static("127.0.0.1");
         let caller = Caller {
-            peer: &peer,
+            peer: std::net::Ipv4Addr::LOCALHOST.into(),
             peer_trusted: false,
             proto: "http",
             key: None,

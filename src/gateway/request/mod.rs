@@ -530,9 +530,9 @@ impl Gateway {
         }
     }
 
-    fn caller<'a>(&self, snap: &'a Snapshot, c: &'a Classified, conn: &'a ConnInfo) -> Caller<'a> {
+    fn caller<'a>(&self, snap: &'a Snapshot, c: &'a Classified, conn: &'a ConnInfo) -> Caller {
         Caller {
-            peer: &conn.peer_header,
+            peer: tollgate_rules::identity::canonical(conn.peer.ip()),
             peer_trusted: !self.trusted.is_empty() && self.trusted.contains(c.peer),
             proto: conn.proto,
             key: match (&c.jwt, c.key) {
