@@ -147,7 +147,13 @@ if [ "$MATRIX" = full ]; then
   HAP_T_PID=$!
   wait_port "$HAP_T"
   TG_PIN='' TG_THREADS='' start_tg thr
-  TG_PIN='' TG_THREADS='' TG_LOG=info start_tg thrlog
+  # Row 3 logs nginx's own `combined` line in all three where the binary can (since
+  # `--access-log-format`); older binaries write their event line (TOLLGATE_LOG=info).
+  if "$TG" serve --help | grep -q -- --access-log-format; then
+    TG_PIN='' TG_THREADS='' start_tg thrlog --access-log-format combined
+  else
+    TG_PIN='' TG_THREADS='' TG_LOG=info start_tg thrlog
+  fi
 
   NW=$(workers "$NGX_PID"); NTW=$(workers "$NGX_TLS_PID"); NTHW=$(workers "$NGX_T_PID")
   O=/v1/orders
