@@ -63,11 +63,22 @@ pub(crate) fn push_value(out: &mut String, value: &[u8]) {
     }
 }
 
+/// `rl:{TENANT}:LIMIT`, pushed piece by piece: `write!` costs a request hundreds of
+/// instructions in the formatting machinery for what is three copies.
+fn tenant_prefix(name: &mut String, tenant: &str, limit: &str) {
+    name.reserve(6 + tenant.len() + limit.len());
+    name.push_str("rl:{");
+    name.push_str(tenant);
+    name.push_str("}:");
+    name.push_str(limit);
+}
+
 /// A bucket per value: within the tenant for a keyed request, on its own tag without a key.
 fn tagged_value(name: &mut String, tenant: Option<&str>, limit: &str, value: &[u8]) {
     match tenant {
         Some(t) => {
-            let _ = write!(name, "rl:{{{t}}}:{limit}:");
+            tenant_prefix(name, t, limit);
+            name.push(':');
             push_value(name, value);
         }
         None => {
@@ -238,7 +249,7 @@ fn item_for(
         // bucket. Written per request rather than kept per key: kept, the names were a third
         // of a key's memory, where writing one is a few bytes and one allocation.
         (Dimension::Key, Some(k)) => {
-            let _ = write!(name, "rl:{{{}}}:{}", k.tenant(), limit.name);
+            tenant_prefix(&mut name, k.tenant(), &limit.name);
         }
         (Dimension::Key, None) => return Ok(None),
         (Dimension::Claim(c), Some(Id::Jwt(j))) => {
@@ -258,7 +269,8 @@ fn item_for(
             });
         }
         (Dimension::Route, Some(k)) => {
-            let _ = write!(name, "rl:{{{}}}:{}:", k.tenant(), limit.name);
+            tenant_prefix(&mut name, k.tenant(), &limit.name);
+            name.push(':');
             push_value(&mut name, route.name.as_bytes());
         }
         (Dimension::Route, None) => {
