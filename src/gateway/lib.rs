@@ -14,6 +14,8 @@
 //! - [`concurrency`]: an upstream's places for requests in flight: the adaptive limit that
 //!   follows its latency, the static `max_in_flight` ceiling, the place a request holds.
 //! - [`respond`]: every answer the gateway makes itself, in one place.
+//! - [`bufs`]: read and write buffers lent to busy connections, kept per thread between
+//!   lendings.
 //! - [`proxy`]: the one HTTP/1.1 client to upstreams, its kept connections, the upstream's
 //!   header edits (hop-by-hop stripping, `X-Forwarded-*`), 502/504.
 //! - [`reload`]: live rules: the file watch and SIGHUP, swapping in only higher versions.
@@ -26,6 +28,7 @@
 pub mod access;
 pub mod admin;
 pub mod app;
+pub mod bufs;
 pub mod concurrency;
 pub mod config;
 pub mod dashboard;

@@ -26,7 +26,6 @@ use tokio::net::TcpStream;
 
 /// Most connections kept per upstream and shard; past it the oldest is closed.
 const MAX_IDLE: usize = 1024;
-const READ_SIZE: usize = 8 * 1024;
 
 /// Why no connection could be made.
 #[derive(Debug, thiserror::Error)]
@@ -125,7 +124,7 @@ impl ConnPool {
             if clean(&idle.conn.tcp) {
                 let mut c = idle.conn;
                 c.reused = true;
-                c.buf.reserve(READ_SIZE);
+                c.buf = crate::bufs::take();
                 return Some(c);
             }
         }
@@ -136,7 +135,7 @@ impl ConnPool {
     /// connection kept, and `take` asks for a new one.
     pub fn put(&self, mut c: RawConn) {
         debug_assert!(c.buf.is_empty(), "a kept connection must have nothing unread");
-        c.buf = BytesMut::new();
+        crate::bufs::give(std::mem::take(&mut c.buf));
         let now = Instant::now();
         let mut list = self.list();
         while list.len() >= MAX_IDLE
@@ -178,7 +177,7 @@ impl ConnPool {
         let _ = tcp.set_nodelay(true);
         Ok(RawConn {
             tcp,
-            buf: BytesMut::with_capacity(READ_SIZE),
+            buf: crate::bufs::take(),
             reused: false,
         })
     }
@@ -236,7 +235,7 @@ mod tests {
         let auth: Authority = l.local_addr().unwrap().to_string().parse().unwrap();
         let pool = ConnPool::new(auth, Duration::from_secs(1), Duration::from_secs(60));
         let (c, _s) = pair(&pool, &l).await;
-        assert!(c.buf.capacity() >= READ_SIZE);
+        assert!(c.buf.capacity() >= crate::bufs::SIZE);
         pool.put(c);
         assert_eq!(
             pool.list()[0].conn.buf.capacity(),
@@ -245,7 +244,7 @@ mod tests {
         );
         let again = pool.take().expect("a clean connection is reused");
         assert!(
-            again.buf.capacity() >= READ_SIZE,
+            again.buf.capacity() >= crate::bufs::SIZE,
             "a reused connection has room to read"
         );
     }

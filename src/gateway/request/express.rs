@@ -27,6 +27,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::{Gateway, X_REQUEST_ID};
+use crate::bufs::{self, Lent};
 use crate::concurrency::Place;
 use crate::proxy::client::{self, BodyState, Failure, header_line};
 use crate::proxy::pool::RawConn;
@@ -37,7 +38,7 @@ use tollgate_http1::response::{self, Framing};
 
 /// Headers a lane request may have; more go to hyper (which takes up to 100).
 const MAX_HEADERS: usize = 64;
-const READ_SIZE: usize = 8 * 1024;
+const READ_SIZE: usize = bufs::SIZE;
 
 /// How a run of requests on the lane ended.
 enum Next {
@@ -103,8 +104,9 @@ async fn busy(
     stop: &watch::Receiver<bool>,
     deadline: &mut Deadline,
 ) -> Next {
-    let mut buf = BytesMut::new();
-    let mut out = BytesMut::new();
+    // Lent while the connection is busy, and back to the thread's buffers when it goes idle.
+    let mut buf = Lent::default();
+    let mut out = Lent::default();
     let mut head_out = BytesMut::new();
     let mut head = Head::default();
     // The deadline and the slot were set when the connection last went idle.
@@ -121,6 +123,9 @@ async fn busy(
             if buf.is_empty() {
                 // Between requests: a buffer only for bytes that are there; none there, and the
                 // connection is idle.
+                if buf.capacity() == 0 {
+                    *buf = bufs::take();
+                }
                 buf.reserve(READ_SIZE);
                 match read_waiting(tcp, &mut buf).await {
                     None => return Next::Idle,
@@ -132,12 +137,12 @@ async fn busy(
                 Parsed::Lane => break,
                 Parsed::Partial if buf.len() < limits.max_header_bytes => {}
                 // Too large, unusual or malformed: hyper answers it (431, 400, h2c …).
-                _ => return Next::HandOff(buf.freeze()),
+                _ => return Next::HandOff(std::mem::take(&mut *buf).freeze()),
             }
             buf.reserve(READ_SIZE);
             tokio::select! {
                 biased;
-                r = tcp.read_buf(&mut buf) => match r {
+                r = tcp.read_buf(&mut *buf) => match r {
                     Ok(0) | Err(_) => return Next::Closed,
                     Ok(_) => {}
                 },
@@ -204,6 +209,9 @@ async fn busy(
         client::render_request(&mut head_out, &parts, &gw.edits(&b, &f, &parts, info), false);
         let started = std::time::Instant::now();
         out.clear();
+        if out.capacity() == 0 {
+            *out = bufs::take();
+        }
         out.reserve(READ_SIZE);
         deadline.set(Instant::now() + up.timeout);
         // A client that hangs up while the upstream thinks must not keep its place under the
@@ -289,9 +297,6 @@ async fn hung_up(tcp: &TcpStream) -> bool {
 /// A byte range of a request head.
 type Span = (u32, u32);
 
-/// A deadline that moves with every request and almost never fires: moving it forward is a
-/// clock read, and the timer under it is re-armed only when it fires before the deadline.
-/// A timer registered and cancelled per request cost about a tenth of the lane's instructions.
 /// Reads what is waiting on `tcp` without waiting for more: `None` when nothing is. Through
 /// `poll_read`, which marks the socket drained when a read comes back short of the buffer, so
 /// asking again after the answer is sent costs no system call; `try_read_buf` keeps the socket
@@ -299,14 +304,19 @@ type Span = (u32, u32);
 /// request (strace: 2.6 reads a request against nginx's 2.0).
 async fn read_waiting(tcp: &mut TcpStream, buf: &mut BytesMut) -> Option<std::io::Result<usize>> {
     std::future::poll_fn(|cx| {
-        Poll::Ready(match tokio_util::io::poll_read_buf(Pin::new(&mut *tcp), cx, buf) {
-            Poll::Ready(r) => Some(r),
-            Poll::Pending => None,
-        })
+        Poll::Ready(
+            match tokio_util::io::poll_read_buf(Pin::new(&mut *tcp), cx, buf) {
+                Poll::Ready(r) => Some(r),
+                Poll::Pending => None,
+            },
+        )
     })
     .await
 }
 
+/// A deadline that moves with every request and almost never fires: moving it forward is a
+/// clock read, and the timer under it is re-armed only when it fires before the deadline.
+/// A timer registered and cancelled per request cost about a tenth of the lane's instructions.
 struct Deadline {
     sleep: Pin<Box<tokio::time::Sleep>>,
     at: Instant,
