@@ -45,7 +45,7 @@ impl Client {
         roots
             .add(CertificateDer::from_pem_file(repo().join("certs/demo-cert.pem")).unwrap())
             .unwrap();
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
         let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .unwrap()

@@ -81,7 +81,7 @@ fn client(
     roots
         .add(CertificateDer::from_pem_file(repo().join("certs/demo-cert.pem")).unwrap())
         .unwrap();
-    let mut provider = rustls::crypto::ring::default_provider();
+    let mut provider = rustls::crypto::aws_lc_rs::default_provider();
     if let Some(s) = suites {
         provider.cipher_suites = s.to_vec();
     }
@@ -103,7 +103,7 @@ fn attacker() -> Arc<rustls::ClientConfig> {
 
 /// Honest clients, each another library or build: TLS 1.2 only, other cipher suites, no ALPN.
 fn honest() -> Vec<(&'static str, Arc<rustls::ClientConfig>)> {
-    use rustls::crypto::ring::cipher_suite as cs;
+    use rustls::crypto::aws_lc_rs::cipher_suite as cs;
     vec![
         (
             "TLS 1.2 only",

@@ -294,7 +294,7 @@ mod tests {
         const KEY: &[u8] = include_bytes!("../../certs/demo-key.pem");
 
         fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-            Arc::new(rustls::crypto::ring::default_provider())
+            Arc::new(rustls::crypto::aws_lc_rs::default_provider())
         }
 
         fn client(alpn: &[&[u8]], tls12_only: bool) -> Arc<rustls::ClientConfig> {

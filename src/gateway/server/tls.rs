@@ -46,7 +46,7 @@ pub(crate) fn acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor, TlsError>
     }
     let private =
         PrivateKeyDer::from_pem_file(key).map_err(|e| key_err(format!("no usable private key: {e}")))?;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
     let mut config = ServerConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
         .map_err(|e| cert_err(format!("TLS setup failed: {e}")))?
