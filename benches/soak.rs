@@ -398,6 +398,8 @@ async fn main() {
         println!("soak passed");
     } else {
         println!("soak FAILED: {}", failed.join("; "));
+        // `exit` runs no destructors: stop the processes first, or they outlive the bench.
+        drop((gw, upstream));
         std::process::exit(1);
     }
 }
