@@ -73,7 +73,10 @@ RP=$(port)
 taskset -c 1 redis-server --port "$RP" --bind 127.0.0.1 --save '' --appendonly no >/dev/null & pids+=($!)
 wait_port "$RP"
 
-sed "s#http://127.0.0.1:8081#http://127.0.0.1:$UP#" rules/bench.json > "$work/rules.json"
+# The rules in a directory of their own, as /etc/tollgate: the reload watch wakes for every
+# write to any file beside the rules, and the access-log row writes a line a request here.
+mkdir -p "$work/rules"
+sed "s#http://127.0.0.1:8081#http://127.0.0.1:$UP#" rules/bench.json > "$work/rules/rules.json"
 # Binaries since metering write usage records; keep them in the scratch directory.
 METER=()
 if "$TG" serve --help | grep -q -- --no-meter; then METER=(yes); fi
@@ -89,7 +92,7 @@ start_tg() {
   [ -n "$threads" ] && extra+=(--threads "$threads")
   # Not through `pin`: $! must be Tollgate itself (taskset execs it), not a subshell.
   [ -n "$cpu" ] && taskset=(taskset -c "$cpu")
-  TOLLGATE_LOG=${TG_LOG:-warn} "${taskset[@]}" "$TG" serve --rules "$work/rules.json" --listen "127.0.0.1:$p" "${extra[@]}" "$@" \
+  TOLLGATE_LOG=${TG_LOG:-warn} "${taskset[@]}" "$TG" serve --rules "$work/rules/rules.json" --listen "127.0.0.1:$p" "${extra[@]}" "$@" \
     >"$work/$name.out" 2>"$work/$name.err" & pids+=($!)
   eval "${name}_PID=$!"
   eval "${name}_PORT=$p"
