@@ -375,9 +375,10 @@ fn span(base: &[u8], part: &[u8]) -> Span {
 }
 
 fn parse(buf: &[u8], head: &mut Head) -> Parsed {
-    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    let mut req = httparse::Request::new(&mut headers);
-    let len = match req.parse(buf) {
+    // Left uninitialised, as the upstream's heads are (`tollgate_http1::response::parse`).
+    let mut headers = [std::mem::MaybeUninit::<httparse::Header<'_>>::uninit(); MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut []);
+    let len = match req.parse_with_uninit_headers(buf, &mut headers) {
         Ok(httparse::Status::Complete(n)) => n,
         Ok(httparse::Status::Partial) => return Parsed::Partial,
         Err(_) => return Parsed::Other,
