@@ -42,6 +42,8 @@ local SWEEP = 2
 local SWEEP_AFTER = 60000000
 -- Buckets read from the old layout (name -> true), whose keys their write deletes.
 local old_keys = {}
+-- Pages whose TTL this call has read or set, and that TTL in milliseconds.
+local page_ttl = {}
 
 -- The time a call uses: ARGV's clock argument, or -1 for the store's TIME. nil if not a number.
 local function clock_now(arg)
@@ -134,9 +136,18 @@ local function save(key, page, t, ts, scale, ttl, now)
   local added = redis.call('HSET', page, key, pack(FIELD, t, ts, scale, now + px * 1000))
   -- The field's expiry counts from this script's clock, the page's TTL from the time Redis
   -- took for the command, which a stalled server can put a few milliseconds earlier: a second
-  -- more keeps the page alive past every field in it.
-  if redis.call('PTTL', page) < px + PAGE_SLACK_MS then
-    redis.call('PEXPIRE', page, px + PAGE_SLACK_MS)
+  -- more keeps the page alive past every field in it. When raised it is raised a second past
+  -- that, so a page that checks keep busy is raised about once a second rather than at every
+  -- check, and a page is asked its TTL once per call.
+  local want = px + PAGE_SLACK_MS
+  local known = page_ttl[page]
+  if known == nil or known < want then
+    local have = redis.call('PTTL', page)
+    if have < want then
+      have = want + PAGE_SLACK_MS
+      redis.call('PEXPIRE', page, have)
+    end
+    page_ttl[page] = have
   end
   if old_keys[key] then
     redis.call('DEL', key)
