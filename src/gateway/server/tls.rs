@@ -1,4 +1,4 @@
-//! TLS for the public listener: rustls with the ring provider, TLS 1.2 and 1.3 only, ALPN h2 then
+//! TLS for the public listener: rustls with the aws-lc-rs provider, TLS 1.2 and 1.3 only, ALPN h2 then
 //! http/1.1, and each connection's client fingerprint, peeked before rustls reads the hello. A
 //! bad or missing file is an error that names it.
 
