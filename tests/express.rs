@@ -1,7 +1,7 @@
 //! The express lane against real sockets: the upstream framings it relays (fixed, chunked,
 //! close-delimited, HTTP/1.0, interim 1xx), the same upstream heads and client answers with the
-//! lane on and off, a connection handed to hyper in the middle of a pipeline, and upstream
-//! connections kept only while the upstream keeps them.
+//! lane on and off, on plain TCP and on TLS, a connection handed to hyper in the middle of a
+//! pipeline, and upstream connections kept only while the upstream keeps them.
 
 mod common;
 
@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use common::{Answer, Http, KBIG};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tollgate_gateway::app::{self, GatewayConfig, RulesSource, Running};
 
@@ -116,11 +116,29 @@ fn content_length(head: &str) -> usize {
 }
 
 async fn gateway(upstream: SocketAddr, express: bool) -> (Running, tempfile::TempDir) {
+    gateway_with(upstream, express, |_| {}).await
+}
+
+async fn gateway_with(
+    upstream: SocketAddr,
+    express: bool,
+    set: impl FnOnce(&mut GatewayConfig),
+) -> (Running, tempfile::TempDir) {
     let (dir, path) = common::rules_file(&common::demo_rules_for(upstream));
     let mut cfg = GatewayConfig::new(RulesSource::File(path));
     cfg.clock = tollgate_limit::clock::ManualClock::new(1_000_000);
     cfg.limits.express = express;
+    set(&mut cfg);
     (app::start(cfg).await.expect("gateway starts"), dir)
+}
+
+/// A gateway on TLS with the demo certificate.
+async fn tls_gateway(upstream: SocketAddr, express: bool) -> (Running, tempfile::TempDir) {
+    gateway_with(upstream, express, |cfg| {
+        let certs = common::repo().join("certs");
+        cfg.tls = Some((certs.join("demo-cert.pem"), certs.join("demo-key.pem")));
+    })
+    .await
 }
 
 /// What a client can compare between the two paths: status, body, and the end-to-end headers
@@ -271,7 +289,16 @@ async fn the_upstream_gets_the_same_head_from_both_paths() {
 }
 
 /// Reads `n` responses with `Content-Length` bodies from a raw connection.
-async fn read_responses(s: &mut TcpStream, n: usize) -> Vec<(u16, Vec<u8>)> {
+async fn read_responses<S: AsyncRead + Unpin>(s: &mut S, n: usize) -> Vec<(u16, Vec<u8>)> {
+    read_answers(s, n)
+        .await
+        .into_iter()
+        .map(|(code, _, body)| (code, body))
+        .collect()
+}
+
+/// [`read_responses`] with each response's head as sent.
+async fn read_answers<S: AsyncRead + Unpin>(s: &mut S, n: usize) -> Vec<(u16, String, Vec<u8>)> {
     let mut buf = Vec::new();
     let mut out = Vec::new();
     while out.len() < n {
@@ -283,9 +310,14 @@ async fn read_responses(s: &mut TcpStream, n: usize) -> Vec<(u16, Vec<u8>)> {
                 .iter()
                 .find(|h| h.name.eq_ignore_ascii_case("content-length"))
                 .map(|h| std::str::from_utf8(h.value).unwrap().parse().unwrap())
-                .expect("a content-length");
+                // A 204 has none, and no body.
+                .unwrap_or_else(|| {
+                    assert_eq!(resp.code, Some(204), "a content-length");
+                    0
+                });
             if buf.len() >= len + body_len {
-                out.push((resp.code.unwrap(), buf[len..len + body_len].to_vec()));
+                let head = String::from_utf8_lossy(&buf[..len]).into_owned();
+                out.push((resp.code.unwrap(), head, buf[len..len + body_len].to_vec()));
                 buf.drain(..len + body_len);
                 continue;
             }
@@ -407,4 +439,186 @@ async fn upstream_connections_are_kept_only_while_the_upstream_keeps_them() {
     assert_eq!(get("/v1/fixed").await.status, 200);
     assert_eq!(get("/v1/fixed").await.status, 200);
     assert_eq!(rec.connections.load(Ordering::SeqCst), 3);
+}
+
+/// A request to send raw, keep-alive, with the big key.
+fn raw_get(path: &str) -> String {
+    format!("GET {path} HTTP/1.1\r\nHost: gw\r\nX-API-Key: {KBIG}\r\nX-Request-Id: same-id-both-ways\r\n\r\n")
+}
+
+/// What a client compares of a raw answer: the status, the body, and the head's lines less the
+/// date, lowercased and sorted.
+fn comparable_raw(a: &(u16, String, Vec<u8>)) -> (u16, Vec<String>, Vec<u8>) {
+    let mut lines: Vec<String> =
+        a.1.lines()
+            .skip(1)
+            .filter(|l| !l.is_empty() && !l.to_ascii_lowercase().starts_with("date:"))
+            .map(|l| l.to_ascii_lowercase())
+            .collect();
+    lines.sort();
+    (a.0, lines, a.2.clone())
+}
+
+#[tokio::test]
+async fn tls_http1_takes_the_lane_and_answers_as_hypers_path() {
+    let (up, rec) = recording_upstream().await;
+    let (lane, _d1) = tls_gateway(up, true).await;
+    let (general, _d2) = tls_gateway(up, false).await;
+    // ALPN http/1.1, and a client that offers no ALPN at all: both speak HTTP/1.1.
+    for alpn in [&[&b"http/1.1"[..]][..], &[]] {
+        let mut on_lane = common::tls::connect(lane.addr, alpn).await;
+        let mut on_hyper = common::tls::connect(general.addr, alpn).await;
+        for path in ["/v1/fixed", "/v1/chunked", "/v1/empty", "/v1/http10", "/v1/fixed"] {
+            let req = raw_get(path);
+            on_lane.write_all(req.as_bytes()).await.unwrap();
+            on_hyper.write_all(req.as_bytes()).await.unwrap();
+            let (a, b) = if path == "/v1/chunked" {
+                (
+                    read_chunked(&mut on_lane).await,
+                    read_chunked(&mut on_hyper).await,
+                )
+            } else {
+                (
+                    read_answers(&mut on_lane, 1).await.remove(0),
+                    read_answers(&mut on_hyper, 1).await.remove(0),
+                )
+            };
+            assert_eq!(
+                comparable_raw(&a),
+                comparable_raw(&b),
+                "{path} {alpn:?}: lane vs hyper"
+            );
+            assert!(a.1.contains("ratelimit: "), "{path}: {}", a.1);
+            // Which path answered: the lane relays the upstream's header names as they came,
+            // hyper's path writes them as `http` keeps them, lowercased.
+            if path != "/v1/http10" {
+                assert!(
+                    a.1.contains("\r\nX-Up: 1\r\n"),
+                    "{path}: not the lane's answer: {}",
+                    a.1
+                );
+                assert!(
+                    b.1.contains("\r\nx-up: 1\r\n"),
+                    "{path}: not hyper's answer: {}",
+                    b.1
+                );
+            }
+        }
+    }
+    // The upstream heard the same from both, with the TLS connection's scheme.
+    let heads = rec.heads.lock().unwrap().clone();
+    assert_eq!(heads.len(), 20);
+    for pair in heads.chunks(2) {
+        let proto = |h: &str| {
+            h.lines()
+                .find(|l| l.to_ascii_lowercase().starts_with("x-forwarded-proto:"))
+                .map(|l| l.to_ascii_lowercase())
+        };
+        assert_eq!(
+            proto(&pair[0]).as_deref(),
+            Some("x-forwarded-proto: https"),
+            "{}",
+            pair[0]
+        );
+        assert_eq!(proto(&pair[0]), proto(&pair[1]));
+    }
+}
+
+/// Reads one chunked response whole: its status, its head, and the body decoded (the chunk
+/// framing, extensions and trailers are each path's own).
+async fn read_chunked<S: AsyncRead + Unpin>(s: &mut S) -> (u16, String, Vec<u8>) {
+    let mut buf = Vec::new();
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n")
+            && let Some(body) = dechunk(&buf[end + 4..])
+        {
+            let head = String::from_utf8_lossy(&buf[..end + 4]).into_owned();
+            let code = head[9..12].parse().unwrap();
+            return (code, head, body);
+        }
+        let mut chunk = [0u8; 4096];
+        let got = tokio::time::timeout(std::time::Duration::from_secs(10), s.read(&mut chunk))
+            .await
+            .expect("the gateway answers")
+            .unwrap();
+        assert!(got > 0, "the gateway closed mid-answer");
+        buf.extend_from_slice(&chunk[..got]);
+    }
+}
+
+/// The body of a complete chunked stream, or `None` while it is not complete.
+fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
+    let mut body = Vec::new();
+    loop {
+        let line = b.windows(2).position(|w| w == b"\r\n")?;
+        let size = std::str::from_utf8(&b[..line])
+            .unwrap()
+            .split(';')
+            .next()
+            .unwrap();
+        let size = usize::from_str_radix(size.trim(), 16).unwrap();
+        b = &b[line + 2..];
+        if size == 0 {
+            // Trailer lines, then the empty line.
+            loop {
+                let line = b.windows(2).position(|w| w == b"\r\n")?;
+                if line == 0 {
+                    return Some(body);
+                }
+                b = &b[line + 2..];
+            }
+        }
+        if b.len() < size + 2 {
+            return None;
+        }
+        body.extend_from_slice(&b[..size]);
+        b = &b[size + 2..];
+    }
+}
+
+#[tokio::test]
+async fn a_tls_pipeline_moves_to_hyper_mid_stream_and_keeps_its_order() {
+    let (up, rec) = recording_upstream().await;
+    let (gw, _d) = tls_gateway(up, true).await;
+    let mut s = common::tls::connect(gw.addr, &[b"http/1.1"]).await;
+    let key = format!("X-API-Key: {KBIG}\r\nHost: gw\r\n");
+    let pipeline = format!(
+        "GET /v1/fixed HTTP/1.1\r\n{key}\r\n\
+         POST /v1/echo HTTP/1.1\r\n{key}Content-Length: 7\r\n\r\npayload\
+         GET /v1/fixed HTTP/1.1\r\n{key}\r\n"
+    );
+    s.write_all(pipeline.as_bytes()).await.unwrap();
+    let answers = read_answers(&mut s, 3).await;
+    let got: Vec<(u16, &[u8])> = answers.iter().map(|(c, _, b)| (*c, &b[..])).collect();
+    assert_eq!(
+        got,
+        vec![(200, &b"hello"[..]), (200, b"payload"), (200, b"hello")]
+    );
+    // The first on the lane, the rest on hyper's path after the hand-off.
+    assert!(answers[0].1.contains("\r\nX-Up: 1\r\n"), "{}", answers[0].1);
+    assert!(answers[2].1.contains("\r\nx-up: 1\r\n"), "{}", answers[2].1);
+    assert_eq!(rec.heads.lock().unwrap().len(), 3);
+}
+
+#[tokio::test]
+async fn an_idle_tls_connection_on_the_lane_is_closed_with_close_notify() {
+    let (up, _rec) = recording_upstream().await;
+    let (gw, _d) = gateway_with(up, true, |cfg| {
+        let certs = common::repo().join("certs");
+        cfg.tls = Some((certs.join("demo-cert.pem"), certs.join("demo-key.pem")));
+        cfg.limits.header_read_timeout = std::time::Duration::from_millis(300);
+    })
+    .await;
+    let mut s = common::tls::connect(gw.addr, &[b"http/1.1"]).await;
+    s.write_all(raw_get("/v1/fixed").as_bytes()).await.unwrap();
+    let a = read_answers(&mut s, 1).await.remove(0);
+    assert!(a.1.contains("\r\nX-Up: 1\r\n"), "not the lane's answer: {}", a.1);
+    // Idle past the timeout: a clean end of the stream (rustls reports a close without
+    // close_notify as an error).
+    let mut rest = Vec::new();
+    let end = tokio::time::timeout(std::time::Duration::from_secs(10), s.read_to_end(&mut rest))
+        .await
+        .expect("the gateway closes the idle connection");
+    assert!(end.is_ok(), "{end:?}");
+    assert!(rest.is_empty(), "{:?}", String::from_utf8_lossy(&rest));
 }

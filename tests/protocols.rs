@@ -4,7 +4,6 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 
 use bytes::Bytes;
 use common::{K7, Tollgate};
@@ -12,8 +11,6 @@ use http::{Request, StatusCode, Version};
 use http_body_util::{BodyExt, Empty, StreamBody};
 use hyper::body::Frame;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, ServerName};
 use tollgate_gateway::app::{self, GatewayConfig, RulesSource};
 
 async fn tls_gateway() -> (app::Running, tempfile::TempDir) {
@@ -25,30 +22,11 @@ async fn tls_gateway() -> (app::Running, tempfile::TempDir) {
     (app::start(cfg).await.expect("TLS gateway starts"), dir)
 }
 
-fn client_config(alpn: &[&[u8]]) -> Arc<rustls::ClientConfig> {
-    let mut roots = rustls::RootCertStore::empty();
-    let cert = CertificateDer::from_pem_file(common::repo().join("certs/demo-cert.pem")).unwrap();
-    roots.add(cert).unwrap();
-    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-    let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
-    Arc::new(cfg)
-}
-
 async fn tls_stream(
     addr: SocketAddr,
     alpn: &[&[u8]],
 ) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
-    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let connector = tokio_rustls::TlsConnector::from(client_config(alpn));
-    connector
-        .connect(ServerName::try_from("localhost").unwrap(), tcp)
-        .await
-        .expect("TLS handshake with the demo certificate")
+    common::tls::connect(addr, alpn).await
 }
 
 #[tokio::test]

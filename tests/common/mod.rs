@@ -7,6 +7,7 @@ pub mod cli;
 pub mod health;
 pub mod lease_load;
 pub mod relay;
+pub mod tls;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;

@@ -1,5 +1,6 @@
-//! The express lane: plain-TCP HTTP/1.1 requests without a body, read, checked and forwarded
-//! inside their connection's own task, on upstream sockets the lane speaks HTTP/1.1 on itself.
+//! The express lane: HTTP/1.1 requests without a body, on plain TCP or TLS, read, checked and
+//! forwarded inside their connection's own task, on upstream sockets the lane speaks HTTP/1.1
+//! on itself.
 //!
 //! Why it exists: hyper's server and client are general (any body, any framing, HTTP/2, a task
 //! per upstream connection, a channel between them), and that generality cost about 30,000
@@ -21,8 +22,8 @@ use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::{HeaderName, HeaderValue, Method, Response, StatusCode, Uri, Version};
+use tokio::io::AsyncWrite;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -32,7 +33,7 @@ use crate::concurrency::Place;
 use crate::proxy::client::{self, BodyState, Failure, header_line};
 use crate::proxy::pool::RawConn;
 use crate::respond::{Body, RATELIMIT, RATELIMIT_POLICY};
-use crate::server::{ConnInfo, Ended, Prefixed, ServerLimits};
+use crate::server::{ConnInfo, Ended, LaneIo, Prefixed, ServerLimits};
 use http_body_util::Empty;
 use tollgate_http1::response::{self, Framing};
 
@@ -49,7 +50,7 @@ enum Next {
     HandOff(Bytes),
 }
 
-/// Serves requests on `tcp` until the client closes, the server stops, or a request needs the
+/// Serves requests on `io` until the client closes, the server stops, or a request needs the
 /// general path.
 ///
 /// An idle keep-alive connection holds only this future: the socket, one deadline and the wait
@@ -57,14 +58,14 @@ enum Next {
 /// [`busy`]'s future, boxed when bytes arrive and dropped when none are left, so it costs an
 /// idle connection nothing (issue 24). Not an `async fn`, which would keep its arguments beside
 /// the locals they move into.
-#[allow(clippy::manual_async_fn, reason = "an async fn would store `tcp` twice")]
-pub fn serve<'a>(
+#[allow(clippy::manual_async_fn, reason = "an async fn would store `io` twice")]
+pub fn serve<'a, S: LaneIo>(
     gw: &'a Gateway,
-    mut tcp: TcpStream,
+    mut io: S,
     info: &'a ConnInfo,
     limits: &'a ServerLimits,
     stop: &'a mut watch::Receiver<bool>,
-) -> impl Future<Output = Ended> + Send + 'a {
+) -> impl Future<Output = Ended<S>> + Send + 'a {
     async move {
         // Like hyper's: the time to the end of a head counts from when the last response was
         // sent, so an idle keep-alive connection is closed after it too. It also times the
@@ -76,29 +77,38 @@ pub fn serve<'a>(
         loop {
             // Bytes may be there already (a first request sent with the connect, a next one
             // sent before the last answer was read): `busy` tries before anything waits.
-            match Box::pin(busy(gw, &mut tcp, info, limits, stop, &mut deadline)).await {
+            match Box::pin(busy(gw, &mut io, info, limits, stop, &mut deadline)).await {
                 Next::Idle => {}
-                Next::Closed => return Ended::Closed,
-                Next::HandOff(read) => return Ended::HandOff(Prefixed::new(read, tcp)),
+                Next::Closed => break,
+                Next::HandOff(read) => return Ended::HandOff(Prefixed::new(read, io)),
             }
             tokio::select! {
                 biased;
-                r = tcp.readable() => {
+                r = io.tcp().readable() => {
                     if r.is_err() {
-                        return Ended::Closed;
+                        break;
                     }
                 }
-                () = deadline.passed() => return Ended::Closed,
-                _ = stop.changed() => return Ended::Closed,
+                () = deadline.passed() => break,
+                _ = stop.changed() => break,
             }
         }
+        Box::pin(close(io)).await;
+        Ended::Closed
     }
 }
 
+/// Ends the connection as hyper does: TLS sends its `close_notify` (a client may take a bare
+/// close for a truncated answer), then both send their FIN. A client that reads nothing gets
+/// a second before the socket is simply dropped.
+async fn close<S: LaneIo>(mut io: S) {
+    let _ = tokio::time::timeout(Duration::from_secs(1), io.shutdown()).await;
+}
+
 /// Serves the requests whose bytes are waiting on `tcp`, one after another, until none are.
-async fn busy(
+async fn busy<S: LaneIo>(
     gw: &Gateway,
-    tcp: &mut TcpStream,
+    tcp: &mut S,
     info: &ConnInfo,
     limits: &ServerLimits,
     stop: &watch::Receiver<bool>,
@@ -150,7 +160,7 @@ async fn busy(
                     // A head was started and not finished: say so before closing (RFC 9110
                     // §15.5.9), so the client doesn't take the close for a lost response.
                     tracing::debug!(peer = %info.peer, "request head not finished in time");
-                    let _ = tcp.write_all(crate::respond::REQUEST_TIMEOUT_HTTP1).await;
+                    let _ = send(tcp, crate::respond::REQUEST_TIMEOUT_HTTP1).await;
                     return Next::Closed;
                 }
             }
@@ -190,7 +200,7 @@ async fn busy(
             Ok(f) => f,
             Err(resp) => {
                 answer(gw, &mut out, b, resp, closing, is_head);
-                if tcp.write_all(&out).await.is_err() || closing {
+                if send(tcp, &out).await.is_err() || closing {
                     return Next::Closed;
                 }
                 continue;
@@ -237,7 +247,7 @@ async fn busy(
                     biased;
                     r = &mut exchange => break r,
                     () = deadline.passed() => break Err(Failure::TimedOut),
-                    gone = hung_up(tcp), if watch => {
+                    gone = hung_up(tcp.tcp()), if watch => {
                         if gone {
                             return Next::Closed;
                         }
@@ -257,7 +267,7 @@ async fn busy(
                 let mut resp = crate::proxy::failure_answer(up, &failure).into_response();
                 gw.forward_headers(&f, resp.headers_mut());
                 answer(gw, &mut out, b, resp, closing, is_head);
-                if tcp.write_all(&out).await.is_err() || closing {
+                if send(tcp, &out).await.is_err() || closing {
                     return Next::Closed;
                 }
                 continue;
@@ -290,8 +300,14 @@ async fn busy(
     }
 }
 
+/// Writes all of `bytes` and flushes: TLS holds what the socket didn't take until a flush.
+async fn send<W: AsyncWrite + Unpin>(w: &mut W, bytes: &[u8]) -> std::io::Result<()> {
+    w.write_all(bytes).await?;
+    w.flush().await
+}
+
 /// Whether the client closed its side (or the socket failed); false once it has sent more.
-async fn hung_up(tcp: &TcpStream) -> bool {
+async fn hung_up(tcp: &tokio::net::TcpStream) -> bool {
     let mut one = [0u8; 1];
     matches!(tcp.peek(&mut one).await, Ok(0) | Err(_))
 }
@@ -304,7 +320,7 @@ type Span = (u32, u32);
 /// asking again after the answer is sent costs no system call; `try_read_buf` keeps the socket
 /// marked readable until a read fails, and cost a `recvfrom` that found nothing on nearly every
 /// request (strace: 2.6 reads a request against nginx's 2.0).
-async fn read_waiting(tcp: &mut TcpStream, buf: &mut BytesMut) -> Option<std::io::Result<usize>> {
+async fn read_waiting<S: LaneIo>(tcp: &mut S, buf: &mut BytesMut) -> Option<std::io::Result<usize>> {
     std::future::poll_fn(|cx| {
         Poll::Ready(
             match tokio_util::io::poll_read_buf(Pin::new(&mut *tcp), cx, buf) {
@@ -639,9 +655,9 @@ enum Relayed {
 /// with `idle` as the longest wait for each read. The body's bytes go through as they came,
 /// framing and all, except a close-delimited body, which is chunked on the way. `sent` counts
 /// the body's bytes the client's socket took, without chunk framing.
-async fn relay(
+async fn relay<S: LaneIo>(
     conn: &mut RawConn,
-    client: &mut TcpStream,
+    client: &mut S,
     out: &mut BytesMut,
     mut body: BodyState,
     idle: Duration,
@@ -663,7 +679,7 @@ async fn relay(
         }
         conn.buf.advance(step.take);
         if !out.is_empty() {
-            if client.write_all(out).await.is_err() {
+            if send(client, out).await.is_err() {
                 return Relayed::Broken;
             }
             out.clear();
@@ -678,7 +694,7 @@ async fn relay(
         conn.buf.reserve(READ_SIZE);
         match tokio::time::timeout(idle, conn.tcp.read_buf(&mut conn.buf)).await {
             Ok(Ok(0)) if rechunk => {
-                return match client.write_all(b"0\r\n\r\n").await {
+                return match send(client, b"0\r\n\r\n").await {
                     Ok(()) => Relayed::Done { clean: false },
                     Err(_) => Relayed::Broken,
                 };
@@ -692,6 +708,7 @@ async fn relay(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::net::TcpStream;
 
     /// An idle keep-alive connection holds this future and nothing of a request (issue 24):
     /// the buffers, the parsed head and the steps live in `busy`'s boxed future. Inline, the

@@ -1367,18 +1367,18 @@ impl Handler for Gateway {
         self.serve(req, conn).await
     }
 
-    fn has_plain_lane(&self) -> bool {
+    fn has_lane(&self) -> bool {
         true
     }
 
-    fn serve_plain<'a>(
+    fn serve_lane<'a, S: crate::server::LaneIo>(
         &'a self,
-        tcp: tokio::net::TcpStream,
+        io: S,
         info: &'a ConnInfo,
         limits: &'a crate::server::ServerLimits,
         stop: &'a mut tokio::sync::watch::Receiver<bool>,
-    ) -> impl Future<Output = crate::server::Ended> + Send + 'a {
-        express::serve(self, tcp, info, limits, stop)
+    ) -> impl Future<Output = crate::server::Ended<S>> + Send + 'a {
+        express::serve(self, io, info, limits, stop)
     }
 }
 

@@ -64,24 +64,44 @@ pub trait Handler: Send + Sync + 'static {
         conn: ConnInfo,
     ) -> impl Future<Output = Response<Body>> + Send;
 
-    /// Whether this handler serves plain-TCP HTTP/1.1 connections itself first
-    /// ([`Handler::serve_plain`]).
-    fn has_plain_lane(&self) -> bool {
+    /// Whether this handler serves HTTP/1.1 connections (plain, or TLS without h2) itself
+    /// first ([`Handler::serve_lane`]).
+    fn has_lane(&self) -> bool {
         false
     }
 
-    /// Serves a plain-TCP HTTP/1.1 connection on a fast path of its own until the client
-    /// closes, the server stops, or a request needs the general path; then hands the
+    /// Serves an HTTP/1.1 connection, plain TCP or TLS, on a fast path of its own until the
+    /// client closes, the server stops, or a request needs the general path; then hands the
     /// connection, with every byte read so far, to hyper. It borrows what the connection's
     /// task holds anyway, so an idle connection keeps one copy of each (issue 24).
-    fn serve_plain<'a>(
+    fn serve_lane<'a, S: LaneIo>(
         &'a self,
-        tcp: TcpStream,
+        io: S,
         _info: &'a ConnInfo,
         _limits: &'a ServerLimits,
         _stop: &'a mut tokio::sync::watch::Receiver<bool>,
-    ) -> impl Future<Output = Ended> + Send + 'a {
-        std::future::ready(Ended::HandOff(Prefixed::new(bytes::Bytes::new(), tcp)))
+    ) -> impl Future<Output = Ended<S>> + Send + 'a {
+        std::future::ready(Ended::HandOff(Prefixed::new(bytes::Bytes::new(), io)))
+    }
+}
+
+/// A client connection the lane can serve: its bytes, and the TCP socket under them, whose
+/// readiness says when an idle connection has something to read and whose peek says when the
+/// client hung up. On TLS both see records, not requests: readiness only wakes the lane to
+/// read through rustls, and a peek of nothing is still the end of the stream.
+pub trait LaneIo: AsyncRead + AsyncWrite + Unpin + Send + 'static {
+    fn tcp(&self) -> &TcpStream;
+}
+
+impl LaneIo for TcpStream {
+    fn tcp(&self) -> &TcpStream {
+        self
+    }
+}
+
+impl LaneIo for tokio_rustls::server::TlsStream<TcpStream> {
+    fn tcp(&self) -> &TcpStream {
+        self.get_ref().0
     }
 }
 
@@ -285,7 +305,7 @@ async fn serve_listener<H: Handler>(
     // learn of the shutdown here, to close when idle.
     let (stopping, stop_rx) = tokio::sync::watch::channel(false);
     let listen = Arc::new(Listening {
-        lane: limits.express && handler.has_plain_lane(),
+        lane: limits.express && handler.has_lane(),
         builder: builder(&limits),
         handler,
         limits,
@@ -334,11 +354,12 @@ async fn serve_listener<H: Handler>(
         let watcher = graceful.watcher();
         match &tls {
             None => {
-                let serve = plain(listen, tcp, info, watcher, stop_rx.clone());
+                let serve = lane_first(listen, tcp, info, watcher, stop_rx.clone(), true);
                 tokio::spawn(Closable::new(slot, serve));
             }
             Some(acceptor) => {
                 let acceptor = acceptor.clone();
+                let stop = stop_rx.clone();
                 let serve = async move {
                     // The peek and the handshake share the one timeout: a client can't hold a
                     // connection longer by sending its hello slowly.
@@ -346,8 +367,6 @@ async fn serve_listener<H: Handler>(
                         let fingerprint = tls::fingerprint(&tcp, peer).await;
                         (fingerprint, acceptor.accept(tcp).await)
                     };
-                    let framing = Arc::new(Framing::default());
-                    info.framing = Some(framing.clone());
                     let stream =
                         match tokio::time::timeout(listen.limits.handshake_timeout, handshake_done).await {
                             Ok((fingerprint, Ok(s))) => {
@@ -363,13 +382,10 @@ async fn serve_listener<H: Handler>(
                                 return;
                             }
                         };
-                    let conn = listen.builder.serve_connection(
-                        TokioIo::new(Watched::new(stream, framing, listen.limits.header_read_timeout)),
-                        service(listen.handler.clone(), info),
-                    );
-                    if let Err(e) = watcher.watch(conn.into_owned()).await {
-                        tracing::debug!(%peer, error = %e, "connection ended with an error");
-                    }
+                    // h2 is hyper's; HTTP/1.1 (by ALPN, or a client that offered none) takes
+                    // the lane as plain TCP does.
+                    let h1 = stream.get_ref().1.alpn_protocol() != Some(b"h2");
+                    lane_first(listen, stream, info, watcher, stop, h1).await;
                 };
                 tokio::spawn(Closable::new(slot, serve));
             }
@@ -390,31 +406,33 @@ async fn serve_listener<H: Handler>(
     }
 }
 
-/// A plain-TCP connection's task, less its cap's eviction: the express lane first when the
-/// handler has one, then hyper with every byte the lane read.
+/// A connection's task once its bytes are HTTP (after TLS's handshake), less its cap's
+/// eviction: the express lane first when the handler has one and `h1` says the client speaks
+/// HTTP/1.1 (or may: plain TCP), then hyper with every byte the lane read.
 #[allow(
     clippy::manual_async_fn,
     reason = "as an async fn its future is 752 bytes, not 592: it keeps the arguments beside the lane's future"
 )]
-fn plain<H: Handler>(
+fn lane_first<H: Handler, S: LaneIo>(
     listen: Arc<Listening<H>>,
-    tcp: TcpStream,
+    io: S,
     mut info: ConnInfo,
     watcher: hyper_util::server::graceful::Watcher,
     mut stop: tokio::sync::watch::Receiver<bool>,
+    h1: bool,
 ) -> impl Future<Output = ()> + Send {
     async move {
-        let io = if listen.lane {
+        let io = if listen.lane && h1 {
             match listen
                 .handler
-                .serve_plain(tcp, &info, &listen.limits, &mut stop)
+                .serve_lane(io, &info, &listen.limits, &mut stop)
                 .await
             {
                 Ended::Closed => return,
                 Ended::HandOff(io) => io,
             }
         } else {
-            Prefixed::new(bytes::Bytes::new(), tcp)
+            Prefixed::new(bytes::Bytes::new(), io)
         };
         // hyper counts its requests from here.
         if let Some(s) = &info.slot {
@@ -448,7 +466,10 @@ pub(crate) fn idle_task_size<H: Handler>(handler: Arc<H>, tcp: TcpStream, info: 
     });
     let graceful = GracefulShutdown::new();
     let (_tx, stop) = tokio::sync::watch::channel(false);
-    let task = Closable::new(None, plain(listen, tcp, info, graceful.watcher(), stop));
+    let task = Closable::new(
+        None,
+        lane_first(listen, tcp, info, graceful.watcher(), stop, true),
+    );
     std::mem::size_of_val(&task)
 }
 
@@ -567,10 +588,10 @@ impl<B: http_body::Body + Unpin> http_body::Body for Tracked<B> {
 }
 
 /// How a connection left the lane.
-pub enum Ended {
+pub enum Ended<S> {
     Closed,
     /// Hyper serves the rest, starting with these bytes.
-    HandOff(Prefixed<TcpStream>),
+    HandOff(Prefixed<S>),
 }
 
 /// A connection whose first bytes were already read: they are read again first.
