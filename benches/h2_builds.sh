@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Two or more Tollgate builds side by side on h2 over TLS: each `serve --threads 1` on CPU 0
+# with the demo certificate, the nginx `return 200` upstream and h2load (-t1 -c32 -m10) on CPU
+# 1, the builds in turn, the order reversed every other round. Prints each round's req/s and
+# the build's CPU time per response (user + system, /proc/PID/stat).
+#
+# Usage: benches/h2_builds.sh ROUNDS SECONDS BINARY [BINARY ...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ $# -ge 3 ] || { echo "usage: benches/h2_builds.sh ROUNDS SECONDS BINARY [BINARY ...]" >&2; exit 2; }
+ROUNDS=$1 DUR=$2; shift 2
+for t in nginx h2load taskset; do command -v "$t" >/dev/null || { echo "h2_builds.sh: needs $t" >&2; exit 1; }; done
+. benches/lib.sh
+start_upstream 1
+mkdir -p "$work/rules"
+sed "s#http://127.0.0.1:8081#http://127.0.0.1:$UP#" rules/bench.json > "$work/rules/rules.json"
+KEY=bench-demo-key
+declare -A PORT PID
+i=0
+for b in "$@"; do
+  p=$(port)
+  TOLLGATE_LOG=warn taskset -c 0 "$b" serve --rules "$work/rules/rules.json" --listen "127.0.0.1:$p" --threads 1 \
+    --meter-file "$work/usage-$i.db" --tls-cert certs/demo-cert.pem --tls-key certs/demo-key.pem \
+    >"$work/tg-$i.out" 2>"$work/tg-$i.err" & pids+=($!)
+  PID[$b]=$!; PORT[$b]=$p; i=$((i + 1))
+  wait_port "$p"
+done
+h2() { taskset -c 1 h2load -t1 -c32 -m10 -D "$2" -H "x-api-key: $KEY" "https://127.0.0.1:${PORT[$1]}/v1/orders"; }
+ticks() { awk '{print $14+$15}' "/proc/$1/stat"; }
+for b in "$@"; do h2 "$b" 2 >/dev/null; done
+echo -e "round\tbinary\treq/s\t2xx\tresponses\tCPU µs per response"
+for r in $(seq "$ROUNDS"); do
+  order=("$@"); [ $((r % 2)) -eq 0 ] && mapfile -t order < <(printf '%s\n' "$@" | tac)
+  for b in "${order[@]}"; do
+    t0=$(ticks "${PID[$b]}")
+    out=$(h2 "$b" "$DUR")
+    t1=$(ticks "${PID[$b]}")
+    rps=$(echo "$out" | awk '/^finished in/ {gsub(",", "", $4); print $4}')
+    done_=$(echo "$out" | awk '/^requests:/ {print $8}')
+    ok=$(echo "$out" | awk '/^status codes:/ {print $3}')
+    us=$(awk -v t="$((t1 - t0))" -v n="$done_" -v hz="$(getconf CLK_TCK)" 'BEGIN {printf "%.1f", n ? t * 1e6 / hz / n : 0}')
+    echo -e "$r\t$b\t$rps\t$ok\t$done_\t$us"
+  done
+done
