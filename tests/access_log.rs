@@ -5,15 +5,12 @@
 mod common;
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
 use bytes::Bytes;
 use common::{Http, K7, K8, Tollgate, repo};
 use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, ServerName};
 
 /// A zone with a half-hour offset, so the line's offset can only be right if it was read.
 const ZONE: &str = "Asia/Kolkata";
@@ -41,22 +38,7 @@ impl Drop for Client {
 
 impl Client {
     async fn h2(gw: &Tollgate) -> Client {
-        let mut roots = rustls::RootCertStore::empty();
-        roots
-            .add(CertificateDer::from_pem_file(repo().join("certs/demo-cert.pem")).unwrap())
-            .unwrap();
-        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-        let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        cfg.alpn_protocols = vec![b"h2".to_vec()];
-        let tcp = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
-        let tls = tokio_rustls::TlsConnector::from(Arc::new(cfg))
-            .connect(ServerName::try_from("localhost").unwrap(), tcp)
-            .await
-            .expect("TLS handshake with the demo certificate");
+        let tls = common::tls::connect(gw.addr, &[b"h2"]).await;
         let (send, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
             .await
             .unwrap();

@@ -134,11 +134,13 @@ async fn gateway_with(
 
 /// A gateway on TLS with the demo certificate.
 async fn tls_gateway(upstream: SocketAddr, express: bool) -> (Running, tempfile::TempDir) {
-    gateway_with(upstream, express, |cfg| {
-        let certs = common::repo().join("certs");
-        cfg.tls = Some((certs.join("demo-cert.pem"), certs.join("demo-key.pem")));
-    })
-    .await
+    gateway_with(upstream, express, with_tls).await
+}
+
+/// The demo certificate on the gateway's listener.
+fn with_tls(cfg: &mut GatewayConfig) {
+    let certs = common::repo().join("certs");
+    cfg.tls = Some((certs.join("demo-cert.pem"), certs.join("demo-key.pem")));
 }
 
 /// What a client can compare between the two paths: status, body, and the end-to-end headers
@@ -333,19 +335,22 @@ async fn read_answers<S: AsyncRead + Unpin>(s: &mut S, n: usize) -> Vec<(u16, St
     out
 }
 
+/// A lane GET, a POST with a body (hyper's), then a GET hyper now serves, for one write.
+fn pipeline() -> String {
+    let key = format!("X-API-Key: {KBIG}\r\nHost: gw\r\n");
+    format!(
+        "GET /v1/fixed HTTP/1.1\r\n{key}\r\n\
+         POST /v1/echo HTTP/1.1\r\n{key}Content-Length: 7\r\n\r\npayload\
+         GET /v1/fixed HTTP/1.1\r\n{key}\r\n"
+    )
+}
+
 #[tokio::test]
 async fn a_pipelined_connection_moves_to_hyper_mid_stream_and_keeps_its_order() {
     let (up, rec) = recording_upstream().await;
     let (gw, _d) = gateway(up, true).await;
     let mut s = TcpStream::connect(gw.addr).await.unwrap();
-    // A lane GET, a POST with a body (hyper's), then a GET hyper now serves, in one write.
-    let key = format!("X-API-Key: {KBIG}\r\nHost: gw\r\n");
-    let pipeline = format!(
-        "GET /v1/fixed HTTP/1.1\r\n{key}\r\n\
-         POST /v1/echo HTTP/1.1\r\n{key}Content-Length: 7\r\n\r\npayload\
-         GET /v1/fixed HTTP/1.1\r\n{key}\r\n"
-    );
-    s.write_all(pipeline.as_bytes()).await.unwrap();
+    s.write_all(pipeline().as_bytes()).await.unwrap();
     let answers = read_responses(&mut s, 3).await;
     assert_eq!(
         answers,
@@ -581,13 +586,7 @@ async fn a_tls_pipeline_moves_to_hyper_mid_stream_and_keeps_its_order() {
     let (up, rec) = recording_upstream().await;
     let (gw, _d) = tls_gateway(up, true).await;
     let mut s = common::tls::connect(gw.addr, &[b"http/1.1"]).await;
-    let key = format!("X-API-Key: {KBIG}\r\nHost: gw\r\n");
-    let pipeline = format!(
-        "GET /v1/fixed HTTP/1.1\r\n{key}\r\n\
-         POST /v1/echo HTTP/1.1\r\n{key}Content-Length: 7\r\n\r\npayload\
-         GET /v1/fixed HTTP/1.1\r\n{key}\r\n"
-    );
-    s.write_all(pipeline.as_bytes()).await.unwrap();
+    s.write_all(pipeline().as_bytes()).await.unwrap();
     let answers = read_answers(&mut s, 3).await;
     let got: Vec<(u16, &[u8])> = answers.iter().map(|(c, _, b)| (*c, &b[..])).collect();
     assert_eq!(
@@ -604,8 +603,7 @@ async fn a_tls_pipeline_moves_to_hyper_mid_stream_and_keeps_its_order() {
 async fn an_idle_tls_connection_on_the_lane_is_closed_with_close_notify() {
     let (up, _rec) = recording_upstream().await;
     let (gw, _d) = gateway_with(up, true, |cfg| {
-        let certs = common::repo().join("certs");
-        cfg.tls = Some((certs.join("demo-cert.pem"), certs.join("demo-key.pem")));
+        with_tls(cfg);
         cfg.limits.header_read_timeout = std::time::Duration::from_millis(300);
     })
     .await;

@@ -3,8 +3,6 @@
 
 mod common;
 
-use std::net::SocketAddr;
-
 use bytes::Bytes;
 use common::{K7, Tollgate};
 use http::{Request, StatusCode, Version};
@@ -22,17 +20,10 @@ async fn tls_gateway() -> (app::Running, tempfile::TempDir) {
     (app::start(cfg).await.expect("TLS gateway starts"), dir)
 }
 
-async fn tls_stream(
-    addr: SocketAddr,
-    alpn: &[&[u8]],
-) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
-    common::tls::connect(addr, alpn).await
-}
-
 #[tokio::test]
 async fn h2_over_tls_by_alpn() {
     let (gw, _dir) = tls_gateway().await;
-    let tls = tls_stream(gw.addr, &[b"h2", b"http/1.1"]).await;
+    let tls = common::tls::connect(gw.addr, &[b"h2", b"http/1.1"]).await;
     assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
     let (mut send, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
         .await
@@ -54,7 +45,7 @@ async fn h2_over_tls_by_alpn() {
 #[tokio::test]
 async fn http1_over_tls_by_alpn() {
     let (gw, _dir) = tls_gateway().await;
-    let tls = tls_stream(gw.addr, &[b"http/1.1"]).await;
+    let tls = common::tls::connect(gw.addr, &[b"http/1.1"]).await;
     assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"http/1.1"[..]));
     let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
         .await
