@@ -105,10 +105,10 @@ async fn close<S: LaneIo>(mut io: S) {
     let _ = tokio::time::timeout(Duration::from_secs(1), io.shutdown()).await;
 }
 
-/// Serves the requests whose bytes are waiting on `tcp`, one after another, until none are.
+/// Serves the requests whose bytes are waiting on `io`, one after another, until none are.
 async fn busy<S: LaneIo>(
     gw: &Gateway,
-    tcp: &mut S,
+    io: &mut S,
     info: &ConnInfo,
     limits: &ServerLimits,
     stop: &watch::Receiver<bool>,
@@ -137,7 +137,7 @@ async fn busy<S: LaneIo>(
                     *buf = bufs::take();
                 }
                 buf.reserve(READ_SIZE);
-                match read_waiting(tcp, &mut buf).await {
+                match read_waiting(io, &mut buf).await {
                     None => return Next::Idle,
                     Some(Ok(0) | Err(_)) => return Next::Closed,
                     Some(Ok(_)) => {}
@@ -152,7 +152,7 @@ async fn busy<S: LaneIo>(
             buf.reserve(READ_SIZE);
             tokio::select! {
                 biased;
-                r = tcp.read_buf(&mut *buf) => match r {
+                r = io.read_buf(&mut *buf) => match r {
                     Ok(0) | Err(_) => return Next::Closed,
                     Ok(_) => {}
                 },
@@ -160,7 +160,7 @@ async fn busy<S: LaneIo>(
                     // A head was started and not finished: say so before closing (RFC 9110
                     // §15.5.9), so the client doesn't take the close for a lost response.
                     tracing::debug!(peer = %info.peer, "request head not finished in time");
-                    let _ = send(tcp, crate::respond::REQUEST_TIMEOUT_HTTP1).await;
+                    let _ = send(io, crate::respond::REQUEST_TIMEOUT_HTTP1).await;
                     return Next::Closed;
                 }
             }
@@ -200,7 +200,7 @@ async fn busy<S: LaneIo>(
             Ok(f) => f,
             Err(resp) => {
                 answer(gw, &mut out, b, resp, closing, is_head);
-                if send(tcp, &out).await.is_err() || closing {
+                if send(io, &out).await.is_err() || closing {
                     return Next::Closed;
                 }
                 continue;
@@ -247,7 +247,7 @@ async fn busy<S: LaneIo>(
                     biased;
                     r = &mut exchange => break r,
                     () = deadline.passed() => break Err(Failure::TimedOut),
-                    gone = hung_up(tcp.tcp()), if watch => {
+                    gone = hung_up(io.tcp()), if watch => {
                         if gone {
                             return Next::Closed;
                         }
@@ -267,7 +267,7 @@ async fn busy<S: LaneIo>(
                 let mut resp = crate::proxy::failure_answer(up, &failure).into_response();
                 gw.forward_headers(&f, resp.headers_mut());
                 answer(gw, &mut out, b, resp, closing, is_head);
-                if send(tcp, &out).await.is_err() || closing {
+                if send(io, &out).await.is_err() || closing {
                     return Next::Closed;
                 }
                 continue;
@@ -276,7 +276,7 @@ async fn busy<S: LaneIo>(
         let mut sent = 0;
         let relayed = relay(
             &mut conn,
-            tcp,
+            io,
             &mut out,
             BodyState::new(shape.framing),
             up.timeout,
@@ -315,19 +315,17 @@ async fn hung_up(tcp: &tokio::net::TcpStream) -> bool {
 /// A byte range of a request head.
 type Span = (u32, u32);
 
-/// Reads what is waiting on `tcp` without waiting for more: `None` when nothing is. Through
+/// Reads what is waiting on `io` without waiting for more: `None` when nothing is. Through
 /// `poll_read`, which marks the socket drained when a read comes back short of the buffer, so
 /// asking again after the answer is sent costs no system call; `try_read_buf` keeps the socket
 /// marked readable until a read fails, and cost a `recvfrom` that found nothing on nearly every
 /// request (strace: 2.6 reads a request against nginx's 2.0).
-async fn read_waiting<S: LaneIo>(tcp: &mut S, buf: &mut BytesMut) -> Option<std::io::Result<usize>> {
+async fn read_waiting<S: LaneIo>(io: &mut S, buf: &mut BytesMut) -> Option<std::io::Result<usize>> {
     std::future::poll_fn(|cx| {
-        Poll::Ready(
-            match tokio_util::io::poll_read_buf(Pin::new(&mut *tcp), cx, buf) {
-                Poll::Ready(r) => Some(r),
-                Poll::Pending => None,
-            },
-        )
+        Poll::Ready(match tokio_util::io::poll_read_buf(Pin::new(&mut *io), cx, buf) {
+            Poll::Ready(r) => Some(r),
+            Poll::Pending => None,
+        })
     })
     .await
 }
