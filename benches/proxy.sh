@@ -6,6 +6,8 @@
 #   (b) Tollgate, route without limits
 #   (c) Tollgate, embedded store, the demo limits (a key that stays under its plan)
 #   (d) Tollgate on Redis (redis-server on loopback)
+#   (l) as (d), with the key's plan spent from leased blocks (README: leased blocks), the rules
+#       for a key too hot for one shard
 #   (e) nginx 1.22 as a reverse proxy with limit_req (benches/nginx/limit_req.conf)
 #   (h) as (c), with the express lane off (--no-express: hyper's general path for every request)
 #   (m) as (c), with metering off (--no-meter); binaries without metering skip it
@@ -22,6 +24,7 @@
 #      handshake (benches/wrk/fresh_session.c drops the session wrk would offer back)
 #   7  as 6 with wrk as it is: it offers its last session back, each server resumes it or not
 #   R  Tollgate on Redis (d) ÷ embedded (c), both as in row 1
+#   L  as R with the plan leased, (l) ÷ (c)
 #
 # Fairness: every pinned proxy gets CPU 0 alone (Tollgate with one worker thread, nginx with one
 # worker process, HAProxy with one thread); the upstream, Redis and the load tool share CPU 1.
@@ -77,12 +80,24 @@ wait_port "$RP"
 # write to any file beside the rules, and the access-log row writes a line a request here.
 mkdir -p "$work/rules"
 sed "s#http://127.0.0.1:8081#http://127.0.0.1:$UP#" rules/bench.json > "$work/rules/rules.json"
+# The same rules with the plan leased: only keys at 500 a second or more may set its numbers.
+mkdir -p "$work/rules-lease"
+python3 - "$work/rules/rules.json" > "$work/rules-lease/rules.json" <<'PY'
+import json, re, sys
+rules = json.load(open(sys.argv[1]))
+rules["limits"]["plan"]["lease"] = {"block": "auto"}
+def per_s(rate):
+    n, d = re.fullmatch(r"(\d+)/(\d*)s", rate).groups()
+    return int(n) / int(d or 1)
+rules["keys"] = [k for k in rules["keys"] if per_s(k["limits"]["plan"]["rate"]) >= 500]
+json.dump(rules, sys.stdout)
+PY
 # Binaries since metering write usage records; keep them in the scratch directory.
 METER=()
 if "$TG" serve --help | grep -q -- --no-meter; then METER=(yes); fi
 # start_tg NAME [ARGS...]; TG_PIN (CPU, default 0; empty: unpinned), TG_THREADS (default 1;
-# empty: Tollgate's default) and TG_LOG (TOLLGATE_LOG, default warn: no access lines) may be set
-# for the call. Stderr, where the access lines go, is $work/NAME.err.
+# empty: Tollgate's default), TG_LOG (TOLLGATE_LOG, default warn: no access lines) and TG_RULES
+# (default the rules above) may be set for the call. Stderr, where the access lines go, is $work/NAME.err.
 start_tg() {
   local name=$1; shift
   local p; p=$(port)
@@ -92,7 +107,7 @@ start_tg() {
   [ -n "$threads" ] && extra+=(--threads "$threads")
   # Not through `pin`: $! must be Tollgate itself (taskset execs it), not a subshell.
   [ -n "$cpu" ] && taskset=(taskset -c "$cpu")
-  TOLLGATE_LOG=${TG_LOG:-warn} "${taskset[@]}" "$TG" serve --rules "$work/rules/rules.json" --listen "127.0.0.1:$p" "${extra[@]}" "$@" \
+  TOLLGATE_LOG=${TG_LOG:-warn} "${taskset[@]}" "$TG" serve --rules "${TG_RULES:-$work/rules/rules.json}" --listen "127.0.0.1:$p" "${extra[@]}" "$@" \
     >"$work/$name.out" 2>"$work/$name.err" & pids+=($!)
   eval "${name}_PID=$!"
   eval "${name}_PORT=$p"
@@ -100,6 +115,7 @@ start_tg() {
 }
 start_tg mem
 start_tg redis --store "redis://127.0.0.1:$RP" --store-timeout 50ms
+TG_RULES=$work/rules-lease/rules.json start_tg lease --store "redis://127.0.0.1:$RP" --store-timeout 50ms
 
 # workers MASTER: nginx's master forks the workers; their CPU is the proxy's.
 workers() { sleep 0.3; pgrep -P "$1" | tr '\n' ' '; }
@@ -164,6 +180,7 @@ if [ "$MATRIX" = full ]; then
   def_case 1n wrk 1 1 "http://127.0.0.1:$NGX$O" "$NW"
   def_case 1h wrk 1 1 "http://127.0.0.1:$HAP$O" "$HAP_PID"
   def_case 1d wrk 1 1 "http://127.0.0.1:$redis_PORT$O" "$redis_PID"
+  def_case 1l wrk 1 1 "http://127.0.0.1:$lease_PORT$O" "$lease_PID"
   def_case 2t wrk '' 2 "http://127.0.0.1:$thr_PORT$O" "$thr_PID"
   def_case 2n wrk '' 2 "http://127.0.0.1:$NGX_T$O" "$NTHW"
   def_case 2h wrk '' 2 "http://127.0.0.1:$HAP_T$O" "$HAP_T_PID"
@@ -178,13 +195,13 @@ if [ "$MATRIX" = full ]; then
     def_case "${r}n" "$tool" 1 1 "https://127.0.0.1:$tp$O" "$NTW"
     def_case "${r}h" "$tool" 1 1 "https://127.0.0.1:$hp$O" "$HAP_PID"
   done
-  CASES="1t 1n 1h 1d 2t 2n 2h 3t 3n 3h 4t 4n 4h 5t 5n 5h 6t 6n 6h 7t 7n 7h"
+  CASES="1t 1n 1h 1d 1l 2t 2n 2h 3t 3n 3h 4t 4n 4h 5t 5n 5h 6t 6n 6h 7t 7n 7h"
 else
   start_tg general --no-express
-  CASES="a b c d e h"
+  CASES="a b c d e h l"
   if [ ${#METER[@]} -gt 0 ]; then
     start_tg nometer --no-meter
-    CASES="a b c d e h m"
+    CASES="a b c d e h l m"
   fi
   def_case a wrk 1 1 "http://127.0.0.1:$UP/v1/orders" ""
   def_case b wrk 1 1 "http://127.0.0.1:$mem_PORT/open" "$mem_PID"
@@ -192,6 +209,7 @@ else
   def_case d wrk 1 1 "http://127.0.0.1:$redis_PORT/v1/orders" "$redis_PID"
   def_case e wrk 1 1 "http://127.0.0.1:$NGX/v1/orders" "$(workers "$NGX_PID")"
   def_case h wrk 1 1 "http://127.0.0.1:$general_PORT/v1/orders" "$general_PID"
+  def_case l wrk 1 1 "http://127.0.0.1:$lease_PORT/v1/orders" "$lease_PID"
   if [ ${#METER[@]} -gt 0 ]; then def_case m wrk 1 1 "http://127.0.0.1:$nometer_PORT/v1/orders" "$nometer_PID"; fi
 fi
 
@@ -300,17 +318,22 @@ d, c = rps("1d"), rps("1t")
 verdict = "met" if d / c >= 0.8 else "missed (< 0.80)"
 print(f"| R. Redis (d) ÷ embedded (c), 1 core | wrk -t1 -c{conns} | (d) {d:,.0f} | | | | | "
       f"{verdict}: (d) ÷ (c) = {d/c:.2f} | (d) ÷ (c) per round: {fmt(per_round('1d', '1t'))} | |")
+l = rps("1l")
+verdict = "met" if l / c >= 0.8 else "missed (< 0.80)"
+print(f"| L. Redis, plan leased (l) ÷ embedded (c), 1 core | wrk -t1 -c{conns} | (l) {l:,.0f} | | | | | "
+      f"{verdict}: (l) ÷ (c) = {l/c:.2f} | (l) ÷ (c) per round: {fmt(per_round('1l', '1t'))} | |")
 print("\nCPU time of the proxy's processes per response (µs), medians; non-2xx, errors and access-log")
 print("lines ÷ responses summed over the rounds:\n")
 print("| row | Tollgate µs | nginx µs | HAProxy µs | non-2xx T/N/H | errors T/N/H | log lines ÷ responses T/N/H |")
 print("|---|---:|---:|---:|---|---|---|")
-for row, what, _, _ in table + [("1d", "R. Tollgate on Redis (d)", None, None)]:
-    ids = [row] if row == "1d" else [row + s for s in "tnh"]
+extra = [("1d", "R. Tollgate on Redis (d)", None, None), ("1l", "L. Tollgate on Redis, plan leased (l)", None, None)]
+for row, what, _, _ in table + extra:
+    ids = [row] if row in ("1d", "1l") else [row + s for s in "tnh"]
     us = [f"{cpu(i):.1f}" for i in ids] + [""] * (3 - len(ids))
     bad = "/".join(str(sum(int(r[6]) for r in runs(i))) for i in ids)
     errs = "/".join(str(sum(int(r[7]) for r in runs(i))) for i in ids)
     logs = "/".join(f"{sum(int(r[9]) for r in runs(i)) / max(1, sum(int(r[5]) for r in runs(i))):.2f}" for i in ids) if row == "3" else "–"
-    print(f"| {what if row == '1d' else row + '. ' + what} | {' | '.join(us)} | {bad} | {errs} | {logs} |")
+    print(f"| {what if row in ('1d', '1l') else row + '. ' + what} | {' | '.join(us)} | {bad} | {errs} | {logs} |")
 PY
   exit 0
 fi
@@ -323,7 +346,7 @@ rows = [[r[0], r[2], r[3], r[4], r[8], r[5], r[6]] for r in rows]
 rounds, dur, conns = sys.argv[2], sys.argv[3], sys.argv[4]
 names = {"a": "(a) upstream direct", "b": "(b) Tollgate, no limits", "c": "(c) Tollgate, embedded, demo limits",
          "d": "(d) Tollgate, Redis", "e": "(e) nginx limit_req",
-         "h": "(h) as (c), express lane off", "m": "(m) as (c), metering off"}
+         "h": "(h) as (c), express lane off", "l": "(l) as (d), plan leased", "m": "(m) as (c), metering off"}
 def ms(v):
     if v.endswith("us"): return float(v[:-2]) / 1000
     if v.endswith("ms"): return float(v[:-2])
@@ -331,7 +354,7 @@ def ms(v):
     return float(v)
 hz = 100  # USER_HZ
 med = {}
-cases = [c for c in "abcdehm" if any(r[0] == c for r in rows)]
+cases = [c for c in "abcdehlm" if any(r[0] == c for r in rows)]
 for c in cases:
     rs = [r for r in rows if r[0] == c]
     rps = statistics.median(float(r[1]) for r in rs)
@@ -351,6 +374,9 @@ print(f"\n(c) ÷ (b) = {med['c'][0]/med['b'][0]:.3f}   (c) ÷ (e) = {med['c'][0]
 # Per-round ratios, measured back to back, say more on a noisy host than ratios of medians.
 ce = sorted(float(c[1]) / float(e[1]) for c, e in zip([r for r in rows if r[0] == "c"], [r for r in rows if r[0] == "e"]))
 print(f"(c) ÷ (e) per round: {', '.join(f'{x:.3f}' for x in ce)}")
+dl = [(float(d[1]) / float(c[1]), float(l[1]) / float(c[1])) for c, d, l in
+      zip(*([r for r in rows if r[0] == k] for k in "cdl"))]
+print(f"Redis ÷ embedded per round, (d) ÷ (c): {', '.join(f'{x:.3f}' for x, _ in dl)}; (l) ÷ (c): {', '.join(f'{y:.3f}' for _, y in dl)}")
 if "m" in med:
     cm = sorted(float(c[1]) / float(m[1]) for c, m in zip([r for r in rows if r[0] == "c"], [r for r in rows if r[0] == "m"]))
     print(f"metering on ÷ off, (c) ÷ (m) = {med['c'][0]/med['m'][0]:.3f}; per round: {', '.join(f'{x:.3f}' for x in cm)}")
