@@ -6,24 +6,28 @@
 //!   nginx as a minimal keep-alive proxy (`benches/nginx/idle_proxy.conf`), all to one nginx
 //!   `return 200` upstream, side by side;
 //! - **p99**: the p99 latency of 32 active keep-alive clients on Tollgate (`--threads 1`)
-//!   without and with the idle connections held open, alternating for `--rounds` rounds.
+//!   without and with the idle connections held open, alternating for `--rounds` rounds;
+//! - **tls**: the memory measurement over TLS 1.3 (HTTP/1.1, the express lane), Tollgate with
+//!   the demo certificate beside nginx with the same one (`benches/nginx/idle_tls_proxy.conf`).
 //!
 //! The harness raises its own descriptor limit (the gateways and nginx inherit it).
 //!
 //! Run: `cargo bench --bench idle_conns` (options after `--`: `--conns 10000 --active 32
-//! --seconds 5 --rounds 2 --only memory|p99`). Under `cargo test --all-targets` it only says
+//! --seconds 5 --rounds 2 --only memory|p99|tls`; `tls` runs only when asked for). Under `cargo test --all-targets` it only says
 //! how to run it.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::path::Path;
+use std::pin::Pin;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{Tollgate, repo};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 const KEY: &str = "bench-demo-key";
@@ -91,15 +95,48 @@ fn tree_rss_kib(pid: u32) -> u64 {
         .sum::<u64>()
 }
 
-/// Sends one GET on `tcp` and reads its response (`Content-Length` framed); its status.
-async fn request(tcp: &mut TcpStream, addr: SocketAddr, buf: &mut Vec<u8>) -> std::io::Result<u16> {
+/// A client connection, plain or TLS: the harness measures the server, not its own side.
+trait Conn: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Conn for T {}
+
+/// How the harness connects: plain TCP, or TLS 1.3 trusting the demo certificate.
+#[derive(Clone, Copy)]
+enum Dial {
+    Plain,
+    Tls,
+}
+
+impl Dial {
+    fn connect(self, addr: SocketAddr) -> Pin<Box<dyn Future<Output = Box<dyn Conn>> + Send>> {
+        Box::pin(async move {
+            let conn: Box<dyn Conn> = match self {
+                Dial::Plain => {
+                    let tcp = TcpStream::connect(addr).await.expect("connect");
+                    let _ = tcp.set_nodelay(true);
+                    Box::new(tcp)
+                }
+                // No ALPN, as wrk: HTTP/1.1.
+                Dial::Tls => Box::new(common::tls::connect(addr, &[]).await),
+            };
+            conn
+        })
+    }
+}
+
+/// Sends one GET on `conn` and reads its response (`Content-Length` framed); its status.
+async fn request<S: Conn + ?Sized>(
+    conn: &mut S,
+    addr: SocketAddr,
+    buf: &mut Vec<u8>,
+) -> std::io::Result<u16> {
     let head = format!("GET /v1/orders HTTP/1.1\r\nHost: {addr}\r\nX-API-Key: {KEY}\r\n\r\n");
-    tcp.write_all(head.as_bytes()).await?;
-    Ok(common::read_framed(tcp, buf).await?.0)
+    conn.write_all(head.as_bytes()).await?;
+    conn.flush().await?;
+    Ok(common::read_framed(conn, buf).await?.0)
 }
 
 /// Opens `n` connections, 200 at a time, each after one request that got 200.
-async fn open_idle(addr: SocketAddr, n: usize) -> Vec<TcpStream> {
+async fn open_idle(addr: SocketAddr, n: usize, dial: Dial) -> Vec<Box<dyn Conn>> {
     let mut conns = Vec::with_capacity(n);
     let mut set = tokio::task::JoinSet::new();
     let mut started = 0;
@@ -107,9 +144,8 @@ async fn open_idle(addr: SocketAddr, n: usize) -> Vec<TcpStream> {
         while started < n && set.len() < 200 {
             started += 1;
             set.spawn(async move {
-                let mut tcp = TcpStream::connect(addr).await.expect("connect");
-                let _ = tcp.set_nodelay(true);
-                let status = request(&mut tcp, addr, &mut Vec::new())
+                let mut tcp = dial.connect(addr).await;
+                let status = request(&mut *tcp, addr, &mut Vec::new())
                     .await
                     .expect("first request");
                 assert_eq!(status, 200, "an idle connection's first request");
@@ -122,19 +158,19 @@ async fn open_idle(addr: SocketAddr, n: usize) -> Vec<TcpStream> {
 }
 
 /// Growth of `pid`'s RSS per connection, in bytes, over `n` idle connections to `addr`.
-async fn per_conn(addr: SocketAddr, pid: u32, n: usize) -> (f64, u64) {
+async fn per_conn(addr: SocketAddr, pid: u32, n: usize, dial: Dial) -> (f64, u64) {
     // Warm-up: pools, allocator arenas and the upstream's connections, then let it settle.
-    drop(open_idle(addr, 500).await);
+    drop(open_idle(addr, 500, dial).await);
     tokio::time::sleep(Duration::from_millis(500)).await;
     let before = tree_rss_kib(pid);
-    let conns = open_idle(addr, n).await;
+    let conns = open_idle(addr, n, dial).await;
     tokio::time::sleep(Duration::from_millis(1000)).await;
     let after = tree_rss_kib(pid);
     // They are still there and usable.
     let mut buf = Vec::new();
     for mut c in conns.into_iter().step_by((n / 50).max(1)) {
         assert_eq!(
-            request(&mut c, addr, &mut buf).await.expect("a sample request"),
+            request(&mut *c, addr, &mut buf).await.expect("a sample request"),
             200
         );
     }
@@ -249,7 +285,7 @@ async fn main() {
                 nginx.child.id(),
             ),
         ] {
-            let (bytes, rss) = per_conn(addr, pid, n).await;
+            let (bytes, rss) = per_conn(addr, pid, n, Dial::Plain).await;
             println!("{name}: {bytes:.0} bytes per idle connection (RSS {rss} KiB with them open)");
             rows.push((name, bytes, rss));
             tokio::time::sleep(Duration::from_millis(500)).await;
@@ -285,7 +321,7 @@ async fn main() {
                 p.1
             );
             without.push(p);
-            let idle = open_idle(gw.addr, n).await;
+            let mut idle = open_idle(gw.addr, n, Dial::Plain).await;
             let mut lat = active_run(gw.addr, active, seconds).await;
             rates.1.push(lat.len() as f64 / seconds);
             let p = (quantile_ms(&mut lat, 0.5), quantile_ms(&mut lat, 0.99));
@@ -297,14 +333,18 @@ async fn main() {
                 p.1
             );
             with.push(p);
-            // Every idle connection is still open: nothing to read, no end of stream.
+            // Every idle connection is still open: nothing to read, no end of stream (the read,
+            // polled once, is still waiting).
             let mut one = [0u8; 1];
-            let open = idle
-                .iter()
-                .filter(
-                    |c| matches!(c.try_read(&mut one), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
-                )
-                .count();
+            let mut open = 0;
+            for c in idle.iter_mut() {
+                if tokio::time::timeout(Duration::ZERO, c.read(&mut one))
+                    .await
+                    .is_err()
+                {
+                    open += 1;
+                }
+            }
             assert_eq!(open, n, "idle connections were closed during the active run");
             drop(idle);
             tokio::time::sleep(Duration::from_millis(500)).await;
@@ -327,5 +367,48 @@ async fn main() {
             p99(&with)
         );
         println!("p99 with ÷ without: {:.2}", p99(&with) / p99(&without));
+    }
+
+    if only == "tls" {
+        let cert = repo().join("certs/demo-cert.pem");
+        let key = repo().join("certs/demo-key.pem");
+        let nginx = Nginx::start(
+            "idle_tls_proxy.conf",
+            dir.path(),
+            &[
+                ("__UPSTREAM__", upstream.addr().to_string()),
+                ("__CONNS__", (n + 1000).to_string()),
+                ("__NOFILE__", (n + 2000).to_string()),
+                ("__CERT__", cert.display().to_string()),
+                ("__KEY__", key.display().to_string()),
+            ],
+        );
+        let (cert, key) = (cert.display().to_string(), key.display().to_string());
+        let lane = gateway(&rules_path, &["--tls-cert", &cert, "--tls-key", &key]);
+        let mut rows = Vec::new();
+        for (name, addr, pid) in [
+            (
+                "Tollgate, TLS 1.3, express lane (--threads 1)",
+                lane.addr,
+                lane.child.id(),
+            ),
+            ("nginx 1.22, TLS 1.3, one worker", nginx.addr(), nginx.child.id()),
+        ] {
+            let (bytes, rss) = per_conn(addr, pid, n, Dial::Tls).await;
+            println!("{name}: {bytes:.0} bytes per idle TLS connection (RSS {rss} KiB with them open)");
+            rows.push((name, bytes, rss));
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        let ngx = rows[1].1;
+        println!();
+        println!("| server | RSS growth per idle TLS connection | RSS with {n} open | ÷ nginx |");
+        println!("|---|---:|---:|---:|");
+        for (name, bytes, rss) in &rows {
+            println!(
+                "| {name} | {bytes:.0} bytes | {:.1} MiB | {:.2} |",
+                *rss as f64 / 1024.0,
+                bytes / ngx
+            );
+        }
     }
 }

@@ -765,8 +765,8 @@ impl Drop for DemoUpstreamProc {
 /// Reads one response with a `Content-Length` body from `tcp` into `buf` (cleared first): its
 /// status and where its body lies in `buf`. For benches that drive raw connections and count
 /// errors rather than fail on them.
-pub async fn read_framed(
-    tcp: &mut tokio::net::TcpStream,
+pub async fn read_framed<S: tokio::io::AsyncRead + Unpin + ?Sized>(
+    tcp: &mut S,
     buf: &mut Vec<u8>,
 ) -> std::io::Result<(u16, std::ops::Range<usize>)> {
     use tokio::io::AsyncReadExt;
