@@ -19,10 +19,8 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use std::future::Future;
 use std::net::SocketAddr;
 use std::path::Path;
-use std::pin::Pin;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -107,19 +105,16 @@ enum Dial {
 }
 
 impl Dial {
-    fn connect(self, addr: SocketAddr) -> Pin<Box<dyn Future<Output = Box<dyn Conn>> + Send>> {
-        Box::pin(async move {
-            let conn: Box<dyn Conn> = match self {
-                Dial::Plain => {
-                    let tcp = TcpStream::connect(addr).await.expect("connect");
-                    let _ = tcp.set_nodelay(true);
-                    Box::new(tcp)
-                }
-                // No ALPN, as wrk: HTTP/1.1.
-                Dial::Tls => Box::new(common::tls::connect(addr, &[]).await),
-            };
-            conn
-        })
+    async fn connect(self, addr: SocketAddr) -> Box<dyn Conn> {
+        match self {
+            Dial::Plain => {
+                let tcp = TcpStream::connect(addr).await.expect("connect");
+                let _ = tcp.set_nodelay(true);
+                Box::new(tcp)
+            }
+            // No ALPN, as wrk: HTTP/1.1.
+            Dial::Tls => Box::new(common::tls::connect(addr, &[]).await),
+        }
     }
 }
 
@@ -175,6 +170,33 @@ async fn per_conn(addr: SocketAddr, pid: u32, n: usize, dial: Dial) -> (f64, u64
         );
     }
     ((after.saturating_sub(before) * 1024) as f64 / n as f64, after)
+}
+
+/// Measures [`per_conn`] on each of `servers` (name, address, pid) in turn and prints the
+/// table, each ÷ the last server's figure (nginx's).
+async fn memory_table(servers: &[(&str, SocketAddr, u32)], n: usize, dial: Dial) {
+    let what = match dial {
+        Dial::Plain => "idle connection",
+        Dial::Tls => "idle TLS connection",
+    };
+    let mut rows = Vec::new();
+    for &(name, addr, pid) in servers {
+        let (bytes, rss) = per_conn(addr, pid, n, dial).await;
+        println!("{name}: {bytes:.0} bytes per {what} (RSS {rss} KiB with them open)");
+        rows.push((name, bytes, rss));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let ngx = rows.last().expect("nginx is measured last").1;
+    println!();
+    println!("| server | RSS growth per {what} | RSS with {n} open | ÷ nginx |");
+    println!("|---|---:|---:|---:|");
+    for (name, bytes, rss) in &rows {
+        println!(
+            "| {name} | {bytes:.0} bytes | {:.1} MiB | {:.2} |",
+            *rss as f64 / 1024.0,
+            bytes / ngx
+        );
+    }
 }
 
 /// Runs `active` closed-loop keep-alive clients for `seconds`; every request's latency in µs.
@@ -271,8 +293,7 @@ async fn main() {
         );
         let lane = gateway(&rules_path, &[]);
         let general = gateway(&rules_path, &["--no-express"]);
-        let mut rows = Vec::new();
-        for (name, addr, pid) in [
+        let servers = [
             ("Tollgate, express lane (--threads 1)", lane.addr, lane.child.id()),
             (
                 "Tollgate, hyper's path (--no-express --threads 1)",
@@ -284,23 +305,8 @@ async fn main() {
                 nginx.addr(),
                 nginx.child.id(),
             ),
-        ] {
-            let (bytes, rss) = per_conn(addr, pid, n, Dial::Plain).await;
-            println!("{name}: {bytes:.0} bytes per idle connection (RSS {rss} KiB with them open)");
-            rows.push((name, bytes, rss));
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-        let ngx = rows[2].1;
-        println!();
-        println!("| server | RSS growth per idle connection | RSS with {n} open | ÷ nginx |");
-        println!("|---|---:|---:|---:|");
-        for (name, bytes, rss) in &rows {
-            println!(
-                "| {name} | {bytes:.0} bytes | {:.1} MiB | {:.2} |",
-                *rss as f64 / 1024.0,
-                bytes / ngx
-            );
-        }
+        ];
+        memory_table(&servers, n, Dial::Plain).await;
         println!();
     }
 
@@ -385,30 +391,14 @@ async fn main() {
         );
         let (cert, key) = (cert.display().to_string(), key.display().to_string());
         let lane = gateway(&rules_path, &["--tls-cert", &cert, "--tls-key", &key]);
-        let mut rows = Vec::new();
-        for (name, addr, pid) in [
+        let servers = [
             (
                 "Tollgate, TLS 1.3, express lane (--threads 1)",
                 lane.addr,
                 lane.child.id(),
             ),
             ("nginx 1.22, TLS 1.3, one worker", nginx.addr(), nginx.child.id()),
-        ] {
-            let (bytes, rss) = per_conn(addr, pid, n, Dial::Tls).await;
-            println!("{name}: {bytes:.0} bytes per idle TLS connection (RSS {rss} KiB with them open)");
-            rows.push((name, bytes, rss));
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-        let ngx = rows[1].1;
-        println!();
-        println!("| server | RSS growth per idle TLS connection | RSS with {n} open | ÷ nginx |");
-        println!("|---|---:|---:|---:|");
-        for (name, bytes, rss) in &rows {
-            println!(
-                "| {name} | {bytes:.0} bytes | {:.1} MiB | {:.2} |",
-                *rss as f64 / 1024.0,
-                bytes / ngx
-            );
-        }
+        ];
+        memory_table(&servers, n, Dial::Tls).await;
     }
 }
