@@ -7,12 +7,16 @@
 //! `lua/refund.lua` on the buckets its check charged, sent at once (not through the queue:
 //! refunds are rare) and, like every call, at most once.
 //!
-//! While fewer than [`MAX_IN_FLIGHT`] calls are out, a check is sent at once, alone, from the
-//! caller's task. When the store falls behind, checks wait in one queue, and those that queued
-//! meanwhile go together in the next call (each still all-or-nothing on its own buckets). fred
-//! writes every command with its own socket write, so one call per check cost the gateway about
-//! 12 µs of CPU per check on loopback, against 1.4 µs for `redis-benchmark -P 16`; sharing calls
-//! under load pays that once per call (benches/README.md).
+//! On one node every check waits in one queue, and the checks that queued meanwhile go together
+//! in the next call (each still all-or-nothing on its own buckets), with at most
+//! [`MAX_IN_FLIGHT`] calls out. (On a cluster a check is sent at once while fewer than
+//! [`MAX_IN_FLIGHT_CLUSTER`] calls are out: checks of one hash slot rarely meet.)
+//! The queue's task is woken by the first check and runs after the tasks the same readiness
+//! woke, so the requests that arrived together share a call even while a call slot is free.
+//! fred writes every command with its own socket write, so one call per check cost the gateway
+//! about 12 µs of CPU per check on loopback, against 1.4 µs for `redis-benchmark -P 16`, and
+//! the store a command dispatch and a script start per check; sharing calls pays those once per
+//! call (benches/README.md "Row R").
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -57,8 +61,8 @@ pub(crate) const REFUND_SCRIPT: &str = concat!(
 /// ARGV per bucket: scale, refill, capacity, need, ttl, shadow, debt.
 pub(crate) const ARGS_PER_BUCKET: usize = 7;
 
-/// Calls out at once before checks start to share calls. A few keep every connection busy
-/// without making a lone check wait.
+/// Calls out at once; checks that queue while every slot is taken share the next call. A few
+/// keep the connection busy without making a lone check wait for another's round trip.
 pub const MAX_IN_FLIGHT: usize = 4;
 
 /// Calls out at once on a Cluster. A script may touch one hash slot only, so checks of
@@ -491,9 +495,13 @@ impl RedisStore {
             });
         }
         let (pending, rx) = Pending::new(batch, self.shared.cluster);
-        // A call slot free means nothing waits in the queue (its task waits only for a slot,
-        // and a freed slot goes to a waiter first): send from here, without a hop through it.
-        if let Ok(permit) = self.shared.permits.clone().try_acquire_owned() {
+        // On one node, through the queue even when a call slot is free: sent from here, each
+        // request of a burst took a call of its own while slots lasted (4.3 checks a call in
+        // row R against 8.1 through the queue, and redis-server's CPU per request 16% higher).
+        // On a cluster checks of one slot rarely meet, so a free slot sends at once.
+        if self.shared.cluster
+            && let Ok(permit) = self.shared.permits.clone().try_acquire_owned()
+        {
             self.shared.call(vec![pending]).await;
             drop(permit);
         } else if self.queue.send(pending).is_err() {
