@@ -218,6 +218,12 @@ pub struct Run {
     /// so it is early by at most the probe's round trip, `align_us`.
     offset_us: i64,
     pub align_us: u64,
+    /// How far the store's clock (Redis `TIME`, the wall clock) ran ahead of ours (monotonic)
+    /// over the load, µs: the offset read again after the load, minus the first. A wall clock
+    /// stepped forward refills the bucket for time our clock did not see; known to within
+    /// `align_us + align_after_us`.
+    pub drift_us: i64,
+    pub align_after_us: u64,
     /// The longest a client went between two of its requests, µs: about 1 ms (the clients'
     /// tick) unless the process was descheduled on a busy machine.
     pub longest_stall_us: u64,
@@ -462,17 +468,7 @@ pub async fn run(redis_port: u16, load: &Load) -> Run {
     let total_us = (load.seconds * 1e6) as u64;
     let per_client = load.offered_per_s as f64 / load.clients as f64;
     let start = Instant::now();
-    // Our clock against the store's: the fastest of a few probes.
-    let (mut offset_us, mut align_us) = (0i64, u64::MAX);
-    for _ in 0..5 {
-        let sent = start.elapsed().as_micros() as u64;
-        let store_now = probe.now_us().await.expect("probe the store's clock");
-        let back = start.elapsed().as_micros() as u64;
-        if back - sent < align_us {
-            align_us = back - sent;
-            offset_us = store_now as i64 - back as i64;
-        }
-    }
+    let (offset_us, align_us) = align(&probe, start).await;
     let calls_before = evalsha_calls(redis_port);
     let mut tasks = Vec::new();
     for (k, c) in clients.iter().enumerate() {
@@ -537,6 +533,7 @@ pub async fn run(redis_port: u16, load: &Load) -> Run {
         };
     }
     let stop_us = start.elapsed().as_micros() as u64;
+    let (offset_after_us, align_after_us) = align(&probe, start).await;
     let held_at_stop = clients.iter().map(|c| c.held()).sum();
     let calls_during_load = evalsha_calls(redis_port) - calls_before;
     admitted_us.sort_unstable();
@@ -545,6 +542,8 @@ pub async fn run(redis_port: u16, load: &Load) -> Run {
         checks,
         offset_us,
         align_us,
+        drift_us: offset_after_us - offset_us,
+        align_after_us,
         longest_stall_us,
         stall_end_us,
         params,
@@ -560,6 +559,22 @@ pub async fn run(redis_port: u16, load: &Load) -> Run {
         clients,
         metrics,
     }
+}
+
+/// The store's clock minus ours since `start`, µs, from the fastest of a few probes, and that
+/// probe's round trip: the offset is early by at most the round trip.
+async fn align(probe: &RedisStore, start: Instant) -> (i64, u64) {
+    let (mut offset_us, mut align_us) = (0i64, u64::MAX);
+    for _ in 0..5 {
+        let sent = start.elapsed().as_micros() as u64;
+        let store_now = probe.now_us().await.expect("probe the store's clock");
+        let back = start.elapsed().as_micros() as u64;
+        if back - sent < align_us {
+            align_us = back - sent;
+            offset_us = store_now as i64 - back as i64;
+        }
+    }
+    (offset_us, align_us)
 }
 
 fn load_seconds(total_us: u64) -> f64 {
