@@ -44,9 +44,9 @@
 -- The bucket encoding and arithmetic come from lua/bucket.lua, loaded in front of this script.
 -- Every bucket is written back on every check, admitted or limited. In a call of several
 -- requests a bucket is read from its page once and written once, after the last request: the
--- requests of one call are mostly one client's burst on one key, and two of its four store
--- commands a check cost as much script time as the arithmetic (benches/README.md "Row R").
--- Later requests read the state the earlier ones left, as they would from the page.
+-- requests of one call are mostly one client's burst on one key, and the HGET and HSET of each
+-- check were about a third of its script time (benches/README.md "Row R"). Later requests read
+-- the state the earlier ones left, as they would from the page.
 
 local nkeys = #KEYS / 2
 local groups = tonumber(ARGV[2])
