@@ -3,8 +3,8 @@
 //!
 //! A request only fills a boxed [`Record`] of plain values as it goes and hands the box over a
 //! bounded channel; the text (the local time, the escaping, the JSON) is made on the writer
-//! thread, so a request pays for neither. When the channel is full the record is dropped and
-//! counted, never waited for (README "Access lines").
+//! thread, so a request pays for neither, and written in batches (`GATHER`). When the channel
+//! is full the record is dropped and counted, never waited for (README "Access lines").
 
 use std::borrow::Cow;
 use std::io::Write;
@@ -245,6 +245,14 @@ pub fn start(
     Ok((log, Flush { tx, done }))
 }
 
+/// How long the writer gathers lines after the first one it waited for, before it flushes and
+/// waits again. While it sleeps no request wakes it: with the writer waiting in `recv` and
+/// flushing whenever it had caught up, a line cost the request a spin or a futex wake-up and the
+/// writer a `write` of that one line, about two system calls a request (benches/README.md
+/// "Access log formats"). A line reaches the file at most this much later; nginx's `buffer=`
+/// waits up to its `flush=`.
+const GATHER: Duration = Duration::from_millis(10);
+
 fn write_lines(format: AccessLogFormat, rx: &Receiver<Msg>, mut out: impl Write, done: &Sender<()>) {
     let mut clock = LocalClock::new();
     let mut line = Vec::with_capacity(1024);
@@ -254,14 +262,23 @@ fn write_lines(format: AccessLogFormat, rx: &Receiver<Msg>, mut out: impl Write,
         // A log that cannot be written has nowhere to say so.
         let _ = out.write_all(&line);
     };
-    while let Ok(msg) = rx.recv() {
-        match msg {
-            Msg::Line(r) => write(&r, &mut out),
-            Msg::Stop => break,
+    'wait: while let Ok(msg) = rx.recv() {
+        let mut next = Some(msg);
+        let until = Instant::now() + GATHER;
+        loop {
+            while let Some(msg) = next.take().or_else(|| rx.try_recv().ok()) {
+                match msg {
+                    Msg::Line(r) => write(&r, &mut out),
+                    Msg::Stop => break 'wait,
+                }
+            }
+            let now = Instant::now();
+            if now >= until {
+                break;
+            }
+            std::thread::sleep(until - now);
         }
-        if rx.is_empty() {
-            let _ = out.flush();
-        }
+        let _ = out.flush();
     }
     // Lines handed over after the stop, while the process was ending.
     while let Ok(Msg::Line(r)) = rx.try_recv() {
