@@ -7,7 +7,10 @@
 # worker. Under strace each proxy is slower, so the request counts differ; the counts per
 # request are what compare.
 #
-# Usage: benches/syscalls.sh SECONDS BINARY [BINARY ...]   e.g.
+# TOLLGATE_ARGS adds arguments to every Tollgate (split on spaces), e.g. an access log:
+#   TOLLGATE_ARGS="--access-log-format combined" (the lines go to stderr, here /dev/null).
+#
+# Usage: [TOLLGATE_ARGS=...] benches/syscalls.sh SECONDS BINARY [BINARY ...]   e.g.
 #   benches/syscalls.sh 2 /tmp/tollgate-before target/release/tollgate
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,7 +48,7 @@ for bin in "$@"; do
   i=$((i + 1))
   p=$(port)
   env -C "$work" TOLLGATE_LOG=warn "$(realpath "$bin")" serve --rules "$work/rules.json" --listen "127.0.0.1:$p" \
-    --meter-file "$work/usage.$i.db" --threads 1 >/dev/null 2>&1 & pids+=($!)
+    --meter-file "$work/usage.$i.db" --threads 1 ${TOLLGATE_ARGS:-} >/dev/null 2>&1 & pids+=($!)
   tg=$!
   wait_port "$p"
   count "Tollgate $bin" "$tg" "$p"
