@@ -13,9 +13,9 @@ DUR=${2:-10}
 for bin in nginx wrk curl python3; do
   command -v "$bin" >/dev/null || { echo "dashboard.sh needs $bin" >&2; exit 1; }
 done
-if [ -n "${TOLLGATE_BIN:-}" ]; then TG=$TOLLGATE_BIN; else cargo build --release --bin tollgate >&2; TG=target/release/tollgate; fi
-
 . benches/lib.sh
+tollgate_bin
+
 start_upstream 1
 sed "s#http://127.0.0.1:8081#http://127.0.0.1:$UP#" rules/bench.json > "$work/rules.json"
 GP=$(port)

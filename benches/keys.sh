@@ -29,14 +29,9 @@ SIZES=${SIZES:-1 1000 100000 1000000 10000000}
 for bin in nginx wrk taskset python3 curl; do
   command -v "$bin" >/dev/null || { echo "keys.sh needs $bin (apt-get install nginx wrk util-linux curl)" >&2; exit 1; }
 done
-if [ -n "${TOLLGATE_BIN:-}" ]; then
-  TG=$TOLLGATE_BIN
-else
-  cargo build --release --bin tollgate >&2
-  TG=target/release/tollgate
-fi
-
 . benches/lib.sh
+tollgate_bin
+
 echo "uptime before: $(uptime)" >&2
 start_upstream 1
 

@@ -21,3 +21,14 @@ start_upstream() {
   fi
   wait_port "$UP"
 }
+
+# tollgate_bin: sets TG, the binary a benchmark measures: TOLLGATE_BIN (a build made elsewhere,
+# another commit's say), else this tree's release build, built now.
+tollgate_bin() {
+  if [ -n "${TOLLGATE_BIN:-}" ]; then
+    TG=$TOLLGATE_BIN
+  else
+    cargo build --release --bin tollgate >&2
+    TG=target/release/tollgate
+  fi
+}

@@ -14,9 +14,9 @@ KEY=bench-demo-key
 for bin in nginx wrk redis-server redis-cli python3; do
   command -v "$bin" >/dev/null || { echo "metering.sh needs $bin" >&2; exit 1; }
 done
-if [ -n "${TOLLGATE_BIN:-}" ]; then TG=$TOLLGATE_BIN; else cargo build --release --bin tollgate >&2; TG=target/release/tollgate; fi
-
 . benches/lib.sh
+tollgate_bin
+
 start_upstream
 RP=$(port)
 redis-server --port "$RP" --bind 127.0.0.1 --save '' --appendonly no >/dev/null & pids+=($!)

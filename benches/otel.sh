@@ -19,14 +19,9 @@ KEY=bench-demo-key
 for bin in wrk taskset python3 curl; do
   command -v "$bin" >/dev/null || { echo "otel.sh needs $bin (apt-get install wrk util-linux curl)" >&2; exit 1; }
 done
-if [ -n "${TOLLGATE_BIN:-}" ]; then
-  TG=$TOLLGATE_BIN
-else
-  cargo build --release --bin tollgate >&2
-  TG=target/release/tollgate
-fi
-
 . benches/lib.sh
+tollgate_bin
+
 
 RX=$(port)
 cat > "$work/receiver.py" <<'PY'

@@ -50,15 +50,9 @@ need=(nginx wrk redis-server taskset python3)
 for bin in "${need[@]}"; do
   command -v "$bin" >/dev/null || { echo "proxy.sh needs $bin (apt-get install nginx wrk redis-server util-linux haproxy nghttp2-client gcc)" >&2; exit 1; }
 done
-# TOLLGATE_BIN measures a binary built elsewhere (another commit, say) instead of this tree's.
-if [ -n "${TOLLGATE_BIN:-}" ]; then
-  TG=$TOLLGATE_BIN
-else
-  cargo build --release --bin tollgate >&2
-  TG=target/release/tollgate
-fi
-
 . benches/lib.sh
+tollgate_bin
+
 echo "uptime before: $(uptime)" >&2
 LOAD_BEFORE=$(cut -d' ' -f1-3 /proc/loadavg)
 start_upstream 1

@@ -16,14 +16,9 @@ CONNS=${3:-32}
 for bin in nginx wrk redis-server redis-cli taskset python3 /usr/bin/time; do
   command -v "$bin" >/dev/null || { echo "redis_row.sh needs $bin (apt-get install nginx wrk redis-server redis-tools util-linux time)" >&2; exit 1; }
 done
-if [ -n "${TOLLGATE_BIN:-}" ]; then
-  TG=$TOLLGATE_BIN
-else
-  cargo build --release --bin tollgate >&2
-  TG=target/release/tollgate
-fi
-
 . benches/lib.sh
+tollgate_bin
+
 echo "uptime before: $(uptime)" >&2
 start_upstream 1
 sleep 0.3

@@ -24,18 +24,13 @@ SIZES="10 100 1000 10000"
 for bin in nginx wrk taskset python3; do
   command -v "$bin" >/dev/null || { echo "routes.sh needs $bin (apt-get install nginx wrk util-linux)" >&2; exit 1; }
 done
-if [ -n "${TOLLGATE_BIN:-}" ]; then
-  TG=$TOLLGATE_BIN
-else
-  cargo build --release --bin tollgate >&2
-  TG=target/release/tollgate
-fi
+. benches/lib.sh
+tollgate_bin
 declare -A BIN
 BIN[new]=$TG
 BINS="new"
 if [ -n "${SCAN_BIN:-}" ]; then BIN[scan]=$SCAN_BIN; BINS="new scan"; fi
 
-. benches/lib.sh
 start_upstream 1
 
 for n in $SIZES; do
