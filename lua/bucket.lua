@@ -97,17 +97,10 @@ local function load(key, page, now)
   return v
 end
 
--- bucket.rs `refill` of the value stored at a key: a missing bucket starts full; a stored one is
--- converted to this rule's scale, clamped to its capacity, then refilled for the time since ts
--- (never negative). nil when the key holds a value these scripts did not write.
-local function refilled(stored, scale, cap, refill, now)
-  if not stored then
-    return cap
-  end
-  if #stored ~= 18 then
-    return nil
-  end
-  local s_tokens, s_ts, s_scale = unpack(STATE, stored)
+-- bucket.rs `refill` of a bucket held as numbers: tokens at ts in s_scale units, converted to
+-- this rule's scale, clamped to its capacity, then refilled for the time since ts (never
+-- negative).
+local function refill_numbers(s_tokens, s_ts, s_scale, scale, cap, refill, now)
   local t = rescale(s_tokens, s_scale, scale)
   if t >= cap then
     return cap
@@ -120,6 +113,19 @@ local function refilled(stored, scale, cap, refill, now)
     return cap
   end
   return t + elapsed * refill
+end
+
+-- bucket.rs `refill` of the value stored at a key: a missing bucket starts full. nil when the
+-- key holds a value these scripts did not write.
+local function refilled(stored, scale, cap, refill, now)
+  if not stored then
+    return cap
+  end
+  if #stored ~= 18 then
+    return nil
+  end
+  local s_tokens, s_ts, s_scale = unpack(STATE, stored)
+  return refill_numbers(s_tokens, s_ts, s_scale, scale, cap, refill, now)
 end
 
 -- Writes a bucket back: tokens at `ts` (now, or later for a bucket in debt), in `scale` units,
@@ -165,6 +171,14 @@ local function save(key, page, t, ts, scale, ttl, now)
   end
 end
 
+-- bucket.rs `owed_us` of a bucket held as numbers.
+local function owed_numbers(s_tokens, s_ts, debt, now)
+  if debt > 0 and s_tokens == 0 and s_ts > now then
+    return s_ts - now
+  end
+  return 0
+end
+
 -- bucket.rs `owed_us`: the microseconds of refill a post-paid bucket (debt > 0) still owes. A
 -- bucket in debt is stored empty with its ts in the future, when refill has paid it back.
 local function owed(stored, debt, now)
@@ -172,10 +186,7 @@ local function owed(stored, debt, now)
     return 0
   end
   local s_tokens, s_ts = unpack(STATE, stored)
-  if s_tokens == 0 and s_ts > now then
-    return s_ts - now
-  end
-  return 0
+  return owed_numbers(s_tokens, s_ts, debt, now)
 end
 
 -- bucket.rs `balance`: the bucket at now as signed units, below zero while it owes, never below

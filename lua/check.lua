@@ -9,25 +9,35 @@
 -- checked one after another, in order, at the same `now`, as if they had arrived in that order
 -- within one microsecond.
 --
--- KEYS              every bucket of request 1, then of request 2, ..., e.g. rl:{k7}:plan, then the
---                   page of each bucket in the same order (see lua/bucket.lua), so 2 keys per
---                   bucket. In a cluster all keys of one call share one hash slot; no name holds
---                   a rule version.
+-- KEYS              the call's buckets in the order its requests first name them (e.g.
+--                   rl:{k7}:plan), then the page of each in the same order (see lua/bucket.lua),
+--                   so 2 keys per bucket. A name comes again only under another rule (a reload
+--                   between two requests) or past how far the gateway looks back; the script
+--                   then reads and writes one state for it. In a cluster all keys of one call
+--                   share one hash slot; no name holds a rule version.
 -- ARGV[1]           the clock: -1 reads the store's TIME (the default); any other value is the
 --                   gateway's now in microseconds (`--clock gateway`, for stores that refuse TIME).
 -- ARGV[2]           G, the number of requests in this call.
--- ARGV[2 + g]       n_g, the number of buckets of request g (g = 1..G); the n_g add up to #KEYS.
--- ARGV[3 + G + 7(i-1) ... 9 + G + 7(i-1)], the rule of bucket i (KEYS[i]), in integers:
---   scale           units per whole token
---   refill          units added per microsecond
---   capacity        burst x scale, the most units the bucket holds
---   need            units the request costs here (cost x scale; the gateway caps it at
+-- then for each request in turn: n, its number of buckets, and for each of its buckets either
+--   a bucket met for the first time in this call, the next of KEYS, as 7 integers:
+--     scale         units per whole token (at least 1)
+--     refill        units added per microsecond
+--     capacity      burst x scale, the most units the bucket holds
+--     need          units the request costs here (cost x scale; the gateway caps it at
 --                   capacity + 1, "more than the bucket can ever hold", keeping every number exact)
---   ttl             key expiry in milliseconds, at least b / r
---   shadow          1 if the bucket only observes (never blocks, charged on its own), else 0
---   debt            units a post-paid limit's bucket may owe (max_debt x scale), else 0. A bucket
+--     ttl           key expiry in milliseconds, at least b / r
+--     flags         1 if the bucket only observes (shadow: never blocks, charged on its own), plus
+--                   2 if the call names it again: its state is then kept here between its checks
+--                   and written once, after the last
+--     debt          units a post-paid limit's bucket may owe (max_debt x scale), else 0. A bucket
 --                   in debt is stored empty with its ts ahead, when refill has repaid it; it
 --                   admits nothing before then, and a check leaves the debt where it is
+--   or a bucket met earlier in the call with the same rule, as 2 integers:
+--     -e            minus its place in KEYS
+--     need          as above
+-- The requests of one call are mostly one client's burst on one key: naming its bucket and rule
+-- once rather than once a request saves Redis turning five arguments a check into string objects
+-- and Lua strings, and the script parsing them (benches/README.md "Row R").
 --
 -- Returns an array of integers:
 --   [1]             now: the microseconds this call used (TIME, or ARGV[1])
@@ -42,16 +52,15 @@
 -- probe that the store lets a script read TIME.
 --
 -- The bucket encoding and arithmetic come from lua/bucket.lua, loaded in front of this script.
--- Every bucket is written back on every check, admitted or limited. In a call of several
--- requests a bucket is read from its page once and written once, after the last request: the
--- requests of one call are mostly one client's burst on one key, and the HGET and HSET of each
--- check were about a third of its script time (benches/README.md "Row R"). Later requests read
--- the state the earlier ones left, as they would from the page.
+-- Every bucket is written back on every check, admitted or limited; one the call names again
+-- (flag 2) is read from its page once and written once, after the call's last request: the
+-- HGET and HSET of each check were about a third of its script time (benches/README.md "Row R").
+-- Later requests read the state the earlier ones left, as they would from the page.
 
 local nkeys = #KEYS / 2
 local groups = tonumber(ARGV[2])
-if groups == nil or nkeys % 1 ~= 0 or #ARGV ~= 2 + groups + 7 * nkeys then
-  return redis.error_reply('check.lua: KEYS must be buckets then their pages, ARGV clock, G, G bucket counts and 7 numbers per bucket; got '
+if groups == nil or nkeys % 1 ~= 0 then
+  return redis.error_reply('check.lua: KEYS must be buckets then their pages, ARGV[2] the number of requests; got '
     .. #ARGV .. ' ARGV for ' .. #KEYS .. ' keys')
 end
 
@@ -60,51 +69,121 @@ if now == nil then
   return redis.error_reply('check.lua: ARGV[1] must be -1 or microseconds')
 end
 
-local out = { now }
-local first = 1
--- Buckets named more than once in the call: each one's state after the call's last check of
--- it, as its page would hold it, and what to write back, in the order they were first written.
--- A call of distinct buckets reads and writes as a single request does.
-local none = {}
-local repeated, kept, writes, order = none, none, none, none
-if groups > 1 then
-  repeated, kept, writes, order = {}, {}, {}, {}
-  local seen = {}
-  for i = 1, nkeys do
-    local key = KEYS[i]
-    if seen[key] then
-      repeated[key] = true
+local function bad(what)
+  return redis.error_reply('check.lua: ' .. what .. ' (' .. #ARGV .. ' ARGV for ' .. #KEYS .. ' keys)')
+end
+
+-- The layout, read through before anything is checked: a call whose requests and buckets don't
+-- add up changes nothing. (A rule that is not numbers is found where it is read; the gateway
+-- sends only integers.)
+do
+  local p, sent = 3, 0
+  for _ = 1, groups do
+    local n = tonumber(ARGV[p])
+    if n == nil or n < 0 then
+      return bad('a request\'s bucket count is missing or negative')
     end
-    seen[key] = true
+    p = p + 1
+    for _ = 1, n do
+      local first = tonumber(ARGV[p])
+      if first == nil then
+        return bad('a bucket is missing or not a number')
+      elseif first < 0 then
+        if -first > sent then
+          return bad('bucket ' .. first .. ' names no bucket before it')
+        end
+        p = p + 2
+      else
+        sent = sent + 1
+        p = p + 7
+      end
+    end
+  end
+  if sent > nkeys then
+    return bad('the requests name more buckets than KEYS holds')
+  end
+  if p ~= #ARGV + 1 or sent ~= nkeys then
+    return bad('ARGV and KEYS do not hold the same buckets')
   end
 end
-for g = 1, groups do
-  local n = tonumber(ARGV[2 + g])
-  local last = first + n - 1
-  if n < 0 or last > nkeys then
-    return redis.error_reply('check.lua: the bucket counts add up to more than the buckets in KEYS')
-  end
+
+local out = { now }
+-- Where each bucket's rule starts in ARGV, in KEYS order.
+local rule_at = {}
+-- Only a call that names a bucket again makes the tables below. `kept` maps each name kept
+-- between checks (flag 2) to its state as the page would hold it after the call's checks so far:
+-- what its page held (false when nothing, or a value these scripts did not write) until the
+-- call's first write, then true with the numbers in k_t, k_ts, k_scale and its page and ttl
+-- for the write after the last request; `order` lists those names in the order first written.
+-- r_* hold the numbers of rules met before, so a repeat parses none.
+local none = {}
+local kept, order = none, none
+local k_t, k_ts, k_scale, k_page, k_ttl = none, none, none, none, none
+local r_scale, r_refill, r_cap, r_flags, r_debt = none, none, none, none, none
+local at = 3
+local es, scales, flagss, needs, tokens, waits, oweds = {}, {}, {}, {}, {}, {}, {}
+for _ = 1, groups do
+  local n = tonumber(ARGV[at])
+  at = at + 1
 
   -- bucket.rs `check_all`, first pass: every bucket refilled to now and measured.
   local admitted, corrupt = true, false
-  local tokens, waits, oweds = {}, {}, {}
-  for i = first, last do
-    local a = 2 + groups + 7 * (i - 1)
-    local scale = tonumber(ARGV[a + 1])
-    local refill = tonumber(ARGV[a + 2])
-    local cap = tonumber(ARGV[a + 3])
-    local need = tonumber(ARGV[a + 4])
-
-    local stored = kept[KEYS[i]]
-    if stored == nil then
-      stored = load(KEYS[i], KEYS[nkeys + i], now)
-    end
-    local t = refilled(stored, scale, cap, refill, now)
-    local o = 0
-    if t == nil then
-      corrupt, t = true, cap
+  for j = 1, n do
+    local e, need, scale, refill, cap, flags, debt
+    local first = tonumber(ARGV[at])
+    if first < 0 then
+      e, need = -first, tonumber(ARGV[at + 1])
+      if need == nil then
+        return bad('the need of bucket ' .. e .. ' is not a number')
+      end
+      if r_scale[e] ~= nil then
+        scale, refill, cap, flags, debt = r_scale[e], r_refill[e], r_cap[e], r_flags[e], r_debt[e]
+      else
+        -- Sent without flag 2: checked as a bucket of its own, read from the page its last
+        -- check wrote.
+        local a = rule_at[e]
+        scale, refill, cap = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+        flags, debt = tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
+      end
+      at = at + 2
     else
-      o = owed(stored, tonumber(ARGV[a + 7]), now)
+      e = #rule_at + 1
+      rule_at[e] = at
+      scale, refill, cap = first, tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2])
+      need, flags, debt = tonumber(ARGV[at + 3]), tonumber(ARGV[at + 5]), tonumber(ARGV[at + 6])
+      if refill == nil or cap == nil or need == nil or flags == nil or debt == nil then
+        return bad('the rule of bucket ' .. e .. ' is not numbers')
+      end
+      if flags >= 2 then
+        if kept == none then
+          kept, order = {}, {}
+          k_t, k_ts, k_scale, k_page, k_ttl = {}, {}, {}, {}, {}
+          r_scale, r_refill, r_cap, r_flags, r_debt = {}, {}, {}, {}, {}
+        end
+        r_scale[e], r_refill[e], r_cap[e], r_flags[e], r_debt[e] = scale, refill, cap, flags, debt
+      end
+      at = at + 7
+    end
+
+    local key = KEYS[e]
+    local stored = kept[key]
+    if stored == nil then
+      stored = load(key, KEYS[nkeys + e], now)
+      if flags >= 2 then
+        kept[key] = stored
+      end
+    end
+    local t, o
+    if stored == true then
+      t = refill_numbers(k_t[key], k_ts[key], k_scale[key], scale, cap, refill, now)
+      o = owed_numbers(k_t[key], k_ts[key], debt, now)
+    else
+      t, o = refilled(stored, scale, cap, refill, now), 0
+      if t == nil then
+        corrupt, t = true, cap
+      else
+        o = owed(stored, debt, now)
+      end
     end
 
     -- bucket.rs `wait_owing_us`.
@@ -116,15 +195,16 @@ for g = 1, groups do
     else
       w = o + div_ceil(need - t, refill)
     end
-    tokens[i], waits[i], oweds[i] = t, w, o
-    if w ~= 0 and ARGV[a + 6] ~= '1' then
+    es[j], scales[j], flagss[j], needs[j] = e, scale, flags, need
+    tokens[j], waits[j], oweds[j] = t, w, o
+    if w ~= 0 and flags % 2 == 0 then
       admitted = false
     end
   end
 
   if corrupt then
     out[#out + 1] = -1
-    for _ = first, last do
+    for _ = 1, n do
       out[#out + 1] = 0
       out[#out + 1] = 0
     end
@@ -132,36 +212,29 @@ for g = 1, groups do
     -- Second pass: enforced buckets are charged only together, shadow ones on their own; every
     -- bucket is written back either way.
     out[#out + 1] = admitted and 1 or 0
-    for i = first, last do
-      local a = 2 + groups + 7 * (i - 1)
-      local t = tokens[i]
-      if waits[i] == 0 and (admitted or ARGV[a + 6] == '1') then
-        t = t - tonumber(ARGV[a + 4])
+    for j = 1, n do
+      local e, t, scale = es[j], tokens[j], scales[j]
+      local a = rule_at[e]
+      if waits[j] == 0 and (admitted or flagss[j] % 2 == 1) then
+        t = t - needs[j]
       end
-      local key, ts, scale = KEYS[i], now + oweds[i], tonumber(ARGV[a + 1])
-      if repeated[key] then
-        local w = writes[key]
-        if w == nil then
-          w = {}
-          writes[key] = w
+      local key, ts = KEYS[e], now + oweds[j]
+      -- A name kept earlier in the call stays kept, whatever this entry's flags say.
+      if kept[key] ~= nil then
+        if kept[key] ~= true then
+          kept[key] = true
           order[#order + 1] = key
         end
-        w[1], w[2], w[3], w[4], w[5] = KEYS[nkeys + i], t, ts, scale, ARGV[a + 5]
-        kept[key] = pack(STATE, t, ts, scale)
+        k_t[key], k_ts[key], k_scale[key], k_page[key], k_ttl[key] = t, ts, scale, KEYS[nkeys + e], ARGV[a + 4]
       else
-        save(key, KEYS[nkeys + i], t, ts, scale, ARGV[a + 5], now)
+        save(key, KEYS[nkeys + e], t, ts, scale, ARGV[a + 4], now)
       end
       out[#out + 1] = t
-      out[#out + 1] = waits[i]
+      out[#out + 1] = waits[j]
     end
   end
-  first = last + 1
-end
-if first ~= nkeys + 1 then
-  return redis.error_reply('check.lua: the bucket counts add up to less than the buckets in KEYS')
 end
 for _, key in ipairs(order) do
-  local w = writes[key]
-  save(key, w[1], w[2], w[3], w[4], w[5], now)
+  save(key, k_page[key], k_t[key], k_ts[key], k_scale[key], k_ttl[key], now)
 end
 return out

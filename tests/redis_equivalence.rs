@@ -154,9 +154,17 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u
         } else {
             1
         };
-        let batches: Vec<Vec<CheckItem>> = (0..requests)
-            .map(|_| random_batch(&mut rng, &keys, &rules))
-            .collect();
+        // Now and then a rule changes between two requests of one call (a reload while they
+        // queued): the call then names one bucket under two rules.
+        let mut batches: Vec<Vec<CheckItem>> = Vec::with_capacity(requests);
+        for r in 0..requests {
+            if r > 0 && rng.random_range(0..4) == 0 {
+                let i = rng.random_range(0..BUCKETS);
+                rules[i] = random_params(&mut rng);
+                changes += 1;
+            }
+            batches.push(random_batch(&mut rng, &keys, &rules));
+        }
         if let Some(c) = clock {
             move_clock(&mut rng, c);
         }

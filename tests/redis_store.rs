@@ -464,6 +464,63 @@ async fn a_failed_call_is_a_store_error() {
     running.shutdown().await;
 }
 
+/// A call whose requests and buckets `lua/check.lua` cannot make add up answers an error that
+/// names the fault and changes nothing: a reference to no bucket before it, more buckets than
+/// KEYS, values left over, a request short of its buckets. A reference to a bucket sent without flag 2 is read from its page.
+#[test]
+fn a_call_the_script_cannot_read_changes_nothing() {
+    let redis = RedisServer::start();
+    let script = tollgate_store::redis::SCRIPT;
+    let page = tollgate_store::page::page_of("rl:{bad}:a");
+    let eval = |keys: &[&str], argv: &[&str]| {
+        let n = keys.len().to_string();
+        let mut cmd = vec!["EVAL", script, &n];
+        cmd.extend(keys);
+        // The gateway's clock, so that no refill comes between calls.
+        cmd.push("1000000");
+        cmd.extend(argv);
+        redis.cli(&cmd)
+    };
+    let one = ["rl:{bad}:a", page.as_str()];
+    // scale, refill, capacity (10 tokens), need (1 token), ttl, flags, debt.
+    let full = |flags: &'static str| ["1000", "1", "10000", "1000", "10000", flags, "0"];
+    let call = |requests: &[&[&str]]| {
+        let g = requests.len().to_string();
+        let mut argv = vec![g.as_str()];
+        for r in requests {
+            argv.extend(*r);
+        }
+        eval(&one, &argv)
+    };
+    let first = |flags| {
+        let mut r = vec!["1"];
+        r.extend(full(flags));
+        r
+    };
+    let (plain, keep) = (first("0"), first("2"));
+
+    let out = eval(&[], &["1", "1", "-1", "1000"]);
+    assert!(out.contains("names no bucket before it"), "{out}");
+    let out = call(&[&plain, &plain]);
+    assert!(out.contains("more buckets than KEYS holds"), "{out}");
+    let out = call(&[&plain, &["1", "-1", "1000", "7"]]);
+    assert!(out.contains("do not hold the same buckets"), "{out}");
+    let out = call(&[&plain, &["2", "-1", "1000"]]);
+    assert!(out.contains("a bucket is missing"), "{out}");
+    assert_eq!(redis.cli(&["HLEN", &page]), "0", "a refused call wrote");
+
+    let answers = |out: &str| out.lines().skip(1).map(str::to_string).collect::<Vec<_>>();
+    let out = call(&[&plain, &["1", "-1", "1000"]]);
+    assert_eq!(answers(&out), ["1", "9000", "0", "1", "8000", "0"], "{out}");
+    let out = call(&[&keep, &["1", "-1", "1000"], &["1", "-1", "2000"]]);
+    assert_eq!(
+        answers(&out),
+        ["1", "7000", "0", "1", "6000", "0", "1", "4000", "0"],
+        "{out}"
+    );
+    assert_eq!(redis.cli(&["HLEN", &page]), "1");
+}
+
 /// While the store is behind, queued checks share calls, each still checked on its own; a check
 /// whose caller gave up while it waited is never sent, so it charges nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

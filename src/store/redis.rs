@@ -58,8 +58,13 @@ pub(crate) const REFUND_SCRIPT: &str = concat!(
     include_str!("../../lua/refund.lua")
 );
 
-/// ARGV per bucket: scale, refill, capacity, need, ttl, shadow, debt.
+/// ARGV of a bucket sent in full: scale, refill, capacity, need, ttl, flags, debt.
 pub(crate) const ARGS_PER_BUCKET: usize = 7;
+/// Where the need and the flags are among a bucket's [`ARGS_PER_BUCKET`].
+const NEED: usize = 3;
+const FLAGS: usize = 5;
+/// The flag that tells the script the call names the bucket again (1 is shadow).
+const KEEP: i64 = 2;
 
 /// Calls out at once; checks that queue while every slot is taken share the next call. A few
 /// keep the connection busy without making a lone check wait for another's round trip.
@@ -626,24 +631,7 @@ impl Shared {
     async fn call(&self, requests: Vec<Pending>) {
         self.calls.fetch_add(1, Ordering::Relaxed);
         self.checks.fetch_add(requests.len() as u64, Ordering::Relaxed);
-        let build = || {
-            let nkeys: usize = requests.iter().map(|r| r.keys.len()).sum();
-            let mut keys = Vec::with_capacity(2 * nkeys);
-            let mut args = Vec::with_capacity(2 + requests.len() + ARGS_PER_BUCKET * nkeys);
-            args.push(Value::Integer(self.clock_arg()));
-            args.push(Value::Integer(requests.len() as i64));
-            for r in &requests {
-                args.push(Value::Integer(r.keys.len() as i64));
-            }
-            for r in &requests {
-                keys.extend(r.keys.iter().cloned());
-                args.extend(r.args.iter().map(|&v| Value::Integer(v)));
-            }
-            for r in &requests {
-                keys.extend(r.pages.iter().cloned());
-            }
-            (keys, args)
-        };
+        let build = || encode_call(self.clock_arg(), &requests);
         let reply = self.eval(build).await;
         let sizes: SmallVec<[usize; 16]> = requests.iter().map(|r| r.keys.len()).collect();
         match reply
@@ -662,6 +650,61 @@ impl Shared {
             }
         }
     }
+}
+
+/// How many earlier buckets of a call a bucket is compared with to find its repeat. The
+/// requests that share a call are mostly one client's burst, whose buckets are among the first
+/// few; a bucket past these is sent as new, which the script reads and writes correctly, only
+/// at the cost of its rule's arguments.
+const REPEAT_SCAN: usize = 32;
+
+/// KEYS and ARGV of one `lua/check.lua` call for `requests` (the script's header has the
+/// layout): a bucket that an earlier request of the call named with the same rule is sent as a
+/// reference to it and its need, and the first is flagged to be kept between checks.
+fn encode_call(clock: i64, requests: &[Pending]) -> (Vec<Key>, Vec<Value>) {
+    let nbuckets: usize = requests.iter().map(|r| r.keys.len()).sum();
+    let mut keys = Vec::with_capacity(2 * nbuckets);
+    let mut pages = Vec::with_capacity(nbuckets);
+    let mut args = Vec::with_capacity(2 + requests.len() + ARGS_PER_BUCKET * nbuckets);
+    args.push(Value::Integer(clock));
+    args.push(Value::Integer(requests.len() as i64));
+    // Each bucket sent in full: where its flags are in `args`, and its numbers.
+    let mut sent: SmallVec<[(usize, &[i64]); 8]> = SmallVec::new();
+    for r in requests {
+        args.push(Value::Integer(r.keys.len() as i64));
+        let buckets = r
+            .keys
+            .iter()
+            .zip(&r.pages)
+            .zip(r.args.chunks_exact(ARGS_PER_BUCKET));
+        for ((key, page), rule) in buckets {
+            let need = rule[NEED];
+            let mut repeat = None;
+            for (e, &(flags_at, first)) in sent.iter().enumerate().take(REPEAT_SCAN) {
+                if keys[e] != *key {
+                    continue;
+                }
+                // Named again: kept between its checks, whatever the rule.
+                args[flags_at] = Value::Integer(first[FLAGS] | KEEP);
+                let same = |i: usize| i == NEED || first[i] == rule[i];
+                if (0..ARGS_PER_BUCKET).all(same) {
+                    repeat = Some(e);
+                    break;
+                }
+            }
+            match repeat {
+                Some(e) => args.extend([Value::Integer(-(e as i64 + 1)), Value::Integer(need)]),
+                None => {
+                    sent.push((args.len() + FLAGS, rule));
+                    keys.push(key.clone());
+                    pages.push(page.clone());
+                    args.extend(rule.iter().map(|&v| Value::Integer(v)));
+                }
+            }
+        }
+    }
+    keys.extend(pages);
+    (keys, args)
 }
 
 /// The queue: checks that found every call slot taken wait here, and go together (per hash
@@ -1106,5 +1149,69 @@ mod tests {
         assert!(parse_reply(&[2], v(&[17, 1, 1, 0])).is_err());
         assert!(parse_reply(&[0], v(&[17, 2])).is_err());
         assert!(parse_reply(&[], Value::Null).is_err());
+    }
+
+    fn item(key: &str, rate: &str, cost: u64, shadow: bool) -> CheckItem {
+        let params = BucketParams::new(tollgate_limit::bucket::Rate::parse(rate).unwrap(), 10).unwrap();
+        let charge = tollgate_limit::bucket::Charge { params, cost, shadow };
+        CheckItem::new(key.into(), charge, 0, super::super::FailurePolicy::Local)
+    }
+
+    fn ints(args: &[Value]) -> Vec<i64> {
+        args.iter().map(|v| int(v).unwrap()).collect()
+    }
+
+    /// A bucket named again with its rule goes as a reference and its need, and its first
+    /// mention is flagged to be kept; under another rule (or as shadow) it goes in full.
+    #[test]
+    fn a_call_names_each_bucket_and_rule_once() {
+        let a = || item("rl:{k}:a", "5/1s", 1, false);
+        let b = item("rl:{k}:b", "5/1s", 2, false);
+        let requests = [
+            vec![a(), b.clone()],
+            vec![item("rl:{k}:a", "5/1s", 3, false)],
+            vec![a()],
+            vec![
+                item("rl:{k}:a", "9/1s", 1, false),
+                item("rl:{k}:b", "5/1s", 2, true),
+            ],
+        ];
+        let pending: Vec<Pending> = requests.iter().map(|r| Pending::new(r, false).0).collect();
+        let (keys, args) = encode_call(-1, &pending);
+        let names: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
+        let (a5, b5, a9) = (
+            &pending[0].args[..7],
+            &pending[0].args[7..],
+            &pending[3].args[..7],
+        );
+        let b_shadow = &pending[3].args[7..];
+        let (page_a, page_b) = (page_of("rl:{k}:a"), page_of("rl:{k}:b"));
+        let (page_a, page_b) = (page_a.as_bytes(), page_b.as_bytes());
+        let want: [&[u8]; 8] = [
+            b"rl:{k}:a",
+            b"rl:{k}:b",
+            b"rl:{k}:a",
+            b"rl:{k}:b",
+            page_a,
+            page_b,
+            page_a,
+            page_b,
+        ];
+        assert_eq!(names, want);
+        let flagged = |rule: &[i64], flags: i64| {
+            let mut r = rule.to_vec();
+            r[FLAGS] = flags;
+            r
+        };
+        let mut want = vec![-1, 4, 2];
+        want.extend(flagged(a5, KEEP));
+        want.extend(flagged(b5, KEEP));
+        want.extend([1, -1, a5[NEED] * 3]);
+        want.extend([1, -1, a5[NEED]]);
+        want.push(2);
+        want.extend(flagged(a9, 0));
+        want.extend(flagged(b_shadow, 1));
+        assert_eq!(ints(&args), want);
+        assert_eq!(b_shadow[FLAGS], 1);
     }
 }
