@@ -23,6 +23,7 @@
 #   6  new TLS connections, concurrent: wrk with `Connection: close`, every connection a full
 #      handshake (benches/wrk/fresh_session.c drops the session wrk would offer back)
 #   7  as 6 with wrk as it is: it offers its last session back, each server resumes it or not
+#   8  as 1, access logs on in all three, each to a file
 #   R  Tollgate on Redis (d) ÷ embedded (c), both as in row 1
 #   L  as R with the plan leased, (l) ÷ (c)
 #
@@ -127,19 +128,19 @@ if [ "$MATRIX" = full ]; then
   cat certs/demo-cert.pem certs/demo-key.pem > "$work/demo.pem"
   gcc -O2 -shared -fPIC -o "$work/fresh_session.so" benches/wrk/fresh_session.c -ldl
 
-  # Pinned (rows 1, 4-7): nginx's TLS instance beside the plain one above, HAProxy with all three
-  # listeners, Tollgate's TLS listener (h2 and HTTP/1.1 by ALPN).
-  NGX_TLS=$(port); NGX_H2=$(port)
-  sed -e "s#__TLS_PORT__#$NGX_TLS#" -e "s#__H2_PORT__#$NGX_H2#" -e "s#__UPSTREAM__#127.0.0.1:$UP#" -e "s#__DIR__#$work#" \
+  # Pinned (rows 1, 4-8): nginx's TLS and logging instance beside the plain one above, HAProxy
+  # with all four listeners, Tollgate's TLS listener (h2 and HTTP/1.1 by ALPN) and a logging one.
+  NGX_TLS=$(port); NGX_H2=$(port); NGX_PL=$(port)
+  sed -e "s#__TLS_PORT__#$NGX_TLS#" -e "s#__H2_PORT__#$NGX_H2#" -e "s#__LOG_PORT__#$NGX_PL#" -e "s#__UPSTREAM__#127.0.0.1:$UP#" -e "s#__DIR__#$work#" \
     -e "s#__CERT__#$PWD/certs/demo-cert.pem#" -e "s#__KEY__#$PWD/certs/demo-key.pem#" benches/nginx/tls.conf > "$work/tls.conf"
   taskset -c 0 nginx -c "$work/tls.conf" -p "$work" & pids+=($!)
   NGX_TLS_PID=$!
   wait_port "$NGX_TLS"
-  HAP=$(port); HAP_TLS=$(port); HAP_H2=$(port)
-  sed -e "s#__PORT__#$HAP#" -e "s#__TLS_PORT__#$HAP_TLS#" -e "s#__H2_PORT__#$HAP_H2#" -e "s#__UPSTREAM__#127.0.0.1:$UP#" \
-    -e "s#__PEM__#$work/demo.pem#g" benches/haproxy/pinned.cfg > "$work/haproxy-pinned.cfg"
+  HAP=$(port); HAP_TLS=$(port); HAP_H2=$(port); HAP_PL=$(port)
+  sed -e "s#__PORT__#$HAP#" -e "s#__TLS_PORT__#$HAP_TLS#" -e "s#__H2_PORT__#$HAP_H2#" -e "s#__LOG_PORT__#$HAP_PL#" \
+    -e "s#__UPSTREAM__#127.0.0.1:$UP#" -e "s#__PEM__#$work/demo.pem#g" benches/haproxy/pinned.cfg > "$work/haproxy-pinned.cfg"
   haproxy -c -q -f "$work/haproxy-pinned.cfg"
-  taskset -c 0 haproxy -db -f "$work/haproxy-pinned.cfg" >"$work/haproxy-pinned.out" 2>&1 & pids+=($!)
+  taskset -c 0 haproxy -db -f "$work/haproxy-pinned.cfg" >"$work/haproxy-pinned-access.log" 2>"$work/haproxy-pinned.err" & pids+=($!)
   HAP_PID=$!
   wait_port "$HAP"
   start_tg tls --tls-cert certs/demo-cert.pem --tls-key certs/demo-key.pem
@@ -164,8 +165,10 @@ if [ "$MATRIX" = full ]; then
   # `--access-log-format`); older binaries write their event line (TOLLGATE_LOG=info).
   if "$TG" serve --help | grep -q -- --access-log-format; then
     TG_PIN='' TG_THREADS='' start_tg thrlog --access-log-format combined
+    start_tg pinlog --access-log-format combined
   else
     TG_PIN='' TG_THREADS='' TG_LOG=info start_tg thrlog
+    TG_LOG=info start_tg pinlog
   fi
 
   NW=$(workers "$NGX_PID"); NTW=$(workers "$NGX_TLS_PID"); NTHW=$(workers "$NGX_T_PID")
@@ -181,6 +184,9 @@ if [ "$MATRIX" = full ]; then
   def_case 3t wrk '' 2 "http://127.0.0.1:$thrlog_PORT$O" "$thrlog_PID" "$work/thrlog.err"
   def_case 3n wrk '' 2 "http://127.0.0.1:$NGX_TL$O" "$NTHW" "$work/nginx-access.log"
   def_case 3h wrk '' 2 "http://127.0.0.1:$HAP_TL$O" "$HAP_T_PID" "$work/haproxy-access.log"
+  def_case 8t wrk 1 1 "http://127.0.0.1:$pinlog_PORT$O" "$pinlog_PID" "$work/pinlog.err"
+  def_case 8n wrk 1 1 "http://127.0.0.1:$NGX_PL$O" "$NTW" "$work/nginx-pinned-access.log"
+  def_case 8h wrk 1 1 "http://127.0.0.1:$HAP_PL$O" "$HAP_PID" "$work/haproxy-pinned-access.log"
   for row in 4:wrk 5:h2 6:close 7:resume; do
     r=${row%%:*}; tool=${row#*:}
     tp=$NGX_TLS; hp=$HAP_TLS
@@ -189,7 +195,7 @@ if [ "$MATRIX" = full ]; then
     def_case "${r}n" "$tool" 1 1 "https://127.0.0.1:$tp$O" "$NTW"
     def_case "${r}h" "$tool" 1 1 "https://127.0.0.1:$hp$O" "$HAP_PID"
   done
-  CASES="1t 1n 1h 1d 1l 2t 2n 2h 3t 3n 3h 4t 4n 4h 5t 5n 5h 6t 6n 6h 7t 7n 7h"
+  CASES="1t 1n 1h 1d 1l 2t 2n 2h 3t 3n 3h 4t 4n 4h 5t 5n 5h 6t 6n 6h 7t 7n 7h 8t 8n 8h"
 else
   start_tg general --no-express
   CASES="a b c d e h l"
@@ -293,6 +299,7 @@ table = [
     ("5", "h2 over TLS, 1 core", f"h2load -t1 -c{conns} -m10", 1.05),
     ("6", "new TLS connections/s, full handshakes, 1 core", f"wrk -c{conns} `Connection: close`", 1.0),
     ("7", "new TLS connections/s, session offered back, 1 core", f"wrk -c{conns} `Connection: close`", None),
+    ("8", "1 core each, access logs on in all three", f"wrk -t1 -c{conns}, keep-alive", 1.05),
 ]
 print(f"Rounds: {rounds} × {dur} s per case, alternating order; medians of rounds.\n")
 print("| row | load | Tollgate req/s | nginx req/s | HAProxy req/s | ÷ nginx | ÷ HAProxy | goal | ÷ nginx per round | ÷ HAProxy per round |")
@@ -326,7 +333,7 @@ for row, what, _, _ in table + extra:
     us = [f"{cpu(i):.1f}" for i in ids] + [""] * (3 - len(ids))
     bad = "/".join(str(sum(int(r[6]) for r in runs(i))) for i in ids)
     errs = "/".join(str(sum(int(r[7]) for r in runs(i))) for i in ids)
-    logs = "/".join(f"{sum(int(r[9]) for r in runs(i)) / max(1, sum(int(r[5]) for r in runs(i))):.2f}" for i in ids) if row == "3" else "–"
+    logs = "/".join(f"{sum(int(r[9]) for r in runs(i)) / max(1, sum(int(r[5]) for r in runs(i))):.2f}" for i in ids) if row in ("3", "8") else "–"
     print(f"| {what if row in ('1d', '1l') else row + '. ' + what} | {' | '.join(us)} | {bad} | {errs} | {logs} |")
 PY
   exit 0
