@@ -32,7 +32,7 @@
 --     debt          units a post-paid limit's bucket may owe (max_debt x scale), else 0. A bucket
 --                   in debt is stored empty with its ts ahead, when refill has repaid it; it
 --                   admits nothing before then, and a check leaves the debt where it is
---   or a bucket met earlier in the call with the same rule, as 2 integers:
+--   or a bucket sent earlier in the call with flag 2, again with the same rule, as 2 integers:
 --     -e            minus its place in KEYS
 --     need          as above
 -- The requests of one call are mostly one client's burst on one key: naming its bucket and rule
@@ -73,11 +73,14 @@ local function bad(what)
   return redis.error_reply('check.lua: ' .. what .. ' (' .. #ARGV .. ' ARGV for ' .. #KEYS .. ' keys)')
 end
 
--- The layout, read through before anything is checked: a call whose requests and buckets don't
--- add up changes nothing. (A rule that is not numbers is found where it is read; the gateway
+-- A call of several requests has its layout read through before anything is checked, so a call
+-- whose requests and buckets don't add up changes nothing; a call of one request finds out
+-- before its one write pass. (A rule that is not numbers is found where it is read; the gateway
 -- sends only integers.)
-do
-  local p, sent = 3, 0
+if groups == 0 and (#ARGV ~= 2 or nkeys ~= 0) then
+  return bad('a call of no requests names buckets')
+elseif groups > 1 then
+  local p, sent, flags_at = 3, 0, {}
   for _ = 1, groups do
     local n = tonumber(ARGV[p])
     if n == nil or n < 0 then
@@ -89,12 +92,17 @@ do
       if first == nil then
         return bad('a bucket is missing or not a number')
       elseif first < 0 then
-        if -first > sent then
-          return bad('bucket ' .. first .. ' names no bucket before it')
+        local f = flags_at[-first]
+        if f ~= true then
+          if f == nil or (tonumber(ARGV[f]) or 0) < 2 then
+            return bad('bucket ' .. first .. ' names no bucket before it with flag 2')
+          end
+          flags_at[-first] = true
         end
         p = p + 2
       else
         sent = sent + 1
+        flags_at[sent] = p + 5
         p = p + 7
       end
     end
@@ -108,59 +116,63 @@ do
 end
 
 local out = { now }
--- Where each bucket's rule starts in ARGV, in KEYS order.
-local rule_at = {}
+-- How many buckets have been sent in full so far: the last one's place in KEYS.
+local sent = 0
 -- Only a call that names a bucket again makes the tables below. `kept` maps each name kept
 -- between checks (flag 2) to its state as the page would hold it after the call's checks so far:
 -- what its page held (false when nothing, or a value these scripts did not write) until the
 -- call's first write, then true with the numbers in k_t, k_ts, k_scale and its page and ttl
 -- for the write after the last request; `order` lists those names in the order first written.
--- r_* hold the numbers of rules met before, so a repeat parses none.
+-- r_* hold the rules of the buckets with flag 2, so a repeat parses none.
 local none = {}
 local kept, order = none, none
 local k_t, k_ts, k_scale, k_page, k_ttl = none, none, none, none, none
-local r_scale, r_refill, r_cap, r_flags, r_debt = none, none, none, none, none
+local r_scale, r_refill, r_cap, r_flags, r_debt, r_at = none, none, none, none, none, none
+-- The current request's buckets between the two passes, 8 values each: e, scale, flags, need,
+-- tokens, wait, owed and where the rule is in ARGV. One table, made at its first bucket's size:
+-- a call's tables are a good part of a one-check call's time.
+local cur = { 0, 0, 0, 0, 0, 0, 0, 0 }
 local at = 3
-local es, scales, flagss, needs, tokens, waits, oweds = {}, {}, {}, {}, {}, {}, {}
 for _ = 1, groups do
   local n = tonumber(ARGV[at])
+  if n == nil or n < 0 then
+    return bad('a request\'s bucket count is missing or negative')
+  end
   at = at + 1
 
   -- bucket.rs `check_all`, first pass: every bucket refilled to now and measured.
   local admitted, corrupt = true, false
-  for j = 1, n do
-    local e, need, scale, refill, cap, flags, debt
+  for j = 0, n - 1 do
+    local e, need, scale, refill, cap, flags, debt, a
     local first = tonumber(ARGV[at])
-    if first < 0 then
+    if first == nil then
+      return bad('a bucket is missing or not a number')
+    elseif first < 0 then
       e, need = -first, tonumber(ARGV[at + 1])
-      if need == nil then
+      if r_scale[e] == nil then
+        return bad('bucket ' .. first .. ' names no bucket before it with flag 2')
+      elseif need == nil then
         return bad('the need of bucket ' .. e .. ' is not a number')
       end
-      if r_scale[e] ~= nil then
-        scale, refill, cap, flags, debt = r_scale[e], r_refill[e], r_cap[e], r_flags[e], r_debt[e]
-      else
-        -- Sent without flag 2: checked as a bucket of its own, read from the page its last
-        -- check wrote.
-        local a = rule_at[e]
-        scale, refill, cap = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
-        flags, debt = tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
-      end
+      scale, refill, cap, flags, debt, a = r_scale[e], r_refill[e], r_cap[e], r_flags[e], r_debt[e], r_at[e]
       at = at + 2
     else
-      e = #rule_at + 1
-      rule_at[e] = at
+      sent = sent + 1
+      e, a = sent, at
       scale, refill, cap = first, tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2])
       need, flags, debt = tonumber(ARGV[at + 3]), tonumber(ARGV[at + 5]), tonumber(ARGV[at + 6])
-      if refill == nil or cap == nil or need == nil or flags == nil or debt == nil then
+      if e > nkeys then
+        return bad('the requests name more buckets than KEYS holds')
+      elseif refill == nil or cap == nil or need == nil or flags == nil or debt == nil then
         return bad('the rule of bucket ' .. e .. ' is not numbers')
       end
       if flags >= 2 then
         if kept == none then
           kept, order = {}, {}
           k_t, k_ts, k_scale, k_page, k_ttl = {}, {}, {}, {}, {}
-          r_scale, r_refill, r_cap, r_flags, r_debt = {}, {}, {}, {}, {}
+          r_scale, r_refill, r_cap, r_flags, r_debt, r_at = {}, {}, {}, {}, {}, {}
         end
-        r_scale[e], r_refill[e], r_cap[e], r_flags[e], r_debt[e] = scale, refill, cap, flags, debt
+        r_scale[e], r_refill[e], r_cap[e], r_flags[e], r_debt[e], r_at[e] = scale, refill, cap, flags, debt, at
       end
       at = at + 7
     end
@@ -173,16 +185,21 @@ for _ = 1, groups do
         kept[key] = stored
       end
     end
-    local t, o
+    -- bucket.rs `refill` and `owed_us` of what the page holds: a missing bucket starts full.
+    local t, o, s_t, s_ts, s_scale = nil, 0, nil, nil, nil
     if stored == true then
-      t = refill_numbers(k_t[key], k_ts[key], k_scale[key], scale, cap, refill, now)
-      o = owed_numbers(k_t[key], k_ts[key], debt, now)
+      s_t, s_ts, s_scale = k_t[key], k_ts[key], k_scale[key]
+    elseif not stored then
+      t = cap
+    elseif #stored == 18 then
+      s_t, s_ts, s_scale = unpack(STATE, stored)
     else
-      t, o = refilled(stored, scale, cap, refill, now), 0
-      if t == nil then
-        corrupt, t = true, cap
-      else
-        o = owed(stored, debt, now)
+      corrupt, t = true, cap
+    end
+    if t == nil then
+      t = refill_numbers(s_t, s_ts, s_scale, scale, cap, refill, now)
+      if debt > 0 then
+        o = owed_numbers(s_t, s_ts, debt, now)
       end
     end
 
@@ -195,11 +212,15 @@ for _ = 1, groups do
     else
       w = o + div_ceil(need - t, refill)
     end
-    es[j], scales[j], flagss[j], needs[j] = e, scale, flags, need
-    tokens[j], waits[j], oweds[j] = t, w, o
+    local c = 8 * j
+    cur[c + 1], cur[c + 2], cur[c + 3], cur[c + 4] = e, scale, flags, need
+    cur[c + 5], cur[c + 6], cur[c + 7], cur[c + 8] = t, w, o, a
     if w ~= 0 and flags % 2 == 0 then
       admitted = false
     end
+  end
+  if groups == 1 and (at ~= #ARGV + 1 or sent ~= nkeys) then
+    return bad('ARGV and KEYS do not hold the same buckets')
   end
 
   if corrupt then
@@ -212,13 +233,14 @@ for _ = 1, groups do
     -- Second pass: enforced buckets are charged only together, shadow ones on their own; every
     -- bucket is written back either way.
     out[#out + 1] = admitted and 1 or 0
-    for j = 1, n do
-      local e, t, scale = es[j], tokens[j], scales[j]
-      local a = rule_at[e]
-      if waits[j] == 0 and (admitted or flagss[j] % 2 == 1) then
-        t = t - needs[j]
+    for j = 0, n - 1 do
+      local c = 8 * j
+      local e, scale, flags, need = cur[c + 1], cur[c + 2], cur[c + 3], cur[c + 4]
+      local t, w, ts, a = cur[c + 5], cur[c + 6], now + cur[c + 7], cur[c + 8]
+      if w == 0 and (admitted or flags % 2 == 1) then
+        t = t - need
       end
-      local key, ts = KEYS[e], now + oweds[j]
+      local key = KEYS[e]
       -- A name kept earlier in the call stays kept, whatever this entry's flags say.
       if kept[key] ~= nil then
         if kept[key] ~= true then
@@ -230,7 +252,7 @@ for _ = 1, groups do
         save(key, KEYS[nkeys + e], t, ts, scale, ARGV[a + 4], now)
       end
       out[#out + 1] = t
-      out[#out + 1] = waits[j]
+      out[#out + 1] = w
     end
   end
 end

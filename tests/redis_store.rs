@@ -503,19 +503,32 @@ fn a_call_the_script_cannot_read_changes_nothing() {
     assert!(out.contains("names no bucket before it"), "{out}");
     let out = call(&[&plain, &plain]);
     assert!(out.contains("more buckets than KEYS holds"), "{out}");
-    let out = call(&[&plain, &["1", "-1", "1000", "7"]]);
+    let out = call(&[&keep, &["1", "-1", "1000", "7"]]);
     assert!(out.contains("do not hold the same buckets"), "{out}");
-    let out = call(&[&plain, &["2", "-1", "1000"]]);
+    let out = call(&[&keep, &["2", "-1", "1000"]]);
     assert!(out.contains("a bucket is missing"), "{out}");
+    let out = call(&[&plain, &["1", "-1", "1000"]]);
+    assert!(out.contains("names no bucket before it with flag 2"), "{out}");
+    let out = eval(&one, &["0"]);
+    assert!(out.contains("a call of no requests names buckets"), "{out}");
+    let mut twice = plain.clone();
+    twice[0] = "2";
+    twice.extend(["-1", "1000"]);
+    let out = call(&[&twice]);
+    assert!(out.contains("names no bucket before it with flag 2"), "{out}");
+    let mut short = plain.clone();
+    short.push("5");
+    let out = call(&[&short]);
+    assert!(out.contains("do not hold the same buckets"), "{out}");
     assert_eq!(redis.cli(&["HLEN", &page]), "0", "a refused call wrote");
 
     let answers = |out: &str| out.lines().skip(1).map(str::to_string).collect::<Vec<_>>();
-    let out = call(&[&plain, &["1", "-1", "1000"]]);
-    assert_eq!(answers(&out), ["1", "9000", "0", "1", "8000", "0"], "{out}");
+    let out = call(&[&plain]);
+    assert_eq!(answers(&out), ["1", "9000", "0"], "{out}");
     let out = call(&[&keep, &["1", "-1", "1000"], &["1", "-1", "2000"]]);
     assert_eq!(
         answers(&out),
-        ["1", "7000", "0", "1", "6000", "0", "1", "4000", "0"],
+        ["1", "8000", "0", "1", "7000", "0", "1", "5000", "0"],
         "{out}"
     );
     assert_eq!(redis.cli(&["HLEN", &page]), "1");
