@@ -342,7 +342,9 @@ fn json_mode_reports_a_failed_start_as_json() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_finishes_in_flight_requests_and_refuses_new_ones() {
-    let mut gw = Tollgate::spawn(&["demo", "--drain-timeout", "10s"]);
+    // Four shards, four listeners on one address: the address refuses connections once the
+    // line says it stopped accepting, not once its first listener did.
+    let mut gw = Tollgate::spawn(&["demo", "--drain-timeout", "10s", "--threads", "4"]);
     let url = gw.url("/v1/slow?ms=800");
     let slow = tokio::spawn(async move { Http::new().get(&url, &[("x-api-key", K8)]).await });
     // Signal only once the slow request is in flight.
@@ -383,6 +385,12 @@ async fn sigterm_finishes_in_flight_requests_and_refuses_new_ones() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     assert!(status.success(), "exit status {status:?}: {}", gw.stderr());
+    let lines = gw
+        .stderr()
+        .lines()
+        .filter(|l| l.contains("stopped accepting") && l.contains(&gw.addr.to_string()))
+        .count();
+    assert_eq!(lines, 1, "one line for the address: {}", gw.stderr());
 }
 
 /// A request whose client goes away mid-request is still counted and logged once, on both

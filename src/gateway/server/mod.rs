@@ -190,7 +190,45 @@ pub async fn run_counted<H: Handler>(
 ) -> usize {
     let accepted = counters.accepted.get_or_create(&ShardLabel { shard: 0 }).clone();
     let conns = Conns::new(limits.max_connections, limits.max_connections_per_ip, counters);
-    serve_listener(listener, tls, handler, limits, conns, accepted, shutdown).await
+    let tally = Tally {
+        accepted,
+        closing: Closing::new(1),
+    };
+    serve_listener(listener, tls, handler, limits, conns, tally, shutdown).await
+}
+
+/// What one listener counts: its accepted connections, and its part in its address's closing.
+struct Tally {
+    accepted: Counter,
+    closing: Arc<Closing>,
+}
+
+/// The listeners of one address, one per shard: the last to stop accepting logs that the
+/// address is closed, with every shard's open connections. One line per shard would say it
+/// while the others still accept.
+struct Closing {
+    accepting: std::sync::atomic::AtomicUsize,
+    open: std::sync::atomic::AtomicUsize,
+}
+
+impl Closing {
+    fn new(listeners: usize) -> Arc<Closing> {
+        Arc::new(Closing {
+            accepting: listeners.into(),
+            open: 0.into(),
+        })
+    }
+
+    /// One listener has stopped accepting, with `open` connections still to drain.
+    fn stopped(&self, addr: &str, open: usize) {
+        use std::sync::atomic::Ordering::AcqRel;
+        let all = self.open.fetch_add(open, AcqRel) + open;
+        if self.accepting.fetch_sub(1, AcqRel) == 1 {
+            tracing::info!(%addr, connections = all, "stopped accepting; draining");
+        } else {
+            tracing::debug!(%addr, connections = open, "a shard stopped accepting");
+        }
+    }
 }
 
 /// Listeners bound to one address, one for each shard to accept on by itself
@@ -239,6 +277,7 @@ pub fn run_shards<H: Handler>(
             .clone()
     };
     let conns = Conns::new(limits.max_connections, limits.max_connections_per_ip, counters);
+    let closing = Closing::new(listeners.len());
     let mut listeners = listeners.into_iter();
     let first = listeners
         .next()
@@ -251,6 +290,7 @@ pub fn run_shards<H: Handler>(
             .enable_all()
             .build()?;
         let (tls, handler, conns, stop) = (tls.clone(), handler.clone(), conns.clone(), stop.clone());
+        let closing = closing.clone();
         let accepted = on(shard);
         let (done, ended) = tokio::sync::oneshot::channel();
         std::thread::Builder::new()
@@ -260,10 +300,12 @@ pub fn run_shards<H: Handler>(
                 let open = rt.block_on(async move {
                     match TcpListener::from_std(l) {
                         Ok(l) => {
-                            serve_listener(l, tls, handler, limits, conns, accepted, stopped(stop)).await
+                            let tally = Tally { accepted, closing };
+                            serve_listener(l, tls, handler, limits, conns, tally, stopped(stop)).await
                         }
                         Err(e) => {
                             tracing::error!(shard, error = %e, "a shard cannot take its listener");
+                            closing.stopped("", 0);
                             0
                         }
                     }
@@ -273,7 +315,11 @@ pub fn run_shards<H: Handler>(
         others.push(ended);
     }
     Ok(async move {
-        let mut open = serve_listener(first, tls, handler, limits, conns, on(0), stopped(stop)).await;
+        let tally = Tally {
+            accepted: on(0),
+            closing,
+        };
+        let mut open = serve_listener(first, tls, handler, limits, conns, tally, stopped(stop)).await;
         for ended in others {
             open += ended.await.unwrap_or(0);
         }
@@ -297,7 +343,7 @@ async fn serve_listener<H: Handler>(
     handler: Arc<H>,
     limits: ServerLimits,
     conns: Option<Arc<Conns>>,
-    accepted: Counter,
+    tally: Tally,
     shutdown: impl Future<Output = ()>,
 ) -> usize {
     let graceful = GracefulShutdown::new();
@@ -326,7 +372,7 @@ async fn serve_listener<H: Handler>(
                 }
             },
         };
-        accepted.inc();
+        tally.accepted.inc();
         let slot = match &conns {
             None => None,
             Some(c) => match c.admit(tollgate_rules::identity::canonical(peer.ip())) {
@@ -394,9 +440,8 @@ async fn serve_listener<H: Handler>(
     let addr = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
     drop(listener);
     let _ = stopping.send(true);
-    let open = graceful.count();
     // Which listener: the gateway's, the admin's and the demo upstream's all stop this way.
-    tracing::info!(%addr, connections = open, "stopped accepting; draining");
+    tally.closing.stopped(&addr, graceful.count());
     match tokio::time::timeout(listen.limits.drain_timeout, graceful.shutdown()).await {
         Ok(()) => 0,
         Err(_) => {
