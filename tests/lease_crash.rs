@@ -172,9 +172,16 @@ async fn a_gateway_killed_holding_blocks_has_its_tokens_reclaimed_within_the_rec
         if held > 0 {
             break held;
         }
+        // 30 s, not 10: a clean-clone CI run (debug builds, both cores busy) once saw no
+        // block by 10 s, for a key whose blocks the two others were also asking for.
         assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "the victim never got a block to hold"
+            start.elapsed() < Duration::from_secs(30),
+            "the victim never got a block to hold; its answers since the load stopped: {} admitted of {}",
+            victim_answers
+                .iter()
+                .filter(|(t, s)| *s == 200 && *t >= 3_000_000)
+                .count(),
+            victim_answers.iter().filter(|(t, _)| *t >= 3_000_000).count()
         );
         let a = http.get(&gws[0].url("/v1/orders"), &auth).await;
         victim_answers.push((start.elapsed().as_micros() as u64, a.status.as_u16()));
