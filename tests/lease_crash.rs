@@ -26,6 +26,8 @@ const GATEWAYS: usize = 3;
 /// Request loops per gateway, each at most one request every `PACE`.
 const LOOPS: usize = 2;
 const PACE: Duration = Duration::from_millis(4);
+/// How long every gateway is loaded before the victim's loops stop.
+const LOAD: Duration = Duration::from_secs(3);
 const RATE: &str = "500/1s";
 const BURST: u64 = 1_000;
 const BLOCK: u64 = 100;
@@ -147,7 +149,7 @@ async fn a_gateway_killed_holding_blocks_has_its_tokens_reclaimed_within_the_rec
             loops.push((g, tokio::spawn(request_loop(gw.addr, start, stops[g].clone()))));
         }
     }
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    tokio::time::sleep(LOAD).await;
 
     // The victim stops getting requests (none in flight when it dies) and must hold a block.
     stops[0].store(true, Ordering::Release);
@@ -165,6 +167,7 @@ async fn a_gateway_killed_holding_blocks_has_its_tokens_reclaimed_within_the_rec
     let metrics_url = gws[0].admin_url("/metrics");
     let http = common::Http::new();
     let auth = [("x-api-key", KBIG)];
+    let load_us = LOAD.as_micros() as u64;
     let held = loop {
         let m = http.get(&metrics_url, &[]).await;
         let held =
@@ -179,9 +182,9 @@ async fn a_gateway_killed_holding_blocks_has_its_tokens_reclaimed_within_the_rec
             "the victim never got a block to hold; its answers since the load stopped: {} admitted of {}",
             victim_answers
                 .iter()
-                .filter(|(t, s)| *s == 200 && *t >= 3_000_000)
+                .filter(|(t, s)| *s == 200 && *t >= load_us)
                 .count(),
-            victim_answers.iter().filter(|(t, _)| *t >= 3_000_000).count()
+            victim_answers.iter().filter(|(t, _)| *t >= load_us).count()
         );
         let a = http.get(&gws[0].url("/v1/orders"), &auth).await;
         victim_answers.push((start.elapsed().as_micros() as u64, a.status.as_u16()));
