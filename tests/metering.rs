@@ -96,7 +96,7 @@ fn stream_records(redis: &RedisServer) -> Vec<Record> {
         let is_id = line.split_once('-').is_some_and(|(a, b)| {
             !a.is_empty() && a.bytes().all(|c| c.is_ascii_digit()) && b.bytes().all(|c| c.is_ascii_digit())
         });
-        if is_id && fields.len() % 2 == 0 {
+        if is_id && fields.len().is_multiple_of(2) {
             flush(&mut fields, &mut records);
         } else {
             fields.push(line.to_string());

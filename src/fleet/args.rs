@@ -252,11 +252,10 @@ impl Plan {
                 a.storm_key
             ));
         }
-        if let Some(url) = &a.redis_url {
-            if !(url.starts_with("redis://") || url.starts_with("rediss://") || url.starts_with("valkey://"))
-            {
-                return Err(format!("--redis-url {url:?}: expected redis://HOST:PORT"));
-            }
+        if let Some(url) = &a.redis_url
+            && !(url.starts_with("redis://") || url.starts_with("rediss://") || url.starts_with("valkey://"))
+        {
+            return Err(format!("--redis-url {url:?}: expected redis://HOST:PORT"));
         }
         Ok(Plan {
             gateways: a.gateways,

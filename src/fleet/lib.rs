@@ -332,11 +332,11 @@ async fn one_run(
         log: plan.gateway_log.clone(),
     });
     let gws = start_gateways(spec, plan.gateways, &dir.path).await?;
-    if run.mode == Mode::Central {
-        if let Some(t) = store_full_at {
-            // The last run drained the shared buckets; start this one from full, as the first.
-            sleep_until(t).await;
-        }
+    if run.mode == Mode::Central
+        && let Some(t) = store_full_at
+    {
+        // The last run drained the shared buckets; start this one from full, as the first.
+        sleep_until(t).await;
     }
     let targets: Vec<Target> = gws
         .iter()

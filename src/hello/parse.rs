@@ -285,7 +285,7 @@ impl<'a> Cursor<'a> {
 
     /// The rest as two-byte values, GREASE left out.
     fn u16s(self, what: &'static str) -> Result<Vec<u16>, Unparsed> {
-        if self.0.len() % 2 != 0 {
+        if !self.0.len().is_multiple_of(2) {
             return Err(Unparsed::Malformed(what));
         }
         Ok(self

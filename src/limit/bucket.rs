@@ -81,9 +81,9 @@ impl Rate {
 impl fmt::Display for Rate {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let p = self.period_us;
-        if p % US_PER_S == 0 {
+        if p.is_multiple_of(US_PER_S) {
             write!(f, "{}/{}s", self.tokens, p / US_PER_S)
-        } else if p % 1_000 == 0 {
+        } else if p.is_multiple_of(1_000) {
             write!(f, "{}/{}ms", self.tokens, p / 1_000)
         } else {
             write!(f, "{}/{}us", self.tokens, p)

@@ -172,10 +172,10 @@ impl RedisLedger {
                     ],
                 )
                 .await;
-            if let Err(e) = made {
-                if !e.contains("BUSYGROUP") {
-                    return Err(e);
-                }
+            if let Err(e) = made
+                && !e.contains("BUSYGROUP")
+            {
+                return Err(e);
             }
             ledger.consumer = Some(format!(
                 "meter-{}-{:08x}",

@@ -331,13 +331,12 @@ impl SqliteLedger {
             .optional()
             .map_err(fail)?;
         // As lua/meter_flag.lua: never set back a flag another consumer made from more.
-        if let Some(cur) = cur.and_then(|j| serde_json::from_str::<Flag>(&j).ok()) {
-            if cur.quota == flag.quota
-                && (cur.resets_at_ms > flag.resets_at_ms
-                    || (cur.resets_at_ms == flag.resets_at_ms && cur.used > flag.used))
-            {
-                return Ok(false);
-            }
+        if let Some(cur) = cur.and_then(|j| serde_json::from_str::<Flag>(&j).ok())
+            && cur.quota == flag.quota
+            && (cur.resets_at_ms > flag.resets_at_ms
+                || (cur.resets_at_ms == flag.resets_at_ms && cur.used > flag.used))
+        {
+            return Ok(false);
         }
         crate::sqlite::write_flag(&tx, key, flag).map_err(fail)?;
         tx.commit().map_err(fail)?;

@@ -747,7 +747,7 @@ pub(crate) fn run_trace<R: BufRead>(
         };
         on_row(time_us, &verdicts)?;
         rows += 1;
-        if progress && rows % PROGRESS_EVERY == 0 {
+        if progress && rows.is_multiple_of(PROGRESS_EVERY) {
             match total_bytes {
                 Some(t) if t > 0 => eprintln!(
                     "replay: {} rows ({:.0}%)",

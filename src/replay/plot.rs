@@ -575,9 +575,9 @@ fn tick(v: &f64) -> String {
 
 /// `10ms`, `200ms`, `1s`, `500us`.
 fn duration(us: u64) -> String {
-    if us % US_PER_S == 0 {
+    if us.is_multiple_of(US_PER_S) {
         format!("{}s", us / US_PER_S)
-    } else if us % 1_000 == 0 {
+    } else if us.is_multiple_of(1_000) {
         format!("{}ms", us / 1_000)
     } else {
         format!("{us}us")
