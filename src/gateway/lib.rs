@@ -14,6 +14,7 @@
 //! - [`concurrency`]: an upstream's places for requests in flight: the adaptive limit that
 //!   follows its latency, the static `max_in_flight` ceiling, the place a request holds.
 //! - [`respond`]: every answer the gateway makes itself, in one place.
+//! - [`boxed`]: futures put on the heap without a copy of their whole size on the stack.
 //! - [`bufs`]: read and write buffers lent to busy connections, kept per thread between
 //!   lendings.
 //! - [`proxy`]: the one HTTP/1.1 client to upstreams, its kept connections, the upstream's
@@ -28,6 +29,7 @@
 pub mod access;
 pub mod admin;
 pub mod app;
+pub mod boxed;
 pub mod bufs;
 pub mod concurrency;
 pub mod config;

@@ -77,7 +77,7 @@ pub fn serve<'a, S: LaneIo>(
         loop {
             // Bytes may be there already (a first request sent with the connect, a next one
             // sent before the last answer was read): `busy` tries before anything waits.
-            match Box::pin(busy(gw, &mut io, info, limits, stop, &mut deadline)).await {
+            match crate::boxed::boxed(|| busy(gw, &mut io, info, limits, stop, &mut deadline)).await {
                 Next::Idle => {}
                 Next::Closed => break,
                 Next::HandOff(read) => return Ended::HandOff(Prefixed::new(read, io)),

@@ -587,14 +587,16 @@ impl Gateway {
         let started = Instant::now();
         // Boxed: this future is the largest part of a request's, and boxing it once is cheaper
         // than copying it through every enclosing future.
-        let forwarded = Box::pin(self.proxy.forward(
-            upstream,
-            &b.live.upstreams[f.upstream].pool,
-            &parts,
-            &edits,
-            up_body,
-            f.place.take(),
-        ))
+        let forwarded = crate::boxed::boxed(|| {
+            self.proxy.forward(
+                upstream,
+                &b.live.upstreams[f.upstream].pool,
+                &parts,
+                &edits,
+                up_body,
+                f.place.take(),
+            )
+        })
         .await;
         self.upstream_answered(b, &f, started.elapsed(), forwarded.as_ref().err());
         let mut resp = match forwarded {
@@ -746,7 +748,7 @@ impl Gateway {
                 r
             }
             // Boxed so the future hyper keeps for every request stays small.
-            None => Box::pin(self.route(&mut b, req, conn)).await,
+            None => crate::boxed::boxed(|| self.route(&mut b, req, conn)).await,
         };
         resp.headers_mut()
             .insert(X_REQUEST_ID.clone(), b.request_id.clone());
