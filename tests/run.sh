@@ -20,4 +20,7 @@ fi
 # The house rules first: formatting and lints fail the run before any test does.
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+# The fuzz targets are a workspace of their own (.fuzz/) that only cargo-fuzz runs: check that
+# they still build, in the main target directory so the shared crates are not built twice.
+CARGO_TARGET_DIR=target cargo check --quiet --manifest-path .fuzz/Cargo.toml --bins
 cargo test --workspace --all-targets "$@"
