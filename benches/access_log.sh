@@ -17,7 +17,7 @@ for bin in nginx wrk valgrind python3; do
 done
 . benches/lib.sh
 start_upstream
-sed "s#http://127.0.0.1:8081#http://127.0.0.1:$UP#" rules/bench.json > "$work/rules.json"
+bench_rules "$work/rules.json"
 
 echo "| access line | requests | lines written | instructions / request |"
 echo "|---|---:|---:|---:|"

@@ -18,7 +18,7 @@ done
 
 . benches/lib.sh
 start_upstream
-sed "s#http://127.0.0.1:8081#http://127.0.0.1:$UP#" rules/bench.json > "$work/rules.json"
+bench_rules "$work/rules.json"
 
 # Binaries, each followed by its own flags.
 runs=(); cur=""

@@ -17,7 +17,7 @@ done
 tollgate_bin
 
 start_upstream 1
-sed "s#http://127.0.0.1:8081#http://127.0.0.1:$UP#" rules/bench.json > "$work/rules.json"
+bench_rules "$work/rules.json"
 GP=$(port)
 AP=$(port)
 TOLLGATE_LOG=warn taskset -c 0 "$TG" serve --rules "$work/rules.json" --listen "127.0.0.1:$GP" \

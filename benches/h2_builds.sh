@@ -17,7 +17,7 @@ for t in nginx taskset $([ "$LOAD" = wrk ] && echo wrk || echo h2load); do comma
 . benches/lib.sh
 start_upstream 1
 mkdir -p "$work/rules"
-sed "s#http://127.0.0.1:8081#http://127.0.0.1:$UP#" rules/bench.json > "$work/rules/rules.json"
+bench_rules "$work/rules/rules.json"
 KEY=bench-demo-key
 declare -A PORT PID
 tls=(--tls-cert certs/demo-cert.pem --tls-key certs/demo-key.pem)

@@ -22,6 +22,11 @@ start_upstream() {
   wait_port "$UP"
 }
 
+# bench_rules DEST: rules/bench.json with its upstream pointed at the one start_upstream started.
+bench_rules() {
+  sed "s#http://127.0.0.1:8081#http://127.0.0.1:$UP#" rules/bench.json > "$1"
+}
+
 # tollgate_bin: sets TG, the binary a benchmark measures: TOLLGATE_BIN (a build made elsewhere,
 # another commit's say), else this tree's release build, built now.
 tollgate_bin() {

@@ -21,7 +21,7 @@ start_upstream
 RP=$(port)
 redis-server --port "$RP" --bind 127.0.0.1 --save '' --appendonly no >/dev/null & pids+=($!)
 wait_port "$RP"
-sed "s#http://127.0.0.1:8081#http://127.0.0.1:$UP#" rules/bench.json > "$work/rules.json"
+bench_rules "$work/rules.json"
 
 ports=()
 for i in $(seq "$N"); do

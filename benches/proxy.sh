@@ -74,7 +74,7 @@ wait_port "$RP"
 # The rules in a directory of their own, as /etc/tollgate: the reload watch wakes for every
 # write to any file beside the rules, and the access-log row writes a line a request here.
 mkdir -p "$work/rules"
-sed "s#http://127.0.0.1:8081#http://127.0.0.1:$UP#" rules/bench.json > "$work/rules/rules.json"
+bench_rules "$work/rules/rules.json"
 # The same rules with the plan leased: only keys at 500 a second or more may set its numbers.
 mkdir -p "$work/rules-lease"
 python3 - "$work/rules/rules.json" > "$work/rules-lease/rules.json" <<'PY'

@@ -29,7 +29,7 @@ taskset -c 1 redis-server --port "$RP" --bind 127.0.0.1 --save '' --appendonly n
 REDIS_PID=$!
 wait_port "$RP"
 mkdir -p "$work/rules"
-sed "s#http://127.0.0.1:8081#http://127.0.0.1:$UP#" rules/bench.json > "$work/rules/rules.json"
+bench_rules "$work/rules/rules.json"
 
 CASES="embedded redis"
 [ -n "${BEFORE_BIN:-}" ] && CASES="$CASES redis-before"

@@ -23,7 +23,7 @@ done
 . benches/lib.sh
 tollgate_bin
 start_upstream 1
-sed "s#http://127.0.0.1:8081#http://127.0.0.1:$UP#" rules/bench.json > "$work/rules.json"
+bench_rules "$work/rules.json"
 
 TP=$(port)
 tls=()

@@ -21,7 +21,7 @@ done
 
 . benches/lib.sh
 start_upstream
-sed "s#http://127.0.0.1:8081#http://127.0.0.1:$UP#" rules/bench.json > "$work/rules.json"
+bench_rules "$work/rules.json"
 
 # count NAME PID PORT: the system calls of PID and its threads per request of a wrk run.
 runs=0
