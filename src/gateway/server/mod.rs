@@ -297,6 +297,9 @@ pub fn run_shards<H: Handler>(
             .name(format!("shard-{shard}"))
             .spawn(move || {
                 crate::shard::enter(shard);
+                // Taken first: a listener the runtime refuses still has its part in the
+                // address's closing line, which must name the address.
+                let addr = l.local_addr().map(|a| a.to_string()).unwrap_or_default();
                 let open = rt.block_on(async move {
                     match TcpListener::from_std(l) {
                         Ok(l) => {
@@ -305,7 +308,7 @@ pub fn run_shards<H: Handler>(
                         }
                         Err(e) => {
                             tracing::error!(shard, error = %e, "a shard cannot take its listener");
-                            closing.stopped("", 0);
+                            closing.stopped(&addr, 0);
                             0
                         }
                     }
