@@ -428,7 +428,12 @@ async fn upstream_connections_are_kept_only_while_the_upstream_keeps_them() {
     let base = format!("http://{}", gw.addr);
     let get = |path: &'static str| {
         let (http, url) = (http.clone(), format!("{base}{path}"));
-        async move { http.get(&url, &[("x-api-key", KBIG)]).await }
+        async move {
+            let got = http.get(&url, &[("x-api-key", KBIG)]).await;
+            // A kept connection rests 2 ms after its answer before it carries another request.
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            got
+        }
     };
     for _ in 0..5 {
         assert_eq!(get("/v1/fixed").await.status, 200);

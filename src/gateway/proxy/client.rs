@@ -4,6 +4,12 @@
 //! response head's judgement ([`tollgate_http1::response`]) and the connection's life
 //! ([`super::pool`]) are the same for both, so the two paths can't answer differently.
 //!
+//! On a kept connection, bytes from the upstream before the request was fully written can
+//! only be a response to something else (a stray the pool's checks could not see yet): the
+//! exchange fails with [`Failure::EarlyBytes`] and the connection is closed; they are never
+//! taken for the answer. On a new connection an early answer (a 413 before the body was
+//! read) is the upstream's to give, and is forwarded.
+//!
 //! Retry policy, in one place: a request goes out again, once, on a new connection when it
 //! can't have been acted on twice: the kept connection failed before the request left
 //! (writing the head failed), or it closed before any byte of an answer and the request is
@@ -53,6 +59,9 @@ pub enum Failure {
     /// No response head within the upstream's timeout.
     #[error("no answer in time")]
     TimedOut,
+    /// A kept connection had bytes from the upstream before the request was fully written.
+    #[error("the upstream sent bytes before the request was written; the connection was closed")]
+    EarlyBytes,
 }
 
 impl Failure {
@@ -88,7 +97,9 @@ pub(crate) fn render_request(
     out.extend_from_slice(parts.uri.path_and_query().map_or("/", |p| p.as_str()).as_bytes());
     out.extend_from_slice(b" HTTP/1.1\r\n");
     for (name, value) in &parts.headers {
-        if edits.keeps(name) {
+        // `Expect` is the client's exchange with the gateway, which answered it: an upstream
+        // that answered `100 Continue` too would send bytes while the body is still going out.
+        if edits.keeps(name) && name != http::header::EXPECT {
             header_line(out, name.as_str().as_bytes(), value.as_bytes());
         }
     }
@@ -157,8 +168,12 @@ where
         }
         if let Some(out) = body.as_mut()
             && !out.body.is_end_stream()
+            && let Err(e) = send_body(&mut conn, out, timeout).await
         {
-            send_body(&mut conn, out, timeout).await?;
+            if matches!(e, Failure::EarlyBytes) {
+                pool.stray_seen();
+            }
+            return Err(e);
         }
         match bounded(timeout, read_head(&mut conn, is_head, &mut on_head)).await? {
             Ok(r) => return Ok((conn, r)),
@@ -200,6 +215,9 @@ where
         };
         if data.is_empty() {
             continue;
+        }
+        if conn.reused && super::pool::look(&conn.tcp) == super::pool::Socket::Stray {
+            return Err(Failure::EarlyBytes);
         }
         let tcp = &mut conn.tcp;
         let written = bounded(timeout, async {
@@ -418,9 +436,13 @@ impl UpstreamBody {
     fn finish(&mut self) {
         if let Some(c) = self.conn.take()
             && self.reusable
-            && c.buf.is_empty()
         {
-            self.pool.put(c);
+            if c.buf.is_empty() {
+                self.pool.put(c);
+            } else {
+                // Bytes past the response's end: a response nobody asked for.
+                self.pool.stray_seen();
+            }
         }
         self._permit = None;
         self.seats.clear();

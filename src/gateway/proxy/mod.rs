@@ -157,6 +157,9 @@ pub(crate) fn failure_answer(up: &Upstream, failure: &client::Failure) -> Refusa
             "upstream {name:?} sent a response the gateway can't forward"
         )),
         F::TimedOut => Refusal::GatewayTimeout(format!("upstream {name:?} did not answer in time")),
+        F::EarlyBytes => Refusal::BadGateway(format!(
+            "upstream {name:?} sent bytes before the request was written"
+        )),
         F::ClientStalled => Refusal::RequestTimeout,
         F::ClientBody(e) => match e.downcast_ref::<body::TooLarge>() {
             Some(t) => Refusal::PayloadTooLarge { limit: t.0 },

@@ -288,8 +288,13 @@ async fn busy<S: LaneIo>(
         drop(f);
         match relayed {
             Relayed::Done { clean } => {
-                if clean && shape.reusable {
-                    pool.put(conn);
+                if shape.reusable {
+                    if clean {
+                        pool.put(conn);
+                    } else {
+                        // Bytes past the response's end: a response nobody asked for.
+                        pool.stray_seen();
+                    }
                 }
                 if closing {
                     return Next::Closed;

@@ -1,0 +1,257 @@
+//! An upstream that writes a second response nobody asked for, half a millisecond after a real
+//! one, against real gateway processes on both HTTP/1 paths (the express lane, and hyper's with
+//! `--no-express`). Every answer names the request it answers, so a client that gets another
+//! request's answer, or the stray, is seen at once.
+//!
+//! HTTP/1.1 ties a response to its request only by order on the connection: a stray read as
+//! the next request's answer puts every later answer on that connection one behind.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use common::Tollgate;
+
+/// How long after a real response the upstream writes the stray one.
+const STRAY_AFTER: Duration = Duration::from_micros(500);
+
+struct StrayUpstream {
+    addr: SocketAddr,
+    strays: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for StrayUpstream {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = TcpStream::connect(self.addr);
+    }
+}
+
+/// An upstream on a thread per connection (so the stray's half millisecond is kept to the
+/// microsecond, not a timer wheel's millisecond) that answers every request with its target
+/// and, after every `every`th answer, writes a stray response.
+fn stray_upstream(every: usize) -> StrayUpstream {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let strays = Arc::new(AtomicUsize::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let answered = Arc::new(AtomicUsize::new(0));
+    let (s2, stop2) = (strays.clone(), stop.clone());
+    std::thread::spawn(move || {
+        for conn in l.incoming() {
+            if stop2.load(Ordering::SeqCst) {
+                return;
+            }
+            let Ok(conn) = conn else { continue };
+            let (strays, answered) = (s2.clone(), answered.clone());
+            std::thread::spawn(move || serve(conn, every, &strays, &answered));
+        }
+    });
+    StrayUpstream { addr, strays, stop }
+}
+
+fn serve(mut s: TcpStream, every: usize, strays: &AtomicUsize, answered: &AtomicUsize) {
+    let _ = s.set_nodelay(true);
+    let mut buf = Vec::new();
+    loop {
+        let head = loop {
+            if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&buf[..end + 4]).to_string();
+                buf.drain(..end + 4);
+                break head;
+            }
+            let mut chunk = [0u8; 4096];
+            match s.read(&mut chunk) {
+                Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                _ => return,
+            }
+        };
+        let target = head.split(' ').nth(1).unwrap_or("").to_string();
+        let body = format!("answer to {target}");
+        let answer = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}", body.len());
+        if s.write_all(answer.as_bytes()).is_err() {
+            return;
+        }
+        if (answered.fetch_add(1, Ordering::SeqCst) + 1).is_multiple_of(every) {
+            std::thread::sleep(STRAY_AFTER);
+            let stray = "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-Stray: 1\r\n\r\nSTRAY";
+            if s.write_all(stray.as_bytes()).is_err() {
+                return;
+            }
+            strays.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+fn gateway(up: SocketAddr, express: bool) -> (Tollgate, tempfile::TempDir) {
+    let rules = format!(
+        r#"{{ "version": 1,
+  "upstreams": {{ "stray": {{ "url": "http://{up}", "timeout_ms": 5000 }} }},
+  "routes": [ {{ "method": "GET", "path": "/", "upstream": "stray", "key": "optional" }} ] }}"#
+    );
+    let (dir, path) = common::rules_file(&rules);
+    let mut args = vec!["serve", "--rules", path.to_str().unwrap()];
+    if !express {
+        args.push("--no-express");
+    }
+    (Tollgate::spawn(&args), dir)
+}
+
+fn mode(express: bool) -> &'static str {
+    if express { "express lane" } else { "--no-express" }
+}
+
+/// A keep-alive client that reads each answer by its `Content-Length`.
+struct Client {
+    tcp: TcpStream,
+    buf: Vec<u8>,
+}
+
+impl Client {
+    fn connect(addr: SocketAddr) -> Client {
+        let tcp = TcpStream::connect(addr).unwrap();
+        tcp.set_nodelay(true).unwrap();
+        tcp.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        Client { tcp, buf: Vec::new() }
+    }
+
+    /// Sends `GET path` and returns the status line and the body.
+    fn get(&mut self, path: &str) -> (String, String) {
+        let req = format!("GET {path} HTTP/1.1\r\nHost: tollgate.test\r\n\r\n");
+        self.tcp.write_all(req.as_bytes()).unwrap();
+        let end = loop {
+            if let Some(end) = self.buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break end + 4;
+            }
+            self.fill(path);
+        };
+        let head = String::from_utf8_lossy(&self.buf[..end]).to_string();
+        let length: usize = head
+            .lines()
+            .find_map(|l| {
+                let (n, v) = l.split_once(':')?;
+                n.eq_ignore_ascii_case("content-length")
+                    .then(|| v.trim().parse().ok())?
+            })
+            .unwrap_or_else(|| panic!("{path}: no content-length in {head:?}"));
+        while self.buf.len() < end + length {
+            self.fill(path);
+        }
+        let body = String::from_utf8_lossy(&self.buf[end..end + length]).to_string();
+        self.buf.drain(..end + length);
+        (head.lines().next().unwrap_or("").to_string(), body)
+    }
+
+    fn fill(&mut self, path: &str) {
+        let mut chunk = [0u8; 4096];
+        match self.tcp.read(&mut chunk) {
+            Ok(n) if n > 0 => self.buf.extend_from_slice(&chunk[..n]),
+            other => panic!("{path}: the gateway closed or failed: {other:?}"),
+        }
+    }
+}
+
+/// One client, one request at a time, the next request 2 to 40 ms after an answer: by then the
+/// stray has landed on the kept upstream connection, and the check before reuse must find it in
+/// the socket. A fresh gateway for each gap, since the first stray found makes the gateway stop
+/// keeping that upstream's connections.
+#[test]
+fn a_stray_response_never_answers_a_later_request() {
+    for express in [true, false] {
+        for gap_ms in [2u64, 5, 10, 20, 40] {
+            let up = stray_upstream(1);
+            let (gw, _rules) = gateway(up.addr, express);
+            let mut c = Client::connect(gw.addr);
+            for n in 0..4 {
+                let path = format!("/gap-{gap_ms}/{n}");
+                let (status, body) = c.get(&path);
+                assert_eq!(
+                    (status.as_str(), body.as_str()),
+                    ("HTTP/1.1 200 OK", format!("answer to {path}").as_str()),
+                    "{}, {gap_ms} ms between requests: request {n} got another's answer",
+                    mode(express)
+                );
+                std::thread::sleep(Duration::from_millis(gap_ms));
+            }
+            assert!(
+                up.strays.load(Ordering::SeqCst) >= 3,
+                "{}: the upstream wrote only {} strays",
+                mode(express),
+                up.strays.load(Ordering::SeqCst)
+            );
+            let log = std::fs::read_to_string(&gw.stderr_path).unwrap_or_default();
+            assert!(
+                log.contains("upstream sent a response nobody asked for"),
+                "{}, {gap_ms} ms: no warning names the straying upstream:\n{log}",
+                mode(express)
+            );
+        }
+    }
+}
+
+/// Many clients at once for 20 s against an upstream that strays after every seventh answer:
+/// the gateway reuses connections as fast as it can, and each answer must still be its own.
+#[test]
+fn many_clients_get_only_their_own_answers_from_a_straying_upstream() {
+    const CLIENTS: usize = 8;
+    const FOR: Duration = Duration::from_secs(20);
+    let ups: Vec<StrayUpstream> = (0..2).map(|_| stray_upstream(7)).collect();
+    let gws: Vec<_> = [true, false]
+        .iter()
+        .zip(&ups)
+        .map(|(&express, up)| (express, gateway(up.addr, express)))
+        .collect();
+    let until = Instant::now() + FOR;
+    let results: Vec<(bool, usize, Vec<String>)> = std::thread::scope(|s| {
+        let workers: Vec<_> = gws
+            .iter()
+            .flat_map(|(express, (gw, _))| {
+                (0..CLIENTS).map(move |w| {
+                    let (express, addr) = (*express, gw.addr);
+                    s.spawn(move || {
+                        let mut c = Client::connect(addr);
+                        let mut wrong = Vec::new();
+                        let mut n = 0;
+                        while Instant::now() < until {
+                            let path = format!("/client-{w}/{n}");
+                            let (status, body) = c.get(&path);
+                            if status != "HTTP/1.1 200 OK" || body != format!("answer to {path}") {
+                                wrong.push(format!("{path}: {status} {body:?}"));
+                            }
+                            n += 1;
+                        }
+                        (express, n, wrong)
+                    })
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().unwrap()).collect()
+    });
+    for express in [true, false] {
+        let mine: Vec<_> = results.iter().filter(|r| r.0 == express).collect();
+        let answered: usize = mine.iter().map(|r| r.1).sum();
+        let wrong: Vec<&String> = mine.iter().flat_map(|r| &r.2).collect();
+        let strays = ups[usize::from(!express)].strays.load(Ordering::SeqCst);
+        assert!(
+            wrong.is_empty(),
+            "{}: {} of {answered} answers were not their request's; the first: {:?}",
+            mode(express),
+            wrong.len(),
+            &wrong[..wrong.len().min(5)]
+        );
+        assert!(
+            answered > 1000 && strays > 100,
+            "{}: too little load to show anything: {answered} answers, {strays} strays",
+            mode(express)
+        );
+        eprintln!(
+            "{}: {answered} answers, {strays} strays, none misplaced",
+            mode(express)
+        );
+    }
+}
