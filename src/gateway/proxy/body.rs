@@ -28,6 +28,12 @@ impl LimitedBody {
     pub fn new(inner: Incoming, max: Option<u64>) -> LimitedBody {
         LimitedBody { inner, seen: 0, max }
     }
+
+    /// The client's body, with whatever of it is still to come: an answer made before it was
+    /// read to its end decides what becomes of the rest.
+    pub fn into_inner(self) -> Incoming {
+        self.inner
+    }
 }
 
 impl Body for LimitedBody {

@@ -76,14 +76,15 @@ impl Proxy {
     /// Sends a request to `up` (its head already retargeted) and returns the response with
     /// the upstream's body streaming behind it. The bodies stream both ways; nothing is
     /// buffered whole. Every wait on the upstream is bounded by its timeout, every wait on the
-    /// client's body by [`Proxy::body_timeout`].
+    /// client's body by [`Proxy::body_timeout`]. The body is borrowed: what of it the
+    /// exchange left unread is the caller's to settle with the client.
     pub async fn forward(
         &self,
         up: &Upstream,
         pool: &std::sync::Arc<pool::ConnPool>,
         parts: &http::request::Parts,
         edits: &HeaderEdits,
-        mut body: UpBody,
+        body: &mut UpBody,
         permit: Option<crate::concurrency::Place>,
     ) -> Result<Response<client::UpstreamBody>, client::Failure> {
         use http_body::Body as _;
@@ -93,7 +94,7 @@ impl Proxy {
         client::render_request(&mut head, parts, edits, chunked);
         let is_head = parts.method == http::Method::HEAD;
         let outgoing = has_body.then_some(client::Outgoing {
-            body: &mut body,
+            body,
             chunked,
             timeout: self.body_timeout,
         });

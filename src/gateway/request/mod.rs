@@ -558,7 +558,7 @@ impl Gateway {
         }
         // A limit keyed on a body field needs the body before the check: read a bounded prefix,
         // then send what was read.
-        let (up_body, body_value) = match &route.body_field {
+        let (mut up_body, body_value) = match &route.body_field {
             None => (Either::Left(LimitedBody::new(body, Some(max))), None),
             Some(field) => {
                 let cap = max.min(MAX_FIELD_BODY);
@@ -593,7 +593,7 @@ impl Gateway {
                 &b.live.upstreams[f.upstream].pool,
                 &parts,
                 &edits,
-                up_body,
+                &mut up_body,
                 f.place.take(),
             )
         })
