@@ -443,6 +443,7 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
 
     let mut gateway = Gateway::new(rules.clone(), store.clone(), cfg.trusted.clone(), metrics.clone());
     gateway.proxy.body_timeout = cfg.limits.body_read_timeout;
+    gateway.drain_within = cfg.limits.header_read_timeout;
     gateway.clock = cfg.clock.clone();
     let otel = match &cfg.otlp {
         Some(o) => Some(Arc::new(

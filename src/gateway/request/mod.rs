@@ -68,6 +68,9 @@ pub struct Gateway {
     /// Access lines in a conventional format, formatted on their writer thread; `None`: each
     /// request's line is a `tollgate::access` log event.
     pub access: Option<crate::access::AccessLog>,
+    /// The longest wait for the rest of a body whose request was answered before it arrived
+    /// (the server's header read timeout): past it, the answer closes the connection.
+    pub drain_within: std::time::Duration,
     shadow_log: Sampler,
     live: ArcSwap<Live>,
     building: std::sync::Mutex<()>,
@@ -156,6 +159,7 @@ impl Gateway {
             clock: tollgate_limit::clock::SystemClock::shared(),
             otel: None,
             access: None,
+            drain_within: crate::server::ServerLimits::default().header_read_timeout,
             shadow_log: Sampler::new(std::time::Duration::from_secs(1)),
             live: ArcSwap::from_pointee(Live::default()),
             building: std::sync::Mutex::new(()),
@@ -544,43 +548,53 @@ impl Gateway {
     }
 
     /// hyper's path: the request's steps, with its body read first when a limit keys on it.
+    /// Every answer made before the client's body was read to its end goes through
+    /// [`Gateway::unread`], so a kept connection is never closed without a word.
     async fn route(&self, b: &mut Begun<'_>, req: Request<Incoming>, conn: ConnInfo) -> Response<Body> {
-        let (mut parts, body) = req.into_parts();
+        let (mut parts, mut body) = req.into_parts();
+        let version = parts.version;
         let c = match self.identify(b, &mut parts, &conn).await {
             Ok(c) => c,
-            Err(answer) => return answer,
+            Err(answer) => return self.unread(answer, body, version).await,
         };
         let route_idx = c.route;
         let route = &b.snap.routes[route_idx];
         let max = route.max_body_bytes;
         if declared_length(&parts.headers).is_some_and(|len| len > max) {
-            return Refusal::PayloadTooLarge { limit: max }.into_response();
+            let answer = Refusal::PayloadTooLarge { limit: max }.into_response();
+            return self.unread(answer, body, version).await;
         }
         // A limit keyed on a body field needs the body before the check: read a bounded prefix,
         // then send what was read.
-        let (mut up_body, body_value) = match &route.body_field {
-            None => (Either::Left(LimitedBody::new(body, Some(max))), None),
+        let (read, body_value) = match &route.body_field {
+            None => (None, None),
             Some(field) => {
                 let cap = max.min(MAX_FIELD_BODY);
-                let bytes = match Box::pin(Limited::new(body, cap as usize).collect()).await {
+                let bytes = match Box::pin(Limited::new(&mut body, cap as usize).collect()).await {
                     Ok(b) => b.to_bytes(),
-                    Err(e) if e.is::<LengthLimitError>() => {
-                        return Refusal::PayloadTooLarge { limit: cap }.into_response();
-                    }
                     Err(e) => {
-                        return Refusal::BadRequest(format!("request body failed: {e}")).into_response();
+                        let answer = if e.is::<LengthLimitError>() {
+                            Refusal::PayloadTooLarge { limit: cap }
+                        } else {
+                            Refusal::BadRequest(format!("request body failed: {e}"))
+                        };
+                        return self.unread(answer.into_response(), body, version).await;
                     }
                 };
                 let value = match body_field(&bytes, field) {
                     Ok(v) => v,
                     Err(why) => return Refusal::BadRequest(why).into_response(),
                 };
-                (Either::Right(Full::new(bytes)), Some(value))
+                (Some(bytes), Some(value))
             }
         };
         let mut f = match self.admit(b, c, &mut parts, body_value.as_deref()).await {
             Ok(f) => f,
-            Err(answer) => return answer,
+            Err(answer) => return self.unread(answer, body, version).await,
+        };
+        let mut up_body = match read {
+            None => Either::Left(LimitedBody::new(body, Some(max))),
+            Some(bytes) => Either::Right(Full::new(bytes)),
         };
         let edits = self.edits(b, &f, &parts, &conn);
         let upstream = &b.snap.upstreams[f.upstream];
@@ -615,11 +629,38 @@ impl Gateway {
             Err(failure) => {
                 self.refund_undelivered(&b.snap, &mut b.trace, f.paid.take(), &failure)
                     .await;
-                crate::proxy::failure_answer(upstream, &failure).into_response()
+                let answer = crate::proxy::failure_answer(upstream, &failure).into_response();
+                if let crate::proxy::client::Failure::ClientStalled = failure {
+                    // Already waited out for the body timeout: no more waiting for it.
+                    closing(answer)
+                } else {
+                    answer
+                }
             }
         };
+        // The upstream may have answered before taking the whole body (it stopped reading).
+        if let Either::Left(client) = up_body
+            && !http_body::Body::is_end_stream(&client)
+            && !resp.headers().contains_key(http::header::CONNECTION)
+        {
+            resp = self.unread(resp, client.into_inner(), version).await;
+        }
         self.forward_headers(&f, resp.headers_mut());
         resp
+    }
+
+    /// An answer made before the request's body was read to its end, and that body. hyper's
+    /// HTTP/1 connection can't find the next request's start past an unread body, so it closes
+    /// after an answer that did not say so, and a kept-alive client's next request fails on
+    /// it. The rest of a small body is read and dropped, within the header read timeout, and
+    /// the connection is kept; a larger, slower or broken one gets `Connection: close`. HTTP/2
+    /// needs neither: hyper resets just that stream.
+    async fn unread(&self, answer: Response<Body>, body: Incoming, version: http::Version) -> Response<Body> {
+        if version >= http::Version::HTTP_2 || http_body::Body::is_end_stream(&body) {
+            return answer;
+        }
+        // Boxed, like every rare path here: a request without a body never builds it.
+        crate::boxed::boxed(|| drain_or_close(answer, body, self.drain_within)).await
     }
 
     /// Starts a request on a connection: its snapshot (kept to the end, whatever reloads
@@ -1330,6 +1371,50 @@ fn body_field(body: &[u8], field: &str) -> Result<Vec<u8>, String> {
         Some(serde_json::Value::Number(n)) => Ok(n.to_string().into_bytes()),
         _ => Err(format!("the JSON body needs a non-empty string field {field:?}")),
     }
+}
+
+/// The most of a body read and dropped after its request was answered, to keep the connection:
+/// past it, the client is told `Connection: close` instead of being read for longer.
+pub(crate) const DRAIN_MAX: u64 = 64 * 1024;
+
+/// `answer`, once the rest of `body` is read and dropped; with `Connection: close` when that is
+/// over [`DRAIN_MAX`], fails, or takes longer than `within`.
+async fn drain_or_close(
+    answer: Response<Body>,
+    mut body: Incoming,
+    within: std::time::Duration,
+) -> Response<Body> {
+    use http_body::Body as _;
+    // A declared length over the bound is not read at all, and after `Expect: 100-continue`
+    // not polled either: hyper sends `100 Continue` only when the body is first polled.
+    let drained = body.size_hint().lower() <= DRAIN_MAX
+        && tokio::time::timeout(within, read_off(&mut body))
+            .await
+            .unwrap_or(false);
+    if drained { answer } else { closing(answer) }
+}
+
+/// Reads `body` to its end; `false` when it holds more than [`DRAIN_MAX`] or fails.
+async fn read_off(body: &mut Incoming) -> bool {
+    let mut left = DRAIN_MAX;
+    while let Some(frame) = body.frame().await {
+        let Ok(frame) = frame else { return false };
+        if let Some(d) = frame.data_ref() {
+            match left.checked_sub(d.len() as u64) {
+                Some(l) => left = l,
+                None => return false,
+            }
+        }
+    }
+    true
+}
+
+/// `answer` with `Connection: close`: hyper closes after sending it, and the client knows.
+fn closing(mut answer: Response<Body>) -> Response<Body> {
+    answer
+        .headers_mut()
+        .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+    answer
 }
 
 /// Counts a request in flight until it is answered or its client goes away.
