@@ -664,8 +664,8 @@ impl Gateway {
     }
 
     /// Starts a request on a connection: its snapshot (kept to the end, whatever reloads
-    /// meanwhile), its request id (the client's when valid, else a new one, also sent upstream)
-    /// and its clock.
+    /// meanwhile), its request id (the client's when it sent one and it is valid, else a new
+    /// one, also sent upstream) and its clock.
     pub(crate) fn begin(
         &self,
         method: http::Method,
@@ -677,8 +677,11 @@ impl Gateway {
         let in_flight = InFlight::new(&self.metrics.in_flight);
         let snap = self.rules.load_full();
         let live = self.live(&snap);
-        let request_id = match headers.get(&X_REQUEST_ID) {
-            Some(v) if valid_request_id(v) => v.clone(),
+        // Exactly one id goes upstream: the client's when it sent one valid one, else ours in
+        // place of all it sent (`insert` drops every value); a second would pass unchecked.
+        let mut ids = headers.get_all(&X_REQUEST_ID).iter();
+        let request_id = match (ids.next(), ids.next()) {
+            (Some(v), None) if valid_request_id(v) => v.clone(),
             _ => {
                 let id = new_request_id();
                 headers.insert(X_REQUEST_ID.clone(), id.clone());

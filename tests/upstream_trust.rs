@@ -1,0 +1,332 @@
+//! What an upstream is handed when the client is hostile, on both HTTP/1 paths: the express
+//! lane and hyper's (`--no-express`). Every case runs on two gateway processes in front of one
+//! echo upstream that keeps the raw bytes of each head it receives; both must give the client
+//! the same status and hand the upstream the same head, byte for byte but for the value of a
+//! request id the gateway made up. Raw TCP clients, so duplicate headers and raw bytes reach
+//! the gateway as written.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::Tollgate;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// An upstream that keeps every request head it receives as raw bytes and answers `200 ok`.
+#[derive(Clone, Default)]
+struct Echo {
+    heads: Arc<Mutex<Vec<Vec<u8>>>>,
+}
+
+impl Echo {
+    async fn start() -> (Echo, SocketAddr) {
+        let echo = Echo::default();
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let me = echo.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((s, _)) = l.accept().await else { return };
+                tokio::spawn(me.clone().serve(s));
+            }
+        });
+        (echo, addr)
+    }
+
+    async fn serve(self, mut s: TcpStream) {
+        let mut buf = Vec::new();
+        loop {
+            let Some((head, len)) = read_head(&mut s, &mut buf).await else {
+                return;
+            };
+            if !read_body(&mut s, &mut buf, len).await {
+                return;
+            }
+            buf.drain(..len);
+            self.heads.lock().unwrap().push(head);
+            if s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+    }
+
+    fn count(&self) -> usize {
+        self.heads.lock().unwrap().len()
+    }
+}
+
+/// One message head from `s` as raw bytes (what follows it stays in `buf`), and its
+/// `Content-Length`.
+async fn read_head(s: &mut TcpStream, buf: &mut Vec<u8>) -> Option<(Vec<u8>, usize)> {
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head: Vec<u8> = buf.drain(..end + 4).collect();
+            let len = lines(&head)
+                .iter()
+                .find_map(|l| {
+                    let (n, v) = l.split_once(':')?;
+                    n.eq_ignore_ascii_case("content-length")
+                        .then(|| v.trim().parse().ok())
+                        .flatten()
+                })
+                .unwrap_or(0);
+            return Some((head, len));
+        }
+        let mut chunk = [0u8; 8192];
+        match s.read(&mut chunk).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+async fn read_body(s: &mut TcpStream, buf: &mut Vec<u8>, len: usize) -> bool {
+    while buf.len() < len {
+        let mut chunk = [0u8; 8192];
+        match s.read(&mut chunk).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+    true
+}
+
+/// A head's lines, bytes over 0x7F shown as `\xNN` so they can't hide in a lossy conversion.
+fn lines(head: &[u8]) -> Vec<String> {
+    let text: String = head
+        .iter()
+        .map(|&b| {
+            if b < 0x80 {
+                (b as char).to_string()
+            } else {
+                format!("\\x{b:02X}")
+            }
+        })
+        .collect();
+    text.split("\r\n")
+        .filter(|l| !l.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+/// The values of a header in a head's lines, in order.
+fn values(lines: &[String], name: &str) -> Vec<String> {
+    lines
+        .iter()
+        .filter_map(|l| {
+            let (n, v) = l.split_once(':')?;
+            n.eq_ignore_ascii_case(name).then(|| v.trim().to_string())
+        })
+        .collect()
+}
+
+/// What one request came to on one gateway.
+#[derive(Debug)]
+struct Outcome {
+    status: u16,
+    /// The answer's head lines.
+    answer: Vec<String>,
+    /// The answer's body when it had a length (the gateway's own answers do).
+    body: String,
+    /// The head the upstream received, if it received one.
+    forwarded: Option<Vec<String>>,
+}
+
+impl Outcome {
+    fn forwarded(&self) -> &[String] {
+        self.forwarded
+            .as_deref()
+            .unwrap_or_else(|| panic!("nothing reached the upstream: {self:?}"))
+    }
+
+    fn header(&self, name: &str) -> Vec<String> {
+        values(self.forwarded(), name)
+    }
+
+    fn answered_id(&self) -> Vec<String> {
+        values(&self.answer, "x-request-id")
+    }
+}
+
+/// Sends raw bytes on a fresh connection and reads one answer.
+async fn send(addr: SocketAddr, up: &Echo, request: &[u8]) -> Outcome {
+    let before = up.count();
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(request).await.unwrap();
+    let mut buf = Vec::new();
+    let (head, len) = tokio::time::timeout(Duration::from_secs(10), async {
+        let (head, len) = read_head(&mut s, &mut buf).await?;
+        read_body(&mut s, &mut buf, len).await;
+        Some((head, len))
+    })
+    .await
+    .expect("an answer within 10 s")
+    .unwrap_or_else(|| panic!("no answer to {:?}", lines(request)));
+    let answer = lines(&head);
+    let status = answer[0]
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no status line in {answer:?}"));
+    let heads = up.heads.lock().unwrap();
+    assert!(
+        heads.len() <= before + 1,
+        "one request reached the upstream twice"
+    );
+    Outcome {
+        status,
+        answer,
+        body: String::from_utf8_lossy(&buf[..len.min(buf.len())]).into_owned(),
+        forwarded: heads.get(before).map(|h| lines(h)),
+    }
+}
+
+/// A request id the gateway made up: 32 hex digits.
+fn made_up(id: &str) -> bool {
+    id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+/// The forwarded head with a made-up request id's value masked: it differs between gateways.
+fn masked(forwarded: &Option<Vec<String>>) -> Option<Vec<String>> {
+    forwarded.as_ref().map(|ls| {
+        ls.iter()
+            .map(|l| match l.split_once(':') {
+                Some((n, v)) if n.eq_ignore_ascii_case("x-request-id") && made_up(v.trim()) => {
+                    format!("{n}: <made up>")
+                }
+                _ => l.clone(),
+            })
+            .collect()
+    })
+}
+
+/// The same rules on two gateways, the express lane's and hyper's, before one echo upstream.
+struct Pair {
+    up: Echo,
+    lane: Tollgate,
+    hyper: Tollgate,
+    _dir: tempfile::TempDir,
+}
+
+impl Pair {
+    async fn start(rules: impl Fn(SocketAddr) -> String, extra: &[&str]) -> Pair {
+        let (up, addr) = Echo::start().await;
+        let (dir, path) = common::rules_file(&rules(addr));
+        let mut args = vec!["serve", "--rules", path.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let lane = Tollgate::spawn(&args);
+        args.push("--no-express");
+        let hyper = Tollgate::spawn(&args);
+        Pair {
+            up,
+            lane,
+            hyper,
+            _dir: dir,
+        }
+    }
+
+    /// Sends `request` to both gateways and checks they agree; returns the lane's outcome.
+    async fn both(&self, request: &[u8]) -> Outcome {
+        let lane = send(self.lane.addr, &self.up, request).await;
+        let hyper = send(self.hyper.addr, &self.up, request).await;
+        // The request line and the header names: a value may be 10 KB.
+        let what: Vec<String> = lines(request)
+            .iter()
+            .map(|l| l.split(':').next().unwrap_or("").to_string())
+            .collect();
+        assert_eq!(
+            lane.status, hyper.status,
+            "{what:?}: lane {lane:?}, hyper {hyper:?}"
+        );
+        assert_eq!(
+            masked(&lane.forwarded),
+            masked(&hyper.forwarded),
+            "{what:?}: the upstream's heads differ"
+        );
+        if lane.status != 200 {
+            assert_eq!(lane.body, hyper.body, "{what:?}");
+        }
+        for o in [&lane, &hyper] {
+            if let Some(f) = &o.forwarded {
+                // The one id the upstream got is the one the client was answered with.
+                assert_eq!(values(f, "x-request-id"), o.answered_id(), "{what:?}: {o:?}");
+            }
+        }
+        lane
+    }
+}
+
+const KEYLESS: &str = r#""key": "optional""#;
+
+/// Routes for everything but method overrides: the old gateway can load these too.
+fn rules(up: SocketAddr) -> String {
+    format!(
+        r#"{{"version": 1,
+            "upstreams": {{"echo": {{"url": "http://{up}"}}}},
+            "limits": {{"cafe": {{"dimension": "ip", "rate": "1/3600s", "burst": 2}}}},
+            "routes": [
+              {{"method": "GET", "path": "/v1/orders", "upstream": "echo", {KEYLESS}}},
+              {{"method": "POST", "path": "/v1/orders", "upstream": "echo", {KEYLESS}}},
+              {{"method": "DELETE", "path": "/v1/orders", "upstream": "echo", {KEYLESS}}},
+              {{"name": "cafe", "method": "GET", "path": "/caf%C3%A9", "upstream": "echo",
+                "cost": {{"cafe": 1}}, {KEYLESS}}},
+              {{"method": "GET", "path": "/other/", "upstream": "echo", {KEYLESS}}}
+            ]}}"#
+    )
+}
+
+fn get(target: &str, extra: &str) -> Vec<u8> {
+    format!("GET {target} HTTP/1.1\r\nHost: gw.example\r\n{extra}\r\n").into_bytes()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exactly_one_request_id_reaches_the_upstream() {
+    let p = Pair::start(rules, &[]).await;
+    let mut hostile = b"X-Request-Id: <script>".to_vec();
+    hostile.extend(std::iter::repeat_n(b'a', 10 * 1024));
+    hostile.extend_from_slice(b"\xC3\xA9\xFF\r\n");
+    let mut two = b"GET /v1/orders HTTP/1.1\r\nHost: gw.example\r\nX-Request-Id: client-1\r\n".to_vec();
+    two.extend_from_slice(&hostile);
+    two.extend_from_slice(b"\r\n");
+    let cases: Vec<(&str, Vec<u8>, Option<&str>)> = vec![
+        (
+            "one valid id",
+            get("/v1/orders", "X-Request-Id: client-1\r\n"),
+            Some("client-1"),
+        ),
+        ("two ids, the second hostile", two, None),
+        (
+            "two valid ids",
+            get(
+                "/v1/orders",
+                "X-Request-Id: client-1\r\nX-Request-Id: client-2\r\n",
+            ),
+            None,
+        ),
+        (
+            "two ids in one line",
+            get("/v1/orders", "X-Request-Id: client-1, client-2\r\n"),
+            None,
+        ),
+        ("one invalid id", get("/v1/orders", "X-Request-Id: a<b\r\n"), None),
+        ("an empty id", get("/v1/orders", "X-Request-Id:\r\n"), None),
+        ("no id", get("/v1/orders", ""), None),
+    ];
+    for (what, request, kept) in cases {
+        let o = p.both(&request).await;
+        assert_eq!(o.status, 200, "{what}: {o:?}");
+        let ids = o.header("x-request-id");
+        assert_eq!(ids.len(), 1, "{what}: the upstream got {ids:?}");
+        match kept {
+            Some(id) => assert_eq!(ids[0], id, "{what}"),
+            None => assert!(made_up(&ids[0]), "{what}: the upstream got {:?}", ids[0]),
+        }
+        assert_eq!(o.answered_id(), ids, "{what}: the client's answer");
+    }
+}
