@@ -330,3 +330,49 @@ async fn exactly_one_request_id_reaches_the_upstream() {
         assert_eq!(o.answered_id(), ids, "{what}: the client's answer");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwarded_and_x_real_ip_from_an_untrusted_client_are_dropped() {
+    let p = Pair::start(rules, &[]).await;
+    let o = p
+        .both(&get(
+            "/v1/orders",
+            "Forwarded: for=203.0.113.7;proto=https\r\nforwarded: for=198.51.100.1\r\n\
+             X-Real-IP: 203.0.113.7\r\nX-Forwarded-For: 203.0.113.7\r\n",
+        ))
+        .await;
+    assert_eq!(o.status, 200, "{o:?}");
+    assert_eq!(o.header("forwarded"), Vec::<String>::new(), "{o:?}");
+    assert_eq!(o.header("x-real-ip"), Vec::<String>::new(), "{o:?}");
+    assert_eq!(o.header("x-forwarded-for"), ["127.0.0.1"], "{o:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trusted_proxys_forwarded_and_x_real_ip_go_on_like_x_forwarded_for() {
+    let p = Pair::start(rules, &["--trusted-proxy", "127.0.0.1"]).await;
+    let o = p
+        .both(&get(
+            "/v1/orders",
+            "Forwarded: for=203.0.113.7;proto=https\r\nForwarded: for=198.51.100.1\r\n\
+             X-Real-IP: 203.0.113.7\r\n\
+             X-Forwarded-For: 203.0.113.7\r\nX-Forwarded-For: 198.51.100.1\r\n",
+        ))
+        .await;
+    assert_eq!(o.status, 200, "{o:?}");
+    // Each proxy appends the address it was reached from: here the trusted proxy's.
+    assert_eq!(
+        o.header("forwarded"),
+        ["for=203.0.113.7;proto=https, for=198.51.100.1, for=127.0.0.1"],
+        "{o:?}"
+    );
+    assert_eq!(
+        o.header("x-forwarded-for"),
+        ["203.0.113.7, 198.51.100.1, 127.0.0.1"],
+        "{o:?}"
+    );
+    assert_eq!(o.header("x-real-ip"), ["203.0.113.7"], "{o:?}");
+    // Without them from the proxy, none is made up.
+    let o = p.both(&get("/v1/orders", "")).await;
+    assert_eq!(o.header("forwarded"), Vec::<String>::new(), "{o:?}");
+    assert_eq!(o.header("x-real-ip"), Vec::<String>::new(), "{o:?}");
+}

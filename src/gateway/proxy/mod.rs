@@ -1,6 +1,6 @@
 //! Forwarding to upstreams: kept connections, the upstream's header edits (hop-by-hop
-//! stripping, the secret swapped for the key's id, `X-Forwarded-*`), and 502/504 for upstreams
-//! that refuse, reset or stall.
+//! stripping, the secret swapped for the key's id, `X-Forwarded-*`, `Forwarded` and `X-Real-IP`
+//! from trusted proxies only), and 502/504 for upstreams that refuse, reset or stall.
 
 pub mod body;
 pub mod client;
@@ -19,6 +19,8 @@ pub(crate) use tollgate_http1::HOP_BY_HOP;
 pub(crate) static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 pub(crate) static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 pub(crate) static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+/// The client's address as the proxy in front saw it: believed from a trusted proxy only.
+pub(crate) static X_REAL_IP: HeaderName = HeaderName::from_static("x-real-ip");
 /// The authenticated key's public id, for the upstream; never the secret.
 pub(crate) static X_TOLLGATE_KEY_ID: HeaderName = HeaderName::from_static("x-tollgate-key-id");
 pub(crate) static X_TOLLGATE_TENANT: HeaderName = HeaderName::from_static("x-tollgate-tenant");
@@ -226,13 +228,45 @@ fn ip_value(ip: std::net::IpAddr) -> HeaderValue {
     HeaderValue::from_bytes(&text[..n]).unwrap_or_else(|_| HeaderValue::from_static("unknown"))
 }
 
+/// Every value of `name` in `headers` joined in one line, with `ours` after them; `None` when
+/// the client sent none.
+fn appended(headers: &HeaderMap, name: &HeaderName, ours: &[u8]) -> Option<HeaderValue> {
+    let mut v = Vec::new();
+    for prior in headers.get_all(name) {
+        v.extend_from_slice(prior.as_bytes());
+        v.extend_from_slice(b", ");
+    }
+    if v.is_empty() {
+        return None;
+    }
+    v.extend_from_slice(ours);
+    HeaderValue::from_bytes(&v).ok()
+}
+
+/// This hop's `Forwarded` element (RFC 7239): `for=` the address the request came from, an
+/// IPv6 one quoted and in brackets as the grammar asks.
+fn forwarded_for_element(ip: std::net::IpAddr, text: &HeaderValue) -> Vec<u8> {
+    let mut e = b"for=".to_vec();
+    if ip.is_ipv6() {
+        e.extend_from_slice(b"\"[");
+        e.extend_from_slice(text.as_bytes());
+        e.extend_from_slice(b"]\"");
+    } else {
+        e.extend_from_slice(text.as_bytes());
+    }
+    e
+}
+
 /// How the client's headers become the upstream's: hop-by-hop headers (and those `Connection`
-/// names), the secret and any client-sent `X-Tollgate-*` are dropped; the caller's identity,
-/// `X-Forwarded-*` and `Host` are set. One description for both paths: hyper's edits a header
+/// names), the secret and any client-sent `X-Tollgate-*` are dropped, and so are `Forwarded`
+/// and `X-Real-IP` unless a trusted proxy sent them; the caller's
+/// identity, `X-Forwarded-*` and `Host` are set. One description for both paths: hyper's edits a header
 /// map with it, the express lane writes the upstream's head from it directly.
 pub struct HeaderEdits {
     connection_named: smallvec::SmallVec<[HeaderName; 2]>,
     credential: Option<KeySource>,
+    /// Whether the peer is a trusted proxy, whose `Forwarded` and `X-Real-IP` go on.
+    peer_trusted: bool,
     /// Headers set, replacing any the client sent under the same names.
     pub set: smallvec::SmallVec<[(HeaderName, HeaderValue); 8]>,
 }
@@ -249,14 +283,17 @@ impl HeaderEdits {
         }
         // Written per request rather than kept per connection: an idle connection holds less.
         let peer = ip_value(caller.peer);
-        let forwarded_for = match (caller.peer_trusted, h.get(&X_FORWARDED_FOR)) {
-            (true, Some(prior)) => {
-                let mut v = prior.as_bytes().to_vec();
-                v.extend_from_slice(b", ");
-                v.extend_from_slice(peer.as_bytes());
-                HeaderValue::from_bytes(&v).unwrap_or(peer)
+        // A trusted proxy's hops go on with ours after them, every line of them as the client
+        // address was read from (`identity::client_ip`), in one line; anyone else's are
+        // dropped, so the upstream reads no address a client made up.
+        let forwarded_for = if caller.peer_trusted {
+            let element = forwarded_for_element(caller.peer, &peer);
+            if let Some(v) = appended(h, &header::FORWARDED, &element) {
+                set.push((header::FORWARDED, v));
             }
-            _ => peer,
+            appended(h, &X_FORWARDED_FOR, peer.as_bytes()).unwrap_or(peer)
+        } else {
+            peer
         };
         set.push((X_FORWARDED_FOR.clone(), forwarded_for));
         if !caller.peer_trusted || !h.contains_key(&X_FORWARDED_PROTO) {
@@ -277,6 +314,7 @@ impl HeaderEdits {
         HeaderEdits {
             connection_named: connection_named(h),
             credential,
+            peer_trusted: caller.peer_trusted,
             set,
         }
     }
@@ -293,6 +331,7 @@ impl HeaderEdits {
             || HOP_BY_HOP.contains(name)
             || name == X_TOLLGATE_KEY_ID
             || name == X_TOLLGATE_TENANT
+            || (!self.peer_trusted && (name == header::FORWARDED || name == X_REAL_IP))
             || self.connection_named.contains(name)
             || self.set.iter().any(|(n, _)| n == name))
     }
