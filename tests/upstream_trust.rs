@@ -145,6 +145,10 @@ impl Outcome {
             .unwrap_or_else(|| panic!("nothing reached the upstream: {self:?}"))
     }
 
+    fn request_line(&self) -> &str {
+        &self.forwarded()[0]
+    }
+
     fn header(&self, name: &str) -> Vec<String> {
         values(self.forwarded(), name)
     }
@@ -375,4 +379,36 @@ async fn a_trusted_proxys_forwarded_and_x_real_ip_go_on_like_x_forwarded_for() {
     let o = p.both(&get("/v1/orders", "")).await;
     assert_eq!(o.header("forwarded"), Vec::<String>::new(), "{o:?}");
     assert_eq!(o.header("x-real-ip"), Vec::<String>::new(), "{o:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_raw_utf8_path_is_the_percent_encoded_one() {
+    let p = Pair::start(rules, &[]).await;
+    // The route's limit has a burst of 2: the two spellings share one bucket.
+    let raw = p
+        .both("GET /caf\u{e9} HTTP/1.1\r\nHost: gw.example\r\n\r\n".as_bytes())
+        .await;
+    assert_eq!(raw.status, 200, "{raw:?}");
+    assert_eq!(raw.request_line(), "GET /caf%C3%A9 HTTP/1.1");
+    let lower = p.both(&get("/caf%c3%a9", "")).await;
+    assert_eq!(lower.status, 200, "{lower:?}");
+    assert_eq!(lower.request_line(), "GET /caf%C3%A9 HTTP/1.1");
+    let spent = p
+        .both("GET /caf\u{e9} HTTP/1.1\r\nHost: gw.example\r\n\r\n".as_bytes())
+        .await;
+    assert_eq!(spent.status, 429, "{spent:?}");
+    assert!(spent.forwarded.is_none());
+    // Under a catch-all, with a query: the path is encoded, the query left as it came.
+    let o = p
+        .both("GET /other/\u{e9}t\u{e9}?q=\u{e9} HTTP/1.1\r\nHost: gw.example\r\n\r\n".as_bytes())
+        .await;
+    assert_eq!(o.status, 200, "{o:?}");
+    assert_eq!(o.request_line(), "GET /other/%C3%A9t%C3%A9?q=\\xC3\\xA9 HTTP/1.1");
+    // Bytes that are not UTF-8 are refused, on both paths, by the parser (hyper's answer to
+    // a head it can't read, which has no body).
+    let o = p
+        .both(b"GET /other/caf\xE9 HTTP/1.1\r\nHost: gw.example\r\n\r\n")
+        .await;
+    assert_eq!(o.status, 400, "{o:?}");
+    assert!(o.forwarded.is_none());
 }

@@ -10,6 +10,10 @@
 //!
 //! The path, percent-decoded, must also be UTF-8 without control characters, so `%00`, `%0A` or
 //! an overlong `%C0%AF` never reach an upstream that decodes paths its own way.
+//!
+//! Bytes over 0x7F sent raw (`/café`, which `http` and httparse take when they are UTF-8) are
+//! percent-encoded like any other byte outside the URI grammar: otherwise `/café` and
+//! `/caf%C3%A9` would be two spellings of one path, routed and limited apart.
 
 use std::borrow::Cow;
 
@@ -81,7 +85,7 @@ pub fn canonical(path: &str, slashes: EncodedSlashes) -> Result<Cow<'_, str>, Pa
     if out == b {
         return Ok(Cow::Borrowed(path));
     }
-    // Only ASCII was added, and whole UTF-8 sequences copied: this can't fail.
+    // Only ASCII was written: every byte over 0x7F went out percent-encoded.
     String::from_utf8(out)
         .map(Cow::Owned)
         .map_err(|_| PathError::NotUtf8)
@@ -103,6 +107,7 @@ fn is_canonical(b: &[u8]) -> bool {
     for &c in b {
         if matches!(c, b'%' | b';' | b'\\')
             || c.is_ascii_control()
+            || !c.is_ascii()
             || (prev == b'/' && matches!(c, b'/' | b'.'))
         {
             return false;
@@ -156,7 +161,7 @@ fn push_segment(out: &mut Vec<u8>, seg: &[u8], slashes: EncodedSlashes) -> Resul
                 return Err(PathError::EncodedSlash);
             }
             push_encoded(out, v);
-        } else if encoded && !unreserved(v) {
+        } else if (encoded && !unreserved(v)) || !v.is_ascii() {
             push_encoded(out, v);
         } else {
             out.push(v);
@@ -167,7 +172,7 @@ fn push_segment(out: &mut Vec<u8>, seg: &[u8], slashes: EncodedSlashes) -> Resul
 
 /// The path, percent-decoded, must be UTF-8 without control characters.
 fn check_decoded(raw: &[u8]) -> Result<(), PathError> {
-    if !raw.contains(&b'%') {
+    if !raw.contains(&b'%') && raw.is_ascii() {
         // `http` already refused raw bytes outside the URI grammar; nothing to decode.
         return if raw.iter().any(|b| b.is_ascii_control()) {
             Err(PathError::Control)
@@ -295,6 +300,30 @@ mod tests {
     }
 
     #[test]
+    fn raw_bytes_over_0x7f_are_percent_encoded() {
+        for p in ["/v1/caf\u{e9}", "/v1/caf%C3%A9", "/v1/caf%c3%a9", "/v1/caf%C3%a9"] {
+            assert_eq!(refuse(p).as_deref(), Ok("/v1/caf%C3%A9"), "{p}");
+        }
+        assert!(matches!(
+            canonical("/v1/caf\u{e9}", EncodedSlashes::Refuse),
+            Ok(Cow::Owned(_))
+        ));
+        assert_eq!(
+            refuse("/\u{65e5}\u{672c}/x;p/../y").as_deref(),
+            Ok("/%E6%97%A5%E6%9C%AC/y")
+        );
+        assert_eq!(refuse("/a/\u{1F600}").as_deref(), Ok("/a/%F0%9F%98%80"));
+        assert_eq!(
+            refuse("/caf\u{e9}%2Fx"),
+            Err(PathError::EncodedSlash),
+            "still judged after encoding"
+        );
+        // A control character outside ASCII (NEL, U+0085) is refused raw as it is encoded.
+        assert_eq!(refuse("/a\u{85}b"), Err(PathError::Control));
+        assert_eq!(refuse("/a%C2%85b"), Err(PathError::Control));
+    }
+
+    #[test]
     fn refusals() {
         assert_eq!(refuse("/.."), Err(PathError::AboveRoot));
         assert_eq!(refuse("/../v1/exports"), Err(PathError::AboveRoot));
@@ -345,7 +374,7 @@ mod tests {
                     proptest::sample::select(vec![
                         "/", "//", ".", "..", "%2e", "%2E", "%2e%2E", ";", ";x=1", "%2F", "%2f",
                         "%5C", "\\", "%41", "%7e", "%7E", "%3B", "%25", "%C3%A9", "%c3%a9", "a",
-                        "B", "-", "_", "~", "%20", "%ff",
+                        "B", "-", "_", "~", "%20", "%ff", "\u{e9}", "\u{65e5}",
                     ]).prop_map(str::to_string),
                     "[a-z./;%]{1,4}",
                 ],
