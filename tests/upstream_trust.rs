@@ -156,6 +156,13 @@ impl Outcome {
     fn answered_id(&self) -> Vec<String> {
         values(&self.answer, "x-request-id")
     }
+
+    fn json(&self) -> serde_json::Value {
+        let v: serde_json::Value =
+            serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("not a JSON body ({e}): {self:?}"));
+        assert!(v["error"].is_string(), "no error field: {self:?}");
+        v
+    }
 }
 
 /// Sends raw bytes on a fresh connection and reads one answer.
@@ -411,4 +418,24 @@ async fn a_raw_utf8_path_is_the_percent_encoded_one() {
         .await;
     assert_eq!(o.status, 400, "{o:?}");
     assert!(o.forwarded.is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_absolute_target_of_another_scheme_is_refused() {
+    let p = Pair::start(rules, &[]).await;
+    for target in [
+        "ftp://x/v1/orders",
+        "gopher://gw.example/v1/orders",
+        "file://gw.example/v1/orders",
+    ] {
+        let o = p.both(&get(target, "")).await;
+        assert_eq!(o.status, 400, "{target}: {o:?}");
+        o.json();
+        assert!(o.forwarded.is_none(), "{target}: {o:?}");
+    }
+    for target in ["http://gw.example/v1/orders", "https://gw.example/v1/orders"] {
+        let o = p.both(&get(target, "")).await;
+        assert_eq!(o.status, 200, "{target}: {o:?}");
+        assert_eq!(o.request_line(), "GET /v1/orders HTTP/1.1", "{target}");
+    }
 }

@@ -1256,6 +1256,17 @@ pub fn classify(
             method.as_str()
         )));
     }
+    // An absolute-form target names where to send the request; a gateway for HTTP serves
+    // only `http` and `https`, whatever else it would route the path to.
+    if let Some(scheme) = parts.uri.scheme()
+        && *scheme != http::uri::Scheme::HTTP
+        && *scheme != http::uri::Scheme::HTTPS
+    {
+        return Err(bad(&format_args!(
+            "the request target's scheme {:?} is not http or https",
+            scheme.as_str()
+        )));
+    }
     sanitize::check_host(parts.version, &parts.uri, headers).map_err(|e| bad(&e))?;
     let path = canonical(parts.uri.path(), EncodedSlashes::Keep).map_err(|e| bad(&e))?;
     let route = match snap.route(method, &path) {
