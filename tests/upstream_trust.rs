@@ -296,6 +296,11 @@ fn get(target: &str, extra: &str) -> Vec<u8> {
     format!("GET {target} HTTP/1.1\r\nHost: gw.example\r\n{extra}\r\n").into_bytes()
 }
 
+/// A POST without a body, which the lane takes.
+fn post(target: &str, extra: &str) -> Vec<u8> {
+    format!("POST {target} HTTP/1.1\r\nHost: gw.example\r\nContent-Length: 0\r\n{extra}\r\n").into_bytes()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exactly_one_request_id_reaches_the_upstream() {
     let p = Pair::start(rules, &[]).await;
@@ -438,4 +443,134 @@ async fn an_absolute_target_of_another_scheme_is_refused() {
         assert_eq!(o.status, 200, "{target}: {o:?}");
         assert_eq!(o.request_line(), "GET /v1/orders HTTP/1.1", "{target}");
     }
+}
+
+const OVERRIDES: [&str; 3] = ["X-HTTP-Method-Override", "X-HTTP-Method", "X-Method-Override"];
+
+fn no_override_headers(o: &Outcome) {
+    for name in OVERRIDES {
+        assert_eq!(
+            o.header(name),
+            Vec::<String>::new(),
+            "{name} reached the upstream: {o:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn method_override_headers_never_reach_the_upstream_by_default() {
+    let p = Pair::start(rules, &[]).await;
+    for name in OVERRIDES {
+        for (request, line) in [
+            (
+                get("/v1/orders", &format!("{name}: POST\r\n")),
+                "GET /v1/orders HTTP/1.1",
+            ),
+            (
+                post("/v1/orders", &format!("{name}: DELETE\r\n")),
+                "POST /v1/orders HTTP/1.1",
+            ),
+            (
+                post("/v1/orders", &format!("{name}: NO SUCH\r\n")),
+                "POST /v1/orders HTTP/1.1",
+            ),
+        ] {
+            let o = p.both(&request).await;
+            assert_eq!(o.status, 200, "{o:?}");
+            assert_eq!(o.request_line(), line);
+            no_override_headers(&o);
+        }
+    }
+}
+
+/// Routes of which some honour method overrides.
+fn override_rules(up: SocketAddr) -> String {
+    format!(
+        r#"{{"version": 1,
+            "upstreams": {{"echo": {{"url": "http://{up}"}}}},
+            "limits": {{"deletes": {{"dimension": "ip", "rate": "1/3600s", "burst": 1}}}},
+            "routes": [
+              {{"method": "POST", "path": "/v1/items", "upstream": "echo", {KEYLESS}}},
+              {{"method": "GET", "path": "/v1/items", "upstream": "echo", {KEYLESS}}},
+              {{"method": "DELETE", "path": "/v1/items", "upstream": "echo", {KEYLESS},
+                "method_override": true, "cost": {{"deletes": 1}}}},
+              {{"method": "PUT", "path": "/v1/items", "upstream": "echo", {KEYLESS}}},
+              {{"method": "*", "path": "/v2/", "upstream": "echo", {KEYLESS}, "method_override": true}},
+              {{"method": "POST", "path": "/v3/items", "upstream": "echo", {KEYLESS}}}
+            ]}}"#
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_that_opts_in_is_routed_limited_and_forwarded_as_the_override() {
+    let p = Pair::start(override_rules, &[]).await;
+    // A POST that asks for DELETE takes the DELETE route, pays its limit (a burst of 1) and
+    // reaches the upstream as a DELETE, without the header.
+    let o = p
+        .both(&post("/v1/items", "X-HTTP-Method-Override: DELETE\r\n"))
+        .await;
+    assert_eq!(o.status, 200, "{o:?}");
+    assert_eq!(o.request_line(), "DELETE /v1/items HTTP/1.1");
+    no_override_headers(&o);
+    let o = p.both(&post("/v1/items", "X-Method-Override: delete\r\n")).await;
+    assert_eq!(o.status, 429, "the DELETE route's limit: {o:?}");
+    assert!(o.forwarded.is_none());
+    // A GET never overrides: a link can't delete.
+    let o = p
+        .both(&get("/v1/items", "X-HTTP-Method-Override: DELETE\r\n"))
+        .await;
+    assert_eq!(o.status, 200, "{o:?}");
+    assert_eq!(o.request_line(), "GET /v1/items HTTP/1.1");
+    no_override_headers(&o);
+    // The PUT route doesn't opt in: the POST stays a POST.
+    let o = p.both(&post("/v1/items", "X-HTTP-Method: PUT\r\n")).await;
+    assert_eq!(o.status, 200, "{o:?}");
+    assert_eq!(o.request_line(), "POST /v1/items HTTP/1.1");
+    no_override_headers(&o);
+    // A catch-all that opts in forwards the method asked for.
+    for (name, method) in [("X-HTTP-Method", "PATCH"), ("X-Method-Override", "PUT")] {
+        let o = p
+            .both(&post("/v2/things", &format!("{name}: {method}\r\n")))
+            .await;
+        assert_eq!(o.status, 200, "{o:?}");
+        assert_eq!(o.request_line(), format!("{method} /v2/things HTTP/1.1"));
+        no_override_headers(&o);
+    }
+    // Where no route opts in, the header is only dropped.
+    let o = p
+        .both(&post("/v3/items", "X-HTTP-Method-Override: DELETE\r\n"))
+        .await;
+    assert_eq!(o.status, 200, "{o:?}");
+    assert_eq!(o.request_line(), "POST /v3/items HTTP/1.1");
+    no_override_headers(&o);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_override_on_a_route_that_opts_in_is_a_400() {
+    let p = Pair::start(override_rules, &[]).await;
+    for extra in [
+        "X-HTTP-Method-Override: DELEET\r\n",
+        "X-HTTP-Method-Override: DELETE, PUT\r\n",
+        "X-HTTP-Method-Override: DELETE\r\nX-HTTP-Method: PUT\r\n",
+        "X-HTTP-Method-Override: PUT\r\nX-HTTP-Method-Override: PATCH\r\n",
+        "X-HTTP-Method-Override: CONNECT\r\n",
+        "X-HTTP-Method-Override: HEAD\r\n",
+        "X-HTTP-Method-Override:\r\n",
+    ] {
+        for target in ["/v1/items", "/v2/things"] {
+            let o = p.both(&post(target, extra)).await;
+            assert_eq!(o.status, 400, "{target} {extra:?}: {o:?}");
+            o.json();
+            assert!(o.forwarded.is_none(), "{target} {extra:?}: {o:?}");
+        }
+    }
+    // The same value twice is one value.
+    let o = p
+        .both(&post(
+            "/v2/things",
+            "X-HTTP-Method-Override: PATCH\r\nX-HTTP-Method: patch\r\n",
+        ))
+        .await;
+    assert_eq!(o.status, 200, "{o:?}");
+    assert_eq!(o.request_line(), "PATCH /v2/things HTTP/1.1");
 }

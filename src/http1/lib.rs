@@ -1,10 +1,12 @@
 //! The gateway's one HTTP/1 vocabulary, shared by the framing watcher, the express lane and the
 //! proxy: request targets in canonical form, chunked bodies, upstream response heads,
-//! `Connection` tokens, which methods may be sent twice, and which request heads are refused
+//! `Connection` tokens, which methods may be sent twice, the method override headers
+//! (`method_override`), and which request heads are refused
 //! before anything reads them (`sanitize`). Anything that reads HTTP/1 bytes
 //! itself reads them with these.
 
 pub mod chunked;
+pub mod method_override;
 pub mod path;
 pub mod response;
 pub mod sanitize;

@@ -248,6 +248,9 @@ pub struct Route {
     pub case_insensitive: bool,
     /// Whether it charges a post-paid limit, whose debit waits for the upstream's answer.
     pub post_paid: bool,
+    /// Whether a POST may be served as this route's method by asking with a method override
+    /// header (`tollgate_http1::method_override`).
+    pub method_override: bool,
 }
 
 impl Route {
@@ -294,6 +297,9 @@ pub struct Snapshot {
     pub unauthenticated: Option<(u16, u64)>,
     /// The JWKS and claims for routes with `"identity": "jwt"`.
     pub jwt: Option<jwt::JwtConfig>,
+    /// Whether any route honours method overrides: without one, a request's override headers
+    /// are only dropped, never read.
+    pub method_override: bool,
 }
 
 impl Snapshot {
@@ -552,6 +558,7 @@ impl Compiler<'_> {
             upstreams: upstreams.list,
             limits: limits.list,
             keys: keys.finish(),
+            method_override: routes.iter().any(|r| r.method_override),
             routes,
             matcher,
             unauthenticated,
@@ -1327,6 +1334,28 @@ impl Compiler<'_> {
                 Some(self.route_method(&field, &r.method)?)
             };
             self.route_path(&field, &r.path)?;
+            if r.method_override
+                && let Some(m) = method.as_ref().filter(|m| {
+                    !matches!(
+                        **m,
+                        Method::GET
+                            | Method::POST
+                            | Method::PUT
+                            | Method::PATCH
+                            | Method::DELETE
+                            | Method::OPTIONS
+                    )
+                })
+            {
+                // A POST may only become a method whose answer it can be sent (not HEAD's,
+                // which has no body) and that no route should be reached by through a header.
+                return Err(self.err(
+                    format!("{field}.method_override"),
+                    format!(
+                        "a POST can't be overridden into {m}: only GET, POST, PUT, PATCH, DELETE and OPTIONS"
+                    ),
+                ));
+            }
             if r.identity == Identity::Jwt && r.key == KeyRequirement::Optional {
                 return Err(self.err(
                     format!("{field}.key"),
@@ -1372,6 +1401,7 @@ impl Compiler<'_> {
                 max_body_bytes: r.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES),
                 encoded_slashes: slashes(r.encoded_slashes).unwrap_or(up.encoded_slashes),
                 case_insensitive: up.case_insensitive,
+                method_override: r.method_override,
             });
         }
         Ok(routes)

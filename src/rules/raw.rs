@@ -501,6 +501,10 @@ pub(crate) struct RawRoute {
     /// `%2F` and `%5C` in this route's paths; the upstream's setting when not set.
     #[serde(default)]
     pub encoded_slashes: Option<RawEncodedSlashes>,
+    /// Whether a POST whose `X-HTTP-Method-Override` (or `X-HTTP-Method`, `X-Method-Override`)
+    /// names a method this route takes is routed, limited and forwarded as that method.
+    #[serde(default)]
+    pub method_override: bool,
 }
 
 /// The bucket of requests without a valid key.

@@ -310,4 +310,68 @@ mod tests {
             "routes.json: routes[2].name: duplicate route name \"orders\""
         );
     }
+
+    fn routes_compiled(routes: serde_json::Value) -> Result<Snapshot, String> {
+        let rules = json!({
+            "version": 1,
+            "upstreams": {"exact": {"url": "http://127.0.0.1:9"}},
+            "routes": routes,
+        });
+        compile(
+            rules.to_string().as_bytes(),
+            "routes.json",
+            CompileOptions::default(),
+        )
+        .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn method_override_is_off_unless_a_route_opts_in() {
+        let snap = routes_compiled(json!([
+            {"method": "POST", "path": "/v1/items", "upstream": "exact"},
+            {"method": "DELETE", "path": "/v1/items", "upstream": "exact"},
+        ]))
+        .unwrap();
+        assert!(!snap.method_override);
+        assert!(snap.routes.iter().all(|r| !r.method_override));
+        let snap = routes_compiled(json!([
+            {"method": "POST", "path": "/v1/items", "upstream": "exact"},
+            {"method": "DELETE", "path": "/v1/items", "upstream": "exact", "method_override": true},
+            {"method": "*", "path": "/v2/", "upstream": "exact", "method_override": true},
+        ]))
+        .unwrap();
+        assert!(snap.method_override);
+        let opted: Vec<&str> = snap
+            .routes
+            .iter()
+            .filter(|r| r.method_override)
+            .map(|r| &*r.name)
+            .collect();
+        assert_eq!(opted, ["DELETE /v1/items", "* /v2/"]);
+    }
+
+    #[test]
+    fn method_override_is_a_boolean_on_a_method_a_post_may_become() {
+        let e = routes_compiled(json!([
+            {"method": "DELETE", "path": "/v1/items", "upstream": "exact", "method_override": "yes"},
+        ]))
+        .unwrap_err();
+        assert!(e.contains("method_override"), "{e}");
+        for method in ["HEAD", "TRACE"] {
+            let e = routes_compiled(json!([
+                {"method": method, "path": "/v1/items", "upstream": "exact", "method_override": true},
+            ]))
+            .unwrap_err();
+            assert!(
+                e.starts_with("routes.json: routes[0].method_override: a POST can't be overridden into"),
+                "{e}"
+            );
+        }
+        for method in ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "*"] {
+            routes_compiled(json!([
+                {"method": method, "path": "/v1/items", "upstream": "exact", "method_override": true},
+            ]))
+            .unwrap_or_else(|e| panic!("{method}: {e}"));
+        }
+    }
 }

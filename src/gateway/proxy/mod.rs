@@ -1,6 +1,7 @@
 //! Forwarding to upstreams: kept connections, the upstream's header edits (hop-by-hop
 //! stripping, the secret swapped for the key's id, `X-Forwarded-*`, `Forwarded` and `X-Real-IP`
-//! from trusted proxies only), and 502/504 for upstreams that refuse, reset or stall.
+//! from trusted proxies only, no method overrides), and 502/504 for upstreams that refuse,
+//! reset or stall.
 
 pub mod body;
 pub mod client;
@@ -11,6 +12,7 @@ use http::uri::PathAndQuery;
 use http::{Response, Uri, Version};
 
 use crate::respond::{Refusal, UpBody};
+use tollgate_http1::method_override;
 use tollgate_rules::Upstream;
 use tollgate_rules::identity::{KeySource, X_API_KEY};
 
@@ -258,8 +260,8 @@ fn forwarded_for_element(ip: std::net::IpAddr, text: &HeaderValue) -> Vec<u8> {
 }
 
 /// How the client's headers become the upstream's: hop-by-hop headers (and those `Connection`
-/// names), the secret and any client-sent `X-Tollgate-*` are dropped, and so are `Forwarded`
-/// and `X-Real-IP` unless a trusted proxy sent them; the caller's
+/// names), the secret, any client-sent `X-Tollgate-*` and method override headers are dropped,
+/// and so are `Forwarded` and `X-Real-IP` unless a trusted proxy sent them; the caller's
 /// identity, `X-Forwarded-*` and `Host` are set. One description for both paths: hyper's edits a header
 /// map with it, the express lane writes the upstream's head from it directly.
 pub struct HeaderEdits {
@@ -332,6 +334,7 @@ impl HeaderEdits {
             || name == X_TOLLGATE_KEY_ID
             || name == X_TOLLGATE_TENANT
             || (!self.peer_trusted && (name == header::FORWARDED || name == X_REAL_IP))
+            || method_override::named(name)
             || self.connection_named.contains(name)
             || self.set.iter().any(|(n, _)| n == name))
     }

@@ -24,7 +24,7 @@ use crate::respond::QuotaHeaders;
 use crate::respond::{Body, Budget, Refusal, budget_headers};
 use crate::server::{ConnInfo, Handler};
 use tollgate_http1::path::{EncodedSlashes, PathError, canonical, has_encoded_slash};
-use tollgate_http1::sanitize;
+use tollgate_http1::{method_override, sanitize};
 use tollgate_limit::batch::FailurePolicy;
 use tollgate_limit::clock::Clock;
 use tollgate_limit::decision::{Decision, decide};
@@ -851,6 +851,9 @@ impl Gateway {
         if let Some(p) = path {
             set_path(&mut parts.uri, p).map_err(Refusal::into_response)?;
         }
+        if let Some(m) = &c.method {
+            parts.method = m.clone();
+        }
         // Only a target with an authority (HTTP/2's, or an absolute form) can lack a Host, so
         // the usual request looks at one field, not the header map.
         if let Some(host) = parts
@@ -1204,6 +1207,9 @@ pub struct Classified {
     pub ip: IpAddr,
     /// The connection's client fingerprint.
     pub fingerprint: Fingerprint,
+    /// The method a POST's override asked for, on a route that honours it: routed, limited
+    /// and forwarded in place of the client's.
+    pub method: Option<http::Method>,
 }
 
 impl Classified {
@@ -1269,6 +1275,13 @@ pub fn classify(
     }
     sanitize::check_host(parts.version, &parts.uri, headers).map_err(|e| bad(&e))?;
     let path = canonical(parts.uri.path(), EncodedSlashes::Keep).map_err(|e| bad(&e))?;
+    // Read only when some route honours overrides: otherwise they are just dropped (`edits`).
+    let overridden = if snap.method_override && *method == http::Method::POST {
+        overriding_method(snap, headers, &path).map_err(|e| bad(&e))?
+    } else {
+        None
+    };
+    let method = overridden.as_ref().unwrap_or(method);
     let route = match snap.route(method, &path) {
         Some(r) => r,
         None if *method == http::Method::TRACE => {
@@ -1309,6 +1322,7 @@ pub fn classify(
                 peer,
                 ip,
                 fingerprint,
+                method: overridden,
             },
             rewritten,
         ));
@@ -1346,9 +1360,37 @@ pub fn classify(
             peer,
             ip,
             fingerprint,
+            method: overridden,
         },
         rewritten,
     ))
+}
+
+/// The method a POST's override headers ask for when the route that method takes honours
+/// overrides; `None` when it has none or that route doesn't. A value that names no method is
+/// refused where some route of the path honours overrides, and only dropped elsewhere.
+fn overriding_method(
+    snap: &Snapshot,
+    headers: &http::HeaderMap,
+    path: &str,
+) -> Result<Option<http::Method>, method_override::BadOverride> {
+    let honours = |m: &http::Method| {
+        snap.route(m, path)
+            .is_some_and(|r| snap.routes[r].method_override)
+    };
+    match method_override::requested(headers) {
+        Ok(Some(m)) if honours(&m) => Ok(Some(m)),
+        Ok(_) => Ok(None),
+        Err(e) => {
+            use http::Method as M;
+            let methods = [M::GET, M::POST, M::PUT, M::PATCH, M::DELETE, M::OPTIONS];
+            if methods.iter().any(honours) {
+                Err(e)
+            } else {
+                Ok(None)
+            }
+        }
+    }
 }
 
 /// Puts a canonical path in place of the client's, keeping the query byte for byte.
