@@ -561,8 +561,14 @@ impl Gateway {
         let route = &b.snap.routes[route_idx];
         let max = route.max_body_bytes;
         if declared_length(&parts.headers).is_some_and(|len| len > max) {
+            // Declared too large: nothing of it will be read, so it is answered at once and
+            // the connection closed, rather than waited for.
             let answer = Refusal::PayloadTooLarge { limit: max }.into_response();
-            return self.unread(answer, body, version).await;
+            return if version >= http::Version::HTTP_2 {
+                answer
+            } else {
+                closing(answer)
+            };
         }
         // A limit keyed on a body field needs the body before the check: read a bounded prefix,
         // then send what was read.
