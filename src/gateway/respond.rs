@@ -3,15 +3,15 @@
 
 use crate::proxy::body::LimitedBody;
 use crate::proxy::client::UpstreamBody;
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use http_body_util::{Either, Full};
+use smallvec::SmallVec;
 
 use tollgate_limit::decision::Decision;
 use tollgate_meter::flags::Flag;
 use tollgate_rules::Snapshot;
-use tollgate_rules::headers::state_value;
 use tollgate_rules::plan::Caller;
 use tollgate_rules::quota::{Period, Quota};
 use tollgate_store::CheckItem;
@@ -125,27 +125,31 @@ impl Refusal {
         }
     }
 
-    /// The response, without rate-limit headers (see [`budget_headers`]).
-    pub fn into_response(self) -> Response<Body> {
-        let status = self.status();
-        let body = self.body().to_string();
-        let mut resp = json_response(status, body);
-        let h = resp.headers_mut();
-        match &self {
+    /// The refusal's JSON body.
+    pub(crate) fn body_text(&self) -> String {
+        self.body().to_string()
+    }
+
+    /// The headers that go with this refusal besides `Content-Type` and the rate-limit fields
+    /// of the request's buckets, the same on every wire.
+    pub(crate) fn fields(&self) -> SmallVec<[(HeaderName, HeaderValue); 3]> {
+        let no_store = || (CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        let mut f = SmallVec::new();
+        match self {
             Refusal::RateLimited { retry_after, .. } => {
                 if let Some(s) = retry_after {
-                    h.insert(RETRY_AFTER, HeaderValue::from(*s));
+                    f.push((RETRY_AFTER, HeaderValue::from(*s)));
                 }
-                h.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+                f.push(no_store());
             }
             // A seat frees when some answer ends: no wait can be known, so one second.
             Refusal::LimiterUnavailable | Refusal::TooManyInFlight { .. } => {
-                h.insert(RETRY_AFTER, HeaderValue::from_static("1"));
-                h.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+                f.push((RETRY_AFTER, HeaderValue::from_static("1")));
+                f.push(no_store());
             }
             Refusal::UpstreamOverloaded { retry_after } | Refusal::QuotaExceeded { retry_after, .. } => {
-                h.insert(RETRY_AFTER, HeaderValue::from(*retry_after));
-                h.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+                f.push((RETRY_AFTER, HeaderValue::from(*retry_after)));
+                f.push(no_store());
             }
             // RFC 6750: a client library knows to fetch a new token on `invalid_token`.
             Refusal::BadToken(e) => {
@@ -157,12 +161,155 @@ impl Refusal {
                     ),
                 };
                 if let Ok(v) = HeaderValue::from_str(&v) {
-                    h.insert(http::header::WWW_AUTHENTICATE, v);
+                    f.push((http::header::WWW_AUTHENTICATE, v));
                 }
             }
             _ => {}
         }
+        f
+    }
+
+    /// The response, without the rate-limit fields of the request's buckets (see [`Answer`]).
+    pub fn into_response(self) -> Response<Body> {
+        let mut resp = json_response(self.status(), self.body_text());
+        let h = resp.headers_mut();
+        for (name, value) in self.fields() {
+            h.insert(name, value);
+        }
         resp
+    }
+}
+
+/// One of the gateway's own answers as the request's steps return it: what was refused, with
+/// the rate-limit fields of what the request paid. Each wire renders it once, its own way:
+/// hyper's path as a `Response` ([`Answer::into_response`]), the express lane as bytes.
+#[derive(Debug)]
+pub struct Answer {
+    pub refusal: Refusal,
+    pub fields: RateFields,
+    /// Whether the connection closes after it: the rest of the request's body will not be
+    /// read, or its framing can't be trusted. HTTP/2 ignores it: only the stream ends.
+    pub close: bool,
+}
+
+impl From<Refusal> for Answer {
+    fn from(refusal: Refusal) -> Answer {
+        Answer {
+            refusal,
+            fields: RateFields::default(),
+            close: false,
+        }
+    }
+}
+
+impl Answer {
+    pub fn status(&self) -> u16 {
+        self.refusal.status().as_u16()
+    }
+
+    /// This answer, with the connection closed after it.
+    pub(crate) fn closing(mut self) -> Answer {
+        self.close = true;
+        self
+    }
+
+    /// hyper's rendering: the refusal's response with the rate-limit fields (and, on HTTP/1,
+    /// `Connection: close` when it closes).
+    pub fn into_response(self) -> Response<Body> {
+        let mut resp = self.refusal.into_response();
+        self.fields.apply(resp.headers_mut());
+        if self.close {
+            resp.headers_mut()
+                .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        resp
+    }
+}
+
+/// The `RateLimit-Policy` and `RateLimit` fields of a request: its deciding bucket's budget and
+/// its key's quota, each as a list member. When the gateway has either, the two fields are the
+/// gateway's alone: an upstream's own are dropped, on both paths.
+#[derive(Debug, Default, Clone)]
+pub struct RateFields {
+    pub budget: Option<Budget>,
+    pub quota: Option<Box<QuotaHeaders>>,
+}
+
+impl RateFields {
+    /// Whether the gateway writes the fields (and so drops an upstream's).
+    pub(crate) fn any(&self) -> bool {
+        self.budget.is_some() || self.quota.is_some()
+    }
+
+    /// The fields as HTTP/1 header lines.
+    pub(crate) fn write_http1(&self, out: &mut BytesMut) {
+        if self.budget.as_ref().is_some_and(|b| b.policy.is_some()) || self.quota.is_some() {
+            out.extend_from_slice(b"ratelimit-policy: ");
+            self.write_policy(out);
+            out.extend_from_slice(b"\r\n");
+        }
+        if self.any() {
+            out.extend_from_slice(b"ratelimit: ");
+            self.write_state(out);
+            out.extend_from_slice(b"\r\n");
+        }
+    }
+
+    /// The fields in a header map, in place of any there.
+    pub fn apply(&self, headers: &mut HeaderMap) {
+        if !self.any() {
+            return;
+        }
+        let policy = self.budget.as_ref().and_then(|b| b.policy.clone());
+        match (policy, &self.quota) {
+            // The usual answer: the limit's policy as compiled, no copy.
+            (Some(p), None) => {
+                headers.insert(RATELIMIT_POLICY.clone(), p);
+            }
+            (None, None) => {
+                headers.remove(&RATELIMIT_POLICY);
+            }
+            _ => {
+                let mut v = BytesMut::new();
+                self.write_policy(&mut v);
+                insert_bytes(headers, &RATELIMIT_POLICY, v);
+            }
+        }
+        let mut v = BytesMut::with_capacity(64);
+        self.write_state(&mut v);
+        insert_bytes(headers, &RATELIMIT, v);
+    }
+
+    fn write_policy(&self, out: &mut BytesMut) {
+        let policy = self.budget.as_ref().and_then(|b| b.policy.as_ref());
+        if let Some(p) = policy {
+            out.extend_from_slice(p.as_bytes());
+        }
+        if let Some(q) = &self.quota {
+            if policy.is_some() {
+                out.extend_from_slice(b", ");
+            }
+            out.extend_from_slice(q.policy.as_bytes());
+        }
+    }
+
+    fn write_state(&self, out: &mut BytesMut) {
+        if let Some(b) = &self.budget {
+            b.write_state(out);
+        }
+        if let Some(q) = &self.quota {
+            if self.budget.is_some() {
+                out.extend_from_slice(b", ");
+            }
+            out.extend_from_slice(q.state.as_bytes());
+        }
+    }
+}
+
+/// Bytes the gateway wrote itself, which are always a valid field value.
+fn insert_bytes(headers: &mut HeaderMap, name: &HeaderName, v: BytesMut) {
+    if let Ok(v) = HeaderValue::from_maybe_shared(v.freeze()) {
+        headers.insert(name.clone(), v);
     }
 }
 
@@ -191,27 +338,6 @@ impl QuotaHeaders {
             ),
         }
     }
-
-    /// Adds the quota to the response's lists, after the bucket's members when there are any.
-    pub(crate) fn apply(&self, headers: &mut HeaderMap) {
-        for (name, member) in [(&RATELIMIT_POLICY, &self.policy), (&RATELIMIT, &self.state)] {
-            let value = match headers.get(name).and_then(|v| v.to_str().ok()) {
-                Some(v) if !v.is_empty() => format!("{v}, {member}"),
-                _ => member.clone(),
-            };
-            if let Ok(v) = HeaderValue::from_str(&value) {
-                headers.insert(name.clone(), v);
-            }
-        }
-    }
-
-    pub(crate) fn policy(&self) -> &str {
-        &self.policy
-    }
-
-    pub(crate) fn state(&self) -> &str {
-        &self.state
-    }
 }
 
 /// The `408` for a request head not finished in time, as HTTP/1.1 bytes: it is written where no
@@ -227,19 +353,6 @@ pub(crate) fn json_response(status: StatusCode, body: String) -> Response<Body> 
     resp
 }
 
-/// Adds `RateLimit-Policy` and `RateLimit` for the deciding bucket of a decision.
-pub fn budget_headers(
-    headers: &mut HeaderMap,
-    snap: &Snapshot,
-    batch: &[CheckItem],
-    caller: Caller<'_>,
-    d: &Decision,
-) {
-    if let Some(b) = budget_values(snap, batch, caller, d) {
-        b.apply(headers);
-    }
-}
-
 /// What `RateLimit-Policy` and `RateLimit` say about an answered request, kept as numbers so
 /// either path can write them its own way.
 #[derive(Debug, Clone)]
@@ -247,28 +360,46 @@ pub struct Budget {
     /// `RateLimit-Policy`, when the deciding limit has numbers.
     pub policy: Option<HeaderValue>,
     name: std::sync::Arc<str>,
-    remaining: u64,
-    reset_secs: u64,
+    state: State,
+}
+
+#[derive(Debug, Clone)]
+enum State {
+    /// A token bucket: whole tokens left, and seconds until it is full.
+    Bucket { remaining: u64, reset_secs: u64 },
+    /// A limit on requests in flight with every seat taken: when one frees can't be known.
+    SeatsTaken,
 }
 
 impl Budget {
-    pub(crate) fn apply(self, headers: &mut HeaderMap) {
-        let state = state_value(&self.name, self.remaining, self.reset_secs);
-        if let Some(p) = self.policy {
-            headers.insert(RATELIMIT_POLICY.clone(), p);
+    /// A limit on requests in flight whose seats are all taken.
+    pub(crate) fn seats_taken(name: std::sync::Arc<str>, policy: HeaderValue) -> Budget {
+        Budget {
+            policy: Some(policy),
+            name,
+            state: State::SeatsTaken,
         }
-        headers.insert(RATELIMIT.clone(), state);
     }
 
     /// The `RateLimit` value's bytes.
     pub fn write_state(&self, out: &mut bytes::BytesMut) {
-        tollgate_rules::headers::write_state(out, &self.name, self.remaining, self.reset_secs);
+        match self.state {
+            State::Bucket {
+                remaining,
+                reset_secs,
+            } => tollgate_rules::headers::write_state(out, &self.name, remaining, reset_secs),
+            State::SeatsTaken => {
+                out.extend_from_slice(b"\"");
+                out.extend_from_slice(self.name.as_bytes());
+                out.extend_from_slice(b"\";r=0");
+            }
+        }
     }
 }
 
 /// The values of `RateLimit-Policy` (when the limit has numbers) and `RateLimit` for the
 /// deciding bucket of a decision; `None` when no bucket decided.
-pub(crate) fn budget_values(
+pub fn budget_values(
     snap: &Snapshot,
     batch: &[CheckItem],
     caller: Caller<'_>,
@@ -285,8 +416,10 @@ pub(crate) fn budget_values(
     Some(Budget {
         policy: numbers.map(|n| n.policy.clone()),
         name: limit.name.clone(),
-        remaining: d.remaining,
-        reset_secs: d.reset_secs,
+        state: State::Bucket {
+            remaining: d.remaining,
+            reset_secs: d.reset_secs,
+        },
     })
 }
 
@@ -325,8 +458,10 @@ pub(crate) fn budget_after(
     Some(Budget {
         policy: numbers.map(|n| n.policy.clone()),
         name: limit.name.clone(),
-        remaining,
-        reset_secs,
+        state: State::Bucket {
+            remaining,
+            reset_secs,
+        },
     })
 }
 

@@ -10,7 +10,7 @@ use std::sync::LazyLock;
 use arbitrary::{Arbitrary, Unstructured};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
 use tollgate_gateway::request::{self as gateway, Early};
-use tollgate_gateway::respond::{Refusal, budget_headers};
+use tollgate_gateway::respond::{RateFields, Refusal, budget_values};
 use tollgate_limit::clock::ManualClock;
 use tollgate_limit::decision::decide;
 use tollgate_rules::identity::{self, TrustedProxies};
@@ -295,6 +295,10 @@ fn check(snap: &Snapshot, batch: &[CheckItem], key: Option<usize>, head: &Head) 
             tollgate_rules::plan::Caller::Anonymous,
             tollgate_rules::plan::Caller::Key,
         );
-        budget_headers(resp.headers_mut(), snap, batch, caller, &d);
+        let fields = RateFields {
+            budget: budget_values(snap, batch, caller, &d),
+            quota: None,
+        };
+        fields.apply(resp.headers_mut());
     }
 }

@@ -29,6 +29,11 @@ impl LimitedBody {
         LimitedBody { inner, seen: 0, max }
     }
 
+    /// Limits the body to `max` bytes from here on (the route's, once the request is routed).
+    pub fn cap(&mut self, max: u64) {
+        self.max = Some(max);
+    }
+
     /// The client's body, with whatever of it is still to come: an answer made before it was
     /// read to its end decides what becomes of the rest.
     pub fn into_inner(self) -> Incoming {

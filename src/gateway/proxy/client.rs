@@ -59,6 +59,10 @@ pub enum Failure {
     /// No response head within the upstream's timeout.
     #[error("no answer in time")]
     TimedOut,
+    /// The client closed its connection while the upstream was asked (the express lane
+    /// watches for it; hyper drops the request instead).
+    #[error("the client closed its connection")]
+    ClientGone,
     /// A kept connection had bytes from the upstream before the request was fully written.
     #[error("the upstream sent bytes before the request was written; the connection was closed")]
     EarlyBytes,

@@ -77,56 +77,106 @@ impl Proxy {
         Proxy::default()
     }
 
-    /// Sends a request to `up` (its head already retargeted) and returns the response with
-    /// the upstream's body streaming behind it. The bodies stream both ways; nothing is
-    /// buffered whole. Every wait on the upstream is bounded by its timeout, every wait on the
-    /// client's body by [`Proxy::body_timeout`]. The body is borrowed: what of it the
-    /// exchange left unread is the caller's to settle with the client.
-    pub async fn forward(
+    /// hyper's exchange: sends the request in `ask` (its head already retargeted) with the
+    /// client's body streamed behind it, and reads the answer's head into hyper's response.
+    /// Nothing is buffered whole. Every wait on the upstream is bounded by its timeout, every
+    /// wait on the client's body by [`Proxy::body_timeout`]. The body is borrowed: what of it
+    /// the exchange left unread is the caller's to settle with the client.
+    pub(crate) async fn exchange(
         &self,
-        up: &Upstream,
-        pool: &std::sync::Arc<pool::ConnPool>,
-        parts: &http::request::Parts,
-        edits: &HeaderEdits,
+        ask: &Ask<'_>,
         body: &mut UpBody,
-        permit: Option<crate::concurrency::Place>,
-    ) -> Result<Response<client::UpstreamBody>, client::Failure> {
+    ) -> Result<Exchanged<Response<()>>, client::Failure> {
         use http_body::Body as _;
+        let parts = ask.parts;
         let has_body = !body.is_end_stream();
         let chunked = has_body && !parts.headers.contains_key(header::CONTENT_LENGTH);
         let mut head = bytes::BytesMut::with_capacity(512);
-        client::render_request(&mut head, parts, edits, chunked);
+        client::render_request(&mut head, parts, ask.edits, chunked);
         let is_head = parts.method == http::Method::HEAD;
         let outgoing = has_body.then_some(client::Outgoing {
             body,
             chunked,
             timeout: self.body_timeout,
         });
-        let (conn, (resp, shape)) = client::exchange(
-            pool,
+        let (conn, (resp, shape, reported)) = client::exchange(
+            ask.pool,
             &head,
             outgoing,
             tollgate_http1::idempotent(&parts.method),
             is_head,
-            Some(up.timeout),
-            |h| response_parts(h, is_head),
+            Some(ask.upstream.timeout),
+            |h| (response_parts(h, is_head, ask.ours), h.shape(), ask.capture(h)),
         )
         .await?;
-        let resp = resp.ok_or(client::Failure::Unforwardable(
+        let head = resp.ok_or(client::Failure::Unforwardable(
             tollgate_http1::response::Unforwardable("a header hyper can't hold"),
         ))?;
-        let body = client::UpstreamBody::new(conn, shape, pool.clone(), up.timeout, permit);
-        Ok(resp.map(|()| body))
+        Ok(Exchanged {
+            conn,
+            shape,
+            head,
+            reported,
+        })
     }
+}
+
+/// What an exchange with an upstream needs, on either path.
+pub(crate) struct Ask<'a> {
+    pub upstream: &'a Upstream,
+    pub pool: &'a std::sync::Arc<pool::ConnPool>,
+    /// The request's head, retargeted at the upstream.
+    pub parts: &'a http::request::Parts,
+    pub edits: &'a HeaderEdits,
+    /// The route's largest request body.
+    pub max_body: u64,
+    /// Whether the gateway writes `RateLimit-Policy` and `RateLimit` itself, so the upstream's
+    /// are dropped.
+    pub ours: bool,
+    /// Whether the answer's headers are kept for a post-paid debit.
+    pub post_paid: bool,
+    /// Whether the request holds a limited place or a seat, which a client that hangs up
+    /// should give back without waiting for the upstream.
+    pub holds: bool,
+}
+
+impl Ask<'_> {
+    /// The answer's headers, kept for a post-paid debit; `None` on other routes.
+    pub(crate) fn capture(&self, h: &tollgate_http1::response::Head<'_>) -> Option<HeaderMap> {
+        if !self.post_paid {
+            return None;
+        }
+        let mut map = HeaderMap::with_capacity(h.headers.len());
+        for x in h.headers {
+            if let (Ok(n), Some(v)) = (
+                HeaderName::from_bytes(x.name.as_bytes()),
+                client::header_value(x.value),
+            ) {
+                map.append(n, v);
+            }
+        }
+        Some(map)
+    }
+}
+
+/// An upstream's answer, its head read: the connection positioned at its body, how the body
+/// is framed, the head as the wire keeps it, and the headers a post-paid debit reads.
+pub(crate) struct Exchanged<H> {
+    pub conn: pool::RawConn,
+    pub shape: tollgate_http1::response::Shape,
+    pub head: H,
+    pub reported: Option<HeaderMap>,
+}
+
+/// Whether an upstream's header is one of the rate-limit fields the gateway writes itself.
+pub(crate) fn rate_field(name: &[u8]) -> bool {
+    name.eq_ignore_ascii_case(b"ratelimit") || name.eq_ignore_ascii_case(b"ratelimit-policy")
 }
 
 /// hyper's response for an upstream's judged head: the forwarded headers, with the length left
 /// to the body's size (hyper writes it from there), except for HEAD, where only the header
 /// can say it.
-fn response_parts(
-    h: &tollgate_http1::response::Head<'_>,
-    is_head: bool,
-) -> (Option<Response<()>>, tollgate_http1::response::Shape) {
+fn response_parts(h: &tollgate_http1::response::Head<'_>, is_head: bool, ours: bool) -> Option<Response<()>> {
     let build = || {
         let mut resp = Response::new(());
         *resp.status_mut() = http::StatusCode::from_u16(h.status).ok()?;
@@ -134,7 +184,7 @@ fn response_parts(
         map.reserve(h.headers.len());
         for x in h.headers {
             let name = x.name.as_bytes();
-            if !h.forwards(name) {
+            if !h.forwards(name) || (ours && rate_field(name)) {
                 continue;
             }
             map.append(HeaderName::from_bytes(name).ok()?, client::header_value(x.value)?);
@@ -144,7 +194,7 @@ fn response_parts(
         }
         Some(resp)
     };
-    (build(), h.shape())
+    build()
 }
 
 /// The gateway's answer when an exchange with `up` failed, the same on both paths: it names the
@@ -166,6 +216,8 @@ pub(crate) fn failure_answer(up: &Upstream, failure: &client::Failure) -> Refusa
             "upstream {name:?} sent bytes before the request was written"
         )),
         F::ClientStalled => Refusal::RequestTimeout,
+        // Nobody is left to read it; the status is for the log.
+        F::ClientGone => Refusal::BadRequest("the client closed its connection".into()),
         F::ClientBody(e) => match e.downcast_ref::<body::TooLarge>() {
             Some(t) => Refusal::PayloadTooLarge { limit: t.0 },
             None => Refusal::BadRequest(format!("the request body failed: {e}")),

@@ -1,6 +1,7 @@
 //! The express lane: HTTP/1.1 requests without a body, on plain TCP or TLS, read, checked and
 //! forwarded inside their connection's own task, on upstream sockets the lane speaks HTTP/1.1
-//! on itself.
+//! on itself. Its [`Wire`] writes heads and relays bodies as bytes; the steps are
+//! [`drive`]'s, the same as on hyper's path.
 //!
 //! Why it exists: hyper's server and client are general (any body, any framing, HTTP/2, a task
 //! per upstream connection, a channel between them), and that generality cost about 30,000
@@ -9,30 +10,30 @@
 //!
 //! What it takes: HTTP/1.1 heads that parse, in origin form, without `Transfer-Encoding`,
 //! `Expect`, `Upgrade`, a body (no `Content-Length` other than one `0`) or `Connection` other
-//! than `keep-alive`, on routes whose limits don't read the body. Anything else (and h2c, and
-//! heads it can't parse or that are too large) hands the connection, with every byte read so
-//! far, to hyper for the rest of its life; hyper and the framing watcher then see exactly the
-//! bytes they would have seen, and answer as they always do. The gateway's decisions (routes,
-//! keys, limits, headers, metrics, access lines) are the same functions on both paths.
+//! than `keep-alive`. Anything else (and h2c, and heads it can't parse or that are too large)
+//! hands the connection, with every byte read so far, to hyper for the rest of its life, before
+//! the request begins; hyper and the framing watcher then see exactly the bytes they would have
+//! seen, and answer as they always do.
 
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
-use http::{HeaderName, HeaderValue, Method, Response, StatusCode, Uri, Version};
+use http::{HeaderName, HeaderValue, Method, StatusCode, Uri, Version};
 use tokio::io::AsyncWrite;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::{Gateway, X_REQUEST_ID};
+use super::drive::{Wire, drive};
+use super::{Begun, Forward, Gateway, X_REQUEST_ID};
 use crate::bufs::{self, Lent};
-use crate::concurrency::Place;
 use crate::proxy::client::{self, BodyState, Failure, header_line};
 use crate::proxy::pool::RawConn;
-use crate::respond::{Body, RATELIMIT, RATELIMIT_POLICY};
+use crate::proxy::{Ask, Exchanged};
+use crate::respond::{Answer, RateFields, Refusal};
 use crate::server::{ConnInfo, Ended, LaneIo, Prefixed, ServerLimits};
 use http_body_util::Empty;
 use tollgate_http1::response::{self, Framing};
@@ -170,123 +171,152 @@ async fn busy<S: LaneIo>(
             return Next::Closed;
         }
         let request_bytes = buf.split_to(head.len).freeze();
-        let Some(mut parts) = head.to_parts(&request_bytes) else {
+        let Some(parts) = head.to_parts(&request_bytes) else {
             // Bytes httparse took but `http` doesn't: let hyper refuse them as it would.
             let mut rest = BytesMut::from(&request_bytes[..]);
             rest.extend_from_slice(&buf);
             return Next::HandOff(rest.freeze());
         };
-        let access = gw.access_record(&parts.method, &parts.uri, parts.version, &parts.headers, info);
-        let mut b = gw.begin(parts.method.clone(), &mut parts.headers, info, access);
-        let closing = *stop.borrow();
-        let is_head = parts.method == Method::HEAD;
+        let mut lane = Lane {
+            io: &mut *io,
+            out: &mut out,
+            head_out: &mut head_out,
+            deadline: &mut *deadline,
+            closing: *stop.borrow(),
+            is_head: parts.method == Method::HEAD,
+            next_waiting: !buf.is_empty(),
+        };
         // The steps are awaited in place: this whole future is boxed only while the connection
         // is busy (`serve`), so they no longer size an idle connection's task, and a box of
         // each cost an allocation and a copy per request (about 750 instructions).
-        let admitted = match gw.identify(&mut b, &mut parts, info).await {
-            Ok(c) if b.snap.routes[c.route].body_field.is_some() || b.snap.routes[c.route].post_paid => {
-                // Its limit keys on a body this lane doesn't read, or is settled from the
-                // answer's headers, which this lane relays as bytes. Nothing was charged yet;
-                // hyper's path begins this request again.
-                gw.hand_off(b);
-                let mut rest = BytesMut::from(&request_bytes[..]);
-                rest.extend_from_slice(&buf);
-                return Next::HandOff(rest.freeze());
-            }
-            Ok(c) => gw.admit(&mut b, c, &mut parts, None).await,
-            Err(answer) => Err(answer),
-        };
-        let mut f = match admitted {
-            Ok(f) => f,
-            Err(resp) => {
-                answer(gw, &mut out, b, resp, closing, is_head);
-                if send(io, &out).await.is_err() || closing {
-                    return Next::Closed;
-                }
-                continue;
-            }
-        };
-        let snap = b.snap.clone();
-        let live = b.live.clone();
-        let up = &snap.upstreams[f.upstream];
-        let pool = &live.upstreams[f.upstream].pool;
-        let extra = Extra {
-            budget: f.budget.as_ref(),
-            quota: f.quota.as_deref(),
-            request_id: &b.request_id,
-        };
+        match drive(gw, parts, info, &mut lane).await {
+            Flow::Next => {}
+            Flow::Closed => return Next::Closed,
+        }
+    }
+}
+
+/// What the connection does after a request.
+enum Flow {
+    Next,
+    Closed,
+}
+
+/// A request on the lane: the connection's socket and buffers, and its deadline, which also
+/// times the upstream's answer (never awaited while a head is): one timer a connection.
+struct Lane<'c, S> {
+    io: &'c mut S,
+    out: &'c mut BytesMut,
+    head_out: &'c mut BytesMut,
+    deadline: &'c mut Deadline,
+    /// The server is stopping: the answer says `Connection: close`, and the connection ends.
+    closing: bool,
+    is_head: bool,
+    /// Bytes of a next request are waiting: the client is there.
+    next_waiting: bool,
+}
+
+/// A lane answer made ready: the gateway's own, rendered into `out` to write, or the
+/// upstream's, relayed already.
+enum Ready {
+    Write { close: bool },
+    Relayed(Flow),
+}
+
+impl<S: LaneIo> Wire for Lane<'_, S> {
+    type Head = Tail;
+    type Ready = Ready;
+    type Out = Flow;
+
+    async fn read_body(&mut self, _cap: u64) -> Result<Bytes, Refusal> {
+        // The lane takes only requests without a body.
+        Ok(Bytes::new())
+    }
+
+    async fn exchange(&mut self, ask: Ask<'_>) -> Result<Exchanged<Tail>, Failure> {
+        let Lane {
+            io,
+            out,
+            head_out,
+            deadline,
+            is_head,
+            next_waiting,
+            ..
+        } = self;
         head_out.clear();
         head_out.reserve(1024);
-        client::render_request(&mut head_out, &parts, &gw.edits(&b, &f, &parts, info), false);
-        let started = std::time::Instant::now();
-        out.clear();
-        if out.capacity() == 0 {
-            *out = bufs::take();
-        }
-        out.reserve(READ_SIZE);
-        deadline.set(Instant::now() + up.timeout);
+        client::render_request(head_out, ask.parts, ask.edits, false);
+        start(out);
+        deadline.set(Instant::now() + ask.upstream.timeout);
+        let exchange = client::exchange::<Empty<Bytes>, _>(
+            ask.pool,
+            head_out,
+            None,
+            tollgate_http1::idempotent(&ask.parts.method),
+            *is_head,
+            None,
+            |h| (head_start(h, ask.ours, out), h.shape(), ask.capture(h)),
+        );
+        tokio::pin!(exchange);
         // A client that hangs up while the upstream thinks must not keep its place under the
-        // upstream's limit, or its key's seats, until the answer or the timeout. Bytes of a next
-        // request already waiting say the client is there: stop watching. Watching costs a
-        // syscall, so only requests that hold a limited place or a seat pay it.
-        let answered = {
-            let exchange = client::exchange::<Empty<Bytes>, _>(
-                pool,
-                &head_out,
-                None,
-                tollgate_http1::idempotent(&parts.method),
-                is_head,
-                None,
-                |h| render_response(h, &extra, closing, &mut out),
-            );
-            tokio::pin!(exchange);
-            let mut watch =
-                buf.is_empty() && (f.place.as_ref().is_some_and(Place::limited) || !f.seats.is_empty());
-            loop {
-                tokio::select! {
-                    biased;
-                    r = &mut exchange => break r,
-                    () = deadline.passed() => break Err(Failure::TimedOut),
-                    gone = hung_up(io.tcp()), if watch => {
-                        if gone {
-                            return Next::Closed;
-                        }
-                        watch = false;
+        // upstream's limit, or its key's seats, until the answer or the timeout. Bytes of a
+        // next request already waiting say the client is there: stop watching. Watching costs
+        // a syscall, so only requests that hold a limited place or a seat pay it.
+        let mut watch = !*next_waiting && ask.holds;
+        let (conn, (tail, shape, reported)) = loop {
+            tokio::select! {
+                biased;
+                r = &mut exchange => break r?,
+                () = deadline.passed() => return Err(Failure::TimedOut),
+                gone = hung_up(io.tcp()), if watch => {
+                    if gone {
+                        return Err(Failure::ClientGone);
                     }
+                    watch = false;
                 }
             }
         };
-        gw.upstream_answered(&b, &f, started.elapsed(), answered.as_ref().err());
-        let (mut conn, shape) = match answered {
-            Ok(r) => {
-                gw.settle(&snap, f.paid.as_deref(), Some(r.1.status)).await;
-                r
-            }
-            Err(failure) => {
-                Box::pin(gw.refund_undelivered(&snap, &mut b.trace, f.paid.take(), &failure)).await;
-                let mut resp = crate::proxy::failure_answer(up, &failure).into_response();
-                gw.forward_headers(&f, resp.headers_mut());
-                answer(gw, &mut out, b, resp, closing, is_head);
-                if send(io, &out).await.is_err() || closing {
-                    return Next::Closed;
-                }
-                continue;
-            }
-        };
+        Ok(Exchanged {
+            conn,
+            shape,
+            head: tail,
+            reported,
+        })
+    }
+
+    async fn answer(&mut self, b: &mut Begun<'_>, a: Answer) -> Ready {
+        let close = a.close || self.closing;
+        start(self.out);
+        let body = write_answer(self.out, a, &b.request_id, close, self.is_head);
+        b.body_sent(Some(body));
+        Ready::Write { close }
+    }
+
+    async fn relay(&mut self, b: &mut Begun<'_>, up: Exchanged<Tail>, f: Forward) -> Ready {
+        let Exchanged {
+            mut conn,
+            shape,
+            head: tail,
+            ..
+        } = up;
+        tail.finish(&f.fields, &b.request_id, self.closing, self.out);
+        let live = b.live.clone();
+        let pool = &live.upstreams[f.upstream].pool;
+        let idle = b.snap.upstreams[f.upstream].timeout;
         let mut sent = 0;
         let relayed = relay(
             &mut conn,
-            io,
-            &mut out,
+            self.io,
+            self.out,
             BodyState::new(shape.framing),
-            up.timeout,
+            idle,
             &mut sent,
         )
         .await;
         b.body_sent(Some(sent));
-        gw.finish(b, shape.status);
+        // Its place and seats go back as the answer ends.
         drop(f);
-        match relayed {
+        Ready::Relayed(match relayed {
             Relayed::Done { clean } => {
                 if shape.reusable {
                     if clean {
@@ -296,13 +326,37 @@ async fn busy<S: LaneIo>(
                         pool.stray_seen();
                     }
                 }
-                if closing {
-                    return Next::Closed;
+                if self.closing { Flow::Closed } else { Flow::Next }
+            }
+            Relayed::Broken => Flow::Closed,
+        })
+    }
+
+    async fn send(&mut self, ready: Ready) -> Flow {
+        match ready {
+            Ready::Relayed(flow) => flow,
+            Ready::Write { close } => {
+                if send(self.io, self.out).await.is_err() || close {
+                    Flow::Closed
+                } else {
+                    Flow::Next
                 }
             }
-            Relayed::Broken => return Next::Closed,
         }
     }
+
+    fn gone(&mut self) -> Flow {
+        Flow::Closed
+    }
+}
+
+/// Readies `out` for a response: empty, with room for a head and the first of a body.
+fn start(out: &mut BytesMut) {
+    out.clear();
+    if out.capacity() == 0 {
+        *out = bufs::take();
+    }
+    out.reserve(READ_SIZE);
 }
 
 /// Writes all of `bytes` and flushes: TLS holds what the socket didn't take until a flush.
@@ -464,55 +518,6 @@ impl Head {
     }
 }
 
-/// The headers the gateway adds to a forwarded response.
-struct Extra<'a> {
-    budget: Option<&'a crate::respond::Budget>,
-    quota: Option<&'a crate::respond::QuotaHeaders>,
-    request_id: &'a HeaderValue,
-}
-
-impl Extra<'_> {
-    /// Whether an upstream header of this name gives way to one of ours.
-    fn replaces(&self, name: &[u8]) -> bool {
-        name.eq_ignore_ascii_case(X_REQUEST_ID.as_str().as_bytes())
-            || ((self.budget.is_some() || self.quota.is_some())
-                && name.eq_ignore_ascii_case(RATELIMIT.as_str().as_bytes()))
-            || ((self.budget.is_some_and(|b| b.policy.is_some()) || self.quota.is_some())
-                && name.eq_ignore_ascii_case(RATELIMIT_POLICY.as_str().as_bytes()))
-    }
-
-    fn render(&self, out: &mut BytesMut) {
-        let policy = self.budget.and_then(|b| b.policy.as_ref());
-        if policy.is_some() || self.quota.is_some() {
-            out.extend_from_slice(b"ratelimit-policy: ");
-            if let Some(p) = policy {
-                out.extend_from_slice(p.as_bytes());
-            }
-            if let Some(q) = self.quota {
-                if policy.is_some() {
-                    out.extend_from_slice(b", ");
-                }
-                out.extend_from_slice(q.policy().as_bytes());
-            }
-            out.extend_from_slice(b"\r\n");
-        }
-        if self.budget.is_some() || self.quota.is_some() {
-            out.extend_from_slice(b"ratelimit: ");
-            if let Some(b) = self.budget {
-                b.write_state(out);
-            }
-            if let Some(q) = self.quota {
-                if self.budget.is_some() {
-                    out.extend_from_slice(b", ");
-                }
-                out.extend_from_slice(q.state().as_bytes());
-            }
-            out.extend_from_slice(b"\r\n");
-        }
-        header_line(out, X_REQUEST_ID.as_str().as_bytes(), self.request_id.as_bytes());
-    }
-}
-
 fn status_line(out: &mut BytesMut, status: u16, reason: &str) {
     out.extend_from_slice(b"HTTP/1.1 ");
     out.extend_from_slice(itoa::Buffer::new().format(status).as_bytes());
@@ -527,24 +532,19 @@ fn status_line(out: &mut BytesMut, status: u16, reason: &str) {
 
 /// Writes one of the gateway's own answers, with `Date`, `Content-Length` and the request id.
 /// Returns the bytes of its body written.
-fn render_answer(
-    out: &mut BytesMut,
-    resp: Response<Body>,
-    request_id: &HeaderValue,
-    close: bool,
-    is_head: bool,
-) -> u64 {
-    let (parts, body) = resp.into_parts();
-    status_line(out, parts.status.as_u16(), "");
-    for (name, value) in &parts.headers {
+fn write_answer(out: &mut BytesMut, a: Answer, request_id: &HeaderValue, close: bool, is_head: bool) -> u64 {
+    status_line(out, a.status(), "");
+    header_line(out, b"content-type", b"application/json");
+    for (name, value) in a.refusal.fields() {
         header_line(out, name.as_str().as_bytes(), value.as_bytes());
     }
+    a.fields.write_http1(out);
     header_line(out, X_REQUEST_ID.as_str().as_bytes(), request_id.as_bytes());
     date_line(out);
     if close {
         out.extend_from_slice(b"connection: close\r\n");
     }
-    let body = full_bytes(body);
+    let body = a.refusal.body_text();
     header_line(
         out,
         b"content-length",
@@ -554,39 +554,8 @@ fn render_answer(
     if is_head {
         return 0;
     }
-    out.extend_from_slice(&body);
+    out.extend_from_slice(body.as_bytes());
     body.len() as u64
-}
-
-/// The bytes of a gateway-made body, which is always whole.
-fn full_bytes(body: Body) -> Bytes {
-    use http_body::Body as _;
-    let mut body = body;
-    let mut cx = Context::from_waker(std::task::Waker::noop());
-    match Pin::new(&mut body).poll_frame(&mut cx) {
-        Poll::Ready(Some(Ok(frame))) => frame.into_data().unwrap_or_default(),
-        _ => Bytes::new(),
-    }
-}
-
-/// Ends a request with one of the gateway's own answers, rendered into `out` for the caller
-/// to write.
-fn answer(
-    gw: &Gateway,
-    out: &mut BytesMut,
-    mut b: crate::request::Begun<'_>,
-    resp: Response<Body>,
-    close: bool,
-    is_head: bool,
-) {
-    let status = resp.status().as_u16();
-    out.clear();
-    out.reserve(READ_SIZE);
-    let body = render_answer(out, resp, &b.request_id, close, is_head);
-    // Recorded before the caller writes it: the line says what was to be sent, even to a
-    // client whose socket then fails.
-    b.body_sent(Some(body));
-    gw.finish(b, status);
 }
 
 thread_local! {
@@ -612,39 +581,56 @@ fn date_line(out: &mut BytesMut) {
     });
 }
 
-/// The client's response head from the upstream's judged one: its forwarded headers less
-/// those the gateway sets itself, plus the gateway's. Returns the body's framing, the status
-/// and whether the upstream's connection may be kept.
-fn render_response(
-    h: &response::Head<'_>,
-    extra: &Extra<'_>,
-    close: bool,
-    out: &mut BytesMut,
-) -> response::Shape {
+/// The start of the client's response head from the upstream's judged one: the status line
+/// and the upstream's forwarded headers, less those the gateway sets itself. The rest waits
+/// for the gateway's fields ([`Tail::finish`]), which a post-paid debit may change.
+fn head_start(h: &response::Head<'_>, ours: bool, out: &mut BytesMut) -> Tail {
     status_line(out, h.status, h.reason);
     for x in h.headers {
         let n = x.name.as_bytes();
-        if h.forwards(n) && !extra.replaces(n) {
+        if h.forwards(n)
+            && !n.eq_ignore_ascii_case(X_REQUEST_ID.as_str().as_bytes())
+            && !(ours && crate::proxy::rate_field(n))
+        {
             header_line(out, n, x.value);
         }
     }
-    extra.render(out);
-    if !h.dated {
-        date_line(out);
+    Tail {
+        dated: h.dated,
+        length: h.length,
+        framing: h.framing,
     }
-    if let Some(n) = h.length {
-        header_line(out, b"content-length", itoa::Buffer::new().format(n).as_bytes());
+}
+
+/// What the client's response head still needs once the upstream's headers are written.
+pub(crate) struct Tail {
+    dated: bool,
+    length: Option<u64>,
+    framing: Framing,
+}
+
+impl Tail {
+    /// Ends the head: the gateway's fields, the request id, `Date` when the upstream sent
+    /// none, and the framing.
+    fn finish(&self, fields: &RateFields, request_id: &HeaderValue, close: bool, out: &mut BytesMut) {
+        fields.write_http1(out);
+        header_line(out, X_REQUEST_ID.as_str().as_bytes(), request_id.as_bytes());
+        if !self.dated {
+            date_line(out);
+        }
+        if let Some(n) = self.length {
+            header_line(out, b"content-length", itoa::Buffer::new().format(n).as_bytes());
+        }
+        // A close-delimited body goes to the client chunked, as hyper's server sends it, so
+        // the client's connection outlives the upstream's.
+        if matches!(self.framing, Framing::Chunked | Framing::Close) {
+            out.extend_from_slice(b"transfer-encoding: chunked\r\n");
+        }
+        if close {
+            out.extend_from_slice(b"connection: close\r\n");
+        }
+        out.extend_from_slice(b"\r\n");
     }
-    // A close-delimited body goes to the client chunked, as hyper's server sends it, so the
-    // client's connection outlives the upstream's.
-    if matches!(h.framing, Framing::Chunked | Framing::Close) {
-        out.extend_from_slice(b"transfer-encoding: chunked\r\n");
-    }
-    if close {
-        out.extend_from_slice(b"connection: close\r\n");
-    }
-    out.extend_from_slice(b"\r\n");
-    h.shape()
 }
 
 enum Relayed {

@@ -1,7 +1,9 @@
 //! The data path of one request: route, identity, plan, one store check, then 429 or forward;
 //! and what the operator sees of it (metrics, one access line, the request id, its span).
 
+mod drive;
 pub mod express;
+mod general;
 
 use std::borrow::Cow;
 use std::net::IpAddr;
@@ -11,17 +13,13 @@ use std::time::Instant;
 
 use arc_swap::ArcSwap;
 use http::{HeaderValue, Request, Response};
-use http_body_util::Either;
 use hyper::body::Incoming;
 
-use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
-
 use crate::concurrency::{Place, Places};
-use crate::proxy::body::LimitedBody;
 use crate::proxy::pool::ConnPool;
 use crate::proxy::{Caller, Proxy};
 use crate::respond::QuotaHeaders;
-use crate::respond::{Body, Budget, Refusal, budget_headers};
+use crate::respond::{Answer, Body, Budget, RateFields, Refusal};
 use crate::server::{ConnInfo, Handler};
 use tollgate_http1::path::{EncodedSlashes, PathError, canonical, has_encoded_slash};
 use tollgate_http1::{method_override, sanitize};
@@ -74,14 +72,6 @@ pub struct Gateway {
     shadow_log: Sampler,
     live: ArcSwap<Live>,
     building: std::sync::Mutex<()>,
-}
-
-/// An admitted request's budget headers are taken right after the check, so the batch need
-/// not travel further.
-fn apply_budget(headers: &mut http::HeaderMap, budget: Option<Budget>) {
-    if let Some(b) = budget {
-        b.apply(headers);
-    }
 }
 
 /// What the access line and the metrics need to know about one request.
@@ -337,7 +327,7 @@ impl Gateway {
                 if let Some(b) =
                     crate::respond::budget_after(snap, &p.batch, caller, &p.outcome, &adjusted.balances)
                 {
-                    f.budget = Some(b);
+                    f.fields.budget = Some(b);
                 }
             }
             Err(e) => {
@@ -379,25 +369,27 @@ impl Gateway {
         why: Refusal,
         h: &Handles,
         trace: &mut Trace,
-    ) -> Response<Body> {
+    ) -> Answer {
         let batch = plan::unauthenticated_only(snap, ip);
         if batch.is_empty() {
-            return why.into_response();
+            return why.into();
         }
         let d = match self.check(snap, h, &batch, trace).await {
-            Err(_) => return Refusal::LimiterUnavailable.into_response(),
+            Err(_) => return Refusal::LimiterUnavailable.into(),
             Ok((d, _)) => d,
         };
-        let mut resp = match &d {
-            Decision::Unavailable(_) => return Refusal::LimiterUnavailable.into_response(),
-            Decision::Admitted(_) => why.into_response(),
+        let refusal = match &d {
+            Decision::Unavailable(_) => return Refusal::LimiterUnavailable.into(),
+            Decision::Admitted(_) => why,
             Decision::Limited(..) => {
                 trace.limit = deciding_name(snap, &batch, &d);
                 rate_limited(snap, &batch, &d)
             }
         };
-        budget_headers(resp.headers_mut(), snap, &batch, plan::Caller::Anonymous, &d);
-        resp
+        with_budget(
+            refusal,
+            crate::respond::budget_values(snap, &batch, plan::Caller::Anonymous, &d),
+        )
     }
 
     /// The limiter's part of a request whose head (and body field, if its route keys on one) is
@@ -412,7 +404,7 @@ impl Gateway {
         body_value: Option<&[u8]>,
         h: &Handles,
         trace: &mut Trace,
-    ) -> Result<Charged, Response<Body>> {
+    ) -> Result<Charged, Answer> {
         let key_idx = c.key.map(|k| k.0);
         let caller = c.caller();
         // Seats first: they are given back when this request ends, whatever ends it.
@@ -429,7 +421,7 @@ impl Gateway {
         };
         let mut batch = match plan::build_for(snap, route, caller, c.ip, c.fingerprint, headers, body_value) {
             Ok(b) => b,
-            Err(e) => return Err(Refusal::BadRequest(e.to_string()).into_response()),
+            Err(e) => return Err(Refusal::BadRequest(e.to_string()).into()),
         };
         if let Some(r) = &self.regions {
             r.apply(snap, key_idx, &mut batch);
@@ -444,17 +436,16 @@ impl Gateway {
             Ok(d) => d,
             Err(e) => {
                 tracing::warn!(error = %e, "limiter store failed");
-                return Err(Refusal::LimiterUnavailable.into_response());
+                return Err(Refusal::LimiterUnavailable.into());
             }
         };
         trace.limit = deciding_name(snap, &batch, &d);
         match d {
             Decision::Admitted(_) => {}
-            Decision::Unavailable(_) => return Err(Refusal::LimiterUnavailable.into_response()),
+            Decision::Unavailable(_) => return Err(Refusal::LimiterUnavailable.into()),
             Decision::Limited(..) => {
-                let mut resp = rate_limited(snap, &batch, &d);
-                budget_headers(resp.headers_mut(), snap, &batch, caller, &d);
-                return Err(resp);
+                let budget = crate::respond::budget_values(snap, &batch, caller, &d);
+                return Err(with_budget(rate_limited(snap, &batch, &d), budget));
             }
         }
         Ok(Charged {
@@ -474,7 +465,7 @@ impl Gateway {
         route: &tollgate_rules::Route,
         key: usize,
         trace: &mut Trace,
-    ) -> Result<Vec<Seat>, Response<Body>> {
+    ) -> Result<Vec<Seat>, Answer> {
         let mut seats = Vec::new();
         for &(li, _) in &route.costs {
             let limit = &snap.limits[li as usize];
@@ -486,11 +477,11 @@ impl Gateway {
                     FailurePolicy::Open => continue,
                     FailurePolicy::Closed => {
                         tracing::warn!(error = %e, limit = %limit.name, "seats of a limit on requests in flight can't be taken; closed");
-                        return Err(Refusal::LimiterUnavailable.into_response());
+                        return Err(Refusal::LimiterUnavailable.into());
                     }
                     FailurePolicy::Local => match self.local_seats.take(&name, c.max).await {
                         Ok(t) => t,
-                        Err(_) => return Err(Refusal::LimiterUnavailable.into_response()),
+                        Err(_) => return Err(Refusal::LimiterUnavailable.into()),
                     },
                 },
             };
@@ -498,18 +489,13 @@ impl Gateway {
                 Taken::Seat(s) => seats.push(s),
                 Taken::Full { in_use } => {
                     trace.limit = Some(limit.name.clone());
-                    let mut resp = Refusal::TooManyInFlight {
+                    let refusal = Refusal::TooManyInFlight {
                         limit: limit.name.to_string(),
                         max: c.max,
                         in_flight: in_use,
-                    }
-                    .into_response();
-                    let h = resp.headers_mut();
-                    h.insert(crate::respond::RATELIMIT_POLICY.clone(), c.policy.clone());
-                    if let Ok(v) = HeaderValue::from_str(&format!("\"{}\";r=0", limit.name)) {
-                        h.insert(crate::respond::RATELIMIT.clone(), v);
-                    }
-                    return Err(resp);
+                    };
+                    let full = Budget::seats_taken(limit.name.clone(), c.policy.clone());
+                    return Err(with_budget(refusal, Some(full)));
                 }
             }
         }
@@ -524,12 +510,12 @@ impl Gateway {
         upstream: &tollgate_rules::Upstream,
         live: &LiveUpstream,
         trace: &mut Trace,
-    ) -> Result<Place, Response<Body>> {
+    ) -> Result<Place, Answer> {
         match live.places.acquire(upstream.queue_timeout).await {
             Some(p) => Ok(p),
             None => {
                 trace.limit = Some(OVERLOADED.clone());
-                Err(Refusal::UpstreamOverloaded { retry_after: 1 }.into_response())
+                Err(Refusal::UpstreamOverloaded { retry_after: 1 }.into())
             }
         }
     }
@@ -545,128 +531,6 @@ impl Gateway {
                 (None, None) => None,
             },
         }
-    }
-
-    /// hyper's path: the request's steps, with its body read first when a limit keys on it.
-    /// Every answer made before the client's body was read to its end goes through
-    /// [`Gateway::unread`], so a kept connection is never closed without a word.
-    async fn route(&self, b: &mut Begun<'_>, req: Request<Incoming>, conn: ConnInfo) -> Response<Body> {
-        let (mut parts, mut body) = req.into_parts();
-        let version = parts.version;
-        let c = match self.identify(b, &mut parts, &conn).await {
-            Ok(c) => c,
-            Err(answer) => return self.unread(answer, body, version).await,
-        };
-        let route_idx = c.route;
-        let route = &b.snap.routes[route_idx];
-        let max = route.max_body_bytes;
-        if declared_length(&parts.headers).is_some_and(|len| len > max) {
-            // Declared too large: nothing of it will be read, so it is answered at once and
-            // the connection closed, rather than waited for.
-            let answer = Refusal::PayloadTooLarge { limit: max }.into_response();
-            return if version >= http::Version::HTTP_2 {
-                answer
-            } else {
-                closing(answer)
-            };
-        }
-        // A limit keyed on a body field needs the body before the check: read a bounded prefix,
-        // then send what was read.
-        let (read, body_value) = match &route.body_field {
-            None => (None, None),
-            Some(field) => {
-                let cap = max.min(MAX_FIELD_BODY);
-                let bytes = match Box::pin(Limited::new(&mut body, cap as usize).collect()).await {
-                    Ok(b) => b.to_bytes(),
-                    Err(e) => {
-                        let answer = if e.is::<LengthLimitError>() {
-                            Refusal::PayloadTooLarge { limit: cap }
-                        } else {
-                            Refusal::BadRequest(format!("request body failed: {e}"))
-                        };
-                        return self.unread(answer.into_response(), body, version).await;
-                    }
-                };
-                let value = match body_field(&bytes, field) {
-                    Ok(v) => v,
-                    Err(why) => return Refusal::BadRequest(why).into_response(),
-                };
-                (Some(bytes), Some(value))
-            }
-        };
-        let mut f = match self.admit(b, c, &mut parts, body_value.as_deref()).await {
-            Ok(f) => f,
-            Err(answer) => return self.unread(answer, body, version).await,
-        };
-        let mut up_body = match read {
-            None => Either::Left(LimitedBody::new(body, Some(max))),
-            Some(bytes) => Either::Right(Full::new(bytes)),
-        };
-        let edits = self.edits(b, &f, &parts, &conn);
-        let upstream = &b.snap.upstreams[f.upstream];
-        let started = Instant::now();
-        // Boxed: this future is the largest part of a request's, and boxing it once is cheaper
-        // than copying it through every enclosing future.
-        let forwarded = crate::boxed::boxed(|| {
-            self.proxy.forward(
-                upstream,
-                &b.live.upstreams[f.upstream].pool,
-                &parts,
-                &edits,
-                &mut up_body,
-                f.place.take(),
-            )
-        })
-        .await;
-        self.upstream_answered(b, &f, started.elapsed(), forwarded.as_ref().err());
-        let mut resp = match forwarded {
-            Ok(r) => {
-                self.settle(&b.snap, f.paid.as_deref(), Some(r.status().as_u16()))
-                    .await;
-                if b.snap.routes[route_idx].post_paid {
-                    self.debit(&b.snap, &mut f, r.headers()).await;
-                }
-                let seats = std::mem::take(&mut f.seats);
-                r.map(|mut body| {
-                    body.hold(seats);
-                    Either::Left(body)
-                })
-            }
-            Err(failure) => {
-                self.refund_undelivered(&b.snap, &mut b.trace, f.paid.take(), &failure)
-                    .await;
-                let answer = crate::proxy::failure_answer(upstream, &failure).into_response();
-                if let crate::proxy::client::Failure::ClientStalled = failure {
-                    // Already waited out for the body timeout: no more waiting for it.
-                    closing(answer)
-                } else {
-                    answer
-                }
-            }
-        };
-        // The upstream may have answered before taking the whole body (it stopped reading).
-        if let Either::Left(client) = up_body
-            && !http_body::Body::is_end_stream(&client)
-            && !resp.headers().contains_key(http::header::CONNECTION)
-        {
-            resp = self.unread(resp, client.into_inner(), version).await;
-        }
-        self.forward_headers(&f, resp.headers_mut());
-        resp
-    }
-
-    /// An answer made before the request's body was read to its end, and that body. hyper's
-    /// HTTP/1 connection can't find the next request's start past an unread body, so it closes
-    /// after an answer that did not say so, and a kept-alive client's next request fails on
-    /// it. The rest of a small body is read and dropped, within the header read timeout, and
-    /// the connection is kept; a larger, slower or broken one gets `Connection: close`. HTTP/2
-    /// needs neither: hyper resets just that stream.
-    async fn unread(&self, answer: Response<Body>, body: Incoming, version: http::Version) -> Response<Body> {
-        if version >= http::Version::HTTP_2 || http_body::Body::is_end_stream(&body) {
-            return answer;
-        }
-        // Boxed, like every rare path here: a request without a body never builds it.
-        crate::boxed::boxed(|| drain_or_close(answer, body, self.drain_within)).await
     }
 
     /// Starts a request on a connection: its snapshot (kept to the end, whatever reloads
@@ -738,11 +602,6 @@ impl Gateway {
         b.end = End::Answered(status);
     }
 
-    /// Ends a request that another path will begin again: nothing is recorded for it here.
-    pub(crate) fn hand_off(&self, mut b: Begun<'_>) {
-        b.end = End::HandedOff;
-    }
-
     fn record(&self, b: &mut Begun<'_>, status: u16) {
         if let Some(counter) = b.trace.metered.and_then(|k| b.live.meter.get(k)) {
             counter.fetch_add(1, Ordering::Relaxed);
@@ -784,44 +643,6 @@ impl Gateway {
         }
     }
 
-    /// Serves one request with one rules snapshot from start to end, whatever reloads meanwhile.
-    pub async fn serve(&self, mut req: Request<Incoming>, conn: ConnInfo) -> Response<Body> {
-        let method = req.method().clone();
-        let access = self.access_record(&method, req.uri(), req.version(), req.headers(), &conn);
-        let mut b = self.begin(method, req.headers_mut(), &conn, access);
-        let mut resp = match conn.framing.as_ref().and_then(|f| f.next_request()) {
-            // Framed two ways: refuse, and close the connection, whose next bytes can't be trusted.
-            Some(why) => {
-                let mut r = Refusal::BadRequest(why.to_string()).into_response();
-                r.headers_mut()
-                    .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
-                r
-            }
-            // Boxed so the future hyper keeps for every request stays small.
-            None => crate::boxed::boxed(|| self.route(&mut b, req, conn)).await,
-        };
-        resp.headers_mut()
-            .insert(X_REQUEST_ID.clone(), b.request_id.clone());
-        let status = resp.status().as_u16();
-        if let Some(log) = &self.access {
-            // hyper sends the body after this returns: an upstream's body still to come counts
-            // itself and writes the line at its end; any other says what it will send.
-            match resp.body_mut() {
-                Either::Left(up) if !http_body::Body::is_end_stream(&*up) => {
-                    if let Some(r) = access_line(&mut b, status) {
-                        up.log_when_done(crate::access::Pending::new(r, log.clone(), b.started));
-                    }
-                }
-                body => {
-                    let promised = promised_body(&b.method, status, body);
-                    b.body_sent(promised);
-                }
-            }
-        }
-        self.finish(b, status);
-        resp
-    }
-
     /// The first step of every request, on either path: its head read against the rules
     /// (framing, method, `Host`, canonical path, route, caller). On success the request's path
     /// is the canonical one, which is what the upstream will get, and an HTTP/2 request's
@@ -832,7 +653,7 @@ impl Gateway {
         b: &mut Begun<'_>,
         parts: &mut http::request::Parts,
         conn: &ConnInfo,
-    ) -> Result<Classified, Response<Body>> {
+    ) -> Result<Classified, Answer> {
         // Disjoint borrows of the request's state, not clones of its `Arc`s.
         let (snap, live, trace) = (&*b.snap, &*b.live, &mut b.trace);
         let peer = identity::canonical(conn.peer.ip());
@@ -846,7 +667,7 @@ impl Gateway {
         }
         let (c, path) = match classified {
             Ok(c) => c,
-            Err(Early::Refuse(r)) => return Err(r.into_response()),
+            Err(Early::Refuse(r)) => return Err(r.into()),
             Err(Early::Unauthorized { route, ip, why }) => {
                 trace.route = route;
                 // Boxed, like every rare path here: an async fn's future is as large as its
@@ -855,7 +676,7 @@ impl Gateway {
             }
         };
         if let Some(p) = path {
-            set_path(&mut parts.uri, p).map_err(Refusal::into_response)?;
+            set_path(&mut parts.uri, p).map_err(Answer::from)?;
         }
         if let Some(m) = &c.method {
             parts.method = m.clone();
@@ -887,7 +708,7 @@ impl Gateway {
         c: Classified,
         parts: &mut http::request::Parts,
         body_value: Option<&[u8]>,
-    ) -> Result<Forward, Response<Body>> {
+    ) -> Result<Forward, Answer> {
         let (snap, live, trace) = (&*b.snap, &*b.live, &mut b.trace);
         let route = &snap.routes[c.route];
         let quota = match c
@@ -897,11 +718,9 @@ impl Gateway {
             Some((k, q)) => Some(Box::new(self.quota(snap, k, q, trace).map_err(|r| *r)?)),
             None => None,
         };
-        let with_quota = |mut r: Response<Body>| {
-            if let Some(q) = &quota {
-                q.apply(r.headers_mut());
-            }
-            r
+        let with_quota = |mut a: Answer| {
+            a.fields.quota.clone_from(&quota);
+            a
         };
         let Charged { budget, paid, seats } = self
             .limit(snap, route, &c, &parts.headers, body_value, &live.handles, trace)
@@ -912,26 +731,17 @@ impl Gateway {
             .gate(upstream, &live.upstreams[route.upstream], trace)
             .await
             .map_err(with_quota)?;
-        crate::proxy::retarget(upstream, parts).map_err(Refusal::into_response)?;
+        crate::proxy::retarget(upstream, parts).map_err(Answer::from)?;
         trace.metered = c.key.map(|(k, _)| k);
         trace.admitted = true;
         Ok(Forward {
             upstream: route.upstream,
-            budget,
-            quota,
+            fields: RateFields { budget, quota },
             paid,
             seats,
             classified: c,
             place: Some(place),
         })
-    }
-
-    /// `RateLimit-Policy` and `RateLimit` for a forwarded request's response.
-    pub(crate) fn forward_headers(&self, f: &Forward, headers: &mut http::HeaderMap) {
-        apply_budget(headers, f.budget.clone());
-        if let Some(q) = &f.quota {
-            q.apply(headers);
-        }
     }
 
     /// A key's quota, from the flags metering set: over in this period is a 429 until the
@@ -943,7 +753,7 @@ impl Gateway {
         key: usize,
         quota: &Quota,
         trace: &mut Trace,
-    ) -> Result<QuotaHeaders, Box<Response<Body>>> {
+    ) -> Result<QuotaHeaders, Box<Answer>> {
         let now_ms = (self.clock.now_us() / 1000) as i64;
         let flags = self.quota_flags.load();
         let flag = flags.get(&*snap.keys[key].id);
@@ -952,14 +762,13 @@ impl Gateway {
         match flag {
             Some(f) if f.blocks(now_ms) && f.period == period.label => {
                 trace.limit = Some(QUOTA.clone());
-                let mut r = Refusal::QuotaExceeded {
+                let mut a = Answer::from(Refusal::QuotaExceeded {
                     quota: quota.per.as_str(),
                     retry_after: period.secs_to_reset(now_ms),
                     resets_at: period.resets_at,
-                }
-                .into_response();
-                headers.apply(r.headers_mut());
-                Err(Box::new(r))
+                });
+                a.fields.quota = Some(Box::new(headers));
+                Err(Box::new(a))
             }
             _ => Ok(headers),
         }
@@ -1082,8 +891,8 @@ impl Live {
 ///
 /// It is a guard: dropped without [`Gateway::finish`] (a client gone mid-request, an early
 /// return) it still records the request, with status 499, so no path can lose its metrics or
-/// its access line; [`Gateway::hand_off`] is the one way to end it unrecorded.
-#[must_use = "a request must end with Gateway::finish (or hand_off)"]
+/// its access line.
+#[must_use = "a request must end with Gateway::finish"]
 pub struct Begun<'g> {
     gw: &'g Gateway,
     end: End,
@@ -1100,7 +909,6 @@ pub struct Begun<'g> {
 enum End {
     Open,
     Answered(u16),
-    HandedOff,
 }
 
 /// The status recorded for a request whose client went away before its answer (nginx's).
@@ -1130,21 +938,9 @@ fn access_line(b: &mut Begun<'_>, status: u16) -> Option<Box<crate::access::Reco
     Some(r)
 }
 
-/// The body an answer handed to hyper will send, when nothing of it is still to come from an
-/// upstream: none to a `HEAD` or with a status that has none, else its length (a gateway's own
-/// answer is whole; an upstream's that has ended is empty).
-fn promised_body(method: &http::Method, status: u16, body: &Body) -> Option<u64> {
-    use http_body::Body as _;
-    if *method == http::Method::HEAD || status < 200 || status == 204 || status == 304 {
-        return Some(0);
-    }
-    body.size_hint().exact()
-}
-
 impl Drop for Begun<'_> {
     fn drop(&mut self) {
         let status = match self.end {
-            End::HandedOff => return,
             End::Answered(status) => status,
             End::Open => CLIENT_GONE,
         };
@@ -1175,9 +971,9 @@ struct Charged {
 /// An admitted request on its way upstream.
 pub struct Forward {
     pub upstream: usize,
-    pub budget: Option<Budget>,
-    /// The key's quota for `RateLimit-Policy` and `RateLimit`, when it has one.
-    pub quota: Option<Box<QuotaHeaders>>,
+    /// Its `RateLimit-Policy` and `RateLimit`: the deciding bucket's budget (after a post-paid
+    /// debit, the bucket's then) and the key's quota.
+    pub fields: RateFields,
     /// What it paid, given back if it never reaches the upstream.
     pub paid: Option<Box<Paid>>,
     /// Its seats of limits on requests in flight, given back when it is dropped: the lane
@@ -1435,50 +1231,6 @@ fn body_field(body: &[u8], field: &str) -> Result<Vec<u8>, String> {
     }
 }
 
-/// The most of a body read and dropped after its request was answered, to keep the connection:
-/// past it, the client is told `Connection: close` instead of being read for longer.
-pub(crate) const DRAIN_MAX: u64 = 64 * 1024;
-
-/// `answer`, once the rest of `body` is read and dropped; with `Connection: close` when that is
-/// over [`DRAIN_MAX`], fails, or takes longer than `within`.
-async fn drain_or_close(
-    answer: Response<Body>,
-    mut body: Incoming,
-    within: std::time::Duration,
-) -> Response<Body> {
-    use http_body::Body as _;
-    // A declared length over the bound is not read at all, and after `Expect: 100-continue`
-    // not polled either: hyper sends `100 Continue` only when the body is first polled.
-    let drained = body.size_hint().lower() <= DRAIN_MAX
-        && tokio::time::timeout(within, read_off(&mut body))
-            .await
-            .unwrap_or(false);
-    if drained { answer } else { closing(answer) }
-}
-
-/// Reads `body` to its end; `false` when it holds more than [`DRAIN_MAX`] or fails.
-async fn read_off(body: &mut Incoming) -> bool {
-    let mut left = DRAIN_MAX;
-    while let Some(frame) = body.frame().await {
-        let Ok(frame) = frame else { return false };
-        if let Some(d) = frame.data_ref() {
-            match left.checked_sub(d.len() as u64) {
-                Some(l) => left = l,
-                None => return false,
-            }
-        }
-    }
-    true
-}
-
-/// `answer` with `Connection: close`: hyper closes after sending it, and the client knows.
-fn closing(mut answer: Response<Body>) -> Response<Body> {
-    answer
-        .headers_mut()
-        .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
-    answer
-}
-
 /// Counts a request in flight until it is answered or its client goes away.
 struct InFlight<'a>(&'a prometheus_client::metrics::gauge::Gauge);
 
@@ -1500,7 +1252,7 @@ fn deciding_name(snap: &Snapshot, batch: &Batch, d: &Decision) -> Option<Arc<str
         .map(|i| snap.limits[batch[i].limit as usize].name.clone())
 }
 
-fn rate_limited(snap: &Snapshot, batch: &Batch, d: &Decision) -> Response<Body> {
+fn rate_limited(snap: &Snapshot, batch: &Batch, d: &Decision) -> Refusal {
     let limit = deciding_name(snap, batch, d)
         .map(|n| n.to_string())
         .unwrap_or_default();
@@ -1508,7 +1260,13 @@ fn rate_limited(snap: &Snapshot, batch: &Batch, d: &Decision) -> Response<Body> 
         limit,
         retry_after: d.retry_after(),
     }
-    .into_response()
+}
+
+/// A refusal with the `RateLimit` fields of the bucket that decided it.
+fn with_budget(refusal: Refusal, budget: Option<Budget>) -> Answer {
+    let mut a = Answer::from(refusal);
+    a.fields.budget = budget;
+    a
 }
 
 impl Handler for Gateway {

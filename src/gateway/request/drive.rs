@@ -1,0 +1,172 @@
+//! One request's steps, ordered once for both wires: begin, identify, read the body field a
+//! limit keys on, admit, the upstream's header edits, the exchange, settle (or refund), the
+//! answer, finish. What differs between the express lane and hyper's path (how a body is
+//! read, how a head is written, how a body is relayed) is a [`Wire`]; the steps can't differ
+//! between them, because there is one copy of them, here.
+
+use std::future::Future;
+use std::time::Instant;
+
+use bytes::Bytes;
+
+use super::{Begun, Forward, Gateway, MAX_FIELD_BODY, body_field, declared_length};
+use crate::proxy::client::Failure;
+use crate::proxy::{Ask, Exchanged};
+use crate::respond::{Answer, Refusal};
+use crate::server::ConnInfo;
+
+/// What differs between the wires a request arrives on. Each method is one step's I/O; the
+/// order of the steps is [`drive`]'s.
+pub(crate) trait Wire {
+    /// The upstream's response head as this wire keeps it until the gateway's fields are
+    /// known (after a post-paid debit).
+    type Head: Send;
+    /// An answer ready to send, once the request is recorded.
+    type Ready: Send;
+    /// What the connection gets back when the request is over.
+    type Out;
+
+    /// The request's whole body, up to `cap` bytes, for a limit keyed on a field of it: more
+    /// is a 413, a broken body a 400.
+    fn read_body(&mut self, cap: u64) -> impl Future<Output = Result<Bytes, Refusal>> + Send;
+
+    /// Sends the request upstream and reads the answer's head.
+    fn exchange(
+        &mut self,
+        ask: Ask<'_>,
+    ) -> impl Future<Output = Result<Exchanged<Self::Head>, Failure>> + Send;
+
+    /// Makes one of the gateway's own answers ready.
+    fn answer(&mut self, b: &mut Begun<'_>, a: Answer) -> impl Future<Output = Self::Ready> + Send;
+
+    /// The upstream's answer with the gateway's fields; the lane relays its body here.
+    fn relay(
+        &mut self,
+        b: &mut Begun<'_>,
+        up: Exchanged<Self::Head>,
+        f: Forward,
+    ) -> impl Future<Output = Self::Ready> + Send;
+
+    /// Sends what is ready.
+    fn send(&mut self, ready: Self::Ready) -> impl Future<Output = Self::Out> + Send;
+
+    /// The client went away while the upstream was asked: nothing is sent.
+    fn gone(&mut self) -> Self::Out;
+}
+
+/// How a request's steps ended before its answer was sent.
+enum Stop {
+    Answer(Answer),
+    /// The client hung up: nothing to send.
+    Gone,
+}
+
+impl From<Answer> for Stop {
+    fn from(a: Answer) -> Stop {
+        Stop::Answer(a)
+    }
+}
+
+/// Serves one request whose head is `parts` over `wire`, with one rules snapshot from start to
+/// end, whatever reloads meanwhile.
+pub(crate) async fn drive<W: Wire>(
+    gw: &Gateway,
+    mut parts: http::request::Parts,
+    conn: &ConnInfo,
+    wire: &mut W,
+) -> W::Out {
+    let access = gw.access_record(&parts.method, &parts.uri, parts.version, &parts.headers, conn);
+    let mut b = gw.begin(parts.method.clone(), &mut parts.headers, conn, access);
+    let (ready, status) = match steps(gw, &mut b, parts, conn, wire).await {
+        Ok((up, f)) => {
+            let status = up.shape.status;
+            (wire.relay(&mut b, up, f).await, status)
+        }
+        Err(Stop::Answer(a)) => {
+            let status = a.status();
+            (wire.answer(&mut b, a).await, status)
+        }
+        Err(Stop::Gone) => {
+            // Recorded as a client gone (499) as it drops.
+            drop(b);
+            return wire.gone();
+        }
+    };
+    // Recorded before it is sent: the access line says what was to be sent, even to a client
+    // whose socket then fails.
+    gw.finish(b, status);
+    wire.send(ready).await
+}
+
+/// The steps up to the answer: the upstream's, or one of the gateway's own.
+async fn steps<W: Wire>(
+    gw: &Gateway,
+    b: &mut Begun<'_>,
+    mut parts: http::request::Parts,
+    conn: &ConnInfo,
+    wire: &mut W,
+) -> Result<(Exchanged<W::Head>, Forward), Stop> {
+    if let Some(why) = conn.framing.as_ref().and_then(|f| f.next_request()) {
+        // Framed two ways: the connection's next bytes can't be trusted.
+        return Err(Answer::from(Refusal::BadRequest(why.to_string()))
+            .closing()
+            .into());
+    }
+    let c = gw.identify(b, &mut parts, conn).await?;
+    let snap = b.snap.clone();
+    let route = &snap.routes[c.route];
+    let max = route.max_body_bytes;
+    if declared_length(&parts.headers).is_some_and(|len| len > max) {
+        // Declared too large: nothing of it will be read, so it is answered at once and the
+        // connection closed, rather than waited for.
+        return Err(Answer::from(Refusal::PayloadTooLarge { limit: max })
+            .closing()
+            .into());
+    }
+    let body_value = match &route.body_field {
+        None => None,
+        Some(field) => {
+            let bytes = wire
+                .read_body(max.min(MAX_FIELD_BODY))
+                .await
+                .map_err(Answer::from)?;
+            Some(body_field(&bytes, field).map_err(|why| Answer::from(Refusal::BadRequest(why)))?)
+        }
+    };
+    let mut f = gw.admit(b, c, &mut parts, body_value.as_deref()).await?;
+    let edits = gw.edits(b, &f, &parts, conn);
+    let live = b.live.clone();
+    let upstream = &snap.upstreams[f.upstream];
+    let ask = Ask {
+        upstream,
+        pool: &live.upstreams[f.upstream].pool,
+        parts: &parts,
+        edits: &edits,
+        max_body: max,
+        ours: f.fields.any(),
+        post_paid: route.post_paid,
+        holds: f.place.as_ref().is_some_and(crate::concurrency::Place::limited) || !f.seats.is_empty(),
+    };
+    let started = Instant::now();
+    let exchanged = wire.exchange(ask).await;
+    gw.upstream_answered(b, &f, started.elapsed(), exchanged.as_ref().err());
+    match exchanged {
+        Ok(up) => {
+            gw.settle(&snap, f.paid.as_deref(), Some(up.shape.status)).await;
+            if let Some(headers) = &up.reported {
+                gw.debit(&snap, &mut f, headers).await;
+            }
+            Ok((up, f))
+        }
+        Err(Failure::ClientGone) => Err(Stop::Gone),
+        Err(failure) => {
+            // Boxed, like every rare path here: the usual request never builds it.
+            Box::pin(gw.refund_undelivered(&snap, &mut b.trace, f.paid.take(), &failure)).await;
+            let mut a = Answer::from(crate::proxy::failure_answer(upstream, &failure));
+            a.fields = std::mem::take(&mut f.fields);
+            // Already waited out for the body timeout: no more waiting for it.
+            a.close = matches!(failure, Failure::ClientStalled);
+            Err(a.into())
+        }
+    }
+}
