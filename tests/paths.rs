@@ -10,8 +10,9 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::raw::{read_body, read_head};
 use common::{Http, K7, Tollgate};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
 /// An upstream that answers every request `200 ok` and records each request line.
@@ -35,14 +36,11 @@ async fn serve_upstream(mut s: TcpStream, seen: Arc<Mutex<Vec<String>>>) {
         let Some((head, body_len)) = read_head(&mut s, &mut buf).await else {
             return;
         };
-        while buf.len() < body_len {
-            let mut chunk = [0u8; 4096];
-            match s.read(&mut chunk).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            }
+        if !read_body(&mut s, &mut buf, body_len).await {
+            return;
         }
         buf.drain(..body_len);
+        let head = String::from_utf8_lossy(&head);
         seen.lock()
             .unwrap()
             .push(head.lines().next().unwrap_or("").to_string());
@@ -55,32 +53,6 @@ async fn serve_upstream(mut s: TcpStream, seen: Arc<Mutex<Vec<String>>>) {
     }
 }
 
-/// Reads one message head from `s` (keeping what follows it in `buf`), with its
-/// `Content-Length`.
-async fn read_head(s: &mut TcpStream, buf: &mut Vec<u8>) -> Option<(String, usize)> {
-    loop {
-        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&buf[..end + 4]).into_owned();
-            buf.drain(..end + 4);
-            let len = head
-                .lines()
-                .find_map(|l| {
-                    let (n, v) = l.split_once(':')?;
-                    n.eq_ignore_ascii_case("content-length")
-                        .then(|| v.trim().parse().ok())
-                        .flatten()
-                })
-                .unwrap_or(0);
-            return Some((head, len));
-        }
-        let mut chunk = [0u8; 4096];
-        match s.read(&mut chunk).await {
-            Ok(0) | Err(_) => return None,
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-        }
-    }
-}
-
 /// Sends raw bytes, so every spelling reaches the gateway as written, and reads one answer:
 /// its status and body. No `Connection: close`, which would take the request off the lane.
 async fn send(addr: SocketAddr, request: &[u8]) -> (u16, String) {
@@ -89,14 +61,8 @@ async fn send(addr: SocketAddr, request: &[u8]) -> (u16, String) {
     let mut buf = Vec::new();
     let answer = tokio::time::timeout(Duration::from_secs(10), async {
         let (head, len) = read_head(&mut s, &mut buf).await?;
-        while buf.len() < len {
-            let mut chunk = [0u8; 4096];
-            match s.read(&mut chunk).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            }
-        }
-        Some(head)
+        read_body(&mut s, &mut buf, len).await;
+        Some(String::from_utf8_lossy(&head).into_owned())
     })
     .await
     .expect("the gateway answers within 10 s")

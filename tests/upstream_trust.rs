@@ -12,7 +12,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::Tollgate;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use common::raw::{read_body, read_head};
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
 /// An upstream that keeps every request head it receives as raw bytes and answers `200 ok`.
@@ -59,42 +60,6 @@ impl Echo {
     fn count(&self) -> usize {
         self.heads.lock().unwrap().len()
     }
-}
-
-/// One message head from `s` as raw bytes (what follows it stays in `buf`), and its
-/// `Content-Length`.
-async fn read_head(s: &mut TcpStream, buf: &mut Vec<u8>) -> Option<(Vec<u8>, usize)> {
-    loop {
-        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head: Vec<u8> = buf.drain(..end + 4).collect();
-            let len = lines(&head)
-                .iter()
-                .find_map(|l| {
-                    let (n, v) = l.split_once(':')?;
-                    n.eq_ignore_ascii_case("content-length")
-                        .then(|| v.trim().parse().ok())
-                        .flatten()
-                })
-                .unwrap_or(0);
-            return Some((head, len));
-        }
-        let mut chunk = [0u8; 8192];
-        match s.read(&mut chunk).await {
-            Ok(0) | Err(_) => return None,
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-        }
-    }
-}
-
-async fn read_body(s: &mut TcpStream, buf: &mut Vec<u8>, len: usize) -> bool {
-    while buf.len() < len {
-        let mut chunk = [0u8; 8192];
-        match s.read(&mut chunk).await {
-            Ok(0) | Err(_) => return false,
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-        }
-    }
-    true
 }
 
 /// A head's lines, bytes over 0x7F shown as `\xNN` so they can't hide in a lossy conversion.

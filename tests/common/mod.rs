@@ -6,6 +6,7 @@ pub mod cdp;
 pub mod cli;
 pub mod health;
 pub mod lease_load;
+pub mod raw;
 pub mod relay;
 pub mod tls;
 
