@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use common::{Answer, Http, KBIG};
+use common::{Answer, Http, KBIG, raw};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tollgate_gateway::app::{self, GatewayConfig, RulesSource, Running};
@@ -40,26 +40,12 @@ async fn recording_upstream() -> (SocketAddr, Arc<Recorder>) {
 async fn serve_upstream(mut s: TcpStream, rec: Arc<Recorder>) {
     let mut buf = Vec::new();
     loop {
-        // One request: its head, then a Content-Length body if any.
-        let (head, len) = loop {
-            if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                let head = String::from_utf8(buf[..end + 4].to_vec()).unwrap();
-                buf.drain(..end + 4);
-                let len = content_length(&head);
-                break (head, len);
-            }
-            let mut chunk = [0u8; 4096];
-            match s.read(&mut chunk).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            }
+        let Some((head, len)) = raw::read_head(&mut s, &mut buf).await else {
+            return;
         };
-        while buf.len() < len {
-            let mut chunk = [0u8; 4096];
-            match s.read(&mut chunk).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            }
+        let head = String::from_utf8(head).unwrap();
+        if !raw::read_body(&mut s, &mut buf, len).await {
+            return;
         }
         let body: Vec<u8> = buf.drain(..len).collect();
         rec.heads.lock().unwrap().push(head.clone());
@@ -102,17 +88,6 @@ async fn serve_upstream(mut s: TcpStream, rec: Arc<Recorder>) {
             return;
         }
     }
-}
-
-fn content_length(head: &str) -> usize {
-    head.lines()
-        .find_map(|l| {
-            let (n, v) = l.split_once(':')?;
-            n.eq_ignore_ascii_case("content-length")
-                .then(|| v.trim().parse().ok())
-                .flatten()
-        })
-        .unwrap_or(0)
 }
 
 async fn gateway(upstream: SocketAddr, express: bool) -> (Running, tempfile::TempDir) {

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::Tollgate;
+use common::{Tollgate, raw};
 
 /// How long after a real response the upstream writes the stray one.
 const STRAY_AFTER: Duration = Duration::from_micros(500);
@@ -70,10 +70,8 @@ fn serve(mut s: TcpStream, every: usize, strays: &AtomicUsize, answered: &Atomic
     let mut buf = Vec::new();
     loop {
         let head = loop {
-            if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                let head = String::from_utf8_lossy(&buf[..end + 4]).to_string();
-                buf.drain(..end + 4);
-                break head;
+            if let Some(head) = raw::take_head(&mut buf) {
+                break String::from_utf8_lossy(&head).to_string();
             }
             let mut chunk = [0u8; 4096];
             match s.read(&mut chunk) {
@@ -134,26 +132,20 @@ impl Client {
     fn get(&mut self, path: &str) -> (String, String) {
         let req = format!("GET {path} HTTP/1.1\r\nHost: tollgate.test\r\n\r\n");
         self.tcp.write_all(req.as_bytes()).unwrap();
-        let end = loop {
-            if let Some(end) = self.buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                break end + 4;
+        let head = loop {
+            if let Some(head) = raw::take_head(&mut self.buf) {
+                break head;
             }
             self.fill(path);
         };
-        let head = String::from_utf8_lossy(&self.buf[..end]).to_string();
-        let length: usize = head
-            .lines()
-            .find_map(|l| {
-                let (n, v) = l.split_once(':')?;
-                n.eq_ignore_ascii_case("content-length")
-                    .then(|| v.trim().parse().ok())?
-            })
+        let head = String::from_utf8_lossy(&head).to_string();
+        let length = raw::content_length(head.as_bytes())
             .unwrap_or_else(|| panic!("{path}: no content-length in {head:?}"));
-        while self.buf.len() < end + length {
+        while self.buf.len() < length {
             self.fill(path);
         }
-        let body = String::from_utf8_lossy(&self.buf[end..end + length]).to_string();
-        self.buf.drain(..end + length);
+        let body = String::from_utf8_lossy(&self.buf[..length]).to_string();
+        self.buf.drain(..length);
         (head.lines().next().unwrap_or("").to_string(), body)
     }
 

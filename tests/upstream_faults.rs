@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::Tollgate;
+use common::{Tollgate, raw};
 use http::{HeaderMap, Method, Request, StatusCode};
 use http_body_util::{BodyExt, Empty};
 use hyper::client::conn::{http1, http2};
@@ -51,10 +51,8 @@ async fn serve(mut s: TcpStream) {
     let mut buf = Vec::new();
     loop {
         let head = loop {
-            if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                let head = String::from_utf8_lossy(&buf[..end + 4]).to_string();
-                buf.drain(..end + 4);
-                break head;
+            if let Some(head) = raw::take_head(&mut buf) {
+                break String::from_utf8_lossy(&head).to_string();
             }
             let mut chunk = [0u8; 4096];
             // Like many servers, close a connection idle for a while.
