@@ -858,23 +858,15 @@ async fn raw_get(tcp: &mut TcpStream, path: &str, secret: &str) -> String {
     let req = format!("GET {path} HTTP/1.1\r\nHost: {HOST}\r\nX-Request-Id: {REQUEST_ID}\r\n{key}\r\n");
     tcp.write_all(req.as_bytes()).await.unwrap();
     let mut buf = Vec::new();
-    loop {
-        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&buf[..end + 4]).to_ascii_lowercase();
-            let len: usize = head
-                .lines()
-                .find_map(|l| l.strip_prefix("content-length:"))
-                .map_or(0, |v| v.trim().parse().unwrap());
-            if buf.len() >= end + 4 + len {
-                return String::from_utf8_lossy(&buf).into_owned();
-            }
-        }
-        let mut chunk = [0u8; 4096];
-        let n = tokio::time::timeout(Duration::from_secs(10), tcp.read(&mut chunk))
+    let read = async {
+        let (head, len) = common::raw::read_head(tcp, &mut buf).await?;
+        common::raw::read_body(tcp, &mut buf, len)
             .await
-            .expect("the gateway answers")
-            .unwrap();
-        assert!(n > 0, "{path}: the gateway closed the connection");
-        buf.extend_from_slice(&chunk[..n]);
-    }
+            .then(|| [head, buf[..len].to_vec()].concat())
+    };
+    let got = tokio::time::timeout(Duration::from_secs(10), read)
+        .await
+        .expect("the gateway answers")
+        .unwrap_or_else(|| panic!("{path}: the gateway closed the connection"));
+    String::from_utf8_lossy(&got).into_owned()
 }
