@@ -85,14 +85,13 @@ impl Proxy {
     pub(crate) async fn exchange(
         &self,
         ask: &Ask<'_>,
+        head: &[u8],
         body: &mut UpBody,
     ) -> Result<Exchanged<Response<()>>, client::Failure> {
         use http_body::Body as _;
         let parts = ask.parts;
         let has_body = !body.is_end_stream();
-        let chunked = has_body && !parts.headers.contains_key(header::CONTENT_LENGTH);
-        let mut head = bytes::BytesMut::with_capacity(512);
-        client::render_request(&mut head, parts, ask.edits, chunked);
+        let chunked = chunked(parts, body);
         let is_head = parts.method == http::Method::HEAD;
         let outgoing = has_body.then_some(client::Outgoing {
             body,
@@ -101,7 +100,7 @@ impl Proxy {
         });
         let (conn, (resp, shape, reported)) = client::exchange(
             ask.pool,
-            &head,
+            head,
             outgoing,
             tollgate_http1::idempotent(&parts.method),
             is_head,
@@ -127,7 +126,6 @@ pub(crate) struct Ask<'a> {
     pub pool: &'a std::sync::Arc<pool::ConnPool>,
     /// The request's head, retargeted at the upstream.
     pub parts: &'a http::request::Parts,
-    pub edits: &'a HeaderEdits,
     /// The route's largest request body.
     pub max_body: u64,
     /// Whether the gateway writes `RateLimit-Policy` and `RateLimit` itself, so the upstream's
@@ -142,7 +140,7 @@ pub(crate) struct Ask<'a> {
 
 impl Ask<'_> {
     /// The answer's headers, kept for a post-paid debit; `None` on other routes.
-    pub(crate) fn capture(&self, h: &tollgate_http1::response::Head<'_>) -> Option<HeaderMap> {
+    pub(crate) fn capture(&self, h: &tollgate_http1::response::Head<'_>) -> Option<Box<HeaderMap>> {
         if !self.post_paid {
             return None;
         }
@@ -155,8 +153,14 @@ impl Ask<'_> {
                 map.append(n, v);
             }
         }
-        Some(map)
+        Some(Box::new(map))
     }
+}
+
+/// Whether a request's body goes upstream chunked: it has one, of no declared length (HTTP/2
+/// without `content-length`, or a chunked HTTP/1 body, which hyper decoded).
+pub(crate) fn chunked(parts: &http::request::Parts, body: &UpBody) -> bool {
+    !http_body::Body::is_end_stream(body) && !parts.headers.contains_key(header::CONTENT_LENGTH)
 }
 
 /// An upstream's answer, its head read: the connection positioned at its body, how the body
@@ -165,7 +169,7 @@ pub(crate) struct Exchanged<H> {
     pub conn: pool::RawConn,
     pub shape: tollgate_http1::response::Shape,
     pub head: H,
-    pub reported: Option<HeaderMap>,
+    pub reported: Option<Box<HeaderMap>>,
 }
 
 /// Whether an upstream's header is one of the rate-limit fields the gateway writes itself.

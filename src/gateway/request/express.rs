@@ -227,10 +227,17 @@ impl<S: LaneIo> Wire for Lane<'_, S> {
     type Head = Tail;
     type Ready = Ready;
     type Out = Flow;
+    const BODIES: bool = false;
 
     async fn read_body(&mut self, _cap: u64) -> Result<Bytes, Refusal> {
         // The lane takes only requests without a body.
         Ok(Bytes::new())
+    }
+
+    fn write_request(&mut self, parts: &http::request::Parts, edits: &crate::proxy::HeaderEdits) {
+        self.head_out.clear();
+        self.head_out.reserve(1024);
+        client::render_request(self.head_out, parts, edits, false);
     }
 
     async fn exchange(&mut self, ask: Ask<'_>) -> Result<Exchanged<Tail>, Failure> {
@@ -243,9 +250,6 @@ impl<S: LaneIo> Wire for Lane<'_, S> {
             next_waiting,
             ..
         } = self;
-        head_out.clear();
-        head_out.reserve(1024);
-        client::render_request(head_out, ask.parts, ask.edits, false);
         start(out);
         deadline.set(Instant::now() + ask.upstream.timeout);
         let exchange = client::exchange::<Empty<Bytes>, _>(
@@ -300,8 +304,7 @@ impl<S: LaneIo> Wire for Lane<'_, S> {
             ..
         } = up;
         tail.finish(&f.fields, &b.request_id, self.closing, self.out);
-        let live = b.live.clone();
-        let pool = &live.upstreams[f.upstream].pool;
+        let pool = &b.live.upstreams[f.upstream].pool;
         let idle = b.snap.upstreams[f.upstream].timeout;
         let mut sent = 0;
         let relayed = relay(
@@ -313,10 +316,9 @@ impl<S: LaneIo> Wire for Lane<'_, S> {
             &mut sent,
         )
         .await;
-        b.body_sent(Some(sent));
         // Its place and seats go back as the answer ends.
         drop(f);
-        Ready::Relayed(match relayed {
+        let flow = match relayed {
             Relayed::Done { clean } => {
                 if shape.reusable {
                     if clean {
@@ -329,7 +331,9 @@ impl<S: LaneIo> Wire for Lane<'_, S> {
                 if self.closing { Flow::Closed } else { Flow::Next }
             }
             Relayed::Broken => Flow::Closed,
-        })
+        };
+        b.body_sent(Some(sent));
+        Ready::Relayed(flow)
     }
 
     async fn send(&mut self, ready: Ready) -> Flow {

@@ -25,6 +25,7 @@ impl Gateway {
             gw: self,
             version: parts.version,
             body: Either::Left(LimitedBody::new(body, None)),
+            head: bytes::BytesMut::new(),
         };
         // Boxed so the future hyper keeps for every request stays small.
         crate::boxed::boxed(|| drive(self, parts, &conn, &mut wire)).await
@@ -38,12 +39,15 @@ struct General<'g> {
     /// The client's body: streamed upstream under the route's limit, or read whole first
     /// when a limit keys on a field of it.
     body: UpBody,
+    /// The upstream's request head.
+    head: bytes::BytesMut,
 }
 
 impl Wire for General<'_> {
     type Head = Response<()>;
     type Ready = Response<Body>;
     type Out = Response<Body>;
+    const BODIES: bool = true;
 
     async fn read_body(&mut self, cap: u64) -> Result<Bytes, Refusal> {
         let Either::Left(body) = &mut self.body else {
@@ -60,6 +64,14 @@ impl Wire for General<'_> {
         }
     }
 
+    fn write_request(&mut self, parts: &http::request::Parts, edits: &crate::proxy::HeaderEdits) {
+        if self.head.capacity() == 0 {
+            self.head = bytes::BytesMut::with_capacity(512);
+        }
+        let chunked = crate::proxy::chunked(parts, &self.body);
+        crate::proxy::client::render_request(&mut self.head, parts, edits, chunked);
+    }
+
     async fn exchange(&mut self, ask: Ask<'_>) -> Result<Exchanged<Response<()>>, Failure> {
         if let Either::Left(b) = &mut self.body {
             b.cap(ask.max_body);
@@ -67,13 +79,16 @@ impl Wire for General<'_> {
         let proxy: &Proxy = &self.gw.proxy;
         // Boxed: this future is the largest part of a request's, and boxing it once is cheaper
         // than copying it through every enclosing future.
-        crate::boxed::boxed(|| proxy.exchange(&ask, &mut self.body)).await
+        crate::boxed::boxed(|| proxy.exchange(&ask, &self.head, &mut self.body)).await
     }
 
     async fn answer(&mut self, b: &mut Begun<'_>, mut a: Answer) -> Response<Body> {
         // HTTP/2 ends just the stream.
         a.close &= self.version < Version::HTTP_2;
-        let resp = self.unread(a.into_response()).await;
+        let mut resp = a.into_response();
+        if self.unread_body(&resp) {
+            resp = self.unread(resp).await;
+        }
         self.ready(b, resp)
     }
 
@@ -90,7 +105,9 @@ impl Wire for General<'_> {
         let mut resp = up.head.map(|()| Either::Left(body));
         f.fields.apply(resp.headers_mut());
         // The upstream may have answered before taking the whole body (it stopped reading).
-        let resp = self.unread(resp).await;
+        if self.unread_body(&resp) {
+            resp = self.unread(resp).await;
+        }
         self.ready(b, resp)
     }
 
@@ -117,15 +134,24 @@ impl General<'_> {
     /// connection is kept; a larger, slower or broken one gets `Connection: close`. HTTP/2
     /// needs neither: hyper resets just that stream.
     async fn unread(&mut self, answer: Response<Body>) -> Response<Body> {
-        if self.version >= Version::HTTP_2 || answer.headers().contains_key(http::header::CONNECTION) {
+        if !self.unread_body(&answer) {
             return answer;
         }
         let body = match std::mem::replace(&mut self.body, Either::Right(Full::default())) {
-            Either::Left(b) if !http_body::Body::is_end_stream(&b) => b.into_inner(),
-            _ => return answer,
+            Either::Left(b) => b.into_inner(),
+            Either::Right(_) => return answer,
         };
         // Boxed, like every rare path here: a request without a body never builds it.
         crate::boxed::boxed(|| drain_or_close(answer, body, self.gw.drain_within)).await
+    }
+
+    /// Whether `answer` goes out before the client's HTTP/1 body was read to its end, and
+    /// does not close the connection. The body first: most requests have none, and that is
+    /// one flag.
+    fn unread_body(&self, answer: &Response<Body>) -> bool {
+        matches!(&self.body, Either::Left(b) if !http_body::Body::is_end_stream(b))
+            && self.version < Version::HTTP_2
+            && !answer.headers().contains_key(http::header::CONNECTION)
     }
 
     /// The answer as hyper will send it: with the request id, and its access line handed to
