@@ -438,15 +438,8 @@ impl UpstreamBody {
     }
 
     fn finish(&mut self) {
-        if let Some(c) = self.conn.take()
-            && self.reusable
-        {
-            if c.buf.is_empty() {
-                self.pool.put(c);
-            } else {
-                // Bytes past the response's end: a response nobody asked for.
-                self.pool.stray_seen();
-            }
+        if let Some(c) = self.conn.take() {
+            self.pool.give_back(c, self.reusable);
         }
         self._permit = None;
         self.seats.clear();

@@ -213,6 +213,20 @@ impl ConnPool {
         }
     }
 
+    /// A connection whose response body was read to its end: kept when its upstream keeps it
+    /// (`reusable`) and sent nothing past the end; bytes past the end are a response nobody
+    /// asked for, and the upstream is distrusted. The one reuse rule of both paths.
+    pub fn give_back(&self, c: RawConn, reusable: bool) {
+        if !reusable {
+            return;
+        }
+        if c.buf.is_empty() {
+            self.put(c);
+        } else {
+            self.stray_seen();
+        }
+    }
+
     /// Keeps a connection whose last response was read exactly to its end. Its read buffer is
     /// given back while it waits: a pool grown by a burst would otherwise hold 8 KiB for each
     /// connection kept, and `take` asks for a new one.

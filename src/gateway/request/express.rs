@@ -319,15 +319,8 @@ impl<S: LaneIo> Wire for Lane<'_, S> {
         // Its place and seats go back as the answer ends.
         drop(f);
         let flow = match relayed {
-            Relayed::Done { clean } => {
-                if shape.reusable {
-                    if clean {
-                        pool.put(conn);
-                    } else {
-                        // Bytes past the response's end: a response nobody asked for.
-                        pool.stray_seen();
-                    }
-                }
+            Relayed::Done => {
+                pool.give_back(conn, shape.reusable);
                 if self.closing { Flow::Closed } else { Flow::Next }
             }
             Relayed::Broken => Flow::Closed,
@@ -638,8 +631,8 @@ impl Tail {
 }
 
 enum Relayed {
-    /// The body went through; `clean` when the upstream sent nothing past its end.
-    Done { clean: bool },
+    /// The body went through; the connection holds whatever the upstream sent past its end.
+    Done,
     /// The client or the upstream failed mid-body: close the client's connection.
     Broken,
 }
@@ -680,15 +673,14 @@ async fn relay<S: LaneIo>(
         *sent += payload;
         if step.done {
             // Bytes past the response's end mean the upstream framed it differently from us.
-            return Relayed::Done {
-                clean: conn.buf.is_empty(),
-            };
+            return Relayed::Done;
         }
         conn.buf.reserve(READ_SIZE);
         match tokio::time::timeout(idle, conn.tcp.read_buf(&mut conn.buf)).await {
             Ok(Ok(0)) if rechunk => {
                 return match send(client, b"0\r\n\r\n").await {
-                    Ok(()) => Relayed::Done { clean: false },
+                    // The upstream closed: its connection is not reusable, whatever is left.
+                    Ok(()) => Relayed::Done,
                     Err(_) => Relayed::Broken,
                 };
             }
