@@ -256,28 +256,28 @@ impl RateFields {
     }
 
     /// The fields in a header map, in place of any there.
-    pub fn apply(&self, headers: &mut HeaderMap) {
+    pub fn apply(self, headers: &mut HeaderMap) {
         if !self.any() {
             return;
         }
-        let policy = self.budget.as_ref().and_then(|b| b.policy.clone());
-        match (policy, &self.quota) {
-            // The usual answer: the limit's policy as compiled, no copy.
-            (Some(p), None) => {
-                headers.insert(RATELIMIT_POLICY.clone(), p);
-            }
-            (None, None) => {
-                headers.remove(&RATELIMIT_POLICY);
-            }
-            _ => {
-                let mut v = BytesMut::new();
-                self.write_policy(&mut v);
-                insert_bytes(headers, &RATELIMIT_POLICY, v);
+        let mut state = BytesMut::with_capacity(64);
+        self.write_state(&mut state);
+        if self.quota.is_some() {
+            let mut v = BytesMut::new();
+            self.write_policy(&mut v);
+            insert_bytes(headers, &RATELIMIT_POLICY, v);
+        } else {
+            match self.budget.and_then(|b| b.policy) {
+                // The usual answer: the limit's policy as compiled, moved, not copied.
+                Some(p) => {
+                    headers.insert(RATELIMIT_POLICY.clone(), p);
+                }
+                None => {
+                    headers.remove(&RATELIMIT_POLICY);
+                }
             }
         }
-        let mut v = BytesMut::with_capacity(64);
-        self.write_state(&mut v);
-        insert_bytes(headers, &RATELIMIT, v);
+        insert_bytes(headers, &RATELIMIT, state);
     }
 
     fn write_policy(&self, out: &mut BytesMut) {

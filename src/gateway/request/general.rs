@@ -103,7 +103,7 @@ impl Wire for General<'_> {
         let mut body = UpstreamBody::new(up.conn, up.shape, pool, timeout, f.place.take());
         body.hold(std::mem::take(&mut f.seats));
         let mut resp = up.head.map(|()| Either::Left(body));
-        f.fields.apply(resp.headers_mut());
+        std::mem::take(&mut f.fields).apply(resp.headers_mut());
         // The upstream may have answered before taking the whole body (it stopped reading).
         if self.unread_body(&resp) {
             resp = self.unread(resp).await;
