@@ -51,7 +51,7 @@ pub(crate) trait Wire {
         &mut self,
         b: &mut Begun<'_>,
         up: Exchanged<Self::Head>,
-        f: Forward,
+        f: &mut Forward,
     ) -> impl Future<Output = Self::Ready> + Send;
 
     /// Sends what is ready.
@@ -153,9 +153,10 @@ pub(crate) async fn drive<W: Wire>(
                     gw.debit(&b.snap, &mut f, headers).await;
                 }
                 // Handed to the wire here, not carried out of the block: a request's
-                // connection and what it paid are a few hundred bytes, and a move is a copy.
+                // connection is a hundred bytes, and a move is a copy. What it paid is lent:
+                // the wire takes the place and seats it gives back when the answer ends.
                 let status = up.shape.status;
-                Ok((wire.relay(b, up, f).await, status))
+                Ok((wire.relay(b, up, &mut f).await, status))
             }
             Err(Failure::ClientGone) => Err(Stop::Gone),
             Err(failure) => {

@@ -304,7 +304,7 @@ impl<S: LaneIo> Wire for Lane<'_, S> {
         Ready::Write { close }
     }
 
-    async fn relay(&mut self, b: &mut Begun<'_>, up: Exchanged<Tail>, f: Forward) -> Ready {
+    async fn relay(&mut self, b: &mut Begun<'_>, up: Exchanged<Tail>, f: &mut Forward) -> Ready {
         let Exchanged {
             mut conn,
             shape,
@@ -325,7 +325,8 @@ impl<S: LaneIo> Wire for Lane<'_, S> {
         )
         .await;
         // Its place and seats go back as the answer ends.
-        drop(f);
+        drop(f.place.take());
+        f.seats.clear();
         let flow = match relayed {
             Relayed::Done => {
                 pool.give_back(conn, shape.reusable);

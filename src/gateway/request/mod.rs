@@ -976,8 +976,8 @@ pub struct Forward {
     pub fields: RateFields,
     /// What it paid, given back if it never reaches the upstream.
     pub paid: Option<Box<Paid>>,
-    /// Its seats of limits on requests in flight, given back when it is dropped: the lane
-    /// drops it when the answer is relayed, hyper's path hands them to the answer's body.
+    /// Its seats of limits on requests in flight, given back when they are dropped: the lane
+    /// drops them when the answer is relayed, hyper's path hands them to the answer's body.
     pub seats: Vec<Seat>,
     classified: Classified,
     /// The upstream's in-flight place, held until the response body is done (hyper's path
