@@ -249,6 +249,27 @@ fn each_broken_file_fails_with_its_own_message() {
             "concurrency-unknown-field.json",
             "upstreams.orders.concurrency.window_ms: unknown field `window_ms`, expected one of `adaptive`, `min`, `max`",
         ),
+        (
+            "upstream-scheme-unsupported.json",
+            "upstreams.orders.url: \"ftp://127.0.0.1:8081\": only http:// and https:// upstreams are supported",
+        ),
+        (
+            "tls-on-http.json",
+            "upstreams.orders.tls: \"http://127.0.0.1:8081\" is http://: only an https:// upstream takes TLS settings",
+        ),
+        ("tls-ca-missing.json", "upstreams.orders.tls.ca: cannot read "),
+        (
+            "tls-ca-not-pem.json",
+            "upstreams.orders.tls.ca: tls-not-pem.pem: no CERTIFICATE block: expected PEM CA certificates",
+        ),
+        (
+            "tls-bad-server-name.json",
+            "upstreams.orders.tls.server_name: \"orders internal\" is not a DNS name or an IP address",
+        ),
+        (
+            "tls-unknown-field.json",
+            "upstreams.orders.tls.ca_file: unknown field `ca_file`, expected `ca` or `server_name`",
+        ),
     ];
     let mut seen = std::collections::HashSet::new();
     for (file, expected) in cases {

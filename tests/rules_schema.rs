@@ -32,6 +32,7 @@ const STRUCTURAL: &[(&str, &str)] = &[
         "concurrency-unknown-field.json",
         "`window_ms` is not a concurrency field",
     ),
+    ("tls-unknown-field.json", "`ca_file` is not a tls field"),
 ];
 
 /// Broken files the schema accepts, and why it can't see their fault: the loader checks it
@@ -123,6 +124,14 @@ const SEMANTIC: &[(&str, &str)] = &[
         "a prefix with the limit's dimension",
     ),
     ("jwt-alg-confusion.json", "the JWKS file the rules name"),
+    (
+        "upstream-scheme-unsupported.json",
+        "a URL's scheme, parsed by the loader",
+    ),
+    ("tls-on-http.json", "tls against the URL's scheme"),
+    ("tls-ca-missing.json", "the CA file the rules name"),
+    ("tls-ca-not-pem.json", "the CA file's contents"),
+    ("tls-bad-server-name.json", "a server name's syntax"),
 ];
 
 fn schema_path() -> PathBuf {

@@ -14,6 +14,7 @@ pub mod quota;
 pub mod raw;
 mod routes;
 pub mod summary;
+pub mod tls;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -29,8 +30,9 @@ pub use keys::{ApiKey, Keys};
 pub use raw::{Identity, KeyRequirement, LimitClass, Mode, Scope};
 use raw::{
     RawBlock, RawConcurrency, RawDimension, RawDimensionName, RawEncodedSlashes, RawKey, RawLimit,
-    RawNumbers, RawPathMatch, RawQuota, RawRoute, RawRules, RawUpstream,
+    RawNumbers, RawPathMatch, RawQuota, RawRoute, RawRules, RawUpstream, RawUpstreamTls,
 };
+pub use tls::UpstreamTls;
 pub use tollgate_hello::{BadFingerprint, Fingerprint};
 use tollgate_http1::path::{self, EncodedSlashes};
 pub use tollgate_limit::adaptive::Bounds as ConcurrencyBounds;
@@ -73,6 +75,8 @@ pub struct Upstream {
     pub name: Arc<str>,
     pub scheme: http::uri::Scheme,
     pub authority: Authority,
+    /// How its connections speak TLS: `Some` exactly for an `https://` upstream.
+    pub tls: Option<UpstreamTls>,
     /// Prepended to every request path; empty or `/prefix` without a trailing slash.
     pub path_prefix: String,
     pub timeout: Duration,
@@ -415,6 +419,9 @@ impl RulesLoader {
             for u in &mut snap.upstreams {
                 u.authority = auth.clone();
                 u.host_header = host.clone();
+                // The demo upstream speaks plain HTTP.
+                u.scheme = http::uri::Scheme::HTTP;
+                u.tls = None;
             }
         }
         Ok(snap)
@@ -635,19 +642,33 @@ impl Compiler<'_> {
         let scheme = uri.scheme().cloned().ok_or_else(|| {
             self.err(
                 format!("{field}.url"),
-                format!("{:?} needs a scheme, http://", u.url),
+                format!("{:?} needs a scheme, http:// or https://", u.url),
             )
         })?;
-        if scheme != http::uri::Scheme::HTTP {
+        let https = scheme == http::uri::Scheme::HTTPS;
+        if !https && scheme != http::uri::Scheme::HTTP {
             return Err(self.err(
                 format!("{field}.url"),
-                format!("{:?}: only http:// upstreams are supported", u.url),
+                format!("{:?}: only http:// and https:// upstreams are supported", u.url),
             ));
         }
         let authority = uri
             .authority()
             .cloned()
             .ok_or_else(|| self.err(format!("{field}.url"), format!("{:?} needs a host", u.url)))?;
+        let tls = match (https, &u.tls) {
+            (true, t) => Some(self.upstream_tls(&field, &authority, t.as_ref())?),
+            (false, None) => None,
+            (false, Some(_)) => {
+                return Err(self.err(
+                    format!("{field}.tls"),
+                    format!(
+                        "{:?} is http://: only an https:// upstream takes TLS settings",
+                        u.url
+                    ),
+                ));
+            }
+        };
         if uri.query().is_some() {
             return Err(self.err(format!("{field}.url"), "a base URL can't have a query"));
         }
@@ -681,6 +702,7 @@ impl Compiler<'_> {
             name: name.into(),
             scheme,
             authority,
+            tls,
             path_prefix,
             timeout,
             max_in_flight: u.max_in_flight,
@@ -688,6 +710,42 @@ impl Compiler<'_> {
             host_header,
             encoded_slashes: slashes(u.encoded_slashes).unwrap_or_default(),
             case_insensitive: u.paths == RawPathMatch::CaseInsensitive,
+        })
+    }
+
+    /// An `https://` upstream's TLS settings: its CA file read relative to the rules file, and
+    /// the name its certificate must carry.
+    fn upstream_tls(
+        &self,
+        field: &str,
+        authority: &Authority,
+        raw: Option<&RawUpstreamTls>,
+    ) -> Result<UpstreamTls, RulesError> {
+        let raw_ca = raw.and_then(|t| t.ca.as_deref());
+        let ca = match raw_ca {
+            Some("") => return Err(self.err(format!("{field}.tls.ca"), "must not be empty")),
+            Some(name) => Some((
+                name,
+                (self.read)(name).map_err(|e| self.err(format!("{field}.tls.ca"), e))?,
+            )),
+            None => None,
+        };
+        let (name_field, name) = match raw.and_then(|t| t.server_name.as_deref()) {
+            Some(n) => (format!("{field}.tls.server_name"), n),
+            None => (
+                format!("{field}.url"),
+                authority.host().trim_start_matches('[').trim_end_matches(']'),
+            ),
+        };
+        let named = raw.is_some_and(|t| t.server_name.is_some());
+        UpstreamTls::new(name, ca.as_ref().map(|(n, pem)| (*n, pem.as_slice()))).map_err(|e| match e {
+            tls::TlsSettingError::ServerName(_) if !named => self.err(
+                name_field,
+                format!("{e}; set tls.server_name to the name its certificate carries"),
+            ),
+            tls::TlsSettingError::ServerName(_) => self.err(name_field, e.to_string()),
+            tls::TlsSettingError::Ca { .. } => self.err(format!("{field}.tls.ca"), e.to_string()),
+            tls::TlsSettingError::Setup(_) => self.err(format!("{field}.tls"), e.to_string()),
         })
     }
 

@@ -65,8 +65,13 @@ fn skip_keys<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<RawKey>, D::E
 #[serde(deny_unknown_fields)]
 #[schemars(rename = "Upstream")]
 pub(crate) struct RawUpstream {
-    /// Base URL: `http://host:port[/prefix]`.
+    /// Base URL: `http://host[:port][/prefix]` or `https://host[:port][/prefix]` (ports 80
+    /// and 443 when left out).
     pub url: String,
+    /// How an `https://` upstream's certificate is checked; without it, against the public web's
+    /// roots for the URL's host. Refused on an `http://` upstream.
+    #[serde(default)]
+    pub tls: Option<RawUpstreamTls>,
     /// How long the upstream may take to send its response headers.
     #[serde(default)]
     pub timeout_ms: Option<u64>,
@@ -89,6 +94,20 @@ pub(crate) struct RawUpstream {
     /// A limit on requests in flight that follows the upstream's latency.
     #[serde(default)]
     pub concurrency: Option<RawConcurrency>,
+}
+
+/// How the gateway checks an `https://` upstream's certificate.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+#[schemars(rename = "UpstreamTls")]
+pub(crate) struct RawUpstreamTls {
+    /// A PEM file of the CA certificates the upstream's certificate must chain to, relative to
+    /// the rules file; they replace the built-in roots (Mozilla's, for public certificates).
+    #[serde(default)]
+    pub ca: Option<String>,
+    /// The name the upstream's certificate must carry, sent as SNI; by default the URL's host.
+    #[serde(default)]
+    pub server_name: Option<String>,
 }
 
 /// An upstream's adaptive limit on requests in flight, under its `max_in_flight`.

@@ -21,8 +21,9 @@ pub fn summary(snap: &Snapshot) -> String {
     for u in &snap.upstreams {
         let _ = writeln!(
             out,
-            "  {:<12} http://{}{}  timeout {} ms{}{}",
+            "  {:<12} {}://{}{}  timeout {} ms{}{}{}",
             &*u.name,
+            u.scheme,
             u.authority,
             u.path_prefix,
             u.timeout.as_millis(),
@@ -31,6 +32,11 @@ pub fn summary(snap: &Snapshot) -> String {
                 .unwrap_or_default(),
             u.adaptive
                 .map(|b| format!(", adaptive concurrency {} to {}", b.min, b.max))
+                .unwrap_or_default(),
+            u.tls
+                .as_ref()
+                .and_then(|t| t.ca.as_ref())
+                .map(|ca| format!(", CA {ca}"))
                 .unwrap_or_default()
         );
     }

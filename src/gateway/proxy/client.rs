@@ -31,7 +31,7 @@ use tokio::time::Sleep;
 
 use super::HeaderEdits;
 use super::body::BoxError;
-use super::pool::{ConnPool, RawConn};
+use super::pool::{ConnPool, RawConn, Stream};
 use tollgate_http1::chunked::{ChunkError, Decoder};
 use tollgate_http1::response::{self, Framing, Head, Parsed, Unforwardable};
 
@@ -160,7 +160,7 @@ where
                 (c, true)
             }
         };
-        if let Err(e) = bounded(timeout, conn.tcp.write_all(head)).await? {
+        if let Err(e) = bounded(timeout, conn.io.send(head)).await? {
             if !fresh {
                 // A kept connection the upstream closed just now: nothing left.
                 continue;
@@ -220,19 +220,19 @@ where
         if data.is_empty() {
             continue;
         }
-        if conn.reused && super::pool::look(&conn.tcp) == super::pool::Socket::Stray {
+        if conn.reused && super::pool::look(&mut conn.io) == super::pool::Socket::Stray {
             return Err(Failure::EarlyBytes);
         }
-        let tcp = &mut conn.tcp;
+        let io = &mut conn.io;
         let written = bounded(timeout, async {
             if out.chunked {
                 frame_head.clear();
                 frame_head.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
-                tcp.write_all(&frame_head).await?;
-                tcp.write_all(&data).await?;
-                tcp.write_all(b"\r\n").await
+                io.write_all(&frame_head).await?;
+                io.write_all(&data).await?;
+                io.send(b"\r\n").await
             } else {
-                tcp.write_all(&data).await
+                io.send(&data).await
             }
         })
         .await?;
@@ -245,7 +245,7 @@ where
     }
     if out.chunked {
         // A failure here shows in the head read that follows.
-        let _ = bounded(timeout, conn.tcp.write_all(b"0\r\n\r\n")).await?;
+        let _ = bounded(timeout, conn.io.send(b"0\r\n\r\n")).await?;
     }
     Ok(())
 }
@@ -285,7 +285,7 @@ async fn read_head<R>(
             }
         }
         conn.buf.reserve(READ_SIZE);
-        match tokio::io::AsyncReadExt::read_buf(&mut conn.tcp, &mut conn.buf).await {
+        match tokio::io::AsyncReadExt::read_buf(&mut conn.io, &mut conn.buf).await {
             Ok(0) if !got_any => return Err(HeadFailure::ClosedBeforeAnswer("end of stream".into())),
             Err(e) if !got_any => return Err(HeadFailure::ClosedBeforeAnswer(e.to_string())),
             Ok(0) | Err(_) => return Err(HeadFailure::Bad(Unforwardable("the connection closed mid-head"))),
@@ -506,24 +506,26 @@ impl Body for UpstreamBody {
                 continue;
             }
             conn.buf.reserve(READ_SIZE);
-            match conn.tcp.poll_read_ready(cx) {
-                Poll::Ready(Ok(())) => {}
-                Poll::Ready(Err(e)) => {
-                    this.conn = None;
-                    return Poll::Ready(Some(Err(Box::new(BodyError::Io(e)))));
-                }
-                Poll::Pending => {
-                    let idle = this.idle;
-                    let timer = this
-                        .timer
-                        .get_or_insert_with(|| Box::pin(tokio::time::sleep(idle)));
-                    ready!(timer.as_mut().poll(cx));
-                    this.timer = None;
-                    this.conn = None;
-                    return Poll::Ready(Some(Err(Box::new(BodyError::Stalled(idle)))));
-                }
-            }
-            match conn.tcp.try_read_buf(&mut conn.buf) {
+            let read = match conn.io {
+                Stream::Plain(ref tcp) => match tcp.poll_read_ready(cx) {
+                    Poll::Ready(Ok(())) => Poll::Ready(tcp.try_read_buf(&mut conn.buf)),
+                    Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+                    Poll::Pending => Poll::Pending,
+                },
+                // TLS reads through its session, which may take records and yield no byte.
+                Stream::Tls(_) => tokio_util::io::poll_read_buf(Pin::new(&mut conn.io), cx, &mut conn.buf),
+            };
+            let Poll::Ready(read) = read else {
+                let idle = this.idle;
+                let timer = this
+                    .timer
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(idle)));
+                ready!(timer.as_mut().poll(cx));
+                this.timer = None;
+                this.conn = None;
+                return Poll::Ready(Some(Err(Box::new(BodyError::Stalled(idle)))));
+            };
+            match read {
                 Ok(0) if this.state.eof_ends() => {
                     this.reusable = false;
                     this.finish();

@@ -685,7 +685,7 @@ async fn relay<S: LaneIo>(
             return Relayed::Done;
         }
         conn.buf.reserve(READ_SIZE);
-        match tokio::time::timeout(idle, conn.tcp.read_buf(&mut conn.buf)).await {
+        match tokio::time::timeout(idle, conn.io.read_buf(&mut conn.buf)).await {
             Ok(Ok(0)) if rechunk => {
                 return match send(client, b"0\r\n\r\n").await {
                     // The upstream closed: its connection is not reusable, whatever is left.

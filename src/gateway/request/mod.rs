@@ -832,7 +832,8 @@ pub(crate) struct UpstreamNow {
 
 pub struct LiveUpstream {
     name: Arc<str>,
-    /// Its kept connections: the same pool across reloads while address and idle timeout stay.
+    /// Its kept connections: the same pool across reloads while address, idle timeout and TLS
+    /// settings stay.
     pub pool: Arc<ConnPool>,
     /// Its places for requests in flight: static gate and adaptive limit.
     pub places: Places,
@@ -857,15 +858,20 @@ impl Live {
                 let old = prev.upstreams.iter().find(|o| o.name == u.name);
                 let pool = match old {
                     Some(o)
-                        if *o.pool.authority() == u.authority && o.pool.idle_timeout() == u.idle_timeout =>
+                        if *o.pool.authority() == u.authority
+                            && o.pool.idle_timeout() == u.idle_timeout
+                            && o.pool.tls() == u.tls.as_ref() =>
                     {
                         o.pool.clone()
                     }
-                    _ => Arc::new(ConnPool::new(
-                        u.authority.clone(),
-                        tollgate_rules::CONNECT_TIMEOUT,
-                        u.idle_timeout,
-                    )),
+                    _ => Arc::new(
+                        ConnPool::new(
+                            u.authority.clone(),
+                            tollgate_rules::CONNECT_TIMEOUT,
+                            u.idle_timeout,
+                        )
+                        .with_tls(u.tls.clone()),
+                    ),
                 };
                 LiveUpstream {
                     name: u.name.clone(),
