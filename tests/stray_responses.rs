@@ -1,7 +1,7 @@
 //! An upstream that writes a second response nobody asked for, half a millisecond after a real
 //! one, against real gateway processes on both HTTP/1 paths (the express lane, and hyper's with
-//! `--no-express`). Every answer names the request it answers, so a client that gets another
-//! request's answer, or the stray, is seen at once.
+//! `--no-express`), over plain HTTP and over TLS. Every answer names the request it answers, so
+//! a client that gets another request's answer, or the stray, is seen at once.
 //!
 //! HTTP/1.1 ties a response to its request only by order on the connection: a stray read as
 //! the next request's answer puts every later answer on that connection one behind.
@@ -44,8 +44,10 @@ impl Drop for StrayUpstream {
 
 /// An upstream on a thread per connection (so the stray's half millisecond is kept to the
 /// microsecond, not a timer wheel's millisecond) that answers every request with its target
-/// and, after every `every`th answer, writes a stray response.
-fn stray_upstream(every: usize) -> StrayUpstream {
+/// and, after every `every`th answer, writes a stray response; over TLS on the demo
+/// certificate when `tls`, where the stray is a record of application data like any answer.
+fn stray_upstream(every: usize, tls: bool) -> StrayUpstream {
+    let config = common::tls::server_config();
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
     let strays = Arc::new(AtomicUsize::new(0));
@@ -58,15 +60,21 @@ fn stray_upstream(every: usize) -> StrayUpstream {
                 return;
             }
             let Ok(conn) = conn else { continue };
-            let (strays, answered) = (s2.clone(), answered.clone());
-            std::thread::spawn(move || serve(conn, every, &strays, &answered));
+            let (strays, answered, config) = (s2.clone(), answered.clone(), config.clone());
+            let _ = conn.set_nodelay(true);
+            std::thread::spawn(move || {
+                if tls {
+                    serve(common::tls::accept(conn, &config), every, &strays, &answered)
+                } else {
+                    serve(conn, every, &strays, &answered)
+                }
+            });
         }
     });
     StrayUpstream { addr, strays, stop }
 }
 
-fn serve(mut s: TcpStream, every: usize, strays: &AtomicUsize, answered: &AtomicUsize) {
-    let _ = s.set_nodelay(true);
+fn serve(mut s: impl Read + Write, every: usize, strays: &AtomicUsize, answered: &AtomicUsize) {
     let mut buf = Vec::new();
     loop {
         let head = loop {
@@ -82,13 +90,13 @@ fn serve(mut s: TcpStream, every: usize, strays: &AtomicUsize, answered: &Atomic
         let target = head.split(' ').nth(1).unwrap_or("").to_string();
         let body = format!("answer to {target}");
         let answer = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}", body.len());
-        if s.write_all(answer.as_bytes()).is_err() {
+        if s.write_all(answer.as_bytes()).and_then(|()| s.flush()).is_err() {
             return;
         }
         if (answered.fetch_add(1, Ordering::SeqCst) + 1).is_multiple_of(every) {
             std::thread::sleep(STRAY_AFTER);
             let stray = "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-Stray: 1\r\n\r\nSTRAY";
-            if s.write_all(stray.as_bytes()).is_err() {
+            if s.write_all(stray.as_bytes()).and_then(|()| s.flush()).is_err() {
                 return;
             }
             strays.fetch_add(1, Ordering::SeqCst);
@@ -96,13 +104,18 @@ fn serve(mut s: TcpStream, every: usize, strays: &AtomicUsize, answered: &Atomic
     }
 }
 
-fn gateway(up: SocketAddr, express: bool) -> (Tollgate, tempfile::TempDir) {
-    let rules = format!(
-        r#"{{ "version": 1,
-  "upstreams": {{ "stray": {{ "url": "http://{up}", "timeout_ms": 5000 }} }},
-  "routes": [ {{ "method": "GET", "path": "/", "upstream": "stray", "key": "optional" }} ] }}"#
-    );
-    let (dir, path) = common::rules_file(&rules);
+fn gateway(up: SocketAddr, express: bool, tls: bool) -> (Tollgate, tempfile::TempDir) {
+    let mut upstream = serde_json::json!({ "url": format!("http://{up}"), "timeout_ms": 5000 });
+    if tls {
+        upstream["url"] = format!("https://{up}").into();
+        upstream["tls"] = common::tls::demo_ca();
+    }
+    let rules = serde_json::json!({
+        "version": 1,
+        "upstreams": { "stray": upstream },
+        "routes": [ { "method": "GET", "path": "/", "upstream": "stray", "key": "optional" } ]
+    });
+    let (dir, path) = common::rules_file(&rules.to_string());
     let mut args = vec!["serve", "--rules", path.to_str().unwrap()];
     if !express {
         args.push("--no-express");
@@ -110,8 +123,13 @@ fn gateway(up: SocketAddr, express: bool) -> (Tollgate, tempfile::TempDir) {
     (Tollgate::spawn(&args), dir)
 }
 
-fn mode(express: bool) -> &'static str {
-    if express { "express lane" } else { "--no-express" }
+fn mode(express: bool, tls: bool) -> String {
+    let path = if express { "express lane" } else { "--no-express" };
+    if tls {
+        format!("{path}, TLS")
+    } else {
+        path.to_string()
+    }
 }
 
 /// A keep-alive client that reads each answer by its `Content-Length`.
@@ -164,11 +182,22 @@ impl Client {
 /// keeping that upstream's connections.
 #[test]
 fn a_stray_response_never_answers_a_later_request() {
+    stray_never_answers(false);
+}
+
+/// The same over TLS: the stray is encrypted, so only the TLS session can tell it from the
+/// records an idle upstream may rightly send.
+#[test]
+fn a_stray_response_over_tls_never_answers_a_later_request() {
+    stray_never_answers(true);
+}
+
+fn stray_never_answers(tls: bool) {
     let _alone = alone();
     for express in [true, false] {
         for gap_ms in [2u64, 5, 10, 20, 40] {
-            let up = stray_upstream(1);
-            let (gw, _rules) = gateway(up.addr, express);
+            let up = stray_upstream(1, tls);
+            let (gw, _rules) = gateway(up.addr, express, tls);
             let mut c = Client::connect(gw.addr);
             for n in 0..4 {
                 let path = format!("/gap-{gap_ms}/{n}");
@@ -177,21 +206,21 @@ fn a_stray_response_never_answers_a_later_request() {
                     (status.as_str(), body.as_str()),
                     ("HTTP/1.1 200 OK", format!("answer to {path}").as_str()),
                     "{}, {gap_ms} ms between requests: request {n} got another's answer",
-                    mode(express)
+                    mode(express, tls)
                 );
                 std::thread::sleep(Duration::from_millis(gap_ms));
             }
             assert!(
                 up.strays.load(Ordering::SeqCst) >= 3,
                 "{}: the upstream wrote only {} strays",
-                mode(express),
+                mode(express, tls),
                 up.strays.load(Ordering::SeqCst)
             );
             let log = std::fs::read_to_string(&gw.stderr_path).unwrap_or_default();
             assert!(
                 log.contains("upstream sent a response nobody asked for"),
                 "{}, {gap_ms} ms: no warning names the straying upstream:\n{log}",
-                mode(express)
+                mode(express, tls)
             );
         }
     }
@@ -203,12 +232,22 @@ fn a_stray_response_never_answers_a_later_request() {
 /// stray on time.
 #[test]
 fn many_clients_get_only_their_own_answers_from_a_straying_upstream() {
+    many_clients(false);
+}
+
+/// The same over TLS, for as long.
+#[test]
+fn many_clients_get_only_their_own_answers_from_a_straying_tls_upstream() {
+    many_clients(true);
+}
+
+fn many_clients(tls: bool) {
     const CLIENTS: usize = 8;
     const FOR: Duration = Duration::from_secs(20);
     let _alone = alone();
     for express in [true, false] {
-        let up = stray_upstream(7);
-        let (gw, _rules) = gateway(up.addr, express);
+        let up = stray_upstream(7, tls);
+        let (gw, _rules) = gateway(up.addr, express, tls);
         let until = Instant::now() + FOR;
         let results: Vec<(usize, Vec<String>)> = std::thread::scope(|s| {
             let workers: Vec<_> = (0..CLIENTS)
@@ -238,18 +277,18 @@ fn many_clients_get_only_their_own_answers_from_a_straying_upstream() {
         assert!(
             wrong.is_empty(),
             "{}: {} of {answered} answers were not their request's; the first: {:?}",
-            mode(express),
+            mode(express, tls),
             wrong.len(),
             &wrong[..wrong.len().min(5)]
         );
         assert!(
             answered > 1000 && strays > 100,
             "{}: too little load to show anything: {answered} answers, {strays} strays",
-            mode(express)
+            mode(express, tls)
         );
         eprintln!(
             "{}: {answered} answers, {strays} strays, none misplaced",
-            mode(express)
+            mode(express, tls)
         );
     }
 }
