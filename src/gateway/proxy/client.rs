@@ -220,7 +220,12 @@ where
         if data.is_empty() {
             continue;
         }
-        if conn.reused && super::pool::look(&mut conn.io) == super::pool::Socket::Stray {
+        if conn.reused
+            && matches!(
+                super::pool::look(&mut conn.io),
+                super::pool::Socket::Stray | super::pool::Socket::Partial
+            )
+        {
             return Err(Failure::EarlyBytes);
         }
         let io = &mut conn.io;

@@ -196,6 +196,10 @@ pub(crate) enum Socket {
     Closed,
     /// Bytes nobody asked for.
     Stray,
+    /// Part of a TLS record, which may be a response or may be a session ticket still arriving:
+    /// an idle connection holding it is closed, without blame; before a request's body it is
+    /// early bytes all the same.
+    Partial,
 }
 
 /// Asks the socket itself (a `recv` with `MSG_PEEK` on a non-blocking socket), never the
@@ -221,10 +225,10 @@ fn peek(tcp: &TcpStream) -> Socket {
 
 /// What bytes on an idle TLS connection are: everything the socket holds is read into the TLS
 /// session, which takes in what is not for the application (session tickets, key updates). A
-/// response shows as plaintext; a record not all there yet can't be told apart from one, so the
-/// connection is given up, without blame. The socket is read directly, as `peek` asks it: the
-/// runtime may not know yet that it is readable. Emptying it behind the runtime's back leaves
-/// the runtime at worst a readiness it clears with its next read's `WouldBlock`.
+/// response shows as plaintext; a record not all there yet can't be told apart from one. The
+/// socket is read directly, as `peek` asks it: the runtime may not know yet that it is
+/// readable. Emptying it behind the runtime's back leaves the runtime at worst a readiness it
+/// clears with its next read's `WouldBlock`.
 fn look_tls(tls: &mut TlsStream<TcpStream>) -> Socket {
     let (tcp, session) = tls.get_mut();
     let mut reader = Records::new(socket2::SockRef::from(&*tcp));
@@ -245,7 +249,7 @@ fn look_tls(tls: &mut TlsStream<TcpStream>) -> Socket {
     if reader.whole() {
         Socket::Clean
     } else {
-        Socket::Closed
+        Socket::Partial
     }
 }
 
@@ -376,7 +380,7 @@ impl ConnPool {
                     c.buf = crate::bufs::take();
                     return Some(c);
                 }
-                Socket::Closed => {}
+                Socket::Closed | Socket::Partial => {}
                 Socket::Stray => {
                     drop(list);
                     self.stray_seen();
@@ -456,7 +460,7 @@ impl ConnPool {
                 now.duration_since(i.since) < self.idle_timeout
                     && match look(&mut i.conn.io) {
                         Socket::Clean => true,
-                        Socket::Closed => false,
+                        Socket::Closed | Socket::Partial => false,
                         Socket::Stray => {
                             stray = true;
                             false
@@ -845,6 +849,38 @@ mod tests {
         s.flush().await.unwrap();
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert_eq!(look(&mut c.io), Socket::Stray);
+    }
+
+    /// Part of a record, written under the TLS session: it may be a response still arriving,
+    /// so the idle connection is not reused, but nothing says it is a stray.
+    #[tokio::test]
+    async fn part_of_a_tls_record_closes_an_idle_connection_without_blame() {
+        let (l, pool) = tls::listener().await;
+        let (mut c, mut s) = tls::pair(&pool, &l).await;
+        tls::round_trip(&mut c, &mut s).await;
+        let (mut c2, mut s2) = tls::pair(&pool, &l).await;
+        tls::round_trip(&mut c2, &mut s2).await;
+        pool.put(c);
+        // An application-data record of 16 KiB, three bytes of it sent.
+        s.get_mut()
+            .0
+            .write_all(&[23, 3, 3, 0x40, 0x00, 1, 2, 3])
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        rest();
+        assert!(
+            pool.take().is_none(),
+            "a connection holding part of a record was reused"
+        );
+        assert!(pool.trusted(), "part of a record made the upstream distrusted");
+        s2.get_mut()
+            .0
+            .write_all(&[23, 3, 3, 0x40, 0x00, 1])
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(look(&mut c2.io), Socket::Partial, "before a body, early bytes");
     }
 
     /// An upstream that closes an idle TLS connection, with close_notify or without: closed,
