@@ -132,6 +132,19 @@ fn mode(express: bool, tls: bool) -> String {
     }
 }
 
+/// `tollgate_upstream_strays_total` for the test's upstream, from the admin listener's
+/// `/metrics`.
+fn strays_counted(gw: &Tollgate) -> u64 {
+    let admin = gw.admin.expect("admin listener");
+    let mut c = Client::connect(admin);
+    let (status, body) = c.get("/metrics");
+    assert_eq!(status, "HTTP/1.1 200 OK", "/metrics: {body}");
+    let series = "tollgate_upstream_strays_total{upstream=\"stray\"} ";
+    body.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("/metrics has no {series:?}:\n{body}"))
+}
+
 /// A keep-alive client that reads each answer by its `Content-Length`.
 struct Client {
     tcp: TcpStream,
@@ -220,6 +233,12 @@ fn stray_never_answers(tls: bool) {
             assert!(
                 log.contains("upstream sent a response nobody asked for"),
                 "{}, {gap_ms} ms: no warning names the straying upstream:\n{log}",
+                mode(express, tls)
+            );
+            let caught = strays_counted(&gw);
+            assert!(
+                caught >= 1,
+                "{}, {gap_ms} ms: /metrics counts {caught} strays from the upstream",
                 mode(express, tls)
             );
         }

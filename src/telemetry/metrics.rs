@@ -98,6 +98,7 @@ pub struct Metrics {
     pub upstream_concurrency_limit: Family<UpstreamLabel, Gauge>,
     pub upstream_in_flight: Family<UpstreamLabel, Gauge>,
     pub upstream_shed: Family<UpstreamLabel, Counter>,
+    pub upstream_strays: Family<UpstreamLabel, Counter>,
     /// Lease-script calls, `kind` = `lease` or `give_back`, answered or not.
     pub lease_calls: Family<Kind, Counter>,
     pub lease_grants: Counter,
@@ -226,6 +227,12 @@ impl Metrics {
             "Requests answered 503 upstream_overloaded: no place under the upstream's limit",
             upstream_shed.clone(),
         );
+        let upstream_strays = Family::<UpstreamLabel, Counter>::default();
+        registry.register(
+            "upstream_strays",
+            "Times an upstream was caught sending a response nobody asked for; its connections then carry one request each for a minute",
+            upstream_strays.clone(),
+        );
         let lease_calls = Family::<Kind, Counter>::default();
         registry.register(
             "lease_calls",
@@ -328,6 +335,7 @@ impl Metrics {
             upstream_concurrency_limit,
             upstream_in_flight,
             upstream_shed,
+            upstream_strays,
             lease_calls,
             lease_grants,
             lease_denials,

@@ -174,6 +174,8 @@ pub struct ConnPool {
     idle_timeout: Duration,
     /// How its connections speak TLS; `None`: plain.
     tls: Option<UpstreamTls>,
+    /// Counts the times the upstream was caught straying, for `/metrics`.
+    strays: Option<prometheus_client::metrics::counter::Counter>,
     /// One list per shard, oldest first.
     idle: Box<[Mutex<VecDeque<Idle>>]>,
 }
@@ -325,6 +327,7 @@ impl ConnPool {
             connect_timeout,
             idle_timeout,
             tls: None,
+            strays: None,
             idle: (0..shards.max(1)).map(|_| Mutex::new(VecDeque::new())).collect(),
         }
     }
@@ -332,6 +335,12 @@ impl ConnPool {
     /// The pool, its connections speaking TLS with `tls` (plain with `None`).
     pub fn with_tls(mut self, tls: Option<UpstreamTls>) -> ConnPool {
         self.tls = tls;
+        self
+    }
+
+    /// Counts each stray seen on `counter`.
+    pub fn counting_strays(mut self, counter: prometheus_client::metrics::counter::Counter) -> ConnPool {
+        self.strays = Some(counter);
         self
     }
 
@@ -399,6 +408,9 @@ impl ConnPool {
     /// The upstream sent bytes nobody asked for: for [`DISTRUST`] none of its connections is
     /// kept, and those kept now are closed.
     pub fn stray_seen(&self) {
+        if let Some(c) = &self.strays {
+            c.inc();
+        }
         let now = self.born.elapsed().as_millis() as u64;
         let was = self
             .distrusted_until

@@ -870,7 +870,15 @@ impl Live {
                             tollgate_rules::CONNECT_TIMEOUT,
                             u.idle_timeout,
                         )
-                        .with_tls(u.tls.clone()),
+                        .with_tls(u.tls.clone())
+                        .counting_strays(
+                            metrics
+                                .upstream_strays
+                                .get_or_create(&tollgate_telemetry::metrics::UpstreamLabel {
+                                    upstream: u.name.clone(),
+                                })
+                                .clone(),
+                        ),
                     ),
                 };
                 LiveUpstream {
