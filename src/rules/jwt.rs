@@ -347,7 +347,7 @@ mod tests {
             "keys.json" => Ok(jwks.to_vec()),
             other => Err(format!("cannot read {other}: not found")),
         };
-        crate::compile_with(
+        crate::compile::compile_with(
             rules.to_string().as_bytes(),
             "r.json",
             CompileOptions::default(),

@@ -1,0 +1,477 @@
+//! The `limits` of a rules file: each limit's numbers, what it keys on, how it fails, its
+//! post-paid debit and its leases.
+
+use super::*;
+
+impl Compiler<'_> {
+    pub(super) fn limits<'r>(&self, raw: &'r RawRules) -> Result<Limits<'r>, RulesError> {
+        let mut limits = Limits {
+            list: Vec::new(),
+            by_name: BTreeMap::new(),
+        };
+        for (name, l) in &raw.limits {
+            let limit = self.limit(name, l)?;
+            limits.by_name.insert(name.as_str(), limits.list.len());
+            limits.list.push(limit);
+        }
+        // Routes and the unauthenticated charge name a limit by a u16 index.
+        if limits.list.len() > u16::MAX as usize {
+            return Err(self.err("limits", "too many limits"));
+        }
+        Ok(limits)
+    }
+
+    pub(super) fn limit(&self, name: &str, l: &RawLimit) -> Result<Limit, RulesError> {
+        let field = format!("limits.{name}");
+        if name.is_empty()
+            || !name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+        {
+            return Err(self.err(&field, "a limit name uses only letters, digits, '-', '_' and '.'"));
+        }
+        let dimension = self.dimension(&field, &l.dimension)?;
+        let ip_prefixes = self.ip_prefixes(&field, l, &dimension)?;
+        if let Some(max) = l.concurrent {
+            return self.concurrent_limit(&field, name, l, dimension, max);
+        }
+        let numbers = match (&l.rate, l.burst) {
+            (Some(rate), Some(burst)) => Some(self.numbers(&field, name, rate, burst)?),
+            (None, None) if dimension == Dimension::Key => None,
+            (None, None) => {
+                return Err(self.err(
+                    &field,
+                    "needs \"rate\" and \"burst\" (only key limits may leave them to each key)",
+                ));
+            }
+            (Some(_), None) => {
+                return Err(self.err(format!("{field}.burst"), "missing: a rate needs a burst"));
+            }
+            (None, Some(_)) => {
+                return Err(self.err(format!("{field}.rate"), "missing: a burst needs a rate"));
+            }
+        };
+        let policy = l.on_store_failure.unwrap_or(FailurePolicy::Local);
+        if l.class == LimitClass::Security && policy == FailurePolicy::Open {
+            return Err(self.err(
+                format!("{field}.on_store_failure"),
+                "a security limit may not fail open; use \"local\" or \"closed\"",
+            ));
+        }
+        let lease = self.lease(&field, l, &dimension)?;
+        if let (Some(block), Some(n)) = (lease, &numbers) {
+            self.check_leasable(&field, &n.params, block)?;
+        }
+        if l.scope == Scope::Global {
+            if dimension != Dimension::Key {
+                return Err(self.err(
+                    format!("{field}.scope"),
+                    "only key limits can be global: each key's number is what the Regions share",
+                ));
+            }
+            if l.class == LimitClass::Security {
+                return Err(self.err(
+                    format!("{field}.scope"),
+                    "a security limit is not shared out; give it a \"home_region\" instead",
+                ));
+            }
+            if lease.is_some() {
+                return Err(self.err(
+                    format!("{field}.lease"),
+                    "a global limit's share moves every rebalance; it is not leased",
+                ));
+            }
+        }
+        let charge_on = match &l.charge_on {
+            None => None,
+            Some(_) if lease.is_some() => {
+                return Err(self.err(
+                    format!("{field}.charge_on"),
+                    "a limit charged on the answer gives charges back, so it is not leased",
+                ));
+            }
+            Some(c) if c.status.is_empty() => {
+                return Err(self.err(format!("{field}.charge_on.status"), "name at least one status"));
+            }
+            Some(c) => {
+                if let Some(bad) = c.status.iter().find(|s| !(100..=599).contains(*s)) {
+                    return Err(self.err(
+                        format!("{field}.charge_on.status"),
+                        format!("{bad} is not an HTTP status (100 to 599)"),
+                    ));
+                }
+                let mut s = c.status.clone();
+                s.sort_unstable();
+                s.dedup();
+                Some(s.into_boxed_slice())
+            }
+        };
+        let home_region = match &l.home_region {
+            None => None,
+            Some(_) if l.class != LimitClass::Security => {
+                return Err(self.err(
+                    format!("{field}.home_region"),
+                    "only a security limit (\"class\": \"security\") has a home Region",
+                ));
+            }
+            Some(r)
+                if r.is_empty()
+                    || !r
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') =>
+            {
+                return Err(self.err(
+                    format!("{field}.home_region"),
+                    format!("{r:?} is not a Region name (letters, digits, - and _)"),
+                ));
+            }
+            Some(r) => Some(Arc::from(r.as_str())),
+        };
+        let plans = self.plans(&field, name, l, &dimension)?;
+        let post_paid = self.post_paid(&field, l, lease.is_some())?;
+        Ok(Limit {
+            post_paid,
+            plans,
+            name: name.into(),
+            dimension,
+            numbers,
+            mode: l.mode,
+            class: l.class,
+            policy,
+            lease,
+            scope: l.scope,
+            concurrent: None,
+            charge_on,
+            home_region,
+            ip_prefixes,
+        })
+    }
+
+    /// `cost_from_response`, `reserve` and `max_debt`: a limit whose cost the upstream's answer
+    /// reports. Its charges are settled after the answer, so nothing that gives charges back
+    /// or takes them ahead (leases, `charge_on`) or moves its numbers (a global share) goes
+    /// with it.
+    pub(super) fn post_paid(
+        &self,
+        field: &str,
+        l: &RawLimit,
+        leased: bool,
+    ) -> Result<Option<PostPaid>, RulesError> {
+        let Some(c) = &l.cost_from_response else {
+            for (name, set) in [
+                ("reserve", l.reserve.is_some()),
+                ("max_debt", l.max_debt.is_some()),
+            ] {
+                if set {
+                    return Err(self.err(
+                        format!("{field}.{name}"),
+                        "only a post-paid limit (with \"cost_from_response\") takes a reserve or a debt",
+                    ));
+                }
+            }
+            return Ok(None);
+        };
+        let header = http::HeaderName::from_bytes(c.header.as_bytes()).map_err(|_| {
+            self.err(
+                format!("{field}.cost_from_response.header"),
+                format!("{:?} is not a header name", c.header),
+            )
+        })?;
+        for (name, clash) in [
+            ("lease", leased),
+            ("charge_on", l.charge_on.is_some()),
+            ("scope", l.scope == Scope::Global),
+        ] {
+            if clash {
+                return Err(self.err(
+                    format!("{field}.{name}"),
+                    "a post-paid limit (\"cost_from_response\") settles each charge after the answer; it takes no lease, charge_on or global scope",
+                ));
+            }
+        }
+        let reserve = l.reserve.unwrap_or(1);
+        if reserve == 0 {
+            return Err(self.err(
+                format!("{field}.reserve"),
+                "must be at least 1: a request is admitted only while its bucket holds its reserve",
+            ));
+        }
+        Ok(Some(PostPaid {
+            header,
+            reserve,
+            max_debt: l.max_debt,
+        }))
+    }
+
+    /// Lets every bucket of each post-paid limit owe down to its debt: the limit's numbers, its
+    /// plans' and each key's.
+    pub(super) fn owing(&self, limits: &mut Limits, keys: &mut KeysBuilder) -> Result<(), RulesError> {
+        let owe = |field: String, n: &mut Numbers, max_debt: Option<u64>| {
+            let debt = max_debt.unwrap_or(n.params.burst);
+            n.params = n
+                .params
+                .with_debt(debt)
+                .map_err(|e| self.err(format!("{field}.max_debt"), e.to_string()))?;
+            Ok::<(), RulesError>(())
+        };
+        for (li, l) in limits.list.iter_mut().enumerate() {
+            let Some(pp) = l.post_paid.clone() else { continue };
+            let field = format!("limits.{}", l.name);
+            if let Some(n) = &mut l.numbers {
+                owe(field.clone(), n, pp.max_debt)?;
+            }
+            if let Some(p) = &mut l.plans {
+                for (plan, n) in p.numbers.iter_mut() {
+                    owe(format!("{field}.plans.{plan}"), n, pp.max_debt)?;
+                }
+            }
+            // Keys that write the same numbers share them: each is owed once, and an error
+            // names the first key that wrote them.
+            for (_, ki, n) in keys.numbers_mut().filter(|(l, _, _)| *l as usize == li) {
+                owe(format!("keys[{ki}].limits.{}", l.name), n, pp.max_debt)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `ipv4_prefix` and `ipv6_prefix`, on limits with per-IP buckets only.
+    pub(super) fn ip_prefixes(
+        &self,
+        field: &str,
+        l: &RawLimit,
+        dimension: &Dimension,
+    ) -> Result<identity::IpPrefixes, RulesError> {
+        let mut prefixes = identity::IpPrefixes::default();
+        for (name, given, max, into) in [
+            ("ipv4_prefix", l.ipv4_prefix, 32, &mut prefixes.v4),
+            ("ipv6_prefix", l.ipv6_prefix, 128, &mut prefixes.v6),
+        ] {
+            let Some(bits) = given else { continue };
+            if !matches!(dimension, Dimension::Ip | Dimension::Route) {
+                return Err(self.err(
+                    format!("{field}.{name}"),
+                    "only a limit with per-IP buckets takes a prefix: dimension \"ip\", or \"route\" (per IP without a key)",
+                ));
+            }
+            *into = u8::try_from(bits).ok().filter(|b| *b <= max).ok_or_else(|| {
+                self.err(
+                    format!("{field}.{name}"),
+                    format!("{bits} is not a prefix length: use 0 to {max} (the leading bits of a client's address that name one client)"),
+                )
+            })?;
+        }
+        Ok(prefixes)
+    }
+
+    /// A limit on requests in flight per key: one seat per request, taken before it is
+    /// forwarded and given back when its answer ends.
+    pub(super) fn concurrent_limit(
+        &self,
+        field: &str,
+        name: &str,
+        l: &RawLimit,
+        dimension: Dimension,
+        max: u32,
+    ) -> Result<Limit, RulesError> {
+        if max == 0 {
+            return Err(self.err(format!("{field}.concurrent"), "must be at least 1"));
+        }
+        if dimension != Dimension::Key {
+            return Err(self.err(
+                format!("{field}.concurrent"),
+                "only key limits count requests in flight",
+            ));
+        }
+        let other = [
+            ("rate", l.rate.is_some()),
+            ("burst", l.burst.is_some()),
+            ("lease", l.lease.is_some()),
+            ("charge_on", l.charge_on.is_some()),
+            ("cost_from_response", l.cost_from_response.is_some()),
+            ("reserve", l.reserve.is_some()),
+            ("max_debt", l.max_debt.is_some()),
+            ("quota", l.quota.is_some()),
+            ("home_region", l.home_region.is_some()),
+            ("scope", l.scope != Scope::Region),
+            ("mode", l.mode != Mode::Enforce),
+            ("class", l.class != LimitClass::Capacity),
+        ];
+        if let Some((f, _)) = other.iter().find(|(_, set)| *set) {
+            return Err(self.err(
+                format!("{field}.{f}"),
+                "a limit on requests in flight (\"concurrent\") takes no other numbers or modes",
+            ));
+        }
+        let policy = headers::concurrency_policy_value(name, max).map_err(|e| self.err(field, e))?;
+        Ok(Limit {
+            name: name.into(),
+            dimension,
+            numbers: None,
+            mode: Mode::Enforce,
+            class: LimitClass::Capacity,
+            policy: l.on_store_failure.unwrap_or(FailurePolicy::Local),
+            lease: None,
+            scope: Scope::Region,
+            concurrent: Some(Concurrent { max, policy }),
+            charge_on: None,
+            home_region: None,
+            plans: None,
+            ip_prefixes: identity::IpPrefixes::default(),
+            post_paid: None,
+        })
+    }
+
+    /// A key limit's numbers per plan, for JWT callers.
+    pub(super) fn plans(
+        &self,
+        field: &str,
+        name: &str,
+        l: &RawLimit,
+        dimension: &Dimension,
+    ) -> Result<Option<jwt::Plans>, RulesError> {
+        let Some(raw) = &l.plans else {
+            if l.plan_claim.is_some() {
+                return Err(self.err(
+                    format!("{field}.plan_claim"),
+                    "names the claim of \"plans\", which is missing",
+                ));
+            }
+            return Ok(None);
+        };
+        if *dimension != Dimension::Key {
+            return Err(self.err(
+                format!("{field}.plans"),
+                "only key limits have plans: a plan is a tenant's numbers",
+            ));
+        }
+        if raw.is_empty() {
+            return Err(self.err(format!("{field}.plans"), "name at least one plan"));
+        }
+        let claim = match &l.plan_claim {
+            Some(c) if c.is_empty() => {
+                return Err(self.err(format!("{field}.plan_claim"), "must not be empty"));
+            }
+            Some(c) => c.clone(),
+            None => "plan".to_string(),
+        };
+        let mut numbers = BTreeMap::new();
+        for (plan, RawNumbers { rate, burst }) in raw {
+            let n = self.numbers(&format!("{field}.plans.{plan}"), name, rate, *burst)?;
+            numbers.insert(plan.clone(), n);
+        }
+        Ok(Some(jwt::Plans { claim, numbers }))
+    }
+
+    pub(super) fn dimension(&self, field: &str, raw: &RawDimension) -> Result<Dimension, RulesError> {
+        Ok(match raw {
+            RawDimension::Named(RawDimensionName::Key) => Dimension::Key,
+            RawDimension::Named(RawDimensionName::Route) => Dimension::Route,
+            RawDimension::Named(RawDimensionName::Ip) => Dimension::Ip,
+            RawDimension::Named(RawDimensionName::Fingerprint) => Dimension::Fingerprint,
+            RawDimension::Claim(c) => {
+                if c.is_empty() {
+                    return Err(self.err(format!("{field}.dimension.claim"), "must not be empty"));
+                }
+                Dimension::Claim(c.clone())
+            }
+            RawDimension::BodyField(f) => {
+                if f.is_empty() {
+                    return Err(self.err(format!("{field}.dimension.body_field"), "must not be empty"));
+                }
+                Dimension::BodyField(f.clone())
+            }
+            RawDimension::Header(h) => {
+                Dimension::Header(HeaderName::from_bytes(h.as_bytes()).map_err(|_| {
+                    self.err(
+                        format!("{field}.dimension.header"),
+                        format!("{h:?} is not a header name"),
+                    )
+                })?)
+            }
+        })
+    }
+
+    pub(super) fn lease(
+        &self,
+        field: &str,
+        l: &RawLimit,
+        dimension: &Dimension,
+    ) -> Result<Option<LeaseBlock>, RulesError> {
+        let Some(lease) = &l.lease else {
+            return Ok(None);
+        };
+        if l.class == LimitClass::Security {
+            return Err(self.err(format!("{field}.lease"), "a security limit is never leased"));
+        }
+        if *dimension != Dimension::Key {
+            return Err(self.err(format!("{field}.lease"), "only key limits can be leased"));
+        }
+        match &lease.block {
+            RawBlock::Fixed(0) => {
+                Err(self.err(format!("{field}.lease.block"), "must be \"auto\" or at least 1"))
+            }
+            RawBlock::Fixed(n) => Ok(Some(LeaseBlock::Fixed(*n))),
+            RawBlock::Auto(s) if s == "auto" => Ok(Some(LeaseBlock::Auto)),
+            RawBlock::Auto(s) => Err(self.err(
+                format!("{field}.lease.block"),
+                format!("{s:?} is neither \"auto\" nor a number"),
+            )),
+        }
+    }
+
+    /// Leasing pays only for hot capacity limits: at least 500 tokens a second. A fixed block
+    /// must fit in the bucket, or no lease could ever be granted.
+    pub(super) fn check_leasable(
+        &self,
+        field: &str,
+        p: &BucketParams,
+        block: LeaseBlock,
+    ) -> Result<(), RulesError> {
+        if (p.rate.tokens as u128) * 1_000_000 < 500 * p.rate.period_us as u128 {
+            return Err(self.err(
+                format!("{field}.lease"),
+                format!("rate {} is under 500/s; leasing is for hot keys only", p.rate),
+            ));
+        }
+        if let LeaseBlock::Fixed(b) = block
+            && b > p.burst
+        {
+            return Err(self.err(
+                format!("{field}.lease.block"),
+                format!(
+                    "block {b} is above the burst {}: the bucket could never hold a whole block",
+                    p.burst
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{base, err};
+
+    #[test]
+    fn a_rate_without_a_burst_is_refused() {
+        let mut rules = base();
+        rules["limits"]["per_key"]
+            .as_object_mut()
+            .unwrap()
+            .remove("burst");
+        let e = err(&rules);
+        assert_eq!(
+            (e.field.as_str(), e.reason.as_str()),
+            ("limits.per_key.burst", "missing: a rate needs a burst")
+        );
+    }
+
+    #[test]
+    fn a_limit_name_with_a_space_is_refused() {
+        let mut rules = base();
+        rules["limits"] = serde_json::json!({"per key": {"dimension": "key", "rate": "1/1s", "burst": 1}});
+        rules["routes"][0]["cost"] = serde_json::json!({});
+        let e = err(&rules);
+        assert!(e.reason.contains("a limit name uses only"), "{e}");
+    }
+}

@@ -1,0 +1,361 @@
+//! The `routes` of a rules file: paths and methods, what each costs in which limit, the
+//! body field a limit keys on, and what an unauthenticated request may do.
+
+use super::*;
+
+impl Compiler<'_> {
+    pub(super) fn routes(
+        &self,
+        raw: &RawRules,
+        upstreams: &Upstreams,
+        limits: &Limits,
+        keys: &Keys,
+    ) -> Result<Vec<Route>, RulesError> {
+        let mut routes: Vec<Route> = Vec::new();
+        let mut seen = HashMap::new();
+        // A set, not a look through the routes so far: 10,000 routes made that 50 million
+        // name compares per load.
+        let mut names = HashSet::new();
+        for (i, r) in raw.routes.iter().enumerate() {
+            let field = format!("routes[{i}]");
+            let method = if r.method == "*" {
+                None
+            } else {
+                Some(self.route_method(&field, &r.method)?)
+            };
+            self.route_path(&field, &r.path)?;
+            if r.method_override
+                && let Some(m) = method.as_ref().filter(|m| {
+                    !matches!(
+                        **m,
+                        Method::GET
+                            | Method::POST
+                            | Method::PUT
+                            | Method::PATCH
+                            | Method::DELETE
+                            | Method::OPTIONS
+                    )
+                })
+            {
+                // A POST may only become a method whose answer it can be sent (not HEAD's,
+                // which has no body) and that no route should be reached by through a header.
+                return Err(self.err(
+                    format!("{field}.method_override"),
+                    format!(
+                        "a POST can't be overridden into {m}: only GET, POST, PUT, PATCH, DELETE and OPTIONS"
+                    ),
+                ));
+            }
+            if r.identity == Identity::Jwt && r.key == KeyRequirement::Optional {
+                return Err(self.err(
+                    format!("{field}.key"),
+                    "a JWT route needs its token: \"optional\" applies to API keys only",
+                ));
+            }
+            let Some(&upstream) = upstreams.by_name.get(&r.upstream) else {
+                return Err(self.err(
+                    format!("{field}.upstream"),
+                    format!(
+                        "no upstream named {:?} (known: {:?})",
+                        r.upstream,
+                        raw.upstreams.keys().collect::<Vec<_>>()
+                    ),
+                ));
+            };
+            let name = r
+                .name
+                .clone()
+                .unwrap_or_else(|| format!("{} {}", r.method, r.path));
+            if let Some(prev) = seen.insert((r.method.clone(), r.path.clone()), i) {
+                return Err(self.err(&field, format!("same method and path as routes[{prev}]")));
+            }
+            if !names.insert(name.clone()) {
+                return Err(self.err(format!("{field}.name"), format!("duplicate route name {name:?}")));
+            }
+            let costs = self.costs(&field, r, &name, limits, keys)?;
+            let body_field = self.body_field(&field, &costs, &limits.list)?;
+            let post_paid = costs
+                .iter()
+                .any(|&(li, _)| limits.list[li as usize].post_paid.is_some());
+            let up = &upstreams.list[upstream];
+            routes.push(Route {
+                post_paid,
+                name: name.into(),
+                body_field,
+                method,
+                prefix: r.path.clone(),
+                upstream,
+                key: r.key,
+                identity: r.identity,
+                costs,
+                max_body_bytes: r.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES),
+                encoded_slashes: slashes(r.encoded_slashes).unwrap_or(up.encoded_slashes),
+                case_insensitive: up.case_insensitive,
+                method_override: r.method_override,
+            });
+        }
+        Ok(routes)
+    }
+
+    pub(super) fn route_path(&self, field: &str, path: &str) -> Result<(), RulesError> {
+        if !path.starts_with('/') {
+            return Err(self.err(format!("{field}.path"), format!("{path:?} must start with '/'")));
+        }
+        // Requests are routed on canonical paths, so a prefix spelled any other way would
+        // never match.
+        match path::canonical(path, EncodedSlashes::Keep) {
+            Ok(c) if c == path => Ok(()),
+            Ok(c) => Err(self.err(
+                format!("{field}.path"),
+                format!("{path:?} is not in canonical form; write {c:?}"),
+            )),
+            Err(e) => Err(self.err(format!("{field}.path"), format!("{path:?}: {e}"))),
+        }
+    }
+
+    /// A route's (limit index, cost) pairs. A charge no request could pay (above a burst,
+    /// the limit's own or a key's, or in a limit with no numbers for some key) is refused
+    /// at load rather than failing every request.
+    pub(super) fn costs(
+        &self,
+        field: &str,
+        r: &RawRoute,
+        name: &str,
+        limits: &Limits,
+        keys: &Keys,
+    ) -> Result<Vec<(u16, u64)>, RulesError> {
+        let mut costs = Vec::new();
+        for (lname, &cost) in &r.cost {
+            let cfield = format!("{field}.cost.{lname}");
+            let Some(&li) = limits.by_name.get(lname.as_str()) else {
+                return Err(self.err(&cfield, format!("no limit named {lname:?}")));
+            };
+            if cost == 0 {
+                return Err(self.err(&cfield, "a cost must be at least 1; leave the limit out instead"));
+            }
+            let limit = &limits.list[li];
+            if let Some(pp) = &limit.post_paid
+                && cost != pp.reserve
+            {
+                return Err(self.err(
+                    &cfield,
+                    format!(
+                        "limit {lname:?} is post-paid: a request pays its reserve ({}) up front and the rest when the answer reports it; write {}",
+                        pp.reserve, pp.reserve
+                    ),
+                ));
+            }
+            if r.identity == Identity::Jwt {
+                self.jwt_cost(&cfield, name, lname, limit, cost)?;
+                costs.push((li as u16, cost));
+                continue;
+            }
+            if let Dimension::Claim(c) = &limit.dimension {
+                return Err(self.err(
+                    &cfield,
+                    format!("limit {lname:?} keys on the JWT claim {c:?}, but route {name:?} takes API keys (\"identity\": \"jwt\" to take tokens)"),
+                ));
+            }
+            if limit.concurrent.is_some() {
+                if cost != 1 {
+                    return Err(self.err(
+                        &cfield,
+                        "a request takes one seat of a limit on requests in flight; write 1",
+                    ));
+                }
+                costs.push((li as u16, cost));
+                continue;
+            }
+            // `who` is called only for the error: this runs for every key of every route.
+            let check = |n: &Numbers, who: &dyn Fn() -> String| {
+                if cost > n.params.burst {
+                    Err(self.err(
+                        &cfield,
+                        format!(
+                            "route {name:?} costs {cost} in limit {lname:?}, above its burst {}{}: it could never pass",
+                            n.params.burst,
+                            who()
+                        ),
+                    ))
+                } else {
+                    Ok(())
+                }
+            };
+            if let Some(n) = &limit.numbers {
+                check(n, &String::new)?;
+            }
+            for ki in 0..keys.len() {
+                match keys.numbers(ki, limit, li) {
+                    Some(n) => check(n, &|| format!(" for key {:?}", keys[ki].id))?,
+                    None if r.key == KeyRequirement::Required || limit.dimension == Dimension::Key => {
+                        return Err(self.err(
+                            format!("keys[{ki}].limits.{lname}"),
+                            format!(
+                                "limit {lname:?} has no numbers of its own and key {:?} sets none, but route {name:?} charges it",
+                                keys[ki].id
+                            ),
+                        ));
+                    }
+                    None => {}
+                }
+            }
+            costs.push((li as u16, cost));
+        }
+        Ok(costs)
+    }
+
+    /// A JWT route's cost in one limit: payable under every plan, and in limits a token's
+    /// caller can pay (its numbers come from the limit or its plans, never from a key).
+    pub(super) fn jwt_cost(
+        &self,
+        cfield: &str,
+        name: &str,
+        lname: &str,
+        limit: &Limit,
+        cost: u64,
+    ) -> Result<(), RulesError> {
+        if limit.concurrent.is_some() {
+            return Err(self.err(
+                cfield,
+                format!("limit {lname:?} counts requests in flight per API key; a JWT route can't charge it"),
+            ));
+        }
+        if limit.dimension == Dimension::Key && limit.numbers.is_none() && limit.plans.is_none() {
+            return Err(self.err(
+                cfield,
+                format!("limit {lname:?} has no numbers of its own and no \"plans\", so a token's caller has none, but route {name:?} charges it"),
+            ));
+        }
+        let all = limit
+            .numbers
+            .iter()
+            .map(|n| ("".to_string(), n))
+            .chain(limit.plans.iter().flat_map(|p| {
+                p.numbers
+                    .iter()
+                    .map(|(plan, n)| (format!(" for plan {plan:?}"), n))
+            }));
+        for (who, n) in all {
+            if cost > n.params.burst {
+                return Err(self.err(
+                    cfield,
+                    format!("route {name:?} costs {cost} in limit {lname:?}, above its burst {}{who}: it could never pass", n.params.burst),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The JSON body field a route's limits are keyed on, if any.
+    pub(super) fn body_field(
+        &self,
+        field: &str,
+        costs: &[(u16, u64)],
+        limits: &[Limit],
+    ) -> Result<Option<String>, RulesError> {
+        let mut body_fields: Vec<&String> = costs
+            .iter()
+            .filter_map(|&(li, _)| match &limits[li as usize].dimension {
+                Dimension::BodyField(f) => Some(f),
+                _ => None,
+            })
+            .collect();
+        body_fields.dedup();
+        if body_fields.len() > 1 {
+            return Err(self.err(
+                format!("{field}.cost"),
+                format!("limits keyed on different body fields {body_fields:?}; one route can read one"),
+            ));
+        }
+        Ok(body_fields.first().map(|f| f.to_string()))
+    }
+
+    pub(super) fn unauthenticated(
+        &self,
+        raw: &RawRules,
+        limits: &Limits,
+    ) -> Result<Option<(u16, u64)>, RulesError> {
+        let Some(u) = &raw.unauthenticated else {
+            return Ok(None);
+        };
+        let Some(&li) = limits.by_name.get(u.limit.as_str()) else {
+            return Err(self.err("unauthenticated.limit", format!("no limit named {:?}", u.limit)));
+        };
+        let limit = &limits.list[li];
+        if limit.dimension != Dimension::Ip {
+            return Err(self.err(
+                "unauthenticated.limit",
+                format!("limit {:?} must have dimension \"ip\"", u.limit),
+            ));
+        }
+        if u.cost == 0 {
+            return Err(self.err("unauthenticated.cost", "must be at least 1"));
+        }
+        if let Some(n) = &limit.numbers
+            && u.cost > n.params.burst
+        {
+            return Err(self.err(
+                "unauthenticated.cost",
+                format!(
+                    "cost {} is above the burst {} of limit {:?}",
+                    u.cost, n.params.burst, u.limit
+                ),
+            ));
+        }
+        Ok(Some((li as u16, u.cost)))
+    }
+
+    /// A route's method: a token the way clients must send it. A lower-case `post` would match
+    /// no request (those are refused), and CONNECT is never routed.
+    pub(super) fn route_method(&self, field: &str, text: &str) -> Result<Method, RulesError> {
+        let m = Method::from_bytes(text.as_bytes()).map_err(|_| {
+            self.err(
+                format!("{field}.method"),
+                format!("{text:?} is not an HTTP method (or \"*\")"),
+            )
+        })?;
+        if m == Method::CONNECT {
+            return Err(self.err(
+                format!("{field}.method"),
+                "CONNECT is refused with 405: the gateway is not a tunnel",
+            ));
+        }
+        if let Some(standard) = tollgate_http1::sanitize::miscased_method(&m) {
+            return Err(self.err(
+                format!("{field}.method"),
+                format!("methods are case-sensitive: write {standard:?}, not {text:?}"),
+            ));
+        }
+        Ok(m)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{base, err};
+
+    #[test]
+    fn a_path_must_start_with_a_slash() {
+        let mut rules = base();
+        rules["routes"][0]["path"] = "v1".into();
+        let e = err(&rules);
+        assert_eq!(e.field, "routes[0].path", "{e}");
+    }
+
+    #[test]
+    fn two_routes_with_one_method_and_path_are_refused() {
+        let mut rules = base();
+        let again = rules["routes"][0].clone();
+        rules["routes"].as_array_mut().unwrap().push(again);
+        let e = err(&rules);
+        assert!(e.reason.contains("same method and path as routes[0]"), "{e}");
+    }
+
+    #[test]
+    fn a_route_to_an_unknown_upstream_is_refused() {
+        let mut rules = base();
+        rules["routes"][0]["upstream"] = "nowhere".into();
+        let e = err(&rules);
+        assert_eq!(e.field, "routes[0].upstream", "{e}");
+    }
+}
