@@ -1,0 +1,134 @@
+//! On the way to the upstream and back: the header edits the upstream sees, what its answer
+//! settles (a post-paid debit, the adaptive limit's sample), and the refund of a request that
+//! never reached it.
+
+use super::*;
+
+impl Gateway {
+    /// How the client's headers become the upstream's for a forwarded request.
+    pub(crate) fn edits(
+        &self,
+        b: &Begun<'_>,
+        f: &Forward,
+        parts: &http::request::Parts,
+        conn: &ConnInfo,
+    ) -> crate::proxy::HeaderEdits {
+        let up = &b.snap.upstreams[f.upstream];
+        let mut edits = crate::proxy::HeaderEdits::new(up, parts, self.caller(&b.snap, &f.classified, conn));
+        if let Some(s) = &b.trace.span {
+            s.propagate(&mut edits.set);
+        }
+        edits
+    }
+
+    /// Records how long an upstream took to answer the head, and gives its adaptive limit the
+    /// sample: an answer, or a timeout (the slowest answer there is). A failure to connect or
+    /// to send says nothing about how fast the upstream serves.
+    pub(crate) fn upstream_answered(
+        &self,
+        b: &Begun<'_>,
+        f: &Forward,
+        took: std::time::Duration,
+        failure: Option<&crate::proxy::client::Failure>,
+    ) {
+        b.live.handles.upstream(&self.metrics, f.upstream, took);
+        if let Some(a) = &b.live.upstreams[f.upstream].places.adaptive
+            && matches!(failure, None | Some(crate::proxy::client::Failure::TimedOut))
+        {
+            a.sample(took);
+        }
+    }
+
+    /// Gives back the charge of every limit charged on the upstream's answer (`charge_on`) whose
+    /// statuses `status` is not, before the answer goes out: the client's next attempt sees
+    /// the bucket as this answer left it.
+    pub(crate) async fn settle(&self, snap: &Snapshot, paid: Option<&Paid>, status: Option<u16>) {
+        let Some(p) = paid else { return };
+        let given_back = |i: &tollgate_store::CheckItem| {
+            let l = &snap.limits[i.limit as usize];
+            l.charge_on.is_some() && !status.is_some_and(|s| l.keeps_charge(s))
+        };
+        if !p.outcome.admitted || !p.batch.iter().any(given_back) {
+            return;
+        }
+        let places: smallvec::SmallVec<[usize; 4]> =
+            (0..p.batch.len()).filter(|&i| given_back(&p.batch[i])).collect();
+        let batch: Batch = places.iter().map(|&i| p.batch[i].clone()).collect();
+        if let Err(e) = self.store.refund(&batch, &p.outcome.part(&places)).await {
+            tracing::debug!(error = %e, "giving back a charge the answer did not keep failed");
+        }
+    }
+
+    /// Settles a post-paid request once its answer's head is here: each post-paid bucket it
+    /// paid is charged what the answer reports beyond the reserve (given back what it reports
+    /// below), in one store call, before the head goes out. Its `RateLimit` then shows the
+    /// bucket after the debit, and the next request sees any debt. An answer that does not
+    /// say costs the reserve; one that says something else than a count is logged and costs
+    /// the reserve too: the client is not refused for its upstream's fault.
+    pub(crate) async fn debit(&self, snap: &Snapshot, f: &mut Forward, headers: &http::HeaderMap) {
+        let Some(p) = f.paid.as_deref() else { return };
+        if !p.outcome.admitted {
+            return;
+        }
+        let mut units: smallvec::SmallVec<[i64; 4]> = smallvec::SmallVec::new();
+        for (item, v) in p.batch.iter().zip(&p.outcome.buckets) {
+            let limit = &snap.limits[item.limit as usize];
+            let owed = match &limit.post_paid {
+                Some(pp) if tollgate_limit::bucket::charged(&item.charge, v, true) => {
+                    match pp.reported(headers) {
+                        Ok(Some(n)) => pp.units(&item.charge.params, n),
+                        Ok(None) => 0,
+                        Err(why) => {
+                            tracing::warn!(limit = %limit.name, "upstream's cost ignored: {why}");
+                            0
+                        }
+                    }
+                }
+                _ => 0,
+            };
+            units.push(owed);
+        }
+        if units.iter().all(|u| *u == 0) {
+            return;
+        }
+        match self.store.adjust(&p.batch, &p.outcome, &units).await {
+            Ok(adjusted) => {
+                let caller = f.classified.caller();
+                if let Some(b) =
+                    crate::respond::budget_after(snap, &p.batch, caller, &p.outcome, &adjusted.balances)
+                {
+                    f.fields.budget = Some(b);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "post-paid debit failed; the reserve stays the whole charge")
+            }
+        }
+    }
+
+    /// Gives an admitted request's charge back when it never reached its upstream, in the same
+    /// all-or-nothing way it was taken. A refund that fails is logged and counted by the store's
+    /// guard; the request's answer does not wait on a retry.
+    pub(super) async fn refund_undelivered(
+        &self,
+        snap: &Snapshot,
+        trace: &mut Trace,
+        paid: Option<Box<Paid>>,
+        failure: &crate::proxy::client::Failure,
+    ) {
+        if !failure.undelivered() {
+            // Delivered, but no answer came: no status a limit charged on the answer keeps.
+            self.settle(snap, paid.as_deref(), None).await;
+            return;
+        }
+        // What never reached its upstream is not billed either.
+        trace.metered = None;
+        let Some(paid) = paid else {
+            return;
+        };
+        let Paid { batch, outcome } = *paid;
+        if let Err(e) = self.store.refund(&batch, &outcome).await {
+            tracing::debug!(error = %e, "refund of an undelivered request failed");
+        }
+    }
+}

@@ -1,0 +1,325 @@
+//! Who is asking and for what: the head checked and classified against the rules (route, key,
+//! client IP, method), before anything is charged.
+
+use super::*;
+
+/// What a request head says against the rules, before any I/O.
+#[derive(Debug, Clone)]
+pub struct Classified {
+    pub route: usize,
+    /// The authenticated key and where its secret came from.
+    pub key: Option<(usize, KeySource)>,
+    /// The verified token's caller, on a JWT route.
+    pub jwt: Option<Arc<JwtCaller>>,
+    /// The TCP peer.
+    pub peer: IpAddr,
+    /// The client address the limits key on.
+    pub ip: IpAddr,
+    /// The connection's client fingerprint.
+    pub fingerprint: Fingerprint,
+    /// The method a POST's override asked for, on a route that honours it: routed, limited
+    /// and forwarded in place of the client's.
+    pub method: Option<http::Method>,
+}
+
+impl Classified {
+    /// Whose buckets the request pays.
+    pub fn caller(&self) -> plan::Caller<'_> {
+        match (&self.jwt, self.key) {
+            (Some(j), _) => plan::Caller::Jwt(j),
+            (None, Some((k, _))) => plan::Caller::Key(k),
+            (None, None) => plan::Caller::Anonymous,
+        }
+    }
+}
+
+/// A request answered before any limit is checked.
+#[derive(Debug)]
+pub enum Early {
+    Refuse(Refusal),
+    /// No usable key: the unauthenticated bucket of `ip` decides between 401 and 429.
+    Unauthorized {
+        route: Option<usize>,
+        ip: IpAddr,
+        why: Refusal,
+    },
+}
+
+/// Reads a request head against a snapshot: framing, method, host and path checks, the route,
+/// the client address and the key; `fingerprint` is its connection's. Pure, so it can be fuzzed.
+///
+/// Routing is on the canonical path; when that differs from the client's spelling it comes
+/// back too, and the caller forwards it (see [`set_path`]), so the upstream serves exactly the
+/// path that was limited.
+pub fn classify(
+    snap: &Snapshot,
+    parts: &http::request::Parts,
+    peer: IpAddr,
+    fingerprint: Fingerprint,
+    trusted: &TrustedProxies,
+) -> Result<(Classified, Option<String>), Early> {
+    let bad = |e: &dyn std::fmt::Display| Early::Refuse(Refusal::BadRequest(e.to_string()));
+    let (method, headers) = (&parts.method, &parts.headers);
+    sanitize::check_head(headers).map_err(|e| bad(&e))?;
+    if *method == http::Method::CONNECT {
+        return Err(Early::Refuse(Refusal::MethodNotAllowed(
+            "CONNECT: the gateway is not a tunnel",
+        )));
+    }
+    if let Some(standard) = sanitize::miscased_method(method) {
+        return Err(bad(&format_args!(
+            "methods are case-sensitive: {:?} is not {standard}",
+            method.as_str()
+        )));
+    }
+    // An absolute-form target names where to send the request; a gateway for HTTP serves
+    // only `http` and `https`, whatever else it would route the path to.
+    if let Some(scheme) = parts.uri.scheme()
+        && *scheme != http::uri::Scheme::HTTP
+        && *scheme != http::uri::Scheme::HTTPS
+    {
+        return Err(bad(&format_args!(
+            "the request target's scheme {:?} is not http or https",
+            scheme.as_str()
+        )));
+    }
+    sanitize::check_host(parts.version, &parts.uri, headers).map_err(|e| bad(&e))?;
+    let path = canonical(parts.uri.path(), EncodedSlashes::Keep).map_err(|e| bad(&e))?;
+    // Read only when some route honours overrides: otherwise they are just dropped (`edits`).
+    let overridden = if snap.method_override && *method == http::Method::POST {
+        overriding_method(snap, headers, &path).map_err(|e| bad(&e))?
+    } else {
+        None
+    };
+    let method = overridden.as_ref().unwrap_or(method);
+    let route = match snap.route(method, &path) {
+        Some(r) => r,
+        None if *method == http::Method::TRACE => {
+            return Err(Early::Refuse(Refusal::MethodNotAllowed(
+                "TRACE is served only by a route that names it",
+            )));
+        }
+        // Refused as it would be on a route that doesn't keep them, not a 404 that tells
+        // a prober nothing about why.
+        None if has_encoded_slash(&path) => return Err(bad(&PathError::EncodedSlash)),
+        None => return Err(Early::Refuse(Refusal::NotFound)),
+    };
+    if snap.routes[route].encoded_slashes == EncodedSlashes::Refuse && has_encoded_slash(&path) {
+        return Err(bad(&PathError::EncodedSlash));
+    }
+    let ip = identity::client_ip(peer, headers, trusted);
+    if snap.routes[route].identity == Identity::Jwt {
+        let refused = |e| Early::Unauthorized {
+            route: Some(route),
+            ip,
+            why: Refusal::BadToken(e),
+        };
+        let token = match identity::credential(headers) {
+            Err(e) => return Err(Early::Refuse(Refusal::BadRequest(e.to_string()))),
+            Ok(Some((token, KeySource::Bearer | KeySource::Both))) => token,
+            Ok(_) => return Err(refused(TokenError::Missing)),
+        };
+        let caller = snap.verify_jwt(&snap.routes[route], token).map_err(refused)?;
+        let rewritten = match path {
+            Cow::Owned(p) => Some(p),
+            Cow::Borrowed(_) => None,
+        };
+        return Ok((
+            Classified {
+                route,
+                key: None,
+                jwt: Some(Arc::new(caller)),
+                peer,
+                ip,
+                fingerprint,
+                method: overridden,
+            },
+            rewritten,
+        ));
+    }
+    let key = match identity::credential(headers) {
+        Err(e) => return Err(Early::Refuse(Refusal::BadRequest(e.to_string()))),
+        Ok(None) => None,
+        Ok(Some((secret, source))) => match snap.key_by_hash(&hash_secret(secret)) {
+            Some(k) => Some((k, source)),
+            None => {
+                return Err(Early::Unauthorized {
+                    route: Some(route),
+                    ip,
+                    why: Refusal::Unauthorized("unknown API key"),
+                });
+            }
+        },
+    };
+    if key.is_none() && snap.routes[route].key == KeyRequirement::Required {
+        return Err(Early::Unauthorized {
+            route: Some(route),
+            ip,
+            why: Refusal::Unauthorized("this route needs an API key (Authorization: Bearer or X-API-Key)"),
+        });
+    }
+    let rewritten = match path {
+        Cow::Owned(p) => Some(p),
+        Cow::Borrowed(_) => None,
+    };
+    Ok((
+        Classified {
+            route,
+            key,
+            jwt: None,
+            peer,
+            ip,
+            fingerprint,
+            method: overridden,
+        },
+        rewritten,
+    ))
+}
+
+/// The method a POST's override headers ask for when the route that method takes honours
+/// overrides; `None` when it has none or that route doesn't. A value that names no method is
+/// refused where some route of the path honours overrides, and only dropped elsewhere.
+pub(super) fn overriding_method(
+    snap: &Snapshot,
+    headers: &http::HeaderMap,
+    path: &str,
+) -> Result<Option<http::Method>, method_override::BadOverride> {
+    let honours = |m: &http::Method| {
+        snap.route(m, path)
+            .is_some_and(|r| snap.routes[r].method_override)
+    };
+    match method_override::requested(headers) {
+        Ok(Some(m)) if honours(&m) => Ok(Some(m)),
+        Ok(_) => Ok(None),
+        Err(e) => {
+            use http::Method as M;
+            let methods = [M::GET, M::POST, M::PUT, M::PATCH, M::DELETE, M::OPTIONS];
+            if methods.iter().any(honours) {
+                Err(e)
+            } else {
+                Ok(None)
+            }
+        }
+    }
+}
+
+/// Puts a canonical path in place of the client's, keeping the query byte for byte.
+pub(crate) fn set_path(uri: &mut http::Uri, path: String) -> Result<(), Refusal> {
+    let mut pq = path;
+    // From the '?' on, as the client sent it, even an empty query.
+    if let Some(q) = uri
+        .path_and_query()
+        .and_then(|pq| pq.as_str().find('?').map(|i| &pq.as_str()[i..]))
+    {
+        pq.push_str(q);
+    }
+    let unforwardable =
+        |e: &dyn std::fmt::Display| Refusal::BadRequest(format!("request target can't be forwarded: {e}"));
+    let mut p = std::mem::take(uri).into_parts();
+    p.path_and_query = Some(http::uri::PathAndQuery::from_maybe_shared(pq).map_err(|e| unforwardable(&e))?);
+    *uri = http::Uri::from_parts(p).map_err(|e| unforwardable(&e))?;
+    Ok(())
+}
+
+impl Gateway {
+    /// The first step of every request, on either path: its head read against the rules
+    /// (framing, method, `Host`, canonical path, route, caller). On success the request's path
+    /// is the canonical one, which is what the upstream will get, and an HTTP/2 request's
+    /// authority is its `Host`. A request without a usable key is answered here, after paying
+    /// its address's unauthenticated bucket.
+    pub(crate) async fn identify(
+        &self,
+        b: &mut Begun<'_>,
+        parts: &mut http::request::Parts,
+        conn: &ConnInfo,
+    ) -> Result<Classified, Answer> {
+        // Disjoint borrows of the request's state, not clones of its `Arc`s.
+        let (snap, live, trace) = (&*b.snap, &*b.live, &mut b.trace);
+        let peer = identity::canonical(conn.peer.ip());
+        let classified = classify(snap, parts, peer, conn.fingerprint, &self.trusted);
+        if let Some(r) = &mut trace.access {
+            r.client_ip = match &classified {
+                Ok((c, _)) => Some(c.ip),
+                Err(Early::Unauthorized { ip, .. }) => Some(*ip),
+                Err(Early::Refuse(_)) => None,
+            };
+        }
+        let (c, path) = match classified {
+            Ok(c) => c,
+            Err(Early::Refuse(r)) => return Err(r.into()),
+            Err(Early::Unauthorized { route, ip, why }) => {
+                trace.route = route;
+                // Boxed, like every rare path here: an async fn's future is as large as its
+                // largest state, and the common path should not carry (and copy) that size.
+                return Err(Box::pin(self.unauthorized(snap, ip, why, &live.handles, trace)).await);
+            }
+        };
+        if let Some(p) = path {
+            set_path(&mut parts.uri, p).map_err(Answer::from)?;
+        }
+        if let Some(m) = &c.method {
+            parts.method = m.clone();
+        }
+        // Only a target with an authority (HTTP/2's, or an absolute form) can lack a Host, so
+        // the usual request looks at one field, not the header map.
+        if let Some(host) = parts
+            .uri
+            .authority()
+            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+            && !parts.headers.contains_key(http::header::HOST)
+        {
+            parts.headers.insert(http::header::HOST, host);
+        }
+        trace.route = Some(c.route);
+        trace.key_id = match &c.jwt {
+            Some(j) => Some(j.id.clone()),
+            None => c.key.map(|(k, _)| snap.keys[k].id.clone()),
+        };
+        Ok(c)
+    }
+
+    /// A request without a usable key pays the unauthenticated bucket of its IP: a refused one
+    /// gets 429, so guessing keys is limited too; an admitted one gets 401.
+    pub(super) async fn unauthorized(
+        &self,
+        snap: &Snapshot,
+        ip: IpAddr,
+        why: Refusal,
+        h: &Handles,
+        trace: &mut Trace,
+    ) -> Answer {
+        let batch = plan::unauthenticated_only(snap, ip);
+        if batch.is_empty() {
+            return why.into();
+        }
+        let d = match self.check(snap, h, &batch, trace).await {
+            Err(_) => return Refusal::LimiterUnavailable.into(),
+            Ok((d, _)) => d,
+        };
+        let refusal = match &d {
+            Decision::Unavailable(_) => return Refusal::LimiterUnavailable.into(),
+            Decision::Admitted(_) => why,
+            Decision::Limited(..) => {
+                trace.limit = deciding_name(snap, &batch, &d);
+                rate_limited(snap, &batch, &d)
+            }
+        };
+        with_budget(
+            refusal,
+            crate::respond::budget_values(snap, &batch, plan::Caller::Anonymous, &d),
+        )
+    }
+
+    pub(super) fn caller<'a>(&self, snap: &'a Snapshot, c: &'a Classified, conn: &'a ConnInfo) -> Caller {
+        Caller {
+            peer: tollgate_rules::identity::canonical(conn.peer.ip()),
+            peer_trusted: !self.trusted.is_empty() && self.trusted.contains(c.peer),
+            proto: conn.proto,
+            key: match (&c.jwt, c.key) {
+                (Some(j), _) => Some((j.id_header.clone(), j.tenant_header.clone(), KeySource::Bearer)),
+                (None, Some((k, src))) => Some((snap.keys[k].id_header(), snap.keys[k].tenant_header(), src)),
+                (None, None) => None,
+            },
+        }
+    }
+}
