@@ -27,12 +27,11 @@ use tollgate_rules::identity::TrustedProxies;
 use tollgate_rules::{CompileOptions, RulesError, Snapshot};
 pub use tollgate_rules::{RulesLoader, RulesSource};
 use tollgate_store::Store;
-use tollgate_store::guard::{FleetSize, Guard};
+use tollgate_store::guard::Guard;
 use tollgate_store::lease::Leases;
 use tollgate_store::memory::MemoryStore;
-use tollgate_store::redis::{ConnectError, RedisStore, Target, side_client};
+use tollgate_store::redis::{Target, side_client};
 use tollgate_store::seats::RedisSeats;
-use tollgate_store::slots::{Slots, cluster_slot};
 use tollgate_telemetry::metrics::Metrics;
 
 /// A validated configuration.
@@ -235,30 +234,6 @@ async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
         .map_err(|source| StartError::Bind { addr, source })
 }
 
-/// Connects the shared store; start-up fails with the store's name and the reason.
-async fn redis_store(target: Target<'_>, cfg: &GatewayConfig) -> Result<Arc<RedisStore>, StartError> {
-    let clock = match cfg.clock_source {
-        ClockSource::Store => None,
-        ClockSource::Gateway => {
-            tracing::warn!(
-                "--clock gateway: buckets refill on each gateway's own clock; skew between gateways hands out extra tokens"
-            );
-            Some(cfg.clock.clone())
-        }
-    };
-    match RedisStore::connect(target, clock.clone()).await {
-        Ok(store) => Ok(Arc::new(store)),
-        // Down now: start degraded under the failure policies, and connect when it is back.
-        Err(e @ ConnectError::Unreachable { .. }) => {
-            tracing::warn!(error = %e, "starting degraded: limits decide by their failure policies until the store answers");
-            let store =
-                RedisStore::connect_later(target, clock).map_err(|e| StartError::Store(e.to_string()))?;
-            Ok(Arc::new(store))
-        }
-        Err(e) => Err(StartError::Store(e.to_string())),
-    }
-}
-
 /// Starts counting for billing: records go to the Redis store's stream, or to the SQLite file
 /// beside the embedded store. A Redis store that is down now only delays records: the sink
 /// connects in the background and every flush retries with the newest totals.
@@ -306,141 +281,15 @@ const SEAT_TIMEOUT: Duration = Duration::from_millis(50);
 /// How often a gateway reads the quota flags.
 const FLAG_READ: Duration = Duration::from_secs(1);
 
-/// Starts every listener. Fails before serving anything if a part can't start.
-pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
-    // Before anything keeps state per shard.
-    crate::shard::set_count(cfg.shards);
-    let tls = match &cfg.tls {
-        Some((cert, key)) => Some(tls::acceptor(cert, key)?),
-        None => None,
-    };
-    let (stop, stop_rx) = watch::channel(false);
-    let mut tasks = Vec::new();
-
-    let demo_upstream = if cfg.demo {
-        let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
-        let addr = listener.local_addr().map_err(|source| StartError::Bind {
-            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
-            source,
-        })?;
-        // The demo upstream outlives the gateway's drain, so it stops a little later.
-        let rx = stop_rx.clone();
-        let limits = cfg.limits.uncapped();
-        tokio::spawn(server::run(
-            listener,
-            None,
-            Arc::new(DemoUpstream),
-            limits,
-            async move {
-                stopped(rx).await;
-                tokio::time::sleep(limits.drain_timeout + Duration::from_secs(1)).await;
-            },
-        ));
-        Some(addr)
-    } else {
-        None
-    };
-
-    let cluster = matches!(cfg.store, StoreUrl::RedisCluster(_));
-    let loader = RulesLoader {
-        source: cfg.rules.clone(),
-        opts: CompileOptions::default(),
-        upstream_override: demo_upstream.map(|a| {
-            a.to_string()
-                .parse()
-                .expect("a socket address is a valid authority")
-        }),
-    };
-    let snapshot = loader.load()?;
-    if tls.is_none() {
-        warn_fingerprints_without_tls(&snapshot);
-    }
-    let rules = Arc::new(ArcSwap::from_pointee(snapshot));
-    let metrics = Metrics::new();
-    let reloader = Arc::new(Reloader::new(loader, rules.clone(), metrics.clone()));
-    let watch = reloader
-        .watch(Duration::from_millis(100))
-        .map_err(StartError::Watch)?;
-
-    let (store, memory, redis): (Arc<dyn Store>, _, _) = match &cfg.store {
-        StoreUrl::Memory => {
-            let m = Arc::new(MemoryStore::new(cfg.clock.clone()));
-            m.spawn_sweeper(Duration::from_secs(5));
-            (m.clone(), Some(m), None)
-        }
-        StoreUrl::Redis(url) => {
-            let r = redis_store(Target::Node(url), &cfg).await?;
-            (r.clone(), None, Some(r))
-        }
-        StoreUrl::RedisCluster(nodes) => {
-            let r = redis_store(Target::Cluster(nodes), &cfg).await?;
-            (r.clone(), None, Some(r))
-        }
-    };
-
-    // A store on the network gets a timeout, a breaker and the failure policies in front.
-    let (store, guard) = if store.remote() {
-        let fleet = Arc::new(match cfg.fleet_size {
-            Some(n) => FleetSize::fixed(n),
-            None => FleetSize::learned(),
-        });
-        let g = Guard::new(
-            store,
-            cfg.store_timeout,
-            fleet,
-            cfg.clock.clone(),
-            limit_names(rules.clone()),
-            metrics.clone(),
-        );
-        // One master of a cluster failing opens only its own slots' breakers.
-        let g = Arc::new(if cluster { g.per_slot(cluster_slot) } else { g });
-        g.spawn_heartbeat(format!("{:032x}", rand::random::<u128>()));
-        (g.clone() as Arc<dyn Store>, Some(g))
-    } else {
-        (store, None)
-    };
-    // On a cluster a request whose buckets lie in several hash slots is checked slot by slot,
-    // each slot behind the guard, so a slot that fails follows its limits' failure policies.
-    let store: Arc<dyn Store> = if cluster {
-        Arc::new(Slots::new(store))
-    } else {
-        store
-    };
-    // Leased limits spend blocks in memory in front of the guard; the embedded store has no
-    // shard to spare, so there they are checked like any other.
-    let (store, leases) = match (redis, &guard) {
-        (Some(r), Some(g)) => {
-            let l = Leases::new(store, r, g.fleet.clone(), metrics.clone(), cfg.store_timeout);
-            (l.clone() as Arc<dyn Store>, Some(l))
-        }
-        _ => (store, None),
-    };
-
-    // Security limits homed in another Region are checked in that Region's store.
-    let store = match &cfg.regions {
-        Some(rc) => home_routed(store, rc, &cfg, rules.clone(), metrics.clone()).await?,
-        None => store,
-    };
-
-    let listeners = server::bind_shards(cfg.listen, cfg.shards).map_err(|source| StartError::Bind {
-        addr: cfg.listen,
-        source,
-    })?;
-    let addr = listeners[0].local_addr().map_err(|source| StartError::Bind {
-        addr: cfg.listen,
-        source,
-    })?;
-    let admin = match cfg.admin_listen {
-        Some(a) => {
-            let l = bind(a).await?;
-            let addr = l
-                .local_addr()
-                .map_err(|source| StartError::Bind { addr: a, source })?;
-            Some((l, addr))
-        }
-        None => None,
-    };
-
+/// The gateway itself over its rules and store: its upstream client's timeouts, spans, access
+/// log, metering and quota flags, Regions and seats, with the tasks that keep them.
+async fn assemble(
+    cfg: &GatewayConfig,
+    rules: &Arc<ArcSwap<Snapshot>>,
+    store: &Arc<dyn Store>,
+    metrics: &Arc<Metrics>,
+    stop_rx: &watch::Receiver<bool>,
+) -> Result<Assembled, StartError> {
     let mut gateway = Gateway::new(rules.clone(), store.clone(), cfg.trusted.clone(), metrics.clone());
     gateway.proxy.body_timeout = cfg.limits.body_read_timeout;
     gateway.drain_within = cfg.limits.header_read_timeout;
@@ -502,8 +351,198 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         Ok(tokio::spawn(seats.renew(stop_rx.clone())))
     })
     .transpose()?;
-    let quota_flags = gateway.quota_flags.clone();
-    let gateway = Arc::new(gateway);
+    Ok(Assembled {
+        quota_flags: gateway.quota_flags.clone(),
+        gateway: Arc::new(gateway),
+        otel,
+        meter,
+        meter_task,
+        flag_task,
+        regions,
+        region_tasks,
+        seat_renewal,
+    })
+}
+
+/// A gateway assembled, with what `Running` keeps of its parts.
+struct Assembled {
+    gateway: Arc<Gateway>,
+    otel: Option<Arc<Otel>>,
+    meter: Option<Arc<Meter>>,
+    meter_task: Option<(watch::Sender<bool>, JoinHandle<()>)>,
+    flag_task: Option<JoinHandle<()>>,
+    regions: Option<Arc<Regions>>,
+    region_tasks: Option<RegionTasks>,
+    seat_renewal: Option<JoinHandle<()>>,
+    quota_flags: Arc<ArcSwap<tollgate_meter::flags::Flags>>,
+}
+
+/// The demo's upstream on a port of its own, every route pointed at it.
+async fn start_demo_upstream(
+    cfg: &GatewayConfig,
+    stop_rx: &watch::Receiver<bool>,
+) -> Result<SocketAddr, StartError> {
+    let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
+    let addr = listener.local_addr().map_err(|source| StartError::Bind {
+        addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+        source,
+    })?;
+    // The demo upstream outlives the gateway's drain, so it stops a little later.
+    let rx = stop_rx.clone();
+    let limits = cfg.limits.uncapped();
+    tokio::spawn(server::run(
+        listener,
+        None,
+        Arc::new(DemoUpstream),
+        limits,
+        async move {
+            stopped(rx).await;
+            tokio::time::sleep(limits.drain_timeout + Duration::from_secs(1)).await;
+        },
+    ));
+
+    Ok(addr)
+}
+
+/// The rules, loaded now and again whenever their file changes (or on SIGHUP).
+fn live_rules(
+    cfg: &GatewayConfig,
+    demo_upstream: Option<SocketAddr>,
+    with_tls: bool,
+    metrics: &Arc<Metrics>,
+) -> Result<LiveRules, StartError> {
+    let loader = RulesLoader {
+        source: cfg.rules.clone(),
+        opts: CompileOptions::default(),
+        upstream_override: demo_upstream.map(|a| {
+            a.to_string()
+                .parse()
+                .expect("a socket address is a valid authority")
+        }),
+    };
+    let snapshot = loader.load()?;
+    if !with_tls {
+        warn_fingerprints_without_tls(&snapshot);
+    }
+    let rules = Arc::new(ArcSwap::from_pointee(snapshot));
+    let reloader = Arc::new(Reloader::new(loader, rules.clone(), metrics.clone()));
+    let watch = reloader
+        .watch(Duration::from_millis(100))
+        .map_err(StartError::Watch)?;
+    Ok(LiveRules {
+        rules,
+        reloader,
+        watch,
+    })
+}
+
+/// The rules a gateway serves, what reloads them, and the file watch that asks it to.
+struct LiveRules {
+    rules: Arc<ArcSwap<Snapshot>>,
+    reloader: Arc<Reloader>,
+    watch: WatchHandle,
+}
+
+/// The admin listener and its dashboard's once-a-second sampler. The caps are the public
+/// listener's: an operator reaches a full gateway's admin.
+fn serve_admin(
+    l: TcpListener,
+    handler: Admin,
+    limits: ServerLimits,
+    stop_rx: &watch::Receiver<bool>,
+) -> [JoinHandle<usize>; 2] {
+    let sampler = handler.gateway.dashboard.clone().run(
+        handler.rules.clone(),
+        handler.metrics.clone(),
+        stop_rx.clone(),
+    );
+    [
+        tokio::spawn(async move {
+            sampler.await;
+            0
+        }),
+        tokio::spawn(server::run(
+            l,
+            None,
+            Arc::new(handler),
+            limits.uncapped(),
+            stopped(stop_rx.clone()),
+        )),
+    ]
+}
+
+/// The connection counts the listeners keep, in the gateway's metrics.
+fn conn_counters(metrics: &Metrics) -> server::conns::ConnCounters {
+    server::conns::ConnCounters {
+        refused: metrics.connections_refused.clone(),
+        evicted: metrics.connections_evicted.clone(),
+        open: metrics.connections_open.clone(),
+        idle: metrics.connections_idle.clone(),
+        accepted: metrics.connections_accepted.clone(),
+    }
+}
+
+/// Starts every listener. Fails before serving anything if a part can't start.
+pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
+    // Before anything keeps state per shard.
+    crate::shard::set_count(cfg.shards);
+    let tls = match &cfg.tls {
+        Some((cert, key)) => Some(tls::acceptor(cert, key)?),
+        None => None,
+    };
+    let (stop, stop_rx) = watch::channel(false);
+    let mut tasks = Vec::new();
+
+    let demo_upstream = if cfg.demo {
+        Some(start_demo_upstream(&cfg, &stop_rx).await?)
+    } else {
+        None
+    };
+
+    let metrics = Metrics::new();
+    let LiveRules {
+        rules,
+        reloader,
+        watch,
+    } = live_rules(&cfg, demo_upstream, tls.is_some(), &metrics)?;
+
+    let crate::stack::StoreStack {
+        store,
+        memory,
+        guard,
+        leases,
+    } = crate::stack::build(&cfg, &rules, &metrics).await?;
+
+    let listeners = server::bind_shards(cfg.listen, cfg.shards).map_err(|source| StartError::Bind {
+        addr: cfg.listen,
+        source,
+    })?;
+    let addr = listeners[0].local_addr().map_err(|source| StartError::Bind {
+        addr: cfg.listen,
+        source,
+    })?;
+    let admin = match cfg.admin_listen {
+        Some(a) => {
+            let l = bind(a).await?;
+            let addr = l
+                .local_addr()
+                .map_err(|source| StartError::Bind { addr: a, source })?;
+            Some((l, addr))
+        }
+        None => None,
+    };
+
+    let Assembled {
+        gateway,
+        otel,
+        meter,
+        meter_task,
+        flag_task,
+        regions,
+        region_tasks,
+        seat_renewal,
+        quota_flags,
+    } = assemble(&cfg, &rules, &store, &metrics, &stop_rx).await?;
     tasks.push(tokio::spawn(sweep_upstreams(
         gateway.clone(),
         stopped(stop_rx.clone()),
@@ -513,13 +552,7 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         tls,
         gateway.clone(),
         cfg.limits,
-        server::conns::ConnCounters {
-            refused: metrics.connections_refused.clone(),
-            evicted: metrics.connections_evicted.clone(),
-            open: metrics.connections_open.clone(),
-            idle: metrics.connections_idle.clone(),
-            accepted: metrics.connections_accepted.clone(),
-        },
+        conn_counters(&metrics),
         stop_rx.clone(),
     )
     .map_err(|source| StartError::Bind {
@@ -529,7 +562,7 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
     tasks.push(tokio::spawn(serving));
     let admin_addr = match admin {
         Some((l, a)) => {
-            let handler = Arc::new(Admin {
+            let handler = Admin {
                 rules: rules.clone(),
                 store: store.clone(),
                 metrics: metrics.clone(),
@@ -539,25 +572,8 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
                 regions,
                 gateway: gateway.clone(),
                 reloader: reloader.clone(),
-            });
-            tasks.push(tokio::spawn({
-                let sampler = gateway
-                    .dashboard
-                    .clone()
-                    .run(rules.clone(), metrics.clone(), stop_rx.clone());
-                async move {
-                    sampler.await;
-                    0
-                }
-            }));
-            // The caps are the public listener's: an operator reaches a full gateway's admin.
-            tasks.push(tokio::spawn(server::run(
-                l,
-                None,
-                handler,
-                cfg.limits.uncapped(),
-                stopped(stop_rx.clone()),
-            )));
+            };
+            tasks.extend(serve_admin(l, handler, cfg.limits, &stop_rx));
             Some(a)
         }
         None => None,
@@ -584,56 +600,6 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         seat_renewal,
         otel,
     })
-}
-
-/// This Region's store in front of every other Region's, each behind its own guard: a home
-/// Region that doesn't answer in `--region-store-timeout` decides by the limit's failure policy.
-async fn home_routed(
-    local: Arc<dyn Store>,
-    rc: &crate::regions::RegionsConfig,
-    cfg: &GatewayConfig,
-    rules: Arc<ArcSwap<Snapshot>>,
-    metrics: Arc<Metrics>,
-) -> Result<Arc<dyn Store>, StartError> {
-    let clock = match cfg.clock_source {
-        ClockSource::Store => None,
-        ClockSource::Gateway => Some(cfg.clock.clone()),
-    };
-    let mut homes: std::collections::BTreeMap<Arc<str>, Arc<dyn Store>> = Default::default();
-    for (name, url) in rc.stores.iter().filter(|(n, _)| **n != rc.region) {
-        // Connected before serving, like this Region's store: a Region that is down now is
-        // connected later, and its limits decide by their failure policies meanwhile.
-        let remote = match RedisStore::connect(Target::Node(url), clock.clone()).await {
-            Ok(r) => r,
-            Err(e @ ConnectError::Unreachable { .. }) => {
-                tracing::warn!(region = %name, error = %e, "another Region's store is down; its security limits decide by their failure policies until it answers");
-                RedisStore::connect_later(Target::Node(url), clock.clone())
-                    .map_err(|e| StartError::Regions(format!("Region {name} ({url}): {e}")))?
-            }
-            Err(e) => return Err(StartError::Regions(format!("Region {name} ({url}): {e}"))),
-        };
-        let guard = Guard::new(
-            Arc::new(remote),
-            rc.store_timeout,
-            Arc::new(FleetSize::fixed(cfg.fleet_size.unwrap_or(1))),
-            cfg.clock.clone(),
-            limit_names(rules.clone()),
-            metrics.clone(),
-        );
-        homes.insert(Arc::from(name.as_str()), Arc::new(guard));
-    }
-    let own: Arc<str> = Arc::from(rc.region.as_str());
-    let home_of: crate::regions::home::HomeOf = Arc::new(move |li| {
-        rules
-            .load()
-            .limits
-            .get(li as usize)
-            .and_then(|l| l.home_region.clone())
-            .filter(|h| *h != own)
-    });
-    Ok(Arc::new(crate::regions::home::HomeRouted::new(
-        local, homes, home_of,
-    )))
 }
 
 /// Without TLS every connection's fingerprint is `none`, so a fingerprint limit is one bucket

@@ -43,5 +43,6 @@ pub mod request;
 pub mod respond;
 pub mod server;
 pub mod shard;
+mod stack;
 
 pub use request::Gateway;
