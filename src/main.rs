@@ -52,7 +52,7 @@ pub enum Command {
         #[arg(long, env = "TOLLGATE_LISTEN", default_value = "127.0.0.1:8081")]
         listen: SocketAddr,
         /// Serve this many requests at a time and queue the rest without bound, like an
-        /// overloaded service (the spec's event 35: 80).
+        /// overloaded service (80 for a slow backend: a database gone from 100 to 250 ms a request).
         #[arg(long)]
         workers: Option<u32>,
         /// With --workers: each request's service time (`/v1/slow?ms=N` takes N instead).
@@ -96,10 +96,14 @@ pub struct RegionsArgs {
 
 #[derive(Debug, Subcommand)]
 pub enum RegionsCommand {
-    /// Run one of the spec's runs through the fluid model, in 10 ms steps, and print each whole
-    /// second and the figures.
+    /// Run one scenario through the fluid model, in 10 ms steps, and print each whole second
+    /// and the figures.
     Simulate {
-        /// G1, G1-naive, G1c, G2-freeze, G2-two-signals, G2-silence or G2-cut-two-signals.
+        /// demand-shift (C's demand rises; room moves by named grants), demand-shift-jump (the
+        /// same, every Region jumping to its target), all-at-once (A falls as B and C rise, all
+        /// rebalancing together), lost-region-freeze, lost-region-two-signals (B lost; its share
+        /// frozen or reclaimed on silence and a failing health check), cut-off-silence or
+        /// cut-off-two-signals (B only cut off; reclaimed on silence alone, or not at all).
         #[arg(long)]
         run: tollgate_regions::Run,
         /// Print JSON instead of a table.

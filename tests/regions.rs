@@ -19,12 +19,18 @@ fn json(run: &str) -> serde_json::Value {
 
 #[test]
 fn each_run_prints_its_figures() {
-    let g1 = json("G1");
-    assert_eq!(g1["max_sum"], 10_000.0);
-    assert_eq!(g1["min_sum"].as_f64().unwrap().round(), 8_102.0);
-    assert_eq!(g1["max_excess_over_contract"].as_f64().unwrap().round(), 2_700.0);
-    assert_eq!(json("G1-naive")["max_sum"].as_f64().unwrap().round(), 11_898.0);
-    assert_eq!(json("G1c")["min_sum"].as_f64().unwrap().round(), 5_554.0);
+    let shift = json("demand-shift");
+    assert_eq!(shift["max_sum"], 10_000.0);
+    assert_eq!(shift["min_sum"].as_f64().unwrap().round(), 8_102.0);
+    assert_eq!(
+        shift["max_excess_over_contract"].as_f64().unwrap().round(),
+        2_700.0
+    );
+    assert_eq!(
+        json("demand-shift-jump")["max_sum"].as_f64().unwrap().round(),
+        11_898.0
+    );
+    assert_eq!(json("all-at-once")["min_sum"].as_f64().unwrap().round(), 5_554.0);
 
     let admitted = |v: &serde_json::Value, t: &str| {
         v["seconds"]
@@ -37,15 +43,15 @@ fn each_run_prints_its_figures() {
             .unwrap()
             .round()
     };
-    assert_eq!(admitted(&json("G2-freeze"), "14:05:40"), 7_800.0);
-    let two = json("G2-two-signals");
+    assert_eq!(admitted(&json("lost-region-freeze"), "14:05:40"), 7_800.0);
+    let two = json("lost-region-two-signals");
     assert!(admitted(&two, "14:05:38") < 10_000.0);
     assert_eq!(admitted(&two, "14:05:39"), 10_000.0);
-    let silence = json("G2-silence");
+    let silence = json("cut-off-silence");
     assert_eq!(admitted(&silence, "14:05:20"), 13_600.0);
     assert_eq!(silence["contract_broken_at"], "14:05:19.58");
     assert_eq!(silence["contract_measured_from"], "14:05:11.70");
-    let cut = json("G2-cut-two-signals");
+    let cut = json("cut-off-two-signals");
     assert_eq!(admitted(&cut, "14:05:40"), 10_000.0);
     assert!(cut["contract_broken_at"].is_null());
     let row = &cut["seconds"][0];
@@ -56,7 +62,7 @@ fn each_run_prints_its_figures() {
 
 #[test]
 fn the_table_ends_with_the_figures() {
-    let out = simulate(&["--run", "G1"]);
+    let out = simulate(&["--run", "demand-shift"]);
     assert!(out.status.success());
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.contains("min sum of shares 8102 at 14:00:06.70"), "{text}");
@@ -68,7 +74,7 @@ fn an_unknown_run_is_refused_naming_the_flag() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("--run") && err.contains("G3") && err.contains("G1-naive"),
+        err.contains("--run") && err.contains("G3") && err.contains("demand-shift-jump"),
         "{err}"
     );
     assert!(!err.contains("panicked"), "{err}");

@@ -26,7 +26,7 @@ pub struct Params {
 }
 
 impl Params {
-    /// The spec's choices: a floor of 5% and raises of at most 10% of the limit, silence after
+    /// The design's choices: a floor of 5% and raises of at most 10% of the limit, silence after
     /// three unchanged records.
     pub fn for_limit(limit: f64) -> Params {
         Params {

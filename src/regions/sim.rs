@@ -28,51 +28,73 @@ const EPS: f64 = 1e-6;
 
 pub const REGIONS: [&str; 3] = ["A", "B", "C"];
 
-/// The spec's named runs.
+/// The model's named runs: a shift in demand between the Regions, then Region B lost or cut off.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Run {
-    G1,
-    G1Naive,
-    G1c,
-    G2Freeze,
-    G2TwoSignals,
-    G2Silence,
-    G2CutTwoSignals,
+    /// At 14:00 C's demand rises from 1,200 to 7,200; room moves by named grants.
+    DemandShift,
+    /// The same shift, with every Region jumping to its new target at once.
+    DemandShiftJump,
+    /// A's demand falls to 1,200 while B's and C's rise to 7,200, all three rebalancing at the
+    /// same instants.
+    AllAtOnce,
+    /// The demand shift, then B lost at 14:05 holding 2,200; its share stays counted.
+    LostRegionFreeze,
+    /// B lost; the others reclaim its share on silence and a failing health check.
+    LostRegionTwoSignals,
+    /// B only cut off; every Region reclaims on silence alone.
+    CutOffSilence,
+    /// B only cut off; the health check passes, so nobody reclaims.
+    CutOffTwoSignals,
 }
 
 /// A run name that is not one of the model's.
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "unknown run {0:?}; one of G1, G1-naive, G1c, G2-freeze, G2-two-signals, G2-silence, G2-cut-two-signals"
+    "unknown run {0:?}; one of demand-shift, demand-shift-jump, all-at-once, lost-region-freeze, \
+     lost-region-two-signals, cut-off-silence, cut-off-two-signals"
 )]
 pub struct UnknownRun(pub String);
 
 impl Run {
     pub const ALL: [Run; 7] = [
-        Run::G1,
-        Run::G1Naive,
-        Run::G1c,
-        Run::G2Freeze,
-        Run::G2TwoSignals,
-        Run::G2Silence,
-        Run::G2CutTwoSignals,
+        Run::DemandShift,
+        Run::DemandShiftJump,
+        Run::AllAtOnce,
+        Run::LostRegionFreeze,
+        Run::LostRegionTwoSignals,
+        Run::CutOffSilence,
+        Run::CutOffTwoSignals,
     ];
 
     pub fn name(self) -> &'static str {
         match self {
-            Run::G1 => "G1",
-            Run::G1Naive => "G1-naive",
-            Run::G1c => "G1c",
-            Run::G2Freeze => "G2-freeze",
-            Run::G2TwoSignals => "G2-two-signals",
-            Run::G2Silence => "G2-silence",
-            Run::G2CutTwoSignals => "G2-cut-two-signals",
+            Run::DemandShift => "demand-shift",
+            Run::DemandShiftJump => "demand-shift-jump",
+            Run::AllAtOnce => "all-at-once",
+            Run::LostRegionFreeze => "lost-region-freeze",
+            Run::LostRegionTwoSignals => "lost-region-two-signals",
+            Run::CutOffSilence => "cut-off-silence",
+            Run::CutOffTwoSignals => "cut-off-two-signals",
+        }
+    }
+
+    /// The names an earlier release printed, still accepted by `--run`.
+    fn old_name(self) -> &'static str {
+        match self {
+            Run::DemandShift => "G1",
+            Run::DemandShiftJump => "G1-naive",
+            Run::AllAtOnce => "G1c",
+            Run::LostRegionFreeze => "G2-freeze",
+            Run::LostRegionTwoSignals => "G2-two-signals",
+            Run::CutOffSilence => "G2-silence",
+            Run::CutOffTwoSignals => "G2-cut-two-signals",
         }
     }
 
     pub fn scenario(self) -> Scenario {
         // 13:59: shares set for demands 7,200, 3,600 and 1,200.
-        let g1 = Scenario {
+        let shift = Scenario {
             run: self.name(),
             design: Design::NamedGrants,
             rule: ReclaimRule::TwoSignals,
@@ -84,8 +106,8 @@ impl Run {
             loss: None,
             split_silent_by: None,
         };
-        // Run G1, then B lost or cut off at 14:05:00 with 2,200.
-        let g2 = |rule, kind: LossKind| {
+        // The demand shift, then B lost or cut off at 14:05:00 with 2,200.
+        let b_lost = |rule, kind: LossKind| {
             let mut s = Scenario {
                 run: self.name(),
                 rule,
@@ -96,7 +118,7 @@ impl Run {
                     kind,
                     unhealthy_from: (kind == LossKind::Lost).then_some(330 * HZ),
                 }),
-                ..g1.clone()
+                ..shift.clone()
             };
             // A lost B's clients fail for a minute, then arrive in A.
             if kind == LossKind::Lost {
@@ -105,20 +127,20 @@ impl Run {
             s
         };
         match self {
-            Run::G1 => g1,
-            Run::G1Naive => Scenario {
+            Run::DemandShift => shift,
+            Run::DemandShiftJump => Scenario {
                 design: Design::Jump,
-                ..g1
+                ..shift
             },
-            Run::G1c => Scenario {
+            Run::AllAtOnce => Scenario {
                 offsets: [0, 0, 0],
                 changes: vec![(0, 0, 1_200.0), (0, 1, 7_200.0), (0, 2, 7_200.0)],
-                ..g1
+                ..shift
             },
-            Run::G2Freeze => g2(ReclaimRule::Freeze, LossKind::Lost),
-            Run::G2TwoSignals => g2(ReclaimRule::TwoSignals, LossKind::Lost),
-            Run::G2Silence => g2(ReclaimRule::Silence, LossKind::CutOff),
-            Run::G2CutTwoSignals => g2(ReclaimRule::TwoSignals, LossKind::CutOff),
+            Run::LostRegionFreeze => b_lost(ReclaimRule::Freeze, LossKind::Lost),
+            Run::LostRegionTwoSignals => b_lost(ReclaimRule::TwoSignals, LossKind::Lost),
+            Run::CutOffSilence => b_lost(ReclaimRule::Silence, LossKind::CutOff),
+            Run::CutOffTwoSignals => b_lost(ReclaimRule::TwoSignals, LossKind::CutOff),
         }
     }
 }
@@ -128,7 +150,7 @@ impl FromStr for Run {
     fn from_str(s: &str) -> Result<Run, UnknownRun> {
         Run::ALL
             .into_iter()
-            .find(|r| r.name().eq_ignore_ascii_case(s))
+            .find(|r| r.name().eq_ignore_ascii_case(s) || r.old_name().eq_ignore_ascii_case(s))
             .ok_or_else(|| UnknownRun(s.to_string()))
     }
 }
@@ -579,7 +601,7 @@ mod tests {
 
     #[test]
     fn jumping_to_each_target_passes_the_limit_by_1898() {
-        let rep = run(Run::G1Naive);
+        let rep = run(Run::DemandShiftJump);
         assert!(close(rep.max_sum, 11_898.0), "{}", rep.max_sum);
         assert_eq!(rep.max_sum_at, "14:00:03.30");
         assert!(
@@ -596,7 +618,7 @@ mod tests {
     fn jumping_at_the_same_instants_holds_12550_for_five_seconds() {
         let rep = simulate(&Scenario {
             offsets: [0, 0, 0],
-            ..Run::G1Naive.scenario()
+            ..Run::DemandShiftJump.scenario()
         });
         assert!(close(rep.max_sum, 12_550.0), "{}", rep.max_sum);
         let above = rep.steps.iter().filter(|s| s.sum_of_shares > 12_549.5).count();
@@ -610,7 +632,7 @@ mod tests {
 
     #[test]
     fn named_grants_dip_to_8102_and_are_back_at_the_limit_from_second_19() {
-        let rep = run(Run::G1);
+        let rep = run(Run::DemandShift);
         assert!(close(rep.max_sum, 10_000.0));
         assert!(close(rep.min_sum, 8_102.0), "{}", rep.min_sum);
         assert_eq!(rep.min_sum_at, "14:00:06.70");
@@ -636,7 +658,7 @@ mod tests {
     fn named_grants_at_the_same_instants_dip_to_7450_and_settle_in_25_seconds() {
         let rep = simulate(&Scenario {
             offsets: [0, 0, 0],
-            ..Run::G1.scenario()
+            ..Run::DemandShift.scenario()
         });
         assert!(close(rep.min_sum, 7_450.0), "{}", rep.min_sum);
         let settled = rep
@@ -650,7 +672,7 @@ mod tests {
 
     #[test]
     fn two_regions_raising_at_once_dip_to_5554_and_reach_their_targets_in_30_seconds() {
-        let rep = run(Run::G1c);
+        let rep = run(Run::AllAtOnce);
         assert!(close(rep.min_sum, 5_554.0), "{}", rep.min_sum);
         assert!(rep.max_sum <= LIMIT + EPS);
         let targets = [
@@ -666,7 +688,7 @@ mod tests {
 
     #[test]
     fn with_named_grants_no_combination_of_rebalance_instants_passes_the_limit() {
-        for base in [Run::G1, Run::G1c] {
+        for base in [Run::DemandShift, Run::AllAtOnce] {
             for offsets in offsets() {
                 let rep = simulate(&Scenario {
                     offsets,
@@ -697,7 +719,7 @@ mod tests {
         for offsets in offsets() {
             let rep = simulate(&Scenario {
                 offsets,
-                ..Run::G1Naive.scenario()
+                ..Run::DemandShiftJump.scenario()
             });
             assert!(rep.max_sum > LIMIT + 1.0, "{offsets:?}: {}", rep.max_sum);
         }
@@ -708,7 +730,7 @@ mod tests {
         for r in Run::ALL {
             let rep = run(r);
             assert_eq!(rep.steps.len(), rep.seconds.len() * HZ as usize);
-            let promised = !matches!(r, Run::G1Naive | Run::G2Silence);
+            let promised = !matches!(r, Run::DemandShiftJump | Run::CutOffSilence);
             assert_eq!(rep.ledger_promised, promised, "{}", rep.run);
             if promised {
                 assert!(
@@ -730,7 +752,7 @@ mod tests {
 
     #[test]
     fn freezing_a_lost_region_leaves_7800() {
-        let rep = run(Run::G2Freeze);
+        let rep = run(Run::LostRegionFreeze);
         let after: Vec<&Second> = rep.seconds[300..].iter().collect();
         assert!(after.iter().all(|s| s.admitted <= 7_800.0 + 0.5));
         assert!(close(second(&rep, "14:05:30").admitted, 7_800.0));
@@ -744,7 +766,7 @@ mod tests {
 
     #[test]
     fn two_signals_bring_a_lost_regions_share_back_from_14_05_39() {
-        let rep = run(Run::G2TwoSignals);
+        let rep = run(Run::LostRegionTwoSignals);
         assert!(close(second(&rep, "14:05:29").admitted, 7_800.0));
         assert!(close(second(&rep, "14:05:30").admitted, 8_800.0));
         assert!(second(&rep, "14:05:38").admitted < 9_999.0);
@@ -764,7 +786,7 @@ mod tests {
 
     #[test]
     fn reclaiming_on_silence_alone_admits_13600_and_breaks_the_contract_at_14_05_19_58() {
-        let rep = run(Run::G2Silence);
+        let rep = run(Run::CutOffSilence);
         assert!(close(second(&rep, "14:05:19").admitted, 13_500.0));
         assert!(rep.seconds[320..].iter().all(|s| close(s.admitted, 13_600.0)));
         assert!(close(rep.max_sum, 20_000.0));
@@ -777,7 +799,7 @@ mod tests {
     fn halving_every_silent_share_instead_peaks_at_16100_with_the_same_break() {
         let rep = simulate(&Scenario {
             split_silent_by: Some(2),
-            ..Run::G2Silence.scenario()
+            ..Run::CutOffSilence.scenario()
         });
         assert!(close(rep.max_sum, 16_100.0), "{}", rep.max_sum);
         assert!(rep.seconds[320..].iter().all(|s| close(s.admitted, 13_600.0)));
@@ -786,7 +808,7 @@ mod tests {
 
     #[test]
     fn a_cut_off_region_keeps_its_share_under_two_signals() {
-        let rep = run(Run::G2CutTwoSignals);
+        let rep = run(Run::CutOffTwoSignals);
         assert!(rep.seconds[19..].iter().all(|s| close(s.admitted, 10_000.0)));
         assert!(rep.max_sum <= LIMIT + EPS);
         assert_eq!(rep.contract_broken_at, None);
@@ -798,12 +820,34 @@ mod tests {
             assert_eq!(r.name().parse::<Run>().unwrap(), r);
         }
         let e = "G3".parse::<Run>().unwrap_err();
-        assert!(e.to_string().contains("G2-cut-two-signals"), "{e}");
+        for r in Run::ALL {
+            assert!(e.to_string().contains(r.name()), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_names_an_earlier_release_printed_still_parse() {
+        // The names an earlier release printed.
+        let old = [
+            ("G1", "demand-shift"),
+            ("G1-naive", "demand-shift-jump"),
+            ("G1c", "all-at-once"),
+            ("G2-freeze", "lost-region-freeze"),
+            ("G2-two-signals", "lost-region-two-signals"),
+            ("G2-silence", "cut-off-silence"),
+            ("G2-cut-two-signals", "cut-off-two-signals"),
+        ];
+        for (was, is) in old {
+            let run = is.parse::<Run>().unwrap();
+            assert_eq!(run.name(), is);
+            assert_eq!(was.parse::<Run>().unwrap(), run, "{was}");
+            assert_eq!(was.to_lowercase().parse::<Run>().unwrap(), run, "{was}");
+        }
     }
 
     #[test]
     fn json_has_the_per_second_rows_and_the_figures() {
-        let v: serde_json::Value = serde_json::from_str(&run(Run::G1).json()).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&run(Run::DemandShift).json()).unwrap();
         assert_eq!(v["min_sum"], 8_101.88);
         assert_eq!(v["seconds"].as_array().unwrap().len(), 40);
         assert_eq!(v["seconds"][5]["shares"]["A"], 4_334.59);
