@@ -1,8 +1,9 @@
-//! `tollgate fleet`: the spec's opening story on one machine. It starts one redis-server, the
-//! demo upstream and N `tollgate serve` processes, runs the storm on k7-demo-key with the other
-//! partners' traffic beside it once per mode (central, local, shares; or for replay F, central
-//! once per failure policy with the store stopped mid-storm), reports each side by side, and
-//! stops everything it started, on success, on error and on Ctrl-C alike.
+//! `tollgate fleet`: a fleet of gateways under a retry storm, on one machine. It starts one
+//! redis-server, the demo upstream and N `tollgate serve` processes, runs the storm on
+//! k7-demo-key with the other partners' traffic beside it once per mode (central, local, shares;
+//! or, for a store outage, central once per failure policy with the store stopped mid-storm),
+//! reports each side by side, and stops everything it started, on success, on error and on
+//! Ctrl-C alike.
 //!
 //! - [`args`]: the command line, checked into a `Plan`.
 //! - [`rules`]: the rules each run serves, and the storm key's contract.
@@ -120,14 +121,14 @@ fn refill_time(snap: &tollgate_rules::Snapshot) -> Duration {
 }
 
 async fn start_gateways(
-    spec: Arc<GatewaySpec>,
+    setup: Arc<GatewaySpec>,
     n: u32,
     dir: &std::path::Path,
 ) -> Result<Vec<Gateway>, String> {
     let mut tasks = Vec::new();
     for i in 0..n as usize {
-        let (spec, dir) = (spec.clone(), dir.to_path_buf());
-        tasks.push(tokio::spawn(async move { Gateway::start(&spec, i, &dir).await }));
+        let (setup, dir) = (setup.clone(), dir.to_path_buf());
+        tasks.push(tokio::spawn(async move { Gateway::start(&setup, i, &dir).await }));
     }
     let mut gws = Vec::new();
     let mut first_err = None;
@@ -321,7 +322,7 @@ async fn one_run(
         "{label}: starting {} gateways on {store}",
         plan.gateways
     ));
-    let spec = Arc::new(GatewaySpec {
+    let setup = Arc::new(GatewaySpec {
         run: label.clone(),
         bin: bin.to_path_buf(),
         rules: rules_path,
@@ -331,7 +332,7 @@ async fn one_run(
         threads: plan.gateway_threads,
         log: plan.gateway_log.clone(),
     });
-    let gws = start_gateways(spec, plan.gateways, &dir.path).await?;
+    let gws = start_gateways(setup, plan.gateways, &dir.path).await?;
     if run.mode == Mode::Central
         && let Some(t) = store_full_at
     {
@@ -349,7 +350,7 @@ async fn one_run(
             })
         })
         .collect::<Result<_, String>>()?;
-    let spec = LoadSpec {
+    let traffic = LoadSpec {
         duration: plan.duration,
         workers: plan.workers,
         pad: plan.pad,
@@ -378,7 +379,7 @@ async fn one_run(
         resumed?;
         Ok::<_, String>(Some((stop.as_micros() as u64, resume.as_micros() as u64)))
     };
-    let (outcome, outage) = tokio::join!(load::drive(&spec, Arc::new(targets), t0), outage);
+    let (outcome, outage) = tokio::join!(load::drive(&traffic, Arc::new(targets), t0), outage);
     let (outcome, outage_us) = (outcome?, outage?);
 
     let mut counters = StoreCounters::default();

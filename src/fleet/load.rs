@@ -160,34 +160,34 @@ async fn work(w: Worker, t0: Instant, deadline: Instant, targets: Arc<Vec<Target
     out
 }
 
-/// Runs the load from `t0` for the spec's duration; returns every answer, in no order.
-pub async fn drive(spec: &LoadSpec, targets: Arc<Vec<Target>>, t0: Instant) -> Result<Outcome, String> {
-    let deadline = t0 + spec.duration;
-    let storm_auth = bearer(&spec.storm_key)?;
-    let partner_auth: Vec<HeaderValue> = spec
+/// Runs the load from `t0` for its duration; returns every answer, in no order.
+pub async fn drive(traffic: &LoadSpec, targets: Arc<Vec<Target>>, t0: Instant) -> Result<Outcome, String> {
+    let deadline = t0 + traffic.duration;
+    let storm_auth = bearer(&traffic.storm_key)?;
+    let partner_auth: Vec<HeaderValue> = traffic
         .partner_keys
         .iter()
         .map(|k| bearer(k))
         .collect::<Result<_, _>>()?;
     let rr = Arc::new(AtomicUsize::new(0));
     let mut tasks = Vec::new();
-    for i in 0..spec.workers {
-        // Spread the first requests over one padding so arrivals are even, as in the spec
-        // (one every 2.5 ms for 40 workers at 100 ms).
-        let offset = spec.pad.map_or(Duration::ZERO, |p| p * i / spec.workers);
+    for i in 0..traffic.workers {
+        // Spread the first requests over one padding so arrivals are even: one every 2.5 ms
+        // for 40 workers at 100 ms.
+        let offset = traffic.pad.map_or(Duration::ZERO, |p| p * i / traffic.workers);
         let w = Worker {
             who: STORM,
             auth: storm_auth.clone(),
             first: t0 + offset,
-            period: spec.pad,
+            period: traffic.pad,
             spread: Spread::Shared(rr.clone()),
         };
         tasks.push(tokio::spawn(work(w, t0, deadline, targets.clone())));
     }
-    if spec.others_rate > 0 {
+    if traffic.others_rate > 0 {
         // Workers of PARTNER_PERIOD_MS each; the period is stretched so the total is exact.
-        let count = spec.others_rate.div_ceil((1000 / PARTNER_PERIOD_MS) as u32);
-        let period = Duration::from_secs_f64(f64::from(count) / f64::from(spec.others_rate));
+        let count = traffic.others_rate.div_ceil((1000 / PARTNER_PERIOD_MS) as u32);
+        let period = Duration::from_secs_f64(f64::from(count) / f64::from(traffic.others_rate));
         let n = targets.len();
         for i in 0..count {
             let p = i as usize % partner_auth.len();

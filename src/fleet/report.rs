@@ -1,7 +1,7 @@
 //! What a fleet run reports, per mode: the storm key's admissions (per second, busiest 1 s and
 //! 60 s, totals) against its contract's bound b + r·t over the same span, the rate the harness
-//! really offered, the other partners' errors, the gateways' store bypasses, and for replay F
-//! what passed while the store was away. Text side by side, or `--json`.
+//! really offered, the other partners' errors, the gateways' store bypasses, and, for a store
+//! outage, what passed while the store was away. Text side by side, or `--json`.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -101,7 +101,7 @@ pub struct Outage {
     pub others_requests_in_degraded_window: u64,
     /// Non-2xx answers to the other partners in the degraded window.
     pub others_not_admitted_in_degraded_window: u64,
-    /// What this setup should give by the spec's arithmetic over the outage's length.
+    /// What this setup should give, by the policy's arithmetic over the outage's length.
     pub expected: String,
 }
 
@@ -345,7 +345,7 @@ fn map_text(m: &BTreeMap<impl std::fmt::Display, u64>) -> String {
         .join(" ")
 }
 
-/// The side-by-side table, the per-second series, warnings, and replay F's outage lines.
+/// The side-by-side table, the per-second series, warnings, and a store outage's lines.
 pub fn text(header: &str, runs: &[RunReport]) -> String {
     let mut rows: Vec<(String, Vec<String>)> = Vec::new();
     let mut row = |name: &str, f: &dyn Fn(&RunReport) -> String| {

@@ -53,8 +53,8 @@ pub struct OtlpConfig {
 }
 
 impl OtlpConfig {
-    /// The URL spans are sent to: the base endpoint's `/v1/traces`, as the OTLP spec says of
-    /// `OTEL_EXPORTER_OTLP_ENDPOINT`.
+    /// The URL spans are sent to: the base endpoint's `/v1/traces`, as the OTLP exporter
+    /// specification says of `OTEL_EXPORTER_OTLP_ENDPOINT`.
     pub fn traces_url(&self) -> String {
         format!("{}/v1/traces", self.endpoint.trim_end_matches('/'))
     }
@@ -245,7 +245,7 @@ pub(crate) struct Parent {
 }
 
 /// The caller's trace context: exactly one `traceparent` that W3C Trace Context calls valid.
-/// Anything else starts a new trace, as the spec asks.
+/// Anything else starts a new trace, as W3C Trace Context asks.
 pub(crate) fn incoming(headers: &HeaderMap) -> Option<Parent> {
     let mut all = headers.get_all(&TRACEPARENT).iter();
     let v = all.next()?;
@@ -278,7 +278,7 @@ pub(crate) fn parse_traceparent(v: &[u8]) -> Option<Parent> {
     })
 }
 
-/// Lowercase hex only, as the spec writes the fields.
+/// Lowercase hex only, as W3C Trace Context writes the fields.
 fn hex_u128(b: &[u8]) -> Option<u128> {
     let mut n: u128 = 0;
     for &c in b {

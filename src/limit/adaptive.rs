@@ -451,10 +451,10 @@ mod tests {
         }
     }
 
-    /// Event 35, as a discrete-event model: an upstream of `workers` that serves each request in
-    /// `service` and queues the rest without bound, offered `rate` requests a second for
-    /// `secs`. Returns (admitted, shed, served within the run, the admitted latencies).
-    fn event_35(workers: usize, service: u64, rate: u64, secs: u64) -> (u64, u64, u64, Vec<u64>) {
+    /// A slow backend as a discrete-event model: an upstream of `workers` that serves each
+    /// request in `service` and queues the rest without bound, offered `rate` requests a second
+    /// for `secs`. Returns (admitted, shed, served within the run, the admitted latencies).
+    fn slow_backend(workers: usize, service: u64, rate: u64, secs: u64) -> (u64, u64, u64, Vec<u64>) {
         let mut g = Gradient::new(bounds(4, 2000), 0, 99);
         // When each worker is next free, and when each admitted request is answered.
         let mut free: BinaryHeap<Reverse<u64>> = (0..workers).map(|_| Reverse(0)).collect();
@@ -490,8 +490,9 @@ mod tests {
     }
 
     #[test]
-    fn event_35_keeps_latency_bounded_and_the_upstream_busy() {
-        let (admitted, shed, served, mut lat) = event_35(80, 250 * MS, 700, 20);
+    fn a_slow_backend_keeps_latency_bounded_and_the_upstream_busy() {
+        // 80 workers whose database went from 100 to 250 ms a request, offered 700 a second.
+        let (admitted, shed, served, mut lat) = slow_backend(80, 250 * MS, 700, 20);
         assert!(shed > 0 && admitted > 0);
         lat.sort_unstable();
         let p99 = lat[lat.len() * 99 / 100];

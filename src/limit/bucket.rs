@@ -3,9 +3,9 @@
 //! A limit of `N` tokens per `P` seconds refills `N / P` tokens a second. We count
 //! tokens in *units* of `1 / scale` token, where `scale = P_µs / gcd(N, P_µs)`, so one
 //! microsecond adds exactly `refill = N / gcd(N, P_µs)` units. Every refill is then an
-//! integer and no decision ever depends on float rounding. The spec's storm puts arrivals
-//! exactly on token boundaries (a bucket holding exactly one token at 09:00:00.100), which
-//! is where a float bucket would disagree.
+//! integer and no decision ever depends on float rounding. A retry storm of one request every
+//! 2.5 ms puts arrivals exactly on token boundaries (a bucket holding exactly one token at
+//! 09:00:00.100), which is where a float bucket would disagree.
 //!
 //! `lua/check.lua` runs the same arithmetic inside Redis. Lua 5.1 numbers are doubles,
 //! exact for integers below 2^53, so every value here is kept below [`MAX_EXACT`] and

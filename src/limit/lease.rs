@@ -2,7 +2,7 @@
 //! time-injected, so `tollgate replay`, the gateway (`store::lease`) and its Lua twin
 //! (`lua/lease.lua`) share one definition.
 //!
-//! A key too hot for one store shard (the spec's k-big: 100,000 checks a second) is not asked
+//! A key too hot for one store shard (k-big: 100,000 checks a second) is not asked
 //! once per request. Each gateway leases a *block* of `B` tokens from the shared bucket, spends
 //! it in memory, and asks again only when the block runs low:
 //!
@@ -423,7 +423,7 @@ mod tests {
     }
 
     #[test]
-    fn spec_numbers() {
+    fn hot_key_block_and_cycle() {
         let c = kbig();
         assert_eq!(c.block, 125);
         assert_eq!(block_cycle_us(&c.params, c.block, 20), 250_000);

@@ -345,7 +345,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn gcra_matches_the_spec_burst() {
+    fn gcra_admits_the_burst_then_waits_for_the_next_token() {
         let g = Gcra::new(Rate::parse("10/1s").unwrap(), 20);
         let mut s = None;
         for _ in 0..20 {

@@ -19,7 +19,8 @@ use tollgate_rules::CompileOptions;
 /// A trace the command can generate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Generated {
-    /// FreshBox's storm on k-7: 48,615 rows from 08:59:00 to 09:02:59.8.
+    /// A retry storm on k-7 (40 workers, 400 a second for two minutes, with normal traffic
+    /// before and after): 48,615 rows from 08:59:00 to 09:02:59.8.
     Storm,
     /// A hot key: k-big at 100,000 a second for one minute from 09:10:00 (6,000,000 rows).
     Hot,

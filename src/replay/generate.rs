@@ -1,8 +1,8 @@
-//! The spec's traces, generated exactly: FreshBox's storm (k-7, 48,615 rows) and replay H's
-//! hot key (k-big, 6,000,000 rows). Times are seconds since midnight with 6 decimals, so
+//! Two traces, generated exactly: a retry storm (k-7, 48,615 rows) and a hot key (k-big,
+//! 6,000,000 rows). Times are seconds since midnight with 6 decimals, so
 //! fixed windows aligned on multiples of P from time 0 fall on clock minutes.
 //!
-//! The storm, as the spec's numbers fix it:
+//! The storm: a partner's sync client that retries at once on every answer, refusals too:
 //! - normal traffic at 5/s: 08:59:00.000, .200, … 08:59:59.800 (300 rows);
 //! - the page load: 15 rows at 08:59:30.100, after the 08:59:30.000 normal row, so a central
 //!   10/s burst-20 bucket is exactly full again at the 08:59:33.000 arrival;
@@ -37,7 +37,7 @@ const fn hms(h: u64, m: u64, s: u64) -> u64 {
 pub const STORM_START_US: u64 = hms(9, 0, 0);
 /// 09:02:00.000, when the storm has ended.
 pub const STORM_END_US: u64 = hms(9, 2, 0);
-/// 09:10:00.000: replay H's minute starts.
+/// 09:10:00.000: the hot key's minute starts.
 pub const HOT_START_US: u64 = hms(9, 10, 0);
 /// Rows in the hot trace.
 pub(crate) const HOT_ROWS: u64 = 6_000_000;
@@ -75,7 +75,7 @@ pub fn storm(gateways: u64) -> Vec<GenRow> {
         .collect()
 }
 
-/// Replay H's trace: k-big at 100,000 a second for one minute (6,000,000 rows), lazily.
+/// The hot key's trace: k-big at 100,000 a second for one minute (6,000,000 rows), lazily.
 pub fn hot(gateways: u64) -> impl Iterator<Item = GenRow> {
     let g = gateways.max(1);
     (0..HOT_ROWS).map(move |i| GenRow {
@@ -113,7 +113,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn storm_has_the_spec_shape() {
+    fn storm_has_its_documented_shape() {
         let rows = storm(20);
         assert_eq!(rows.len(), 48_615);
         assert!(rows.windows(2).all(|w| w[0].time_us <= w[1].time_us));

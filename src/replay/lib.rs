@@ -8,7 +8,7 @@
 //!   store round trip.
 //! - [`rules`]: a real rules file: routes, costs, several limits, all-or-nothing per request.
 //! - [`report`]: per-key statistics, the table, `--json` and `--decisions`.
-//! - [`generate`]: the spec's storm and hot-key traces.
+//! - [`generate`]: the retry-storm and hot-key traces.
 //! - [`plot`]: `--plot`'s charts, SVG or PNG: admitted per second per design, a bucket's tokens.
 //! - [`args`]: the command line.
 //!
@@ -129,7 +129,7 @@ pub struct Settings {
 }
 
 impl Settings {
-    /// One limit, central token bucket, 20 gateways (the spec's fleet), seed 1, 1 ms round trip.
+    /// One limit, central token bucket, a fleet of 20 gateways, seed 1, 1 ms round trip.
     pub fn single(rate: Rate, burst: Option<u64>) -> Settings {
         Settings {
             limit: LimitSpec::Single { rate, burst },

@@ -536,7 +536,7 @@ impl TimeAxis {
 
     fn desc(&self) -> String {
         // Traces made by the generator or from a day's logs count seconds since midnight: say
-        // the clock time too, as the spec's timelines do.
+        // the clock time too, which is how people read a morning's timeline.
         let at = format_time_us(self.start);
         if self.start < 86_400 * US_PER_S {
             let s = self.start / US_PER_S;

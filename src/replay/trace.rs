@@ -380,7 +380,7 @@ fn find_quote(line: &[u8]) -> Option<usize> {
 
 /// Parses decimal seconds with at most 6 decimals (`32400.0025`) into integer microseconds,
 /// digit by digit: a float would turn `0.1` into `0.1000000000000000055…` and round arrivals
-/// that the spec puts exactly on token boundaries.
+/// that the storm trace puts exactly on token boundaries.
 pub(crate) fn parse_time_us(text: &[u8]) -> Result<u64, String> {
     let show = || String::from_utf8_lossy(text).into_owned();
     if text.is_empty() {

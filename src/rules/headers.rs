@@ -79,7 +79,7 @@ mod tests {
     use tollgate_limit::bucket::Rate;
 
     #[test]
-    fn k7_policy_matches_the_spec_example() {
+    fn k7_policy_matches_600_a_minute_burst_20() {
         let p = BucketParams::new(Rate::parse("600/60s").unwrap(), 20).unwrap();
         assert_eq!(
             policy_value("k7", &p).unwrap(),

@@ -138,9 +138,9 @@ mod tests {
     use crate::{CompileOptions, Snapshot, compile};
 
     /// A route as the test writes it: case-insensitive upstream or not, method, path.
-    type Spec = (bool, &'static str, String);
+    type RouteRow = (bool, &'static str, String);
 
-    fn snapshot(routes: &[Spec]) -> Snapshot {
+    fn snapshot(routes: &[RouteRow]) -> Snapshot {
         let routes: Vec<_> = routes
             .iter()
             .map(|(ci, method, path)| {
@@ -192,7 +192,7 @@ mod tests {
             })
     }
 
-    fn routes() -> impl Strategy<Value = Vec<Spec>> {
+    fn routes() -> impl Strategy<Value = Vec<RouteRow>> {
         prop::collection::vec(
             (
                 any::<bool>(),
@@ -220,10 +220,10 @@ mod tests {
 
         #[test]
         fn the_matcher_takes_the_route_the_scan_takes(
-            specs in routes(),
+            rows in routes(),
             paths in prop::collection::vec(request_path(), 1..24),
         ) {
-            let snap = snapshot(&specs);
+            let snap = snapshot(&rows);
             for p in &paths {
                 for m in [Method::GET, Method::POST, Method::TRACE, Method::PUT] {
                     prop_assert_eq!(snap.route(&m, p), snap.route_by_scan(&m, p), "{} {}", m, p);
@@ -261,13 +261,13 @@ mod tests {
 
     #[test]
     fn paths_with_more_boundaries_than_fit_inline() {
-        let specs: Vec<Spec> = (1..=40)
+        let rows: Vec<RouteRow> = (1..=40)
             .flat_map(|d| {
                 let p = "/a".repeat(d);
                 [(false, "GET", p.clone()), (false, "POST", format!("{p}/"))]
             })
             .collect();
-        let snap = snapshot(&specs);
+        let snap = snapshot(&rows);
         for depth in [1, 31, 33, 40, 60] {
             let p = "/a".repeat(depth);
             let deepest = "/a".repeat(depth.min(40));

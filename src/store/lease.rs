@@ -12,8 +12,9 @@
 //! request is still all-or-nothing: its leased tokens are reserved first, and given back to
 //! the holder when the store refuses the rest.
 //!
-//! Two departures from the spec's SPEND, both to keep leasing invisible to a key that is
-//! leased but not hot at the moment:
+//! Two departures from plain leasing (admit while the local block has a token, refuse locally
+//! when it is empty), both to keep leasing invisible to a key that is leased but not hot at the
+//! moment:
 //! - A holder with nothing left and a lease in flight (not denied) makes the request wait for
 //!   the answer, up to the store timeout, instead of refusing it: otherwise the first request
 //!   after an idle spell would get a 429 from a full bucket. No answer in time: the item is
@@ -270,21 +271,21 @@ impl Leases {
 
     /// The block size for these numbers now: fixed, or `max(10, ⌈0.25 s × r / N⌉)` with the
     /// current fleet size; never above the burst, which a bucket could not hold.
-    pub fn block_for(&self, spec: LeaseBlock, p: &BucketParams) -> u64 {
-        match spec {
+    pub fn block_for(&self, size: LeaseBlock, p: &BucketParams) -> u64 {
+        match size {
             LeaseBlock::Auto => auto_block(p, u64::from(self.fleet.get())),
             LeaseBlock::Fixed(b) => b,
         }
         .min(p.burst)
     }
 
-    fn try_spend(&self, st: &mut State, item: &CheckItem, spec: LeaseBlock, now: u64, waited: bool) -> Try {
+    fn try_spend(&self, st: &mut State, item: &CheckItem, size: LeaseBlock, now: u64, waited: bool) -> Try {
         if st.closed {
             return Try::Store;
         }
         let p = item.charge.params;
         let cost = item.charge.cost;
-        let block = self.block_for(spec, &p);
+        let block = self.block_for(size, &p);
         let Ok(cfg) = LeaseConfig::new(p, block, u64::from(self.fleet.get())) else {
             return Try::Store;
         };
@@ -371,7 +372,7 @@ impl Leases {
         let mut limited = false;
         for (i, item) in batch.iter().enumerate() {
             // Outcome::leased has room for 64 items; any further ones go to the store.
-            let Some(spec) = item.lease.filter(|_| i < 64) else {
+            let Some(size) = item.lease.filter(|_| i < 64) else {
                 continue;
             };
             // A shadow limit never makes a request wait.
@@ -379,7 +380,7 @@ impl Leases {
             loop {
                 let t = {
                     let mut st = self.lock();
-                    self.try_spend(&mut st, item, spec, self.now_us(), waited)
+                    self.try_spend(&mut st, item, size, self.now_us(), waited)
                 };
                 local[i] = match t {
                     Try::Wait(mut rx) => {

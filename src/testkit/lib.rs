@@ -292,21 +292,21 @@ pub fn client() -> HttpClient {
 }
 
 impl Gateway {
-    pub async fn start(spec: &GatewaySpec, index: usize, dir: &Path) -> Result<Gateway, String> {
-        let mut cmd = Command::new(&spec.bin);
+    pub async fn start(setup: &GatewaySpec, index: usize, dir: &Path) -> Result<Gateway, String> {
+        let mut cmd = Command::new(&setup.bin);
         cmd.arg("serve")
             .arg("--rules")
-            .arg(&spec.rules)
-            .args(["--store", spec.store.as_str()])
+            .arg(&setup.rules)
+            .args(["--store", setup.store.as_str()])
             .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
-            .args(["--fleet-size", &spec.fleet_size.to_string()])
+            .args(["--fleet-size", &setup.fleet_size.to_string()])
             .args([
                 "--store-timeout",
-                &format!("{}ms", spec.store_timeout.as_millis()),
+                &format!("{}ms", setup.store_timeout.as_millis()),
             ])
-            .args(["--threads", &spec.threads.to_string()])
+            .args(["--threads", &setup.threads.to_string()])
             .args(["--drain-timeout", "2s"])
-            .env("TOLLGATE_LOG", &spec.log)
+            .env("TOLLGATE_LOG", &setup.log)
             // The gateway reads every flag from TOLLGATE_* too; the user's must not leak in.
             .env_remove("TOLLGATE_TLS_CERT")
             .env_remove("TOLLGATE_TLS_KEY")
@@ -318,7 +318,7 @@ impl Gateway {
             cmd,
             dir.join(format!(
                 "{}-gateway-{:02}.log",
-                spec.run.replace('/', "-"),
+                setup.run.replace('/', "-"),
                 index + 1
             )),
             true,
