@@ -1,7 +1,7 @@
-//! The spec's replay H on real parts: 20 lease clients (the gateway's own `Leases` layer, each
+//! A hot key on real parts: 20 lease clients (the gateway's own `Leases` layer, each
 //! on its own connection, no HTTP) against one `redis-server` this program starts on a free
 //! loopback port, k-big at 10,000/s burst 20,000, 100,000 offered a second for a minute, on a
-//! real clock. It prints what the spec reports (store calls a second, the worst excess over
+//! real clock. It prints the figures that tell leasing works (store calls a second, the worst excess over
 //! r·t for intervals that start while the batch job is sending, tokens held at the end) and
 //! the rest of what it measured.
 //!
@@ -47,7 +47,7 @@ fn main() {
     );
     for round in 1..=rounds {
         let redis = RedisServer::start();
-        let load = Load::replay_h(seconds);
+        let load = Load::hot_key(seconds);
         let run = rt.block_on(lease_load::run(redis.port, &load));
         let secs = run.stop_us as f64 / 1e6;
         let admitted = run.admitted_us.len();

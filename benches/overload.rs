@@ -1,4 +1,4 @@
-//! The spec's event 35 with real processes: `tollgate demo-upstream` with 80 workers at 250 ms
+//! A slow backend with real processes: `tollgate demo-upstream` with 80 workers at 250 ms
 //! (320 a second at most), `tollgate serve` in front of it, and this driver offering 700 a
 //! second for 20 s, open loop (paced, each request on its own task, a new connection whenever
 //! none is idle). Once without adaptive concurrency, once with it; it prints both side by side
@@ -119,7 +119,7 @@ struct Report {
     ok_p50: f64,
     ok_p99: f64,
     ok_max: f64,
-    /// Median wait of the requests due in the second after 10 s (the spec's "after 10 s").
+    /// Median wait of the requests due in the second after 10 s (the queue's wait "after 10 s").
     at_10s: f64,
     /// 200s answered within the run, per second; and from 5 s on.
     goodput: f64,
@@ -246,7 +246,7 @@ fn main() {
     let only: String = arg("--only", String::new());
     println!("{}", tollgate_testkit::machine_line());
     println!(
-        "event 35: demo-upstream {workers} workers x {latency_ms} ms (at most {:.0}/s), {rate}/s offered for {seconds} s",
+        "slow backend: demo-upstream {workers} workers x {latency_ms} ms (at most {:.0}/s), {rate}/s offered for {seconds} s",
         f64::from(workers) * 1000.0 / latency_ms as f64
     );
     let mut runs = vec![];

@@ -25,7 +25,7 @@ const KBIG_SHA: &str = "3192d083bcbdda7385b5570eb52766ded7d5cbb554f1104918ddc5b2
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_lease_clients_hold_a_hot_key_to_its_bound_and_give_every_token_back() {
     let redis = RedisServer::start();
-    let load = Load::replay_h(10.0);
+    let load = Load::hot_key(10.0);
     let watch = BucketWatch::start(redis.port);
     let run = lease_load::run(redis.port, &load).await;
     let n = load.clients as u64;

@@ -1,4 +1,4 @@
-// The spec's storm for k6 users: 40 closed-loop workers on one key, round-robin over every
+// A retry storm for k6 users: 40 closed-loop workers on one key, round-robin over every
 // gateway, each answer padded to 100 ms (40 workers offer 400/s), with the other partners'
 // normal traffic beside it. The run FAILS (k6 exits non-zero) when the storm key is admitted
 // more than its contract allows over the run, b + r*t, or when another partner gets an error.
@@ -7,7 +7,7 @@
 //
 // Settings (all -e NAME=VALUE):
 //   GATEWAYS      comma-separated gateway base URLs, one per instance (required)
-//   DURATION_S    storm length in seconds (120, the spec's two minutes)
+//   DURATION_S    storm length in seconds (120: two minutes)
 //   WORKERS       closed-loop storm workers (40)
 //   PAD_MS        each storm answer counts as taking at least this long (100; 0 floods)
 //   STORM_KEY     the storm's API key (k7-demo-key)

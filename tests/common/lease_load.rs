@@ -1,7 +1,7 @@
-//! The spec's replay H on real parts: N lease clients (each the gateway's own `Leases` layer on
+//! A hot key on real parts: N lease clients (each the gateway's own `Leases` layer on
 //! its own `RedisStore` connection, no HTTP) drive one hot key against one real `redis-server`
 //! on a real clock, and every admission is recorded with its time. Shared by tests/lease.rs
-//! (10 s) and benches/lease.rs (the spec's minute).
+//! (10 s) and benches/lease.rs (the batch job's minute).
 #![allow(dead_code)]
 
 use std::process::Command;
@@ -35,8 +35,8 @@ pub struct Load {
 }
 
 impl Load {
-    /// Replay H: 20 gateways, k-big at 10,000/s burst 20,000, 100,000 offered a second.
-    pub fn replay_h(seconds: f64) -> Load {
+    /// A hot key: 20 gateways, k-big at 10,000/s burst 20,000, 100,000 offered a second.
+    pub fn hot_key(seconds: f64) -> Load {
         Load {
             clients: 20,
             rate: "10000/1s",
