@@ -1,5 +1,5 @@
-//! The client fingerprint dimension in real gateway processes: the spec's event 34 scaled
-//! down (credential stuffing from many addresses, each under every per-address and
+//! The client fingerprint dimension in real gateway processes: credential stuffing scaled
+//! down (many addresses from many addresses, each under every per-address and
 //! per-account limit, all from one TLS client configuration), one configuration naming one
 //! fingerprint across connections and another naming another (access lines and Redis bucket
 //! names), a hello the reader can't follow still served, and plain TCP's `none` alike on the
@@ -22,7 +22,7 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
 
 /// The demo rules with the login guarded three ways: per account and per address (the limits
-/// event 34 stays under), and per client fingerprint, `clients_per_hour` an hour. A slow
+/// credential stuffing stays under), and per client fingerprint, `clients_per_hour` an hour. A slow
 /// refill, so counts in a test are exact.
 fn rules(clients_per_hour: u64) -> String {
     let text = common::demo_json();
@@ -223,7 +223,7 @@ fn is_hex_fingerprint(s: &str) -> bool {
             .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
-/// Event 34, scaled down: 40 addresses, one attempt each with a different leaked account,
+/// Credential stuffing, scaled down: 40 addresses, one attempt each with a different leaked account,
 /// every one under the per-address and per-account limits, all from one client
 /// configuration. The fingerprint limit (20) lets 20 through to the upstream's 401 and refuses
 /// the rest; honest logins from other configurations still pass, while the attacker's

@@ -17,7 +17,7 @@ use tollgate_rules::{self as rules, CompileOptions};
 /// The storm's target: 40 workers padded to 100 ms.
 const TARGET: f64 = 400.0;
 /// Below this share of the target the run could not drive the storm, and the test must fail
-/// rather than pass on a lighter load than the spec's.
+/// rather than pass on a lighter load than the storm's.
 const MIN_SHARE_OF_TARGET: f64 = 0.8;
 
 /// The quick run is shared by the tests below: one harness run of about a minute serves all.
@@ -36,7 +36,7 @@ fn quick() -> Value {
 }
 
 fn run_quick() -> Result<Value, String> {
-    // The spec's store timeout is 3 ms against a 1 ms store. Here twenty debug gateways, Redis
+    // A store timeout of 3 ms is meant for a store that answers in 1 ms. Here twenty debug gateways, Redis
     // and the driver share two busy cores, and a loopback round trip can take longer than that;
     // a timed-out check is decided by the failure policy, not by the store. These tests are
     // about what the store (or the lack of one) admits, so they give the store time to answer

@@ -97,8 +97,9 @@ async fn refill_comes_from_the_injected_clock() {
     );
 }
 
-/// The spec's replay M, rows 25 and 25': a second export refused by the exports bucket leaves
-/// the plan bucket untouched, because both are checked in one all-or-nothing call.
+/// Two exports 1 ms apart, each charged in the plan and in the exports bucket: the second,
+/// refused by the exports bucket, leaves the plan bucket untouched, because both are checked in
+/// one all-or-nothing call.
 #[tokio::test]
 async fn refused_export_leaves_the_plan_untouched() {
     let (gw, clock, _dir) = demo_gateway().await;
@@ -123,7 +124,7 @@ async fn refused_export_leaves_the_plan_untouched() {
     );
 
     // The plan holds 10.01 tokens: ten orders pass and the eleventh is refused. Had the refused
-    // export been charged (row 25'), the plan would hold 0.01 and the first order would fail.
+    // export been charged in the plan, it would hold 0.01 and the first order would fail.
     for i in 0..10 {
         let a = orders(&http, &base, K7).await;
         assert_eq!(a.status, StatusCode::OK, "order {i}");

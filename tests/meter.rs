@@ -22,7 +22,7 @@ const RULES: &str = r#"{
   "upstreams": { "u": { "url": "http://127.0.0.1:1" } },
   "limits": { "plan": { "dimension": "key" } },
   "keys": [
-    { "id": "k-paris", "tenant": "freshbox",
+    { "id": "k-paris", "tenant": "grocer",
       "sha256": "1670f2e42fefa5044d59a65349e47c566009488fc57d7b4376dd5787b59e3c57",
       "limits": { "plan": { "rate": "10/1s", "burst": 20 } },
       "quota": { "per": "day", "limit": 100, "timezone": "Europe/Paris" } },
@@ -661,7 +661,7 @@ fn export_writes_one_row_per_key_with_usage(mut w: World) {
         text,
         "key,tenant,period,admitted,identities,unclean_ends\n\
          k-gone,,2025-11,3,1,1\n\
-         k-paris,freshbox,2025-11,37,2,0\n\
+         k-paris,grocer,2025-11,37,2,0\n\
          k-plain,\"plain, inc\",2025-11,7,2,1\n"
     );
     let dec = w.dir.path().join("2025-12.csv");
@@ -669,7 +669,7 @@ fn export_writes_one_row_per_key_with_usage(mut w: World) {
     assert!(out.status.success());
     assert_eq!(
         std::fs::read_to_string(&dec).unwrap(),
-        "key,tenant,period,admitted,identities,unclean_ends\nk-paris,freshbox,2025-12,33,2,0\n"
+        "key,tenant,period,admitted,identities,unclean_ends\nk-paris,grocer,2025-12,33,2,0\n"
     );
 }
 

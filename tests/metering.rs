@@ -432,7 +432,7 @@ fn summary_tail(records: &[Record], key: &str) -> (u64, bool) {
     totals(records, key)
 }
 
-/// The spec's event 33: with the default intervals (records every 5 s, flags read every 1 s)
+/// A quota crossed mid-day: with the default intervals (records every 5 s, flags read every 1 s)
 /// and a meter consumer running, a key is refused within about 11 s of the request that took
 /// it over its daily quota. The requests come at a steady pace, as a partner's would.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -342,7 +342,7 @@ async fn a_refused_requests_span_names_the_limit() {
     }
 }
 
-/// No `traceparent`, or one the spec calls invalid: a new trace, without a parent, which the
+/// No `traceparent`, or one W3C Trace Context calls invalid: a new trace, without a parent, which the
 /// upstream's `traceparent` names.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_valid_traceparent_the_gateway_starts_a_trace() {

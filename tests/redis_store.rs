@@ -1,5 +1,5 @@
 //! `RedisStore` against a real `redis-server` started by each test on a free port: the race of
-//! the spec's side row C, two gateway processes sharing one limit, key expiry and names,
+//! fifteen checks on five tokens, two gateway processes sharing one limit, key expiry and names,
 //! NOSCRIPT recovery, start-up failures, and failed calls after start-up.
 
 mod common;
@@ -36,7 +36,7 @@ async fn connect(redis: &RedisServer) -> RedisStore {
         .unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// Side row C: the bucket holds 5 tokens, 15 checks arrive at once over 15 connections, and
+/// A dashboard's burst after the storm: the bucket holds 5 tokens, 15 checks arrive at once over 15 connections, and
 /// the atomic script lets exactly 5 through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn fifteen_connections_at_once_on_five_tokens_admit_exactly_five() {

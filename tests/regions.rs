@@ -20,6 +20,7 @@ fn json(run: &str) -> serde_json::Value {
 #[test]
 fn each_run_prints_its_figures() {
     let shift = json("demand-shift");
+    assert_eq!(shift["run"], "demand-shift");
     assert_eq!(shift["max_sum"], 10_000.0);
     assert_eq!(shift["min_sum"].as_f64().unwrap().round(), 8_102.0);
     assert_eq!(
@@ -66,6 +67,15 @@ fn the_table_ends_with_the_figures() {
     assert!(out.status.success());
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.contains("min sum of shares 8102 at 14:00:06.70"), "{text}");
+    assert!(text.starts_with("run demand-shift "), "{text}");
+}
+
+#[test]
+fn a_name_an_earlier_release_printed_runs_under_its_new_name() {
+    // G1-naive is what an earlier release called demand-shift-jump.
+    let old = json("G1-naive");
+    assert_eq!(old["run"], "demand-shift-jump");
+    assert_eq!(old["max_sum"], json("demand-shift-jump")["max_sum"]);
 }
 
 #[test]

@@ -1,6 +1,6 @@
-//! `tollgate replay` reproduces the spec's own figures on its generated traces: the storm under
-//! every algorithm and design, replay M's two exports under the demo rules, and replay H's hot
-//! key under leased blocks; and it refuses bad input with errors that name the row and column.
+//! `tollgate replay` reproduces the figures worked out by hand on its generated traces: the
+//! storm under every algorithm and design, two exports 1 ms apart under the demo rules, and the
+//! hot key under leased blocks; and it refuses bad input with errors that name the row and column.
 
 use tollgate_limit::bucket::{Rate, US_PER_S};
 use tollgate_replay::algorithms::Verdict;
@@ -71,7 +71,7 @@ fn central_token_bucket_admits_1219_in_the_storm_and_refuses_the_rest_with_retry
         29
     );
     assert_eq!(summary.store_calls, 48_615);
-    // Event 2: the page load leaves the bucket exactly full at the 08:59:33.000 arrival,
+    // The page load leaves the bucket exactly full at the 08:59:33.000 arrival,
     // and the normal traffic before the storm is never refused.
     assert!(
         d.iter()
@@ -243,8 +243,8 @@ fn sliding_counter_admits_1198_in_the_storm() {
 #[test]
 fn leased_blocks_keep_the_hot_key_off_the_store_within_their_bound() {
     let mut s = settings("10000/1s", Some(20_000), Algorithm::TokenBucket, Design::Lease);
-    // The burst of 20,000 is an excess over r·t by design; the spec measures the lease's
-    // overshoot on intervals that start once it is spent (20,000 at 90,000 a second net).
+    // The burst of 20,000 is an excess over r·t by design; the lease's overshoot is
+    // measured on intervals that start once it is spent (20,000 at 90,000 a second net).
     s.excess_from_us = Some(HOT_START_US + 250_000);
     for seed in [1, 2] {
         s.seed = seed;
@@ -264,7 +264,7 @@ fn leased_blocks_keep_the_hot_key_off_the_store_within_their_bound() {
             kbig.held_at_end
         );
         assert!(per_admitted <= 0.02, "{per_admitted}");
-        // The spec's run: about 148 calls a second, about 83 of them grants.
+        // Worked out by hand: about 148 calls a second, about 83 of them grants.
         assert!((130.0..170.0).contains(&per_s), "{per_s}");
         assert!(excess <= 3_000.0, "worst excess {excess} above N × 1.2 × B");
         // b + r·t over the minute, and over any second.

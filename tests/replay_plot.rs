@@ -1,5 +1,5 @@
 //! `tollgate replay --plot`: the SVG chart parses and holds one series per design, the PNG
-//! decodes at its size, one bucket's tokens follow the spec's first 300 ms of the storm, and
+//! decodes at its size, one bucket's tokens follow the first 300 ms of the storm as worked out by hand, and
 //! bad plot flags are refused with errors that name them.
 
 mod common;
