@@ -89,16 +89,11 @@ impl Proc {
         self.child.id()
     }
 
-    /// The last lines of the process's log, for an error message.
+    /// The last lines of the process's log, for an error message. A panic's message comes
+    /// first: with `RUST_BACKTRACE` set, the last lines are only the backtrace's frames.
     pub(crate) fn log_tail(&self) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        let tail = lines[lines.len().saturating_sub(15)..].join("\n");
-        if tail.is_empty() {
-            "(no output)".into()
-        } else {
-            tail
-        }
+        excerpt(&text)
     }
 
     /// Sends a signal by name (`STOP`, `CONT`, `TERM`) with kill(1): the crate forbids unsafe
@@ -132,6 +127,30 @@ impl Proc {
 
     fn exited(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(Some(_)))
+    }
+}
+
+/// A log's last 15 lines, after the first panic's message and the lines up to its backtrace.
+fn excerpt(text: &str) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    let tail_from = lines.len().saturating_sub(15);
+    let mut out = Vec::new();
+    if let Some(p) = lines.iter().position(|l| l.contains("panicked at"))
+        && p < tail_from
+    {
+        out.extend(
+            lines[p..tail_from]
+                .iter()
+                .take_while(|l| !l.starts_with("stack backtrace:"))
+                .take(10),
+        );
+        out.push("[…]");
+    }
+    out.extend(&lines[tail_from..]);
+    if out.is_empty() {
+        "(no output)".into()
+    } else {
+        out.join("\n")
     }
 }
 
@@ -385,4 +404,36 @@ pub fn machine_line() -> String {
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         loadavg.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::excerpt;
+
+    #[test]
+    fn a_panic_message_leads_a_long_backtrace() {
+        let mut log = vec![
+            "starting",
+            "thread 'main' panicked at src/x.rs:1:1:",
+            "no threads left",
+            "stack backtrace:",
+        ];
+        let frames: Vec<String> = (0..40).map(|i| format!("  {i}: frame")).collect();
+        log.extend(frames.iter().map(String::as_str));
+        let e = excerpt(&log.join("\n"));
+        assert!(
+            e.starts_with("thread 'main' panicked at src/x.rs:1:1:\nno threads left\n[…]\n"),
+            "{e}"
+        );
+        assert!(e.ends_with("  39: frame"), "{e}");
+        assert!(!e.contains("stack backtrace:"), "{e}");
+    }
+
+    #[test]
+    fn a_short_log_is_shown_whole_and_an_empty_one_said_so() {
+        assert_eq!(excerpt("a\nb"), "a\nb");
+        assert_eq!(excerpt(""), "(no output)");
+        let short = "thread 'main' panicked at a.rs:1:1:\nboom";
+        assert_eq!(excerpt(short), short);
+    }
 }
