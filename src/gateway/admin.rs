@@ -146,12 +146,12 @@ impl Admin {
                     metrics: &self.metrics,
                     store_kind: self.store.kind(),
                     meter: self.meter.as_deref(),
-                    gateway: &self.gateway,
+                    upstreams: self.gateway.upstreams_now(),
                     regions: self.regions.as_deref(),
                 };
                 json_response(
                     StatusCode::OK,
-                    self.gateway.dashboard.overview(view).await.to_string(),
+                    self.gateway.dashboard().overview(view).await.to_string(),
                 )
             }
             _ => json_response(StatusCode::NOT_FOUND, json!({"error": "not_found"}).to_string()),

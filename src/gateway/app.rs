@@ -17,7 +17,7 @@ use crate::demo::DemoUpstream;
 use crate::otel::Otel;
 use crate::regions::{RegionTasks, Regions};
 use crate::reload::{Reloader, WatchHandle};
-use crate::request::Gateway;
+use crate::request::{Gateway, Parts};
 use crate::server::{self, ServerLimits, stopped, tls};
 use tollgate_limit::clock::{Clock, SystemClock};
 use tollgate_meter::counter::{self, Meter, Sink};
@@ -290,31 +290,31 @@ async fn assemble(
     metrics: &Arc<Metrics>,
     stop_rx: &watch::Receiver<bool>,
 ) -> Result<Assembled, StartError> {
-    let mut gateway = Gateway::new(rules.clone(), store.clone(), cfg.trusted.clone(), metrics.clone());
-    gateway.proxy.body_timeout = cfg.limits.body_read_timeout;
-    gateway.drain_within = cfg.limits.header_read_timeout;
-    gateway.clock = cfg.clock.clone();
+    let mut parts = Parts::new(rules.clone(), store.clone(), cfg.trusted.clone(), metrics.clone());
+    parts.body_timeout = cfg.limits.body_read_timeout;
+    parts.drain_within = cfg.limits.header_read_timeout;
+    parts.clock = cfg.clock.clone();
     let otel = match &cfg.otlp {
         Some(o) => Some(Arc::new(
             Otel::start(o, metrics.otlp_spans_dropped.clone()).map_err(StartError::Otlp)?,
         )),
         None => None,
     };
-    gateway.otel = otel.clone();
-    gateway.access = cfg.access_log.clone();
+    parts.otel = otel.clone();
+    parts.access = cfg.access_log.clone();
     let (meter, meter_task, flag_task) = match &cfg.meter {
         Some(m) => {
             let metering = start_meter(m, &cfg.store).await?;
             let follow = tokio::spawn(tollgate_meter::flags::follow(
                 metering.flags,
-                gateway.quota_flags.clone(),
+                parts.quota_flags.clone(),
                 FLAG_READ,
             ));
             (Some(metering.meter), Some(metering.task), Some(follow))
         }
         None => (None, None, None),
     };
-    gateway.meter = meter.clone();
+    parts.meter = meter.clone();
     let (regions, region_tasks) = match &cfg.regions {
         Some(rc) => {
             let r = Regions::connect(rc.clone()).map_err(StartError::Regions)?;
@@ -337,7 +337,7 @@ async fn assemble(
             (None, None)
         }
     };
-    gateway.regions = regions.clone();
+    parts.regions = regions.clone();
     // Seats of limits on requests in flight live beside the buckets: in Redis for a fleet.
     let seat_renewal = match &cfg.store {
         StoreUrl::Memory => None,
@@ -347,13 +347,13 @@ async fn assemble(
     .map(|client| -> Result<_, StartError> {
         let client = client.map_err(StartError::Store)?;
         let seats = RedisSeats::new(client, cfg.seat_lease, cfg.store_timeout.max(SEAT_TIMEOUT));
-        gateway.seats = seats.clone();
+        parts.seats = seats.clone();
         Ok(tokio::spawn(seats.renew(stop_rx.clone())))
     })
     .transpose()?;
     Ok(Assembled {
-        quota_flags: gateway.quota_flags.clone(),
-        gateway: Arc::new(gateway),
+        quota_flags: parts.quota_flags.clone(),
+        gateway: Arc::new(Gateway::new(parts)),
         otel,
         meter,
         meter_task,
@@ -451,7 +451,7 @@ fn serve_admin(
     limits: ServerLimits,
     stop_rx: &watch::Receiver<bool>,
 ) -> [JoinHandle<usize>; 2] {
-    let sampler = handler.gateway.dashboard.clone().run(
+    let sampler = handler.gateway.dashboard().clone().run(
         handler.rules.clone(),
         handler.metrics.clone(),
         stop_rx.clone(),

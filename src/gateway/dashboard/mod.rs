@@ -17,7 +17,6 @@ use tollgate_telemetry::metrics::{LimitDecision, LimitLabel, LimitPolicy, Metric
 
 use crate::regions::Regions;
 use crate::reload::Reloader;
-use crate::request::Gateway;
 
 /// Seconds of history a chart shows.
 const SECONDS: usize = 300;
@@ -185,7 +184,7 @@ impl Dashboard {
     }
 
     /// `GET /admin/api/overview`.
-    pub async fn overview(&self, v: View<'_>) -> Value {
+    pub(crate) async fn overview(&self, v: View<'_>) -> Value {
         let snap = v.rules.load();
         let (history, at_ms, len) = {
             let h = self.history.lock().unwrap_or_else(PoisonError::into_inner);
@@ -232,9 +231,8 @@ impl Dashboard {
             .map_or((None, None), |(a, b)| (Some(a * 1e3), Some(b * 1e3)));
         let admitted_keys = v.meter.map(|m| top(m.totals(), TOP));
         let upstreams: Vec<Value> = v
-            .gateway
-            .upstreams_now()
-            .into_iter()
+            .upstreams
+            .iter()
             .map(|u| {
                 let status = |s: u16| -> u64 {
                     snap.routes
@@ -303,14 +301,24 @@ fn pairs(k: &[(Arc<str>, u64)]) -> Vec<Value> {
         .collect()
 }
 
-/// What the overview reads.
-pub struct View<'a> {
+/// An upstream as the dashboard shows it; in flight is counted only under a limit.
+pub(crate) struct UpstreamNow {
+    pub name: Arc<str>,
+    pub in_flight: Option<u32>,
+    /// The adaptive limit now (under the static cap), or the static cap.
+    pub limit: Option<u32>,
+    pub adaptive: bool,
+}
+
+/// What the overview reads: the gateway's counters as plain values, not the gateway itself.
+pub(crate) struct View<'a> {
     pub rules: &'a ArcSwap<Snapshot>,
     pub reloader: &'a Reloader,
     pub metrics: &'a Metrics,
     pub store_kind: &'static str,
     pub meter: Option<&'a Meter>,
-    pub gateway: &'a Gateway,
+    /// Each upstream of the running rules, as its gate stands now.
+    pub upstreams: Vec<UpstreamNow>,
     pub regions: Option<&'a Regions>,
 }
 

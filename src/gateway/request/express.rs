@@ -716,14 +716,14 @@ mod tests {
             tollgate_rules::CompileOptions::default(),
         )
         .unwrap();
-        Gateway::new(
+        Gateway::new(crate::request::Parts::new(
             std::sync::Arc::new(arc_swap::ArcSwap::from_pointee(snap)),
             std::sync::Arc::new(tollgate_store::memory::MemoryStore::new(
                 tollgate_limit::clock::ManualClock::new(0),
             )),
             Default::default(),
             tollgate_telemetry::metrics::Metrics::new(),
-        )
+        ))
     }
 
     /// hyper moves the service's future into each h2 stream's task, and the task into tokio's

@@ -2,6 +2,7 @@
 //! and places, the metric handles, rebuilt when the rules change.
 
 use super::*;
+use crate::dashboard::UpstreamNow;
 
 /// What the gateway keeps alive for one rules snapshot: its metric handles, and each upstream's
 /// kept connections and in-flight places. The rules are plain data; what lives on between
@@ -13,15 +14,6 @@ pub struct Live {
     /// Per key, in the snapshot's order, its metering counter (the same one across reloads);
     /// empty when metering is off.
     pub(super) meter: Vec<Arc<AtomicU64>>,
-}
-
-/// An upstream as the dashboard shows it; in flight is counted only under a limit.
-pub(crate) struct UpstreamNow {
-    pub name: Arc<str>,
-    pub in_flight: Option<u32>,
-    /// The adaptive limit now (under the static cap), or the static cap.
-    pub limit: Option<u32>,
-    pub adaptive: bool,
 }
 
 pub struct LiveUpstream {

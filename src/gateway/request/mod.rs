@@ -58,67 +58,117 @@ use tollgate_telemetry::metrics::{Handles, Metrics};
 
 pub(crate) static X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
 
-/// Everything a request needs, shared by all connections.
+/// Everything a request needs, shared by all connections. Built whole from [`Parts`]: nothing
+/// changes a gateway once it serves, and only the request's steps (this module's files) read
+/// its fields.
 pub struct Gateway {
-    pub rules: Arc<ArcSwap<Snapshot>>,
-    pub store: Arc<dyn Store>,
-    pub proxy: Proxy,
-    pub trusted: TrustedProxies,
-    pub metrics: Arc<Metrics>,
-    /// Counts admitted requests per key for billing, apart from the limiter; `None`: off.
-    pub meter: Option<Arc<Meter>>,
-    /// The quota flags metering sets, as last read (every second).
-    pub quota_flags: Arc<ArcSwap<Flags>>,
+    rules: Arc<ArcSwap<Snapshot>>,
+    store: Arc<dyn Store>,
+    proxy: Proxy,
+    trusted: TrustedProxies,
+    metrics: Arc<Metrics>,
+    meter: Option<Arc<Meter>>,
+    quota_flags: Arc<ArcSwap<Flags>>,
     /// The dashboard's counts that no metric keeps (refusals per key).
-    pub dashboard: Arc<crate::dashboard::Dashboard>,
-    /// Seats of limits on requests in flight: the store's (Redis), or this gateway's.
-    pub seats: Arc<dyn Seats>,
+    dashboard: Arc<crate::dashboard::Dashboard>,
+    seats: Arc<dyn Seats>,
     /// Seats kept here while the store's can't be reached, for limits that fail `local`.
     local_seats: MemorySeats,
-    /// Limits shared with other Regions: their shares replace the limits' own numbers.
-    pub regions: Option<Arc<crate::regions::Regions>>,
-    /// Wall-clock time for quota periods (tests pass a manual clock).
-    pub clock: Arc<dyn Clock>,
-    /// A span per request over OTLP; `None`: off, and nothing is built.
-    pub otel: Option<Arc<crate::otel::Otel>>,
-    /// Access lines in a conventional format, formatted on their writer thread; `None`: each
-    /// request's line is a `tollgate::access` log event.
-    pub access: Option<crate::access::AccessLog>,
-    /// The longest wait for the rest of a body whose request was answered before it arrived
-    /// (the server's header read timeout): past it, the answer closes the connection.
-    pub drain_within: std::time::Duration,
+    regions: Option<Arc<crate::regions::Regions>>,
+    clock: Arc<dyn Clock>,
+    otel: Option<Arc<crate::otel::Otel>>,
+    access: Option<crate::access::AccessLog>,
+    drain_within: std::time::Duration,
     shadow_log: Sampler,
     live: ArcSwap<Live>,
     building: std::sync::Mutex<()>,
 }
 
-impl Gateway {
+/// What a gateway is built from: the four it cannot run without, and the rest with defaults
+/// for one process without metering, spans or Regions. Start-up fills it in, then
+/// [`Gateway::new`] takes it whole.
+pub struct Parts {
+    pub rules: Arc<ArcSwap<Snapshot>>,
+    pub store: Arc<dyn Store>,
+    pub trusted: TrustedProxies,
+    pub metrics: Arc<Metrics>,
+    /// The longest wait for more of a client's body while it is forwarded.
+    pub body_timeout: std::time::Duration,
+    /// The longest wait for the rest of a body whose request was answered before it arrived
+    /// (the server's header read timeout): past it, the answer closes the connection.
+    pub drain_within: std::time::Duration,
+    /// Wall-clock time for quota periods (tests pass a manual clock).
+    pub clock: Arc<dyn Clock>,
+    /// Counts admitted requests per key for billing, apart from the limiter; `None`: off.
+    pub meter: Option<Arc<Meter>>,
+    /// The quota flags metering sets, as last read (every second).
+    pub quota_flags: Arc<ArcSwap<Flags>>,
+    /// Seats of limits on requests in flight: the store's (Redis), or this gateway's.
+    pub seats: Arc<dyn Seats>,
+    /// Limits shared with other Regions: their shares replace the limits' own numbers.
+    pub regions: Option<Arc<crate::regions::Regions>>,
+    /// A span per request over OTLP; `None`: off, and nothing is built.
+    pub otel: Option<Arc<crate::otel::Otel>>,
+    /// Access lines in a conventional format, formatted on their writer thread; `None`: each
+    /// request's line is a `tollgate::access` log event.
+    pub access: Option<crate::access::AccessLog>,
+}
+
+impl Parts {
     pub fn new(
         rules: Arc<ArcSwap<Snapshot>>,
         store: Arc<dyn Store>,
         trusted: TrustedProxies,
         metrics: Arc<Metrics>,
-    ) -> Gateway {
-        Gateway {
+    ) -> Parts {
+        let limits = crate::server::ServerLimits::default();
+        Parts {
             rules,
             store,
-            proxy: Proxy::new(),
             trusted,
             metrics,
+            body_timeout: limits.body_read_timeout,
+            drain_within: limits.header_read_timeout,
+            clock: tollgate_limit::clock::SystemClock::shared(),
             meter: None,
             quota_flags: Arc::new(ArcSwap::from_pointee(Flags::default())),
-            regions: None,
-            dashboard: crate::dashboard::Dashboard::new(),
             seats: Arc::new(MemorySeats::new()),
-            local_seats: MemorySeats::new(),
-            clock: tollgate_limit::clock::SystemClock::shared(),
+            regions: None,
             otel: None,
             access: None,
-            drain_within: crate::server::ServerLimits::default().header_read_timeout,
+        }
+    }
+}
+
+impl Gateway {
+    pub fn new(p: Parts) -> Gateway {
+        let mut proxy = Proxy::new();
+        proxy.body_timeout = p.body_timeout;
+        Gateway {
+            rules: p.rules,
+            store: p.store,
+            proxy,
+            trusted: p.trusted,
+            metrics: p.metrics,
+            meter: p.meter,
+            quota_flags: p.quota_flags,
+            regions: p.regions,
+            dashboard: crate::dashboard::Dashboard::new(),
+            seats: p.seats,
+            local_seats: MemorySeats::new(),
+            clock: p.clock,
+            otel: p.otel,
+            access: p.access,
+            drain_within: p.drain_within,
             shadow_log: Sampler::new(std::time::Duration::from_secs(1)),
             live: ArcSwap::from_pointee(Live::default()),
             building: std::sync::Mutex::new(()),
         }
+    }
+
+    /// The dashboard's counts this gateway keeps.
+    pub(crate) fn dashboard(&self) -> &Arc<crate::dashboard::Dashboard> {
+        &self.dashboard
     }
 }
 
@@ -160,12 +210,12 @@ mod tests {
         )
         .unwrap();
         let snap = Arc::new(snap);
-        let gw = Gateway::new(
+        let gw = Gateway::new(Parts::new(
             Arc::new(ArcSwap::new(snap.clone())),
             Arc::new(MemoryStore::new(ManualClock::new(0))),
             TrustedProxies::default(),
             Metrics::new(),
-        );
+        ));
         for _ in 0..300 {
             let barrier = std::sync::Barrier::new(8);
             let lives: Vec<Arc<Live>> = std::thread::scope(|s| {
