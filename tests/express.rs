@@ -335,7 +335,7 @@ async fn a_pipelined_connection_moves_to_hyper_mid_stream_and_keeps_its_order() 
             (200, b"hello".to_vec())
         ]
     );
-    // And the framing watcher still sees hyper's requests from their first byte.
+    // And the smuggling watcher still sees hyper's requests from their first byte.
     s.write_all(
         b"POST /v1/echo HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
     )

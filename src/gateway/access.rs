@@ -1,7 +1,7 @@
 //! The access log in a conventional format (`--access-log-format json|combined`): each
 //! request's record, the writer thread that formats and writes it, and the two formats.
 //!
-//! A request only fills a boxed [`Record`] of plain values as it goes and hands the box over a
+//! A request only fills a boxed [`AccessEntry`] of plain values as it goes and hands the box over a
 //! bounded channel; the text (the local time, the escaping, the JSON) is made on the writer
 //! thread, so a request pays for neither, and written in batches (`GATHER`). When the channel
 //! is full the record is dropped and counted, never waited for (README "Access lines").
@@ -28,7 +28,7 @@ pub enum AccessLogFormat {
 
 /// One request as its access line tells it: made when the request begins (boxed, so the
 /// request carries one pointer), filled in as it goes, and formatted by the writer thread.
-pub struct Record {
+pub struct AccessEntry {
     /// When the line was recorded: the end of the request, as nginx's `$time_local`.
     pub(crate) time: SystemTime,
     /// The TCP peer (nginx's `$remote_addr`).
@@ -57,7 +57,7 @@ pub struct Record {
     pub(crate) latency_us: u64,
 }
 
-/// A range of [`Record::text`].
+/// A range of [`AccessEntry::text`].
 #[derive(Clone, Copy)]
 struct Part(u32, u32);
 
@@ -70,7 +70,7 @@ fn push(text: &mut Vec<u8>, bytes: &[u8]) -> Part {
 /// Room for a request id of the usual length, so adding it does not move the text.
 const ID_ROOM: usize = 32;
 
-impl Record {
+impl AccessEntry {
     /// A record of a request whose head is `headers`; the rest is filled in as it goes.
     pub(crate) fn begin(
         peer: IpAddr,
@@ -79,7 +79,7 @@ impl Record {
         version: Version,
         headers: &HeaderMap,
         fingerprint: Fingerprint,
-    ) -> Box<Record> {
+    ) -> Box<AccessEntry> {
         let referer = headers.get(http::header::REFERER).map(HeaderValue::as_bytes);
         let user_agent = headers.get(http::header::USER_AGENT).map(HeaderValue::as_bytes);
         let sent_target = target(uri, version);
@@ -89,7 +89,7 @@ impl Record {
         let target = push(&mut text, sent_target.as_bytes());
         let referer = referer.map(|v| push(&mut text, v));
         let user_agent = user_agent.map(|v| push(&mut text, v));
-        Box::new(Record {
+        Box::new(AccessEntry {
             time: SystemTime::UNIX_EPOCH,
             peer,
             client_ip: None,
@@ -139,13 +139,13 @@ impl Record {
 /// request's steps end): the body's bytes counted as they go, and the line handed over when
 /// the body is done or dropped, with the time and latency of then.
 pub(crate) struct Pending {
-    record: Option<Box<Record>>,
+    record: Option<Box<AccessEntry>>,
     log: AccessLog,
     started: Instant,
 }
 
 impl Pending {
-    pub(crate) fn new(mut record: Box<Record>, log: AccessLog, started: Instant) -> Pending {
+    pub(crate) fn new(mut record: Box<AccessEntry>, log: AccessLog, started: Instant) -> Pending {
         record.body_bytes = Some(0);
         Pending {
             record: Some(record),
@@ -173,7 +173,7 @@ impl Drop for Pending {
 }
 
 enum Msg {
-    Line(Box<Record>),
+    Line(Box<AccessEntry>),
     Stop,
 }
 
@@ -195,7 +195,7 @@ impl std::fmt::Debug for AccessLog {
 impl AccessLog {
     /// Hands a finished record to the writer; when `buffer` records already wait (or the
     /// writer has stopped) it is dropped and counted instead.
-    pub(crate) fn send(&self, r: Box<Record>) {
+    pub(crate) fn send(&self, r: Box<AccessEntry>) {
         match self.tx.try_send(Msg::Line(r)) {
             Ok(()) => {}
             Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
@@ -256,7 +256,7 @@ const GATHER: Duration = Duration::from_millis(10);
 fn write_lines(format: AccessLogFormat, rx: &Receiver<Msg>, mut out: impl Write, done: &Sender<()>) {
     let mut clock = LocalClock::new();
     let mut line = Vec::with_capacity(1024);
-    let mut write = |r: &Record, out: &mut dyn Write| {
+    let mut write = |r: &AccessEntry, out: &mut dyn Write| {
         line.clear();
         render(format, r, &mut clock, &mut line);
         // A log that cannot be written has nowhere to say so.
@@ -332,7 +332,7 @@ impl LocalClock {
 }
 
 /// One line, newline included.
-pub(crate) fn render(format: AccessLogFormat, r: &Record, clock: &mut LocalClock, out: &mut Vec<u8>) {
+pub(crate) fn render(format: AccessLogFormat, r: &AccessEntry, clock: &mut LocalClock, out: &mut Vec<u8>) {
     match format {
         AccessLogFormat::Combined => combined(r, clock, out),
         AccessLogFormat::Json => json(r, clock, out),
@@ -392,7 +392,7 @@ fn quoted(out: &mut Vec<u8>, v: Option<&[u8]>) {
 /// `$remote_addr - $remote_user [$time_local] "$request" $status $body_bytes_sent
 /// "$http_referer" "$http_user_agent"`, then `request_id=… route="…" limit="…" client_ip=…
 /// fingerprint=… latency_us=…`.
-fn combined(r: &Record, clock: &mut LocalClock, out: &mut Vec<u8>) {
+fn combined(r: &AccessEntry, clock: &mut LocalClock, out: &mut Vec<u8>) {
     let mut num = itoa::Buffer::new();
     let _ = write!(out, "{} - ", r.peer);
     field(out, r.key_id.as_deref().map(str::as_bytes), true);
@@ -459,7 +459,7 @@ struct JsonLine<'a> {
     latency_us: u64,
 }
 
-fn json(r: &Record, clock: &mut LocalClock, out: &mut Vec<u8>) {
+fn json(r: &AccessEntry, clock: &mut LocalClock, out: &mut Vec<u8>) {
     let line = JsonLine {
         time: clock.iso(r.time),
         remote_addr: r.peer,
@@ -490,14 +490,14 @@ fn json(r: &Record, clock: &mut LocalClock, out: &mut Vec<u8>) {
 mod tests {
     use super::*;
 
-    fn record() -> Box<Record> {
+    fn record() -> Box<AccessEntry> {
         let mut headers = HeaderMap::new();
         headers.insert(
             http::header::USER_AGENT,
             HeaderValue::from_bytes(b"curl \"8\"\\x\xff\t").unwrap(),
         );
         let uri: Uri = "/v1/orders?id=7&q=%22".parse().unwrap();
-        let mut r = Record::begin(
+        let mut r = AccessEntry::begin(
             "10.0.0.1".parse().unwrap(),
             Method::GET,
             &uri,
@@ -561,7 +561,7 @@ mod tests {
             HeaderValue::from_bytes(b"curl \"8\"\\x\xff").unwrap(),
         );
         let uri: Uri = "https://api.example/v1/x?y=1".parse().unwrap();
-        let mut r = Record::begin(
+        let mut r = AccessEntry::begin(
             "10.0.0.1".parse().unwrap(),
             Method::GET,
             &uri,

@@ -1,5 +1,5 @@
 //! The one reader of chunked bodies (RFC 9112 §7.1), for every place that follows HTTP/1 bytes:
-//! the framing watcher on client connections, the express lane relaying an upstream's body
+//! the smuggling watcher on client connections, the express lane relaying an upstream's body
 //! verbatim, and the proxy decoding an upstream's body into frames for hyper's server.
 //!
 //! It is strict, as hyper's own decoder is: every line ends in CRLF, sizes are hex without a

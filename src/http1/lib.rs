@@ -1,4 +1,4 @@
-//! The gateway's one HTTP/1 vocabulary, shared by the framing watcher, the express lane and the
+//! The gateway's one HTTP/1 vocabulary, shared by the smuggling watcher, the express lane and the
 //! proxy: request targets in canonical form, chunked bodies, upstream response heads,
 //! `Connection` tokens, which methods may be sent twice, the method override headers
 //! (`method_override`), and which request heads are refused

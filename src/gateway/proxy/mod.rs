@@ -44,9 +44,10 @@ fn connection_named(headers: &HeaderMap) -> smallvec::SmallVec<[HeaderName; 2]> 
     named
 }
 
-/// What the proxy needs to know about the caller.
+/// Where a request comes from, as the upstream is told: its peer, whether that peer is a trusted
+/// proxy, the scheme the client used, and the key that authenticated it.
 #[derive(Debug, Clone)]
-pub struct Caller {
+pub struct Provenance {
     /// The TCP peer, its IPv4-mapped addresses as IPv4.
     pub peer: std::net::IpAddr,
     /// Whether the peer is a trusted proxy whose `X-Forwarded-*` we keep.
@@ -330,22 +331,22 @@ pub struct HeaderEdits {
 }
 
 impl HeaderEdits {
-    pub fn new(up: &Upstream, parts: &http::request::Parts, caller: Caller) -> HeaderEdits {
+    pub fn new(up: &Upstream, parts: &http::request::Parts, from: Provenance) -> HeaderEdits {
         let h = &parts.headers;
         let mut set = smallvec::SmallVec::new();
-        let credential = caller.key.as_ref().map(|k| k.2);
-        if let Some((id, tenant, _)) = caller.key {
+        let credential = from.key.as_ref().map(|k| k.2);
+        if let Some((id, tenant, _)) = from.key {
             // The upstream learns who called from us, not from the secret.
             set.push((X_TOLLGATE_KEY_ID.clone(), id));
             set.push((X_TOLLGATE_TENANT.clone(), tenant));
         }
         // Written per request rather than kept per connection: an idle connection holds less.
-        let peer = ip_value(caller.peer);
+        let peer = ip_value(from.peer);
         // A trusted proxy's hops go on with ours after them, every line of them as the client
         // address was read from (`identity::client_ip`), in one line; anyone else's are
         // dropped, so the upstream reads no address a client made up.
-        let forwarded_for = if caller.peer_trusted {
-            let element = forwarded_for_element(caller.peer, &peer);
+        let forwarded_for = if from.peer_trusted {
+            let element = forwarded_for_element(from.peer, &peer);
             if let Some(v) = appended(h, &header::FORWARDED, &element) {
                 set.push((header::FORWARDED, v));
             }
@@ -354,10 +355,10 @@ impl HeaderEdits {
             peer
         };
         set.push((X_FORWARDED_FOR.clone(), forwarded_for));
-        if !caller.peer_trusted || !h.contains_key(&X_FORWARDED_PROTO) {
-            set.push((X_FORWARDED_PROTO.clone(), HeaderValue::from_static(caller.proto)));
+        if !from.peer_trusted || !h.contains_key(&X_FORWARDED_PROTO) {
+            set.push((X_FORWARDED_PROTO.clone(), HeaderValue::from_static(from.proto)));
         }
-        if !caller.peer_trusted || !h.contains_key(&X_FORWARDED_HOST) {
+        if !from.peer_trusted || !h.contains_key(&X_FORWARDED_HOST) {
             let original_host = h.get(header::HOST).cloned().or_else(|| {
                 parts
                     .uri
@@ -372,7 +373,7 @@ impl HeaderEdits {
         HeaderEdits {
             connection_named: connection_named(h),
             credential,
-            peer_trusted: caller.peer_trusted,
+            peer_trusted: from.peer_trusted,
             set,
         }
     }
@@ -438,13 +439,13 @@ mod tests {
         .remove(0);
         let (mut parts, ()) = http::Request::new(()).into_parts();
         parts.headers = h;
-        let caller = Caller {
+        let from = Provenance {
             peer: std::net::Ipv4Addr::LOCALHOST.into(),
             peer_trusted: false,
             proto: "http",
             key: None,
         };
-        let edits = HeaderEdits::new(&up, &parts, caller);
+        let edits = HeaderEdits::new(&up, &parts, from);
         let kept: Vec<&str> = parts
             .headers
             .keys()

@@ -183,15 +183,20 @@ async fn step(
 async fn rebalance(regions: &Regions, _snap: &Snapshot, h: &mut Held, now: u64) -> Result<bool, String> {
     let cfg = &regions.cfg;
     let totals: HashMap<String, String> = timeout(regions.own.hgetall(keys::DEMAND)).await?;
-    let total_of = |slot: &str| totals.get(slot).and_then(|t| t.parse::<u64>().ok()).unwrap_or(0);
-    let slots = regions.slots.load_full();
+    let total_of = |bucket: &str| {
+        totals
+            .get(bucket)
+            .and_then(|t| t.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let buckets = regions.buckets.load_full();
     if !h.measured {
         // A first agent has no earlier reading to measure demand from: it takes one now and
         // decides at the next rebalance, rather than deciding on a demand of nothing.
-        for slot in &slots.list {
+        for bucket in &buckets.list {
             h.state
                 .demand_seen
-                .insert(slot.name.clone(), total_of(&slot.name));
+                .insert(bucket.name.clone(), total_of(&bucket.name));
         }
         h.state.at_ms = now;
         h.measured = true;
@@ -214,24 +219,24 @@ async fn rebalance(regions: &Regions, _snap: &Snapshot, h: &mut Held, now: u64) 
         reclaimed: BTreeMap::new(),
     };
     let mut shares: Vec<String> = Vec::new();
-    for slot in &slots.list {
-        let total = total_of(&slot.name);
-        let demand = match next.demand_seen.get(&slot.name) {
+    for bucket in &buckets.list {
+        let total = total_of(&bucket.name);
+        let demand = match next.demand_seen.get(&bucket.name) {
             Some(&seen) if elapsed_s > 0.0 => total.saturating_sub(seen) as f64 / elapsed_s,
-            _ => next.demand.get(&slot.name).copied().unwrap_or(0.0),
+            _ => next.demand.get(&bucket.name).copied().unwrap_or(0.0),
         };
-        next.demand_seen.insert(slot.name.clone(), total);
-        next.demand.insert(slot.name.clone(), demand);
+        next.demand_seen.insert(bucket.name.clone(), total);
+        next.demand.insert(bucket.name.clone(), demand);
         let seen: Vec<tollgate_regions::Record> = others
             .iter()
-            .filter_map(|r| r.limits.get(&slot.name).cloned())
+            .filter_map(|r| r.limits.get(&bucket.name).cloned())
             .collect();
         let agent = next
             .agents
-            .entry(slot.name.clone())
-            .or_insert_with(|| first_agent(cfg, &slot.name, slot.limit, &others));
+            .entry(bucket.name.clone())
+            .or_insert_with(|| first_agent(cfg, &bucket.name, bucket.limit, &others));
         let record = agent.rebalance(
-            &Params::for_limit(slot.limit),
+            &Params::for_limit(bucket.limit),
             Design::NamedGrants,
             ReclaimRule::TwoSignals,
             View {
@@ -242,10 +247,10 @@ async fn rebalance(regions: &Regions, _snap: &Snapshot, h: &mut Held, now: u64) 
         );
         let reclaimed: BTreeMap<String, f64> = agent.reclaimed().map(|(r, a)| (r.to_string(), a)).collect();
         if !reclaimed.is_empty() {
-            out.reclaimed.insert(slot.name.clone(), reclaimed);
+            out.reclaimed.insert(bucket.name.clone(), reclaimed);
         }
-        out.limits.insert(slot.name.clone(), record);
-        shares.push(slot.name.clone());
+        out.limits.insert(bucket.name.clone(), record);
+        shares.push(bucket.name.clone());
         shares.push(agent.share().to_string());
     }
     let record = serde_json::to_string(&out).map_err(|e| e.to_string())?;
@@ -299,10 +304,12 @@ async fn rebalance(regions: &Regions, _snap: &Snapshot, h: &mut Held, now: u64) 
 /// The agent of a bucket this Region has no state for: an even split at a first start, or
 /// nothing when another Region's record shows it reclaimed this Region's share (this Region
 /// is coming back, and must be granted room by name).
-fn first_agent(cfg: &super::RegionsConfig, slot: &str, limit: f64, others: &[&RegionRecord]) -> Agent {
-    let reclaimed_from_us = others
-        .iter()
-        .any(|r| r.reclaimed.get(slot).is_some_and(|m| m.contains_key(&cfg.region)));
+fn first_agent(cfg: &super::RegionsConfig, bucket: &str, limit: f64, others: &[&RegionRecord]) -> Agent {
+    let reclaimed_from_us = others.iter().any(|r| {
+        r.reclaimed
+            .get(bucket)
+            .is_some_and(|m| m.contains_key(&cfg.region))
+    });
     if reclaimed_from_us {
         Agent::returning(cfg.region.clone())
     } else {

@@ -34,9 +34,9 @@ pub(crate) mod keys {
     pub const AGENT: &str = "tollgate:regions:agent";
     /// The agent's whole state, so a new agent goes on where the last one stopped.
     pub const STATE: &str = "tollgate:regions:state";
-    /// Slot → the share this Region's gateways enforce.
+    /// A shared bucket's name → the share this Region's gateways enforce.
     pub const SHARES: &str = "tollgate:regions:shares";
-    /// Slot → running total of requests this Region's gateways received.
+    /// A shared bucket's name → running total of requests this Region's gateways received.
     pub const DEMAND: &str = "tollgate:regions:demand";
 
     /// A Region's last record, in every Region's store.
@@ -156,7 +156,7 @@ impl RegionsConfig {
 }
 
 /// One shared bucket: a global limit of one key.
-pub(crate) struct Slot {
+pub(crate) struct SharedBucket {
     /// `LIMIT/KEYID`, its name in records and in the store.
     pub name: String,
     /// The limit all Regions share, per second.
@@ -169,20 +169,20 @@ pub(crate) struct Slot {
 
 /// The shared buckets of one rules snapshot.
 #[derive(Default)]
-pub(crate) struct Slots {
+pub(crate) struct SharedBuckets {
     /// The snapshot they were built from.
     version: u64,
     digest: String,
     by_key: HashMap<(Arc<str>, Arc<str>), usize>,
-    pub list: Vec<Slot>,
+    pub list: Vec<SharedBucket>,
 }
 
-impl Slots {
-    fn build(snap: &Snapshot, regions: usize, shares: &HashMap<String, f64>) -> Slots {
-        let mut slots = Slots {
+impl SharedBuckets {
+    fn build(snap: &Snapshot, regions: usize, shares: &HashMap<String, f64>) -> SharedBuckets {
+        let mut buckets = SharedBuckets {
             version: snap.version,
             digest: snap.digest.clone(),
-            ..Slots::default()
+            ..SharedBuckets::default()
         };
         for (li, limit) in snap.limits.iter().enumerate() {
             if limit.scope != Scope::Global {
@@ -198,10 +198,10 @@ impl Slots {
                 // Until this Region's agent publishes a share, an even split keeps the sum at
                 // the limit.
                 let share = shares.get(&name).copied().unwrap_or(per_second / regions as f64);
-                slots
+                buckets
                     .by_key
-                    .insert((limit.name.clone(), key.id.clone()), slots.list.len());
-                slots.list.push(Slot {
+                    .insert((limit.name.clone(), key.id.clone()), buckets.list.len());
+                buckets.list.push(SharedBucket {
                     name,
                     limit: per_second,
                     demand: AtomicU64::new(0),
@@ -209,7 +209,7 @@ impl Slots {
                 });
             }
         }
-        slots
+        buckets
     }
 
     fn same_rules(&self, snap: &Snapshot) -> bool {
@@ -253,7 +253,7 @@ pub(crate) fn share_params(share: f64) -> Option<BucketParams> {
 /// every Region's store its tasks use.
 pub struct Regions {
     pub cfg: RegionsConfig,
-    pub(crate) slots: ArcSwap<Slots>,
+    pub(crate) buckets: ArcSwap<SharedBuckets>,
     /// This Region's store.
     pub(crate) own: Client,
     /// Every Region's store, by name (this Region's too).
@@ -280,7 +280,7 @@ impl Regions {
         let health = Arc::new(Health::new(&cfg.health));
         Ok(Arc::new(Regions {
             cfg,
-            slots: ArcSwap::from_pointee(Slots::default()),
+            buckets: ArcSwap::from_pointee(SharedBuckets::default()),
             own,
             stores,
             health,
@@ -294,9 +294,9 @@ impl Regions {
     /// arrived, so a share that is too small shows.
     pub fn apply(&self, snap: &Snapshot, key: Option<usize>, batch: &mut Batch) {
         let Some(k) = key else { return };
-        let slots = self.slots.load();
-        if !slots.same_rules(snap) {
-            // New rules: the refresher rebuilds the slots within a tick; until then the limit's
+        let buckets = self.buckets.load();
+        if !buckets.same_rules(snap) {
+            // New rules: the refresher rebuilds the buckets within a tick; until then the limit's
             // own numbers hold, as on a gateway without Regions.
             return;
         }
@@ -305,18 +305,18 @@ impl Regions {
             if limit.scope != Scope::Global {
                 continue;
             }
-            let Some(&i) = slots.by_key.get(&(limit.name.clone(), snap.keys[k].id.clone())) else {
+            let Some(&i) = buckets.by_key.get(&(limit.name.clone(), snap.keys[k].id.clone())) else {
                 continue;
             };
-            let slot = &slots.list[i];
-            slot.demand.fetch_add(1, Ordering::Relaxed);
-            if let Some(p) = slot.params.load().as_deref() {
+            let bucket = &buckets.list[i];
+            bucket.demand.fetch_add(1, Ordering::Relaxed);
+            if let Some(p) = bucket.params.load().as_deref() {
                 item.charge.params = *p;
             }
         }
     }
 
-    /// Rebuilds the slots when the rules changed, reports the demand counted since the last
+    /// Rebuilds the buckets when the rules changed, reports the demand counted since the last
     /// call, and takes the shares this Region's agent published.
     async fn refresh(&self, snap: &Snapshot) -> Result<(), String> {
         let shares: HashMap<String, String> = timeout(self.own.hgetall(keys::SHARES)).await?;
@@ -324,32 +324,35 @@ impl Regions {
             .into_iter()
             .filter_map(|(k, v)| v.parse().ok().map(|v| (k, v)))
             .collect();
-        let current = self.slots.load_full();
+        let current = self.buckets.load_full();
         if !current.same_rules(snap) {
-            self.slots
-                .store(Arc::new(Slots::build(snap, self.cfg.stores.len(), &shares)));
+            self.buckets.store(Arc::new(SharedBuckets::build(
+                snap,
+                self.cfg.stores.len(),
+                &shares,
+            )));
         } else {
-            for slot in &current.list {
-                if let Some(&s) = shares.get(&slot.name) {
-                    slot.params.store(share_params(s).map(Arc::new));
+            for bucket in &current.list {
+                if let Some(&s) = shares.get(&bucket.name) {
+                    bucket.params.store(share_params(s).map(Arc::new));
                 }
             }
         }
-        // Counts from slots just replaced are reported too: a reload loses no demand.
+        // Counts from buckets just replaced are reported too: a reload loses no demand.
         let mut counts: Vec<(String, u64)> = Vec::new();
-        for slot in &current.list {
-            let n = slot.demand.swap(0, Ordering::Relaxed);
+        for bucket in &current.list {
+            let n = bucket.demand.swap(0, Ordering::Relaxed);
             if n > 0 {
-                counts.push((slot.name.clone(), n));
+                counts.push((bucket.name.clone(), n));
             }
         }
         for (i, (name, n)) in counts.iter().enumerate() {
             let r: Result<i64, String> = timeout(self.own.hincrby(keys::DEMAND, name, *n as i64)).await;
             if let Err(e) = r {
                 // Put back what could not be written, so the next report carries it.
-                let slots = self.slots.load();
+                let buckets = self.buckets.load();
                 for (name, n) in &counts[i..] {
-                    if let Some(s) = slots.list.iter().find(|s| &s.name == name) {
+                    if let Some(s) = buckets.list.iter().find(|s| &s.name == name) {
                         s.demand.fetch_add(*n, Ordering::Relaxed);
                     }
                 }

@@ -88,9 +88,9 @@ pub(crate) async fn describe(regions: &Regions, now_ms: u64) -> Value {
                 let limits: serde_json::Map<String, Value> = r
                     .limits
                     .iter()
-                    .map(|(slot, rec)| {
+                    .map(|(bucket, rec)| {
                         (
-                            slot.clone(),
+                            bucket.clone(),
                             json!({"demand": rec.demand, "share": rec.share, "unmet": rec.unmet, "granted": rec.granted}),
                         )
                     })
@@ -117,21 +117,21 @@ pub(crate) async fn describe(regions: &Regions, now_ms: u64) -> Value {
         errors.push(format!("shares: {e}"));
         BTreeMap::new()
     });
-    let slots = regions.slots.load();
-    let limits: serde_json::Map<String, Value> = slots
+    let buckets = regions.buckets.load();
+    let limits: serde_json::Map<String, Value> = buckets
         .list
         .iter()
-        .map(|slot| {
-            let a = state.agents.get(&slot.name);
-            let enforced = slot.params.load().as_deref().map(
+        .map(|bucket| {
+            let a = state.agents.get(&bucket.name);
+            let enforced = bucket.params.load().as_deref().map(
                 |p| json!({"rate": p.rate.tokens as f64 * 1e6 / p.rate.period_us as f64, "burst": p.burst}),
             );
             let reclaimed: BTreeMap<&str, f64> = a.map(|a| a.reclaimed().collect()).unwrap_or_default();
             (
-                slot.name.clone(),
+                bucket.name.clone(),
                 json!({
-                    "limit": slot.limit,
-                    "share": shares.get(&slot.name).and_then(|s| s.parse::<f64>().ok()),
+                    "limit": bucket.limit,
+                    "share": shares.get(&bucket.name).and_then(|s| s.parse::<f64>().ok()),
                     "pool": a.map_or(0.0, Agent::pool),
                     "target": a.map(Agent::target),
                     "reclaimed": reclaimed,

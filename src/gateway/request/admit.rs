@@ -115,13 +115,13 @@ impl Gateway {
         parts: &mut http::request::Parts,
         body_value: Option<&[u8]>,
     ) -> Result<Forward, Answer> {
-        let (snap, live, trace) = (&*b.snap, &*b.live, &mut b.trace);
+        let (snap, live, facts) = (&*b.snap, &*b.live, &mut b.facts);
         let route = &snap.routes[c.route];
         let quota = match c
             .key
             .and_then(|(k, _)| snap.keys[k].quota.as_ref().map(|q| (k, q)))
         {
-            Some((k, q)) => Some(Box::new(self.quota(snap, k, q, trace).map_err(|r| *r)?)),
+            Some((k, q)) => Some(Box::new(self.quota(snap, k, q, facts).map_err(|r| *r)?)),
             None => None,
         };
         let with_quota = |mut a: Answer| {
@@ -129,17 +129,17 @@ impl Gateway {
             a
         };
         let Charged { budget, paid, seats } = self
-            .limit(snap, route, &c, &parts.headers, body_value, &live.handles, trace)
+            .limit(snap, route, &c, &parts.headers, body_value, &live.handles, facts)
             .await
             .map_err(with_quota)?;
         let upstream = &snap.upstreams[route.upstream];
         let place = self
-            .gate(upstream, &live.upstreams[route.upstream], trace)
+            .gate(upstream, &live.upstreams[route.upstream], facts)
             .await
             .map_err(with_quota)?;
         crate::proxy::retarget(upstream, parts).map_err(Answer::from)?;
-        trace.metered = c.key.map(|(k, _)| k);
-        trace.admitted = true;
+        facts.metered = c.key.map(|(k, _)| k);
+        facts.admitted = true;
         Ok(Forward {
             upstream: route.upstream,
             fields: RateFields { budget, quota },
@@ -157,7 +157,7 @@ impl Gateway {
         snap: &Snapshot,
         h: &Handles,
         batch: &Batch,
-        trace: &mut Trace,
+        facts: &mut Facts,
     ) -> Result<(Decision, Outcome), StoreError> {
         let started = Instant::now();
         let result = self.store.check(batch).await;
@@ -166,7 +166,7 @@ impl Gateway {
         let outcome = match result {
             Ok(o) => o,
             Err(e) => {
-                trace.check = Some(crate::otel::Checked::failed(took));
+                facts.check = Some(crate::otel::Checked::failed(took));
                 let kind = if e == StoreError::Timeout {
                     "timeout"
                 } else {
@@ -180,7 +180,7 @@ impl Gateway {
             }
         };
         let decision = decide(batch, &outcome);
-        trace.check = Some(crate::otel::Checked::new(took, &decision));
+        facts.check = Some(crate::otel::Checked::new(took, &decision));
         self.count(snap, h, batch, &decision);
         Ok((decision, outcome))
     }
@@ -226,7 +226,7 @@ impl Gateway {
         headers: &http::HeaderMap,
         body_value: Option<&[u8]>,
         h: &Handles,
-        trace: &mut Trace,
+        facts: &mut Facts,
     ) -> Result<Charged, Answer> {
         let key_idx = c.key.map(|k| k.0);
         let caller = c.caller();
@@ -238,7 +238,7 @@ impl Gateway {
                     .iter()
                     .any(|&(li, _)| snap.limits[li as usize].concurrent.is_some()) =>
             {
-                self.take_seats(snap, route, k, trace).await?
+                self.take_seats(snap, route, k, facts).await?
             }
             _ => Vec::new(),
         };
@@ -255,14 +255,14 @@ impl Gateway {
                 ..Charged::default()
             });
         }
-        let (d, outcome) = match self.check(snap, h, &batch, trace).await {
+        let (d, outcome) = match self.check(snap, h, &batch, facts).await {
             Ok(d) => d,
             Err(e) => {
                 tracing::warn!(error = %e, "limiter store failed");
                 return Err(Refusal::LimiterUnavailable.into());
             }
         };
-        trace.limit = deciding_name(snap, &batch, &d);
+        facts.limit = deciding_name(snap, &batch, &d);
         match d {
             Decision::Admitted(_) => {}
             Decision::Unavailable(_) => return Err(Refusal::LimiterUnavailable.into()),
@@ -287,7 +287,7 @@ impl Gateway {
         snap: &Snapshot,
         route: &tollgate_rules::Route,
         key: usize,
-        trace: &mut Trace,
+        facts: &mut Facts,
     ) -> Result<Vec<Seat>, Answer> {
         let mut seats = Vec::new();
         for &(li, _) in &route.costs {
@@ -311,7 +311,7 @@ impl Gateway {
             match taken {
                 Taken::Seat(s) => seats.push(s),
                 Taken::Full { in_use } => {
-                    trace.limit = Some(limit.name.clone());
+                    facts.limit = Some(limit.name.clone());
                     let refusal = Refusal::TooManyInFlight {
                         limit: limit.name.to_string(),
                         max: c.max,
@@ -332,12 +332,12 @@ impl Gateway {
         &self,
         upstream: &tollgate_rules::Upstream,
         live: &LiveUpstream,
-        trace: &mut Trace,
+        facts: &mut Facts,
     ) -> Result<Place, Answer> {
         match live.places.acquire(upstream.queue_timeout).await {
             Some(p) => Ok(p),
             None => {
-                trace.limit = Some(OVERLOADED.clone());
+                facts.limit = Some(OVERLOADED.clone());
                 Err(Refusal::UpstreamOverloaded { retry_after: 1 }.into())
             }
         }
@@ -351,7 +351,7 @@ impl Gateway {
         snap: &Snapshot,
         key: usize,
         quota: &Quota,
-        trace: &mut Trace,
+        facts: &mut Facts,
     ) -> Result<QuotaHeaders, Box<Answer>> {
         let now_ms = (self.clock.now_us() / 1000) as i64;
         let flags = self.quota_flags.load();
@@ -360,7 +360,7 @@ impl Gateway {
         let headers = QuotaHeaders::new(quota, &period, flag, now_ms);
         match flag {
             Some(f) if f.blocks(now_ms) && f.period == period.label => {
-                trace.limit = Some(QUOTA.clone());
+                facts.limit = Some(QUOTA.clone());
                 let mut a = Answer::from(Refusal::QuotaExceeded {
                     quota: quota.per.as_str(),
                     retry_after: period.secs_to_reset(now_ms),

@@ -5,7 +5,7 @@ use super::*;
 
 /// What the access line and the metrics need to know about one request.
 #[derive(Default)]
-pub(super) struct Trace {
+pub(super) struct Facts {
     pub(super) route: Option<usize>,
     pub(super) limit: Option<Arc<str>>,
     pub(super) key_id: Option<Arc<str>>,
@@ -20,10 +20,10 @@ pub(super) struct Trace {
     /// Admitted, and on its way upstream.
     pub(super) admitted: bool,
     /// Its line for `--access-log-format`, filled in as it goes.
-    pub(super) access: Option<Box<crate::access::Record>>,
+    pub(super) access: Option<Box<crate::access::AccessEntry>>,
 }
 
-impl Trace {
+impl Facts {
     /// What the request came to, for its span.
     pub(super) fn facts<'a>(&'a self, b: &'a Begun<'_>, status: u16) -> crate::otel::Facts<'a> {
         crate::otel::Facts {
@@ -70,7 +70,7 @@ pub struct Begun<'g> {
     pub(super) started: Instant,
     pub request_id: HeaderValue,
     pub(super) method: http::Method,
-    pub(super) trace: Trace,
+    pub(super) facts: Facts,
     pub(super) _in_flight: InFlight<'g>,
 }
 
@@ -87,7 +87,7 @@ impl Begun<'_> {
     /// The bytes of the answer's body the client was sent, for the access line (`None`: not
     /// known).
     pub(crate) fn body_sent(&mut self, bytes: Option<u64>) {
-        if let Some(r) = &mut self.trace.access {
+        if let Some(r) = &mut self.facts.access {
             r.body_bytes = bytes;
         }
     }
@@ -95,14 +95,14 @@ impl Begun<'_> {
 
 /// The request's `--access-log-format` record, filled in with how it ended; `None` when it has
 /// none (the format is off, or the record went with the body).
-pub(super) fn access_line(b: &mut Begun<'_>, status: u16) -> Option<Box<crate::access::Record>> {
-    let mut r = b.trace.access.take()?;
+pub(super) fn access_line(b: &mut Begun<'_>, status: u16) -> Option<Box<crate::access::AccessEntry>> {
+    let mut r = b.facts.access.take()?;
     r.time = std::time::SystemTime::now();
     r.status = status;
     r.set_request_id(&b.request_id);
-    r.route = b.trace.route.map(|i| b.snap.routes[i].name.clone());
-    r.limit = b.trace.limit.clone();
-    r.key_id = b.trace.key_id.clone();
+    r.route = b.facts.route.map(|i| b.snap.routes[i].name.clone());
+    r.limit = b.facts.limit.clone();
+    r.key_id = b.facts.key_id.clone();
     r.latency_us = b.started.elapsed().as_micros() as u64;
     Some(r)
 }
@@ -115,7 +115,7 @@ impl Drop for Begun<'_> {
         };
         let gw = self.gw;
         gw.record(self, status);
-        if let Some(span) = self.trace.span.take() {
+        if let Some(span) = self.facts.span.take() {
             self.gw.end_span(self, &span, status);
         }
     }
@@ -130,7 +130,7 @@ impl Gateway {
         method: http::Method,
         headers: &mut http::HeaderMap,
         conn: &ConnInfo,
-        access: Option<Box<crate::access::Record>>,
+        access: Option<Box<crate::access::AccessEntry>>,
     ) -> Begun<'_> {
         let started = Instant::now();
         let in_flight = InFlight::new(&self.metrics.in_flight);
@@ -154,11 +154,11 @@ impl Gateway {
             started,
             request_id,
             method,
-            trace: Trace {
+            facts: Facts {
                 fingerprint: conn.fingerprint,
                 span: self.otel.as_ref().map(|o| o.begin(headers)),
                 access,
-                ..Trace::default()
+                ..Facts::default()
             },
             end: End::Open,
             _in_flight: in_flight,
@@ -174,9 +174,9 @@ impl Gateway {
         version: http::Version,
         headers: &http::HeaderMap,
         conn: &ConnInfo,
-    ) -> Option<Box<crate::access::Record>> {
+    ) -> Option<Box<crate::access::AccessEntry>> {
         self.access.as_ref()?;
-        Some(crate::access::Record::begin(
+        Some(crate::access::AccessEntry::begin(
             identity::canonical(conn.peer.ip()),
             method.clone(),
             uri,

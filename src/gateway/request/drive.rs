@@ -101,7 +101,7 @@ pub(crate) async fn drive<W: Wire>(
                 }
             };
         }
-        if let Some(why) = conn.framing.as_ref().and_then(|f| f.next_request()) {
+        if let Some(why) = conn.flagged_heads.as_ref().and_then(|f| f.next_request()) {
             // Framed two ways: the connection's next bytes can't be trusted.
             break 'steps Err(Answer::from(Refusal::BadRequest(why.to_string()))
                 .closing()
@@ -163,7 +163,7 @@ pub(crate) async fn drive<W: Wire>(
                 // Boxed, like every rare path here: the usual request never builds it.
                 let upstream = &b.snap.upstreams[f.upstream];
                 let mut a = Answer::from(crate::proxy::failure_answer(upstream, &failure));
-                Box::pin(gw.refund_undelivered(&b.snap, &mut b.trace, f.paid.take(), &failure)).await;
+                Box::pin(gw.refund_undelivered(&b.snap, &mut b.facts, f.paid.take(), &failure)).await;
                 a.fields = std::mem::take(&mut f.fields);
                 // Already waited out for the body timeout: no more waiting for it.
                 a.close = matches!(failure, Failure::ClientStalled);

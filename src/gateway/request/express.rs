@@ -12,7 +12,7 @@
 //! `Expect`, `Upgrade`, a body (no `Content-Length` other than one `0`) or `Connection` other
 //! than `keep-alive`. Anything else (and h2c, and heads it can't parse or that are too large)
 //! hands the connection, with every byte read so far, to hyper for the rest of its life, before
-//! the request begins; hyper and the framing watcher then see exactly the bytes they would have
+//! the request begins; hyper and the smuggling watcher then see exactly the bytes they would have
 //! seen, and answer as they always do.
 
 use std::future::Future;
@@ -56,7 +56,7 @@ enum Next {
 ///
 /// An idle keep-alive connection holds only this future: the socket, one deadline and the wait
 /// for bytes. What a request needs (buffers, the parsed head, the steps' futures) is in
-/// [`busy`]'s future, boxed when bytes arrive and dropped when none are left, so it costs an
+/// [`serve_waiting`]'s future, boxed when bytes arrive and dropped when none are left, so it costs an
 /// idle connection nothing (issue 24). Not an `async fn`, which would keep its arguments beside
 /// the locals they move into.
 #[allow(clippy::manual_async_fn, reason = "an async fn would store `io` twice")]
@@ -72,13 +72,14 @@ pub fn serve<'a, S: LaneIo>(
         // sent, so an idle keep-alive connection is closed after it too. It also times the
         // upstream's answer, which is never awaited while a head is: one timer a connection.
         let mut deadline = Deadline::new(limits.header_read_timeout);
-        if let Some(s) = &info.slot {
+        if let Some(s) = &info.entry {
             s.idle();
         }
         loop {
             // Bytes may be there already (a first request sent with the connect, a next one
-            // sent before the last answer was read): `busy` tries before anything waits.
-            match crate::boxed::boxed(|| busy(gw, &mut io, info, limits, stop, &mut deadline)).await {
+            // sent before the last answer was read): `serve_waiting` tries before anything waits.
+            match crate::boxed::boxed(|| serve_waiting(gw, &mut io, info, limits, stop, &mut deadline)).await
+            {
                 Next::Idle => {}
                 Next::Closed => break,
                 Next::HandOff(read) => return Ended::HandOff(Prefixed::new(read, io)),
@@ -115,7 +116,7 @@ async fn close<S: LaneIo>(mut io: S) {
 }
 
 /// Serves the requests whose bytes are waiting on `io`, one after another, until none are.
-async fn busy<S: LaneIo>(
+async fn serve_waiting<S: LaneIo>(
     gw: &Gateway,
     io: &mut S,
     info: &ConnInfo,
@@ -133,7 +134,7 @@ async fn busy<S: LaneIo>(
     loop {
         if !first {
             deadline.set(Instant::now() + limits.header_read_timeout);
-            if let Some(s) = &info.slot {
+            if let Some(s) = &info.entry {
                 s.idle();
             }
         }
@@ -175,7 +176,7 @@ async fn busy<S: LaneIo>(
             }
         }
         // Closed for a newcomer while the head arrived: it must not be served.
-        if info.slot.as_ref().is_some_and(|s| !s.enter()) {
+        if info.entry.as_ref().is_some_and(|s| !s.enter()) {
             return Next::Closed;
         }
         let request_bytes = buf.split_to(head.len).freeze();
@@ -705,7 +706,7 @@ mod tests {
     use tokio::net::TcpStream;
 
     /// An idle keep-alive connection holds this future and nothing of a request (issue 24):
-    /// the buffers, the parsed head and the steps live in `busy`'s boxed future. Inline, the
+    /// the buffers, the parsed head and the steps live in `serve_waiting`'s boxed future. Inline, the
     /// head alone is larger than this bound; the future measured 440 bytes when this was
     /// written, unoptimised (less in a release build).
     fn gateway() -> Gateway {
@@ -735,9 +736,9 @@ mod tests {
         let info = ConnInfo {
             peer: "127.0.0.1:1".parse().unwrap(),
             proto: "http",
-            framing: None,
+            flagged_heads: None,
             fingerprint: Default::default(),
-            slot: None,
+            entry: None,
         };
         let (call, path) = crate::server::service_future_sizes(std::sync::Arc::new(gateway()), info);
         assert!(call <= 512, "hyper's service future is {call} bytes");
@@ -756,9 +757,9 @@ mod tests {
         let info = ConnInfo {
             peer,
             proto: "http",
-            framing: None,
+            flagged_heads: None,
             fingerprint: Default::default(),
-            slot: None,
+            entry: None,
         };
         let limits = ServerLimits::default();
         let (_tx, mut stop) = watch::channel(false);

@@ -9,17 +9,17 @@ impl Gateway {
     }
 
     pub(super) fn record(&self, b: &mut Begun<'_>, status: u16) {
-        if let Some(counter) = b.trace.metered.and_then(|k| b.live.meter.get(k)) {
+        if let Some(counter) = b.facts.metered.and_then(|k| b.live.meter.get(k)) {
             counter.fetch_add(1, Ordering::Relaxed);
         }
         if status == 429
-            && let Some(k) = &b.trace.key_id
+            && let Some(k) = &b.facts.key_id
         {
             self.dashboard.refused.add(k);
         }
         b.live
             .handles
-            .request(&self.metrics, b.trace.route, &NO_ROUTE, status);
+            .request(&self.metrics, b.facts.route, &NO_ROUTE, status);
         if let Some(log) = &self.access {
             // None: handed to the answer's body, which writes it when it is sent.
             if let Some(r) = access_line(b, status) {
@@ -27,15 +27,15 @@ impl Gateway {
             }
             return;
         }
-        let route = b.trace.route.map_or("(none)", |r| &*b.snap.routes[r].name);
+        let route = b.facts.route.map_or("(none)", |r| &*b.snap.routes[r].name);
         tracing::info!(
             target: "tollgate::access",
             method = b.method.as_str(),
             route,
             status,
-            limit = b.trace.limit.as_deref().unwrap_or("-"),
-            key = b.trace.key_id.as_deref().unwrap_or("-"),
-            fingerprint = %b.trace.fingerprint,
+            limit = b.facts.limit.as_deref().unwrap_or("-"),
+            key = b.facts.key_id.as_deref().unwrap_or("-"),
+            fingerprint = %b.facts.fingerprint,
             latency_us = b.started.elapsed().as_micros() as u64,
             request_id = b.request_id.to_str().unwrap_or("-"),
             "request"
@@ -45,7 +45,7 @@ impl Gateway {
     /// Ends a request's span with what its access line says.
     pub(super) fn end_span(&self, b: &Begun<'_>, span: &crate::otel::RequestSpan, status: u16) {
         if let Some(o) = &self.otel {
-            o.end(span, &b.trace.facts(b, status));
+            o.end(span, &b.facts.facts(b, status));
         }
     }
 }

@@ -14,8 +14,9 @@ impl Gateway {
         conn: &ConnInfo,
     ) -> crate::proxy::HeaderEdits {
         let up = &b.snap.upstreams[f.upstream];
-        let mut edits = crate::proxy::HeaderEdits::new(up, parts, self.caller(&b.snap, &f.classified, conn));
-        if let Some(s) = &b.trace.span {
+        let mut edits =
+            crate::proxy::HeaderEdits::new(up, parts, self.provenance(&b.snap, &f.classified, conn));
+        if let Some(s) = &b.facts.span {
             s.propagate(&mut edits.set);
         }
         edits
@@ -112,7 +113,7 @@ impl Gateway {
     pub(super) async fn refund_undelivered(
         &self,
         snap: &Snapshot,
-        trace: &mut Trace,
+        facts: &mut Facts,
         paid: Option<Box<Paid>>,
         failure: &crate::proxy::client::Failure,
     ) {
@@ -122,7 +123,7 @@ impl Gateway {
             return;
         }
         // What never reached its upstream is not billed either.
-        trace.metered = None;
+        facts.metered = None;
         let Some(paid) = paid else {
             return;
         };

@@ -234,10 +234,10 @@ impl Gateway {
         conn: &ConnInfo,
     ) -> Result<Classified, Answer> {
         // Disjoint borrows of the request's state, not clones of its `Arc`s.
-        let (snap, live, trace) = (&*b.snap, &*b.live, &mut b.trace);
+        let (snap, live, facts) = (&*b.snap, &*b.live, &mut b.facts);
         let peer = identity::canonical(conn.peer.ip());
         let classified = classify(snap, parts, peer, conn.fingerprint, &self.trusted);
-        if let Some(r) = &mut trace.access {
+        if let Some(r) = &mut facts.access {
             r.client_ip = match &classified {
                 Ok((c, _)) => Some(c.ip),
                 Err(Early::Unauthorized { ip, .. }) => Some(*ip),
@@ -248,10 +248,10 @@ impl Gateway {
             Ok(c) => c,
             Err(Early::Refuse(r)) => return Err(r.into()),
             Err(Early::Unauthorized { route, ip, why }) => {
-                trace.route = route;
+                facts.route = route;
                 // Boxed, like every rare path here: an async fn's future is as large as its
                 // largest state, and the common path should not carry (and copy) that size.
-                return Err(Box::pin(self.unauthorized(snap, ip, why, &live.handles, trace)).await);
+                return Err(Box::pin(self.unauthorized(snap, ip, why, &live.handles, facts)).await);
             }
         };
         if let Some(p) = path {
@@ -270,8 +270,8 @@ impl Gateway {
         {
             parts.headers.insert(http::header::HOST, host);
         }
-        trace.route = Some(c.route);
-        trace.key_id = match &c.jwt {
+        facts.route = Some(c.route);
+        facts.key_id = match &c.jwt {
             Some(j) => Some(j.id.clone()),
             None => c.key.map(|(k, _)| snap.keys[k].id.clone()),
         };
@@ -286,13 +286,13 @@ impl Gateway {
         ip: IpAddr,
         why: Refusal,
         h: &Handles,
-        trace: &mut Trace,
+        facts: &mut Facts,
     ) -> Answer {
         let batch = plan::unauthenticated_only(snap, ip);
         if batch.is_empty() {
             return why.into();
         }
-        let d = match self.check(snap, h, &batch, trace).await {
+        let d = match self.check(snap, h, &batch, facts).await {
             Err(_) => return Refusal::LimiterUnavailable.into(),
             Ok((d, _)) => d,
         };
@@ -300,7 +300,7 @@ impl Gateway {
             Decision::Unavailable(_) => return Refusal::LimiterUnavailable.into(),
             Decision::Admitted(_) => why,
             Decision::Limited(..) => {
-                trace.limit = deciding_name(snap, &batch, &d);
+                facts.limit = deciding_name(snap, &batch, &d);
                 rate_limited(snap, &batch, &d)
             }
         };
@@ -310,8 +310,13 @@ impl Gateway {
         )
     }
 
-    pub(super) fn caller<'a>(&self, snap: &'a Snapshot, c: &'a Classified, conn: &'a ConnInfo) -> Caller {
-        Caller {
+    pub(super) fn provenance<'a>(
+        &self,
+        snap: &'a Snapshot,
+        c: &'a Classified,
+        conn: &'a ConnInfo,
+    ) -> Provenance {
+        Provenance {
             peer: tollgate_rules::identity::canonical(conn.peer.ip()),
             peer_trusted: !self.trusted.is_empty() && self.trusted.contains(c.peer),
             proto: conn.proto,

@@ -35,7 +35,7 @@ use hyper::body::Incoming;
 
 use crate::concurrency::{Place, Places};
 use crate::proxy::pool::ConnPool;
-use crate::proxy::{Caller, Proxy};
+use crate::proxy::{Provenance, Proxy};
 use crate::respond::QuotaHeaders;
 use crate::respond::{Answer, Body, Budget, RateFields, Refusal};
 use crate::server::{ConnInfo, Handler};

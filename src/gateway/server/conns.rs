@@ -108,7 +108,7 @@ impl Conns {
 
     /// Takes a place for a new connection from `ip`, closing the oldest idle connection when a
     /// cap is full; refused when a full cap has none idle.
-    pub fn admit(self: &Arc<Self>, ip: IpAddr) -> Result<Slot, Refused> {
+    pub fn admit(self: &Arc<Self>, ip: IpAddr) -> Result<ConnEntry, Refused> {
         let mut t = self.table();
         if let Some(cap) = self.per_ip
             && t.per_ip.get(&ip).copied().unwrap_or(0) >= cap
@@ -164,7 +164,7 @@ impl Conns {
         *t.per_ip.entry(ip).or_insert(0) += 1;
         self.counters.open.set(t.open.len() as i64);
         self.counters.idle.set(t.idle.len() as i64);
-        Ok(Slot {
+        Ok(ConnEntry {
             conns: self.clone(),
             id,
             close,
@@ -238,13 +238,13 @@ impl Table {
 }
 
 /// A connection's place under the caps; dropping it frees the place.
-pub struct Slot {
+pub struct ConnEntry {
     conns: Arc<Conns>,
     id: u64,
     close: Arc<Notify>,
 }
 
-impl Slot {
+impl ConnEntry {
     /// A request of this connection begins: it is no longer idle. False when the connection
     /// was already closed for a newcomer: then it must not serve the request.
     pub fn enter(&self) -> bool {
@@ -268,7 +268,7 @@ impl Slot {
     }
 }
 
-impl Drop for Slot {
+impl Drop for ConnEntry {
     fn drop(&mut self) {
         self.conns.with(|t| t.remove(self.id));
     }
@@ -282,7 +282,7 @@ mod tests {
         IpAddr::from([10, 0, 0, last])
     }
 
-    fn evicted(s: &Slot) -> bool {
+    fn evicted(s: &ConnEntry) -> bool {
         // A stored permit makes `notified` ready at once.
         let mut f = std::pin::pin!(s.evicted());
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());

@@ -2,7 +2,7 @@
 //! port, and a graceful drain on shutdown.
 
 pub mod conns;
-pub mod framing;
+pub mod smuggling;
 pub mod tls;
 
 use std::convert::Infallible;
@@ -26,9 +26,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
 
 use crate::respond::Body;
-use conns::{ConnCounters, Conns, Slot};
-use framing::{Framing, Watched};
+use conns::{ConnCounters, ConnEntry, Conns};
 use prometheus_client::metrics::counter::Counter;
+use smuggling::{FlaggedHeads, Watched};
 use tollgate_hello::Fingerprint;
 use tollgate_telemetry::metrics::ShardLabel;
 
@@ -38,21 +38,21 @@ pub struct ConnInfo {
     pub peer: SocketAddr,
     /// `http` or `https`.
     pub proto: &'static str,
-    /// What the framing watcher saw of each request's raw head: made when hyper takes the
+    /// What the smuggling watcher saw of each request's raw head: made when hyper takes the
     /// connection, so a connection the express lane serves doesn't carry one (issue 24).
-    pub framing: Option<Arc<Framing>>,
+    pub flagged_heads: Option<Arc<FlaggedHeads>>,
     /// The client fingerprint of its TLS ClientHello (`none` on plain TCP), taken once before
     /// the handshake.
     pub fingerprint: Fingerprint,
     /// Its place under `--max-connections` and `--max-connections-per-ip`, when either is set:
     /// a path serving the connection says when a request begins and ends, so that only an idle
     /// connection is closed for a newcomer.
-    pub slot: Option<Arc<Slot>>,
+    pub entry: Option<Arc<ConnEntry>>,
 }
 
-impl std::fmt::Debug for Slot {
+impl std::fmt::Debug for ConnEntry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Slot")
+        f.write_str("ConnEntry")
     }
 }
 
@@ -156,7 +156,7 @@ fn builder(limits: &ServerLimits) -> auto::Builder<TokioExecutor> {
     let mut b = auto::Builder::new(TokioExecutor::new());
     b.http1()
         .timer(TokioTimer::new())
-        // The watcher answers 408 at the head timeout (`framing::Watched`); hyper's own, which
+        // The watcher answers 408 at the head timeout (`smuggling::Watched`); hyper's own, which
         // closes without a word, is the backstop.
         .header_read_timeout(limits.header_read_timeout + Duration::from_secs(2))
         .max_buf_size(limits.max_header_bytes.max(8192));
@@ -376,7 +376,7 @@ async fn serve_listener<H: Handler>(
             },
         };
         tally.accepted.inc();
-        let slot = match &conns {
+        let entry = match &conns {
             None => None,
             Some(c) => match c.admit(tollgate_rules::identity::canonical(peer.ip())) {
                 Ok(s) => Some(Arc::new(s)),
@@ -392,9 +392,9 @@ async fn serve_listener<H: Handler>(
         let mut info = ConnInfo {
             peer,
             proto,
-            framing: None,
+            flagged_heads: None,
             fingerprint: Fingerprint::None,
-            slot: slot.clone(),
+            entry: entry.clone(),
         };
         // What a connection's task holds while it idles is every idle connection's memory:
         // the listener's shared part by one pointer, the socket, the `ConnInfo`, the drain's
@@ -404,7 +404,7 @@ async fn serve_listener<H: Handler>(
         match &tls {
             None => {
                 let serve = lane_first(listen, tcp, info, watcher, stop_rx.clone(), true);
-                tokio::spawn(Closable::new(slot, serve));
+                tokio::spawn(Closable::new(entry, serve));
             }
             Some(acceptor) => {
                 let acceptor = acceptor.clone();
@@ -436,7 +436,7 @@ async fn serve_listener<H: Handler>(
                     let h1 = stream.get_ref().1.alpn_protocol() != Some(b"h2");
                     lane_first(listen, stream, info, watcher, stop, h1).await;
                 };
-                tokio::spawn(Closable::new(slot, serve));
+                tokio::spawn(Closable::new(entry, serve));
             }
         }
     }
@@ -483,15 +483,15 @@ fn lane_first<H: Handler, S: LaneIo>(
             Prefixed::new(bytes::Bytes::new(), io)
         };
         // hyper counts its requests from here.
-        if let Some(s) = &info.slot {
+        if let Some(s) = &info.entry {
             s.idle();
         }
-        let framing = Arc::new(Framing::default());
-        info.framing = Some(framing.clone());
+        let flagged = Arc::new(FlaggedHeads::default());
+        info.flagged_heads = Some(flagged.clone());
         // Not captured: the task of every idle connection would carry it.
         let peer = info.peer;
         let conn = listen.builder.serve_connection(
-            TokioIo::new(Watched::new(io, framing, listen.limits.header_read_timeout)),
+            TokioIo::new(Watched::new(io, flagged, listen.limits.header_read_timeout)),
             service(listen.handler.clone(), info),
         );
         // Boxed: allocated only for connections handed to hyper.
@@ -559,7 +559,7 @@ fn service<H: Handler>(
         let handler = handler.clone();
         let info = info.clone();
         async move {
-            let busy = Busy::enter(info.slot.clone());
+            let busy = Busy::enter(info.entry.clone());
             // Boxed: hyper moves the service's future into each h2 stream's task and the task
             // into tokio's cell, and inline the general path's future (over a KiB) rode along
             // in every move (a profile of h2: memcpy 5.5% of the CPU, most of it here). A box
@@ -585,10 +585,10 @@ pin_project_lite::pin_project! {
 }
 
 impl<F> Closable<F> {
-    fn new(slot: Option<Arc<Slot>>, serve: F) -> Closable<F> {
+    fn new(entry: Option<Arc<ConnEntry>>, serve: F) -> Closable<F> {
         Closable {
             serve,
-            evicted: slot.map(|s| Box::pin(s.evicted())),
+            evicted: entry.map(|s| Box::pin(s.evicted())),
         }
     }
 }
@@ -610,12 +610,12 @@ impl<F: Future<Output = ()>> Future for Closable<F> {
 
 /// One request in flight on hyper's path, from the service's call until hyper drops its
 /// response body (sent whole, or the connection ended).
-struct Busy(Option<Arc<Slot>>);
+struct Busy(Option<Arc<ConnEntry>>);
 
 impl Busy {
-    fn enter(slot: Option<Arc<Slot>>) -> Busy {
+    fn enter(entry: Option<Arc<ConnEntry>>) -> Busy {
         // An evicted connection is being dropped by `closable`; nothing to count.
-        Busy(slot.filter(|s| s.enter()))
+        Busy(entry.filter(|s| s.enter()))
     }
 }
 

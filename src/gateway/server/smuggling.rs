@@ -29,14 +29,14 @@ const MAX_HEAD: usize = 256 * 1024;
 
 /// What the watcher found, read by the request handler.
 #[derive(Debug, Default)]
-pub struct Framing {
+pub struct FlaggedHeads {
     /// Requests the handler has started on this connection.
     served: AtomicU64,
     /// (request index, why) for every head the watcher flagged.
     flagged: Mutex<Vec<(u64, HeadError)>>,
 }
 
-impl Framing {
+impl FlaggedHeads {
     /// Called once per request, in order: the watcher's verdict on this request's head.
     pub(crate) fn next_request(&self) -> Option<HeadError> {
         let index = self.served.fetch_add(1, Ordering::AcqRel);
@@ -66,7 +66,7 @@ enum State {
 struct Watcher {
     state: State,
     heads: u64,
-    framing: Arc<Framing>,
+    flagged: Arc<FlaggedHeads>,
 }
 
 /// The trimmed value of a header line named `name` (compared case-insensitively), if it is one.
@@ -124,9 +124,9 @@ impl Watcher {
             }
         }
         if lengths > 0 && encodings > 0 {
-            self.framing.flag(index, HeadError::LengthAndEncoding);
+            self.flagged.flag(index, HeadError::LengthAndEncoding);
         } else if lengths > 1 {
-            self.framing.flag(index, HeadError::DuplicateLength);
+            self.flagged.flag(index, HeadError::DuplicateLength);
         }
         if encodings > 0 {
             return if chunked {
@@ -224,13 +224,13 @@ pub(crate) struct Watched<IO> {
 }
 
 impl<IO> Watched<IO> {
-    pub fn new(io: IO, framing: Arc<Framing>, head_timeout: Duration) -> Watched<IO> {
+    pub fn new(io: IO, flagged: Arc<FlaggedHeads>, head_timeout: Duration) -> Watched<IO> {
         Watched {
             io,
             watcher: Watcher {
                 state: State::Preface(Vec::with_capacity(H2_PREFACE.len())),
                 heads: 0,
-                framing,
+                flagged,
             },
             head_timeout,
             deadline: None,
@@ -309,17 +309,17 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Watched<IO> {
 mod tests {
     use super::*;
 
-    fn run(chunks: &[&[u8]]) -> (Arc<Framing>, u64) {
-        let framing = Arc::new(Framing::default());
+    fn run(chunks: &[&[u8]]) -> (Arc<FlaggedHeads>, u64) {
+        let flagged = Arc::new(FlaggedHeads::default());
         let mut w = Watcher {
             state: State::Preface(vec![]),
             heads: 0,
-            framing: framing.clone(),
+            flagged: flagged.clone(),
         };
         for c in chunks {
             w.feed(c);
         }
-        (framing, w.heads)
+        (flagged, w.heads)
     }
 
     #[test]
