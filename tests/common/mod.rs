@@ -592,6 +592,11 @@ impl Tollgate {
             .args(args)
             .args(meter_args)
             .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+            // A test that counts what a bucket admits needs the store's answer: 3 ms is meant for
+            // a store that answers in 1 ms, not for a debug gateway and Redis on two loaded
+            // cores, where a timed-out check goes to the limit's failure policy (fail open
+            // admits). A flag or the test's own environment still wins.
+            .env("TOLLGATE_STORE_TIMEOUT", "1s")
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(stderr)
