@@ -28,7 +28,7 @@ pub enum AccessLogFormat {
 
 /// One request as its access line tells it: made when the request begins (boxed, so the
 /// request carries one pointer), filled in as it goes, and formatted by the writer thread.
-pub struct AccessEntry {
+pub(crate) struct AccessEntry {
     /// When the line was recorded: the end of the request, as nginx's `$time_local`.
     pub(crate) time: SystemTime,
     /// The TCP peer (nginx's `$remote_addr`).

@@ -12,7 +12,7 @@ use std::ops::{Deref, DerefMut};
 use bytes::BytesMut;
 
 /// The room of a lent buffer.
-pub const SIZE: usize = 8 * 1024;
+pub(crate) const SIZE: usize = 8 * 1024;
 /// Buffers a thread keeps for the next lending: 512 KiB at most.
 const KEEP: usize = 64;
 /// A buffer grown past this (a large body relayed) is freed rather than kept.
@@ -46,9 +46,10 @@ pub fn give(mut b: BytesMut) {
 
 /// A lent buffer, given back when dropped.
 #[derive(Default)]
-pub struct Lent(BytesMut);
+pub(crate) struct Lent(BytesMut);
 
 impl Lent {
+    #[cfg(test)]
     pub fn take() -> Lent {
         Lent(take())
     }

@@ -140,7 +140,7 @@ impl Places {
 
     /// A place for one request: at once under the adaptive limit, then within `queue_timeout`
     /// under the static cap. `None`: shed (counted).
-    pub async fn acquire(&self, queue_timeout: Duration) -> Option<Place> {
+    pub(crate) async fn acquire(&self, queue_timeout: Duration) -> Option<Place> {
         let mut place = Place {
             permit: None,
             adaptive: None,

@@ -193,7 +193,7 @@ pub fn host_name() -> String {
 }
 
 /// A duration above zero.
-pub fn parse_positive_duration(text: &str) -> Result<Duration, String> {
+pub(crate) fn parse_positive_duration(text: &str) -> Result<Duration, String> {
     let d = parse_duration(text)?;
     if d.is_zero() {
         return Err(format!("{text:?} must be above zero"));

@@ -27,22 +27,22 @@
 //! - [`demo`]: the built-in demo upstream.
 
 pub mod access;
-pub mod admin;
+pub(crate) mod admin;
 pub mod app;
-pub mod boxed;
-pub mod bufs;
-pub mod concurrency;
+pub(crate) mod boxed;
+pub(crate) mod bufs;
+pub(crate) mod concurrency;
 pub mod config;
-pub mod dashboard;
+pub(crate) mod dashboard;
 pub mod demo;
 pub mod otel;
-pub mod proxy;
+pub(crate) mod proxy;
 pub mod regions;
 pub mod reload;
 pub mod request;
 pub mod respond;
 pub mod server;
-pub mod shard;
+pub(crate) mod shard;
 mod stack;
 
 pub use request::Gateway;

@@ -34,7 +34,7 @@ use tollgate_limit::decision::Decision;
 pub(crate) static TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
 
 /// Spans waiting for export at most; past it a request's span is dropped, never waited for.
-pub const QUEUE: usize = 8192;
+pub(crate) const QUEUE: usize = 8192;
 /// Spans in one OTLP request.
 const BATCH: usize = 512;
 /// How long one export may take.
@@ -55,14 +55,14 @@ pub struct OtlpConfig {
 impl OtlpConfig {
     /// The URL spans are sent to: the base endpoint's `/v1/traces`, as the OTLP exporter
     /// specification says of `OTEL_EXPORTER_OTLP_ENDPOINT`.
-    pub fn traces_url(&self) -> String {
+    pub(crate) fn traces_url(&self) -> String {
         format!("{}/v1/traces", self.endpoint.trim_end_matches('/'))
     }
 }
 
 /// `--otlp-endpoint`: an `http://` URL with a host. The exporter's client speaks plain HTTP
 /// only, so `https://` is refused here rather than failing every export later.
-pub fn parse_endpoint(text: &str) -> Result<String, String> {
+pub(crate) fn parse_endpoint(text: &str) -> Result<String, String> {
     let uri: http::Uri = text.parse().map_err(|e| format!("{text:?} is not a URL: {e}"))?;
     match uri.scheme_str() {
         Some("http") => {}
@@ -83,7 +83,7 @@ pub fn parse_endpoint(text: &str) -> Result<String, String> {
 }
 
 /// `--otlp-sample-ratio`: a number from 0.0 to 1.0.
-pub fn parse_ratio(text: &str) -> Result<f64, String> {
+pub(crate) fn parse_ratio(text: &str) -> Result<f64, String> {
     let r: f64 = text
         .trim()
         .parse()
@@ -95,7 +95,7 @@ pub fn parse_ratio(text: &str) -> Result<f64, String> {
 }
 
 /// A running exporter: the batch span processor and what every span shares.
-pub struct Otel {
+pub(crate) struct Otel {
     processor: BatchSpanProcessor<Tokio>,
     /// A new trace is sampled when its id's low 63 bits fall under this bound.
     ratio_bound: u64,

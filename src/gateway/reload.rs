@@ -41,7 +41,7 @@ pub struct Reloader {
 
 /// A reload that changed nothing: when, and why.
 #[derive(Debug, Clone)]
-pub struct Rejected {
+pub(crate) struct Rejected {
     pub at: std::time::SystemTime,
     pub why: String,
 }
@@ -59,7 +59,7 @@ impl Reloader {
     }
 
     /// The last reload that left the running rules in place.
-    pub fn last_rejected(&self) -> Option<Rejected> {
+    pub(crate) fn last_rejected(&self) -> Option<Rejected> {
         self.rejected
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -119,7 +119,7 @@ impl Reloader {
 
     /// Watches the rules file (if it is a file) and SIGHUP, reloading on each, until the
     /// returned handle is dropped.
-    pub fn watch(self: &Arc<Self>, debounce: Duration) -> Result<WatchHandle, String> {
+    pub(crate) fn watch(self: &Arc<Self>, debounce: Duration) -> Result<WatchHandle, String> {
         let (tx, mut rx) = mpsc::channel::<()>(1);
         let watch = match &self.loader.source {
             RulesSource::File(path) => Some(Arc::new(Mutex::new(PathWatch::new(path, tx.clone())?))),
@@ -306,7 +306,7 @@ impl PathWatch {
 }
 
 /// Keeps the watcher alive; dropping it stops watching.
-pub struct WatchHandle {
+pub(crate) struct WatchHandle {
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 

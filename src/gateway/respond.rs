@@ -21,7 +21,7 @@ pub(crate) type Body = Either<UpstreamBody, Full<Bytes>>;
 
 /// Bodies the gateway sends upstream: the client's streamed through under the route's size
 /// limit, or one it had to read first (to find a limit's body field).
-pub type UpBody = Either<LimitedBody, Full<Bytes>>;
+pub(crate) type UpBody = Either<LimitedBody, Full<Bytes>>;
 
 pub(crate) static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 pub(crate) static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");

@@ -18,7 +18,7 @@ thread_local! {
 }
 
 /// Says how many shards will serve; per-shard state made after this has a place for each.
-pub fn set_count(n: usize) {
+pub(crate) fn set_count(n: usize) {
     COUNT.store(n.max(1), Ordering::Relaxed);
 }
 

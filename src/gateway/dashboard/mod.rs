@@ -23,15 +23,15 @@ const SECONDS: usize = 300;
 /// How many keys each "hottest" list shows.
 const TOP: usize = 10;
 
-pub const INDEX_HTML: &str = include_str!("index.html");
-pub const APP_JS: &str = include_str!("app.js");
-pub const FAVICON: &str = include_str!("favicon.svg");
-pub const UPLOT_JS: &str = include_str!("vendor/uplot/uPlot.iife.min.js");
-pub const UPLOT_CSS: &str = include_str!("vendor/uplot/uPlot.min.css");
+pub(crate) const INDEX_HTML: &str = include_str!("index.html");
+pub(crate) const APP_JS: &str = include_str!("app.js");
+pub(crate) const FAVICON: &str = include_str!("favicon.svg");
+pub(crate) const UPLOT_JS: &str = include_str!("vendor/uplot/uPlot.iife.min.js");
+pub(crate) const UPLOT_CSS: &str = include_str!("vendor/uplot/uPlot.min.css");
 
 /// Requests refused per key id, counted on each 429 (never per admitted request).
 #[derive(Default)]
-pub struct KeyCounts {
+pub(crate) struct KeyCounts {
     counts: Mutex<HashMap<Arc<str>, u64>>,
 }
 
@@ -95,7 +95,7 @@ struct History {
 
 /// The dashboard's state: the sampled history and the refusals per key.
 #[derive(Default)]
-pub struct Dashboard {
+pub(crate) struct Dashboard {
     history: Mutex<History>,
     pub refused: KeyCounts,
 }

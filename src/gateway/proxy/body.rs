@@ -18,7 +18,7 @@ pub struct TooLarge(pub u64);
 
 /// A request body counted as it streams; past `max` it fails with [`TooLarge`], which the
 /// gateway answers with 413 instead of 502.
-pub struct LimitedBody {
+pub(crate) struct LimitedBody {
     inner: Incoming,
     seen: u64,
     max: Option<u64>,

@@ -417,7 +417,7 @@ pub struct UpstreamBody {
 }
 
 impl UpstreamBody {
-    pub fn new(
+    pub(crate) fn new(
         conn: RawConn,
         shape: response::Shape,
         pool: Arc<ConnPool>,

@@ -47,7 +47,7 @@ fn connection_named(headers: &HeaderMap) -> smallvec::SmallVec<[HeaderName; 2]> 
 /// Where a request comes from, as the upstream is told: its peer, whether that peer is a trusted
 /// proxy, the scheme the client used, and the key that authenticated it.
 #[derive(Debug, Clone)]
-pub struct Provenance {
+pub(crate) struct Provenance {
     /// The TCP peer, its IPv4-mapped addresses as IPv4.
     pub peer: std::net::IpAddr,
     /// Whether the peer is a trusted proxy whose `X-Forwarded-*` we keep.
@@ -60,7 +60,7 @@ pub struct Provenance {
 
 /// Forwards requests to upstreams, each over its own keep-alive connections.
 #[derive(Clone)]
-pub struct Proxy {
+pub(crate) struct Proxy {
     /// The longest wait for a client's next request-body bytes; past it, 408.
     pub body_timeout: std::time::Duration,
 }
@@ -321,7 +321,7 @@ fn forwarded_for_element(ip: std::net::IpAddr, text: &HeaderValue) -> Vec<u8> {
 /// and so are `Forwarded` and `X-Real-IP` unless a trusted proxy sent them; the caller's
 /// identity, `X-Forwarded-*` and `Host` are set. One description for both paths: hyper's edits a header
 /// map with it, the express lane writes the upstream's head from it directly.
-pub struct HeaderEdits {
+pub(crate) struct HeaderEdits {
     connection_named: smallvec::SmallVec<[HeaderName; 2]>,
     credential: Option<KeySource>,
     /// Whether the peer is a trusted proxy, whose `Forwarded` and `X-Real-IP` go on.

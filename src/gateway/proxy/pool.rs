@@ -54,10 +54,10 @@ const MAX_IDLE: usize = 1024;
 /// How long a connection rests after its response ended before it carries another request.
 /// Under load this keeps about `rate × QUIET` more connections open (60 at 30,000 requests a
 /// second); a connection that is not reused costs nothing but its socket.
-pub const QUIET: Duration = Duration::from_millis(2);
+pub(crate) const QUIET: Duration = Duration::from_millis(2);
 
 /// How long an upstream seen sending a response nobody asked for gets no kept connections.
-pub const DISTRUST: Duration = Duration::from_secs(60);
+pub(crate) const DISTRUST: Duration = Duration::from_secs(60);
 
 /// Why no connection could be made.
 #[derive(Debug, thiserror::Error)]
@@ -68,7 +68,7 @@ pub struct ConnectError {
 }
 
 /// An upstream connection and the bytes read from it past the current response's head.
-pub struct RawConn {
+pub(crate) struct RawConn {
     pub io: Stream,
     pub buf: BytesMut,
     /// Whether it came from the idle list (and so may have been closed by the upstream).
@@ -84,6 +84,7 @@ pub enum Stream {
 
 impl Stream {
     /// The socket under it.
+    #[cfg(test)]
     pub fn tcp(&self) -> &TcpStream {
         match self {
             Stream::Plain(t) => t,
@@ -164,7 +165,7 @@ struct Idle {
     since: Instant,
 }
 
-pub struct ConnPool {
+pub(crate) struct ConnPool {
     authority: Authority,
     /// When the pool was made: the zero of `distrusted_until`.
     born: Instant,
@@ -339,7 +340,10 @@ impl ConnPool {
     }
 
     /// Counts each stray seen on `counter`.
-    pub fn counting_strays(mut self, counter: prometheus_client::metrics::counter::Counter) -> ConnPool {
+    pub(crate) fn counting_strays(
+        mut self,
+        counter: prometheus_client::metrics::counter::Counter,
+    ) -> ConnPool {
         self.strays = Some(counter);
         self
     }
@@ -407,7 +411,7 @@ impl ConnPool {
 
     /// The upstream sent bytes nobody asked for: for [`DISTRUST`] none of its connections is
     /// kept, and those kept now are closed.
-    pub fn stray_seen(&self) {
+    pub(crate) fn stray_seen(&self) {
         if let Some(c) = &self.strays {
             c.inc();
         }

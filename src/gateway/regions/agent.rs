@@ -16,7 +16,7 @@ use tokio::sync::watch;
 use tollgate_regions::{Agent, Design, Params, ReclaimRule, View};
 use tollgate_rules::Snapshot;
 
-use super::records::{RegionRecord, SlotState, read_all};
+use super::records::{AgentState, RegionRecord, read_all};
 use super::{Regions, keys, timeout};
 
 /// Extends the lease only for its holder.
@@ -43,7 +43,7 @@ fn now_ms() -> u64 {
 
 /// What the gateway holds while it is the agent.
 struct Held {
-    state: SlotState,
+    state: AgentState,
     /// Whether the demand totals have a baseline to measure from.
     measured: bool,
 }
@@ -116,7 +116,7 @@ async fn step(
                 return Ok(());
             }
             let text: Option<String> = timeout(regions.own.get(keys::STATE)).await?;
-            let state = match SlotState::parse(text) {
+            let state = match AgentState::parse(text) {
                 Ok(s) => s,
                 Err(e) => {
                     tracing::error!(error = %e, "the last agent's state can't be read; starting afresh");
@@ -135,7 +135,7 @@ async fn step(
                     measured: true,
                 },
                 None => Held {
-                    state: SlotState::default(),
+                    state: AgentState::default(),
                     measured: false,
                 },
             });

@@ -33,7 +33,7 @@ impl Status {
 }
 
 /// The checked Regions and what their last check said.
-pub struct Health {
+pub(crate) struct Health {
     urls: BTreeMap<String, Uri>,
     status: Mutex<BTreeMap<String, Status>>,
 }

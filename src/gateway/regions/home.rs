@@ -18,10 +18,10 @@ use tollgate_store::{
 
 /// Which Region's store checks a limit, by the limit's index in the running rules: `None` for
 /// this Region's own store.
-pub type HomeOf = Arc<dyn Fn(u16) -> Option<Arc<str>> + Send + Sync>;
+pub(crate) type HomeOf = Arc<dyn Fn(u16) -> Option<Arc<str>> + Send + Sync>;
 
 /// This Region's store in front, the home Regions' stores behind.
-pub struct HomeRouted {
+pub(crate) struct HomeRouted {
     local: Arc<dyn Store>,
     homes: BTreeMap<Arc<str>, Arc<dyn Store>>,
     home_of: HomeOf,

@@ -25,19 +25,18 @@ use tollgate_limit::bucket::{BucketParams, Rate};
 use tollgate_rules::{Scope, Snapshot};
 use tollgate_store::redis::{Target, side_client};
 
-pub use health::Health;
-pub use records::{RegionRecord, SlotState};
+pub(crate) use health::Health;
 
 /// The keys every Region's store holds for the shared limits.
 pub(crate) mod keys {
     /// The agent lock: the holder's name, with a lease.
-    pub const AGENT: &str = "tollgate:regions:agent";
+    pub(crate) const AGENT: &str = "tollgate:regions:agent";
     /// The agent's whole state, so a new agent goes on where the last one stopped.
-    pub const STATE: &str = "tollgate:regions:state";
+    pub(crate) const STATE: &str = "tollgate:regions:state";
     /// A shared bucket's name → the share this Region's gateways enforce.
-    pub const SHARES: &str = "tollgate:regions:shares";
+    pub(crate) const SHARES: &str = "tollgate:regions:shares";
     /// A shared bucket's name → running total of requests this Region's gateways received.
-    pub const DEMAND: &str = "tollgate:regions:demand";
+    pub(crate) const DEMAND: &str = "tollgate:regions:demand";
 
     /// A Region's last record, in every Region's store.
     pub fn record(region: &str) -> String {
@@ -383,7 +382,7 @@ pub(crate) async fn timeout<T>(
 }
 
 /// The running Regions tasks of one gateway.
-pub struct RegionTasks {
+pub(crate) struct RegionTasks {
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -399,7 +398,7 @@ impl RegionTasks {
 }
 
 /// Starts the refresher (every gateway), the health checks and the agent (elected).
-pub fn start(regions: Arc<Regions>, rules: Arc<ArcSwap<Snapshot>>) -> RegionTasks {
+pub(crate) fn start(regions: Arc<Regions>, rules: Arc<ArcSwap<Snapshot>>) -> RegionTasks {
     let (stop, stop_rx) = watch::channel(false);
     let mut tasks = Vec::new();
     // Four reports a rebalance, so the agent's demand is never more than a quarter late.

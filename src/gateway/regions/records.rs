@@ -13,7 +13,7 @@ use super::{Regions, keys, timeout};
 /// One Region's record: per shared bucket, what `tollgate_regions::Agent` published, plus who
 /// wrote it and when.
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct RegionRecord {
+pub(crate) struct RegionRecord {
     pub region: String,
     /// Rises at every rebalance of this Region, whichever gateway is its agent.
     pub seq: u64,
@@ -30,7 +30,7 @@ pub struct RegionRecord {
 
 /// Everything an agent needs to go on where the last one stopped.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct SlotState {
+pub(crate) struct AgentState {
     pub seq: u64,
     /// When the demand totals were last read, in Unix milliseconds.
     pub at_ms: u64,
@@ -41,8 +41,8 @@ pub struct SlotState {
     pub agents: BTreeMap<String, Agent>,
 }
 
-impl SlotState {
-    pub(crate) fn parse(text: Option<String>) -> Result<Option<SlotState>, String> {
+impl AgentState {
+    pub(crate) fn parse(text: Option<String>) -> Result<Option<AgentState>, String> {
         text.map(|t| serde_json::from_str(&t).map_err(|e| format!("{}: {e}", keys::STATE)))
             .transpose()
     }
@@ -106,11 +106,11 @@ pub(crate) async fn describe(regions: &Regions, now_ms: u64) -> Value {
             serde_json::Map::new()
         }
     };
-    let state = match state.and_then(SlotState::parse) {
+    let state = match state.and_then(AgentState::parse) {
         Ok(s) => s.unwrap_or_default(),
         Err(e) => {
             errors.push(format!("state: {e}"));
-            SlotState::default()
+            AgentState::default()
         }
     };
     let shares = shares.unwrap_or_else(|e| {

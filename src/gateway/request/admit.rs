@@ -21,7 +21,7 @@ pub(super) struct Charged {
 }
 
 /// An admitted request on its way upstream.
-pub struct Forward {
+pub(crate) struct Forward {
     pub upstream: usize,
     /// Its `RateLimit-Policy` and `RateLimit`: the deciding bucket's budget (after a post-paid
     /// debit, the bucket's then) and the key's quota.
@@ -108,7 +108,7 @@ impl Gateway {
     /// The second step: one store check for every bucket the request pays (`body_value` is
     /// the JSON field a limit keys on, when its route has one), then a place under the
     /// upstream's `max_in_flight`; the request's target is pointed at its upstream.
-    pub async fn admit(
+    pub(crate) async fn admit(
         &self,
         b: &mut Begun<'_>,
         c: Classified,

@@ -62,7 +62,7 @@ pub(super) fn new_request_id() -> HeaderValue {
 /// return) it still records the request, with status 499, so no path can lose its metrics or
 /// its access line.
 #[must_use = "a request must end with Gateway::finish"]
-pub struct Begun<'g> {
+pub(crate) struct Begun<'g> {
     pub(super) gw: &'g Gateway,
     pub(super) end: End,
     pub snap: Arc<Snapshot>,

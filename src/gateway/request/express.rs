@@ -60,7 +60,7 @@ enum Next {
 /// idle connection nothing (issue 24). Not an `async fn`, which would keep its arguments beside
 /// the locals they move into.
 #[allow(clippy::manual_async_fn, reason = "an async fn would store `io` twice")]
-pub fn serve<'a, S: LaneIo>(
+pub(crate) fn serve<'a, S: LaneIo>(
     gw: &'a Gateway,
     mut io: S,
     info: &'a ConnInfo,

@@ -4,7 +4,7 @@ use super::*;
 
 impl Gateway {
     /// Ends a request with the status its client got: its metrics and its access line.
-    pub fn finish(&self, mut b: Begun<'_>, status: u16) {
+    pub(crate) fn finish(&self, mut b: Begun<'_>, status: u16) {
         b.end = End::Answered(status);
     }
 

@@ -19,7 +19,7 @@ use crate::server::ConnInfo;
 
 impl Gateway {
     /// Serves one request that hyper read.
-    pub async fn serve(&self, req: Request<Incoming>, conn: ConnInfo) -> Response<Body> {
+    pub(crate) async fn serve(&self, req: Request<Incoming>, conn: ConnInfo) -> Response<Body> {
         let (parts, body) = req.into_parts();
         let mut wire = General {
             gw: self,

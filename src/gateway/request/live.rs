@@ -10,13 +10,13 @@ use crate::dashboard::UpstreamNow;
 pub struct Live {
     pub handles: Handles,
     /// Per upstream, in the snapshot's order.
-    pub upstreams: Vec<LiveUpstream>,
+    pub(crate) upstreams: Vec<LiveUpstream>,
     /// Per key, in the snapshot's order, its metering counter (the same one across reloads);
     /// empty when metering is off.
     pub(super) meter: Vec<Arc<AtomicU64>>,
 }
 
-pub struct LiveUpstream {
+pub(crate) struct LiveUpstream {
     pub(super) name: Arc<str>,
     /// Its kept connections: the same pool across reloads while address, idle timeout and TLS
     /// settings stay.

@@ -19,7 +19,7 @@ mod identify;
 mod live;
 
 pub use admit::*;
-pub use begin::*;
+pub(crate) use begin::*;
 pub use identify::*;
 pub use live::*;
 
@@ -87,7 +87,7 @@ pub struct Gateway {
 /// What a gateway is built from: the four it cannot run without, and the rest with defaults
 /// for one process without metering, spans or Regions. Start-up fills it in, then
 /// [`Gateway::new`] takes it whole.
-pub struct Parts {
+pub(crate) struct Parts {
     pub rules: Arc<ArcSwap<Snapshot>>,
     pub store: Arc<dyn Store>,
     pub trusted: TrustedProxies,
@@ -141,7 +141,7 @@ impl Parts {
 }
 
 impl Gateway {
-    pub fn new(p: Parts) -> Gateway {
+    pub(crate) fn new(p: Parts) -> Gateway {
         let mut proxy = Proxy::new();
         proxy.body_timeout = p.body_timeout;
         Gateway {

@@ -26,7 +26,7 @@ const PER_IP: &str = "max_connections_per_ip";
 /// Where refusals and evictions are counted, and open and idle connections shown (the
 /// gateway's metrics, or nowhere).
 #[derive(Clone, Default)]
-pub struct ConnCounters {
+pub(crate) struct ConnCounters {
     pub refused: Family<CapLabel, Counter>,
     pub evicted: Family<CapLabel, Counter>,
     pub open: Gauge,
@@ -36,7 +36,7 @@ pub struct ConnCounters {
 }
 
 /// The open connections of one listener under its caps.
-pub struct Conns {
+pub(crate) struct Conns {
     max: Option<usize>,
     per_ip: Option<usize>,
     counters: ConnCounters,
@@ -172,6 +172,7 @@ impl Conns {
     }
 
     /// Connections open now.
+    #[cfg(test)]
     pub fn open(&self) -> usize {
         self.table().open.len()
     }
@@ -238,7 +239,7 @@ impl Table {
 }
 
 /// A connection's place under the caps; dropping it frees the place.
-pub struct ConnEntry {
+pub(crate) struct ConnEntry {
     conns: Arc<Conns>,
     id: u64,
     close: Arc<Notify>,

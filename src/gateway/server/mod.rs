@@ -40,14 +40,14 @@ pub struct ConnInfo {
     pub proto: &'static str,
     /// What the smuggling watcher saw of each request's raw head: made when hyper takes the
     /// connection, so a connection the express lane serves doesn't carry one (issue 24).
-    pub flagged_heads: Option<Arc<FlaggedHeads>>,
+    pub(crate) flagged_heads: Option<Arc<FlaggedHeads>>,
     /// The client fingerprint of its TLS ClientHello (`none` on plain TCP), taken once before
     /// the handshake.
     pub fingerprint: Fingerprint,
     /// Its place under `--max-connections` and `--max-connections-per-ip`, when either is set:
     /// a path serving the connection says when a request begins and ends, so that only an idle
     /// connection is closed for a newcomer.
-    pub entry: Option<Arc<ConnEntry>>,
+    pub(crate) entry: Option<Arc<ConnEntry>>,
 }
 
 impl std::fmt::Debug for ConnEntry {
@@ -143,7 +143,7 @@ impl Default for ServerLimits {
 
 impl ServerLimits {
     /// These limits without the connection caps.
-    pub fn uncapped(self) -> ServerLimits {
+    pub(crate) fn uncapped(self) -> ServerLimits {
         ServerLimits {
             max_connections: None,
             max_connections_per_ip: None,
@@ -180,7 +180,7 @@ pub async fn run<H: Handler>(
 }
 
 /// [`run`], counting connections refused or closed under the connection caps in `counters`.
-pub async fn run_counted<H: Handler>(
+pub(crate) async fn run_counted<H: Handler>(
     listener: TcpListener,
     tls: Option<TlsAcceptor>,
     handler: Arc<H>,
@@ -234,7 +234,7 @@ impl Closing {
 /// Listeners bound to one address, one for each shard to accept on by itself
 /// (`SO_REUSEPORT`: the kernel spreads new connections over them). The first is bound as
 /// `addr` says, a port of 0 included; the others to the address it got.
-pub fn bind_shards(addr: SocketAddr, shards: usize) -> io::Result<Vec<std::net::TcpListener>> {
+pub(crate) fn bind_shards(addr: SocketAddr, shards: usize) -> io::Result<Vec<std::net::TcpListener>> {
     let mut bound = Vec::with_capacity(shards);
     let mut at = addr;
     for _ in 0..shards.max(1) {
@@ -262,7 +262,7 @@ pub fn bind_shards(addr: SocketAddr, shards: usize) -> io::Result<Vec<std::net::
 /// benches/README.md "The matrix"). The caps of `limits` hold over all the shards together.
 /// The threads start before this returns; the future stops accepting when `stop` turns true
 /// and resolves to how many connections were still open when the drains gave up.
-pub fn run_shards<H: Handler>(
+pub(crate) fn run_shards<H: Handler>(
     listeners: Vec<std::net::TcpListener>,
     tls: Option<TlsAcceptor>,
     handler: Arc<H>,

@@ -29,7 +29,7 @@ const MAX_HEAD: usize = 256 * 1024;
 
 /// What the watcher found, read by the request handler.
 #[derive(Debug, Default)]
-pub struct FlaggedHeads {
+pub(crate) struct FlaggedHeads {
     /// Requests the handler has started on this connection.
     served: AtomicU64,
     /// (request index, why) for every head the watcher flagged.
