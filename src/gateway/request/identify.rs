@@ -58,9 +58,45 @@ pub fn classify(
     fingerprint: Fingerprint,
     trusted: &TrustedProxies,
 ) -> Result<(Classified, Option<String>), Early> {
-    let bad = |e: &dyn std::fmt::Display| Early::Refuse(Refusal::BadRequest(e.to_string()));
-    let (method, headers) = (&parts.method, &parts.headers);
-    sanitize::check_head(headers).map_err(|e| bad(&e))?;
+    let headers = &parts.headers;
+    check_head(parts)?;
+    let path = canonical(parts.uri.path(), EncodedSlashes::Keep).map_err(|e| bad(&e))?;
+    // Read only when some route honours overrides: otherwise they are just dropped (`edits`).
+    let overridden = if snap.method_override && parts.method == http::Method::POST {
+        overriding_method(snap, headers, &path).map_err(|e| bad(&e))?
+    } else {
+        None
+    };
+    let route = route_of(snap, overridden.as_ref().unwrap_or(&parts.method), &path)?;
+    let ip = identity::client_ip(peer, headers, trusted);
+    let (key, jwt) = caller_of(snap, route, headers, ip)?;
+    let rewritten = match path {
+        Cow::Owned(p) => Some(p),
+        Cow::Borrowed(_) => None,
+    };
+    Ok((
+        Classified {
+            route,
+            key,
+            jwt,
+            peer,
+            ip,
+            fingerprint,
+            method: overridden,
+        },
+        rewritten,
+    ))
+}
+
+fn bad(e: &dyn std::fmt::Display) -> Early {
+    Early::Refuse(Refusal::BadRequest(e.to_string()))
+}
+
+/// What a head must be before its path is read: clean headers, a method that is not CONNECT
+/// and is spelled as the standard spells it, an `http`/`https` target, one sound Host.
+fn check_head(parts: &http::request::Parts) -> Result<(), Early> {
+    let method = &parts.method;
+    sanitize::check_head(&parts.headers).map_err(|e| bad(&e))?;
     if *method == http::Method::CONNECT {
         return Err(Early::Refuse(Refusal::MethodNotAllowed(
             "CONNECT: the gateway is not a tunnel",
@@ -83,16 +119,12 @@ pub fn classify(
             scheme.as_str()
         )));
     }
-    sanitize::check_host(parts.version, &parts.uri, headers).map_err(|e| bad(&e))?;
-    let path = canonical(parts.uri.path(), EncodedSlashes::Keep).map_err(|e| bad(&e))?;
-    // Read only when some route honours overrides: otherwise they are just dropped (`edits`).
-    let overridden = if snap.method_override && *method == http::Method::POST {
-        overriding_method(snap, headers, &path).map_err(|e| bad(&e))?
-    } else {
-        None
-    };
-    let method = overridden.as_ref().unwrap_or(method);
-    let route = match snap.route(method, &path) {
+    sanitize::check_host(parts.version, &parts.uri, &parts.headers).map_err(|e| bad(&e))
+}
+
+/// The route a method and canonical path take, or why none does.
+fn route_of(snap: &Snapshot, method: &http::Method, path: &str) -> Result<usize, Early> {
+    let route = match snap.route(method, path) {
         Some(r) => r,
         None if *method == http::Method::TRACE => {
             return Err(Early::Refuse(Refusal::MethodNotAllowed(
@@ -101,79 +133,55 @@ pub fn classify(
         }
         // Refused as it would be on a route that doesn't keep them, not a 404 that tells
         // a prober nothing about why.
-        None if has_encoded_slash(&path) => return Err(bad(&PathError::EncodedSlash)),
+        None if has_encoded_slash(path) => return Err(bad(&PathError::EncodedSlash)),
         None => return Err(Early::Refuse(Refusal::NotFound)),
     };
-    if snap.routes[route].encoded_slashes == EncodedSlashes::Refuse && has_encoded_slash(&path) {
+    if snap.routes[route].encoded_slashes == EncodedSlashes::Refuse && has_encoded_slash(path) {
         return Err(bad(&PathError::EncodedSlash));
     }
-    let ip = identity::client_ip(peer, headers, trusted);
+    Ok(route)
+}
+
+/// The key a request authenticated with, or its verified token's caller; neither when anonymous.
+type Who = (Option<(usize, KeySource)>, Option<Arc<JwtCaller>>);
+
+/// Who calls, as the route asks them to prove it: a verified token on a JWT route, else a known
+/// key (or none, where the route lets the unauthenticated bucket decide).
+fn caller_of(
+    snap: &Snapshot,
+    route: usize,
+    headers: &http::HeaderMap,
+    ip: IpAddr,
+) -> Result<Who, Early> {
+    let unauthorized = |why| Early::Unauthorized {
+        route: Some(route),
+        ip,
+        why,
+    };
+    let credential = identity::credential(headers).map_err(|e| bad(&e))?;
     if snap.routes[route].identity == Identity::Jwt {
-        let refused = |e| Early::Unauthorized {
-            route: Some(route),
-            ip,
-            why: Refusal::BadToken(e),
+        let token = match credential {
+            Some((token, KeySource::Bearer | KeySource::Both)) => token,
+            _ => return Err(unauthorized(Refusal::BadToken(TokenError::Missing))),
         };
-        let token = match identity::credential(headers) {
-            Err(e) => return Err(Early::Refuse(Refusal::BadRequest(e.to_string()))),
-            Ok(Some((token, KeySource::Bearer | KeySource::Both))) => token,
-            Ok(_) => return Err(refused(TokenError::Missing)),
-        };
-        let caller = snap.verify_jwt(&snap.routes[route], token).map_err(refused)?;
-        let rewritten = match path {
-            Cow::Owned(p) => Some(p),
-            Cow::Borrowed(_) => None,
-        };
-        return Ok((
-            Classified {
-                route,
-                key: None,
-                jwt: Some(Arc::new(caller)),
-                peer,
-                ip,
-                fingerprint,
-                method: overridden,
-            },
-            rewritten,
-        ));
+        let caller = snap
+            .verify_jwt(&snap.routes[route], token)
+            .map_err(|e| unauthorized(Refusal::BadToken(e)))?;
+        return Ok((None, Some(Arc::new(caller))));
     }
-    let key = match identity::credential(headers) {
-        Err(e) => return Err(Early::Refuse(Refusal::BadRequest(e.to_string()))),
-        Ok(None) => None,
-        Ok(Some((secret, source))) => match snap.key_by_hash(&hash_secret(secret)) {
+    let key = match credential {
+        None => None,
+        Some((secret, source)) => match snap.key_by_hash(&hash_secret(secret)) {
             Some(k) => Some((k, source)),
-            None => {
-                return Err(Early::Unauthorized {
-                    route: Some(route),
-                    ip,
-                    why: Refusal::Unauthorized("unknown API key"),
-                });
-            }
+            None => return Err(unauthorized(Refusal::Unauthorized("unknown API key"))),
         },
     };
     if key.is_none() && snap.routes[route].key == KeyRequirement::Required {
-        return Err(Early::Unauthorized {
-            route: Some(route),
-            ip,
-            why: Refusal::Unauthorized("this route needs an API key (Authorization: Bearer or X-API-Key)"),
-        });
+        return Err(unauthorized(Refusal::Unauthorized(
+            "this route needs an API key (Authorization: Bearer or X-API-Key)",
+        )));
     }
-    let rewritten = match path {
-        Cow::Owned(p) => Some(p),
-        Cow::Borrowed(_) => None,
-    };
-    Ok((
-        Classified {
-            route,
-            key,
-            jwt: None,
-            peer,
-            ip,
-            fingerprint,
-            method: overridden,
-        },
-        rewritten,
-    ))
+    Ok((key, None))
 }
 
 /// The method a POST's override headers ask for when the route that method takes honours
