@@ -12,14 +12,15 @@ use std::time::Duration;
 
 use common::{Http, K7, K8, KBIG, RedisCluster, RedisServer, Tollgate};
 use http::{Method, StatusCode};
-use tollgate_limit::batch::{CheckItem, FailurePolicy, Outcome};
+use tollgate_limit::batch::{CheckItem, FailurePolicy};
 use tollgate_limit::bucket::{BucketParams, Charge, Rate};
 use tollgate_limit::clock::ManualClock;
 use tollgate_limit::decision::decide;
+use tollgate_store::Store;
+use tollgate_store::fakes::LostChanges;
 use tollgate_store::guard::{FleetSize, Guard};
 use tollgate_store::redis::{RedisStore, Target};
 use tollgate_store::slots::{Slots, cluster_slot};
-use tollgate_store::{Adjusted, BoxFuture, CheckFuture, Store, StoreError};
 use tollgate_telemetry::metrics::{Kind, Metrics};
 
 /// A keyed route that pays a tenant bucket and a per-IP bucket: two hash tags in one request.
@@ -136,35 +137,6 @@ async fn a_request_over_two_slots_pays_both_or_neither() {
     assert_eq!(d.retry_after(), Some(60));
     let gave = metrics.store_refunds.get_or_create(&Kind { kind: "store" }).get();
     assert_eq!(gave, 1, "one give-back, to the store");
-}
-
-/// The cluster, but a change after a check never reaches it: the master of the slot can't be
-/// reached between the check and the give-back.
-struct LostChanges(Arc<RedisStore>);
-
-impl Store for LostChanges {
-    fn check<'a>(&'a self, batch: &'a [CheckItem]) -> CheckFuture<'a> {
-        self.0.check(batch)
-    }
-
-    fn kind(&self) -> &'static str {
-        self.0.kind()
-    }
-
-    fn adjust<'a>(
-        &'a self,
-        _batch: &'a [CheckItem],
-        _outcome: &'a Outcome,
-        _units: &'a [i64],
-    ) -> BoxFuture<'a, Result<Adjusted, StoreError>> {
-        Box::pin(std::future::ready(Err(StoreError::Unavailable(
-            "Connection refused (os error 111)".into(),
-        ))))
-    }
-
-    fn remote(&self) -> bool {
-        true
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -302,6 +302,7 @@ async fn join_all<F: std::future::Future>(fs: impl Iterator<Item = F>) -> Vec<F:
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fakes::LostChanges;
     use crate::guard::{FleetSize, Guard};
     use crate::memory::MemoryStore;
     use std::time::Duration;
@@ -453,35 +454,6 @@ mod tests {
         );
     }
 
-    /// The memory store, but every change after a check is lost, as when the slot's master
-    /// can't be reached between the check and the refund.
-    struct LostChanges(MemoryStore);
-
-    impl Store for LostChanges {
-        fn check<'a>(&'a self, batch: &'a [CheckItem]) -> CheckFuture<'a> {
-            self.0.check(batch)
-        }
-
-        fn kind(&self) -> &'static str {
-            "lost-changes"
-        }
-
-        fn adjust<'a>(
-            &'a self,
-            _batch: &'a [CheckItem],
-            _outcome: &'a Outcome,
-            _units: &'a [i64],
-        ) -> BoxFuture<'a, Result<Adjusted, StoreError>> {
-            Box::pin(std::future::ready(Err(StoreError::Unavailable(
-                "connection refused".into(),
-            ))))
-        }
-
-        fn remote(&self) -> bool {
-            true
-        }
-    }
-
     fn guarded(inner: Arc<dyn Store>, clock: Arc<ManualClock>) -> (Slots, Arc<Metrics>) {
         let metrics = Metrics::new();
         let guard = Guard::new(
@@ -498,7 +470,7 @@ mod tests {
     #[tokio::test]
     async fn a_give_back_that_is_lost_leaves_the_tokens_taken_and_is_counted() {
         let clock = ManualClock::new(1_000_000);
-        let lost = Arc::new(LostChanges(MemoryStore::new(clock.clone())));
+        let lost = Arc::new(LostChanges(Arc::new(MemoryStore::new(clock.clone()))));
         let (s, metrics) = guarded(lost.clone(), clock);
         let (a, b) = (open("rl:{a}:plan", 5), open("rl:{b}:once", 1));
         let req = batch(&[a.clone(), b.clone()]);

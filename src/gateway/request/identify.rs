@@ -147,12 +147,7 @@ type Who = (Option<(usize, KeySource)>, Option<Arc<JwtCaller>>);
 
 /// Who calls, as the route asks them to prove it: a verified token on a JWT route, else a known
 /// key (or none, where the route lets the unauthenticated bucket decide).
-fn caller_of(
-    snap: &Snapshot,
-    route: usize,
-    headers: &http::HeaderMap,
-    ip: IpAddr,
-) -> Result<Who, Early> {
+fn caller_of(snap: &Snapshot, route: usize, headers: &http::HeaderMap, ip: IpAddr) -> Result<Who, Early> {
     let unauthorized = |why| Early::Unauthorized {
         route: Some(route),
         ip,
