@@ -253,6 +253,7 @@ fn config(rules: RulesSource, c: &CommonArgs, demo: bool) -> Result<GatewayConfi
     let mut cfg = GatewayConfig::new(rules);
     cfg.listen = c.listen;
     cfg.admin_listen = c.admin_listen;
+    cfg.admin_hosts = tollgate_gateway::admin_guard::AdminHosts::new(&c.admin_hosts);
     cfg.store = StoreUrl::parse(&c.store).map_err(anyhow::Error::msg)?;
     cfg.clock_source = c.clock;
     cfg.tls = match (&c.tls_cert, &c.tls_key) {

@@ -30,6 +30,8 @@ pub(crate) struct Admin {
     pub regions: Option<Arc<crate::regions::Regions>>,
     pub gateway: Arc<crate::request::Gateway>,
     pub reloader: Arc<crate::reload::Reloader>,
+    /// The names `/admin/` answers to besides IP literals and `localhost`.
+    pub hosts: crate::admin_guard::AdminHosts,
 }
 
 /// A static asset of the dashboard, cached by nobody: it is served from the binary.
@@ -59,6 +61,26 @@ fn asset(content_type: &'static str, body: &'static str) -> Response<Body> {
 
 impl Admin {
     pub async fn serve(&self, req: Request<Incoming>) -> Response<Body> {
+        // Probes and scrapers name the gateway however they reach it; the pages and the API
+        // are what a page in a browser must not reach through a rebound name.
+        if req.uri().path().starts_with("/admin") {
+            let host = match req.uri().authority() {
+                Some(a) => a.as_str(),
+                None => req
+                    .headers()
+                    .get(http::header::HOST)
+                    .and_then(|h| h.to_str().ok())
+                    .unwrap_or(""),
+            };
+            if !self.hosts.allows(host) {
+                return json_response(
+                    StatusCode::MISDIRECTED_REQUEST,
+                    json!({"error": "misdirected_request",
+                           "detail": "the admin pages answer to IP literals, localhost and the names given with --admin-host"})
+                    .to_string(),
+                );
+            }
+        }
         if req.method() != Method::GET {
             return json_response(
                 StatusCode::METHOD_NOT_ALLOWED,

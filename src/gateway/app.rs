@@ -39,6 +39,8 @@ pub struct GatewayConfig {
     pub rules: RulesSource,
     pub listen: SocketAddr,
     pub admin_listen: Option<SocketAddr>,
+    /// Host names the admin pages and API answer to besides IP literals and `localhost`.
+    pub admin_hosts: crate::admin_guard::AdminHosts,
     pub store: StoreUrl,
     pub tls: Option<(PathBuf, PathBuf)>,
     pub trusted: TrustedProxies,
@@ -85,6 +87,7 @@ impl GatewayConfig {
             rules,
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             admin_listen: None,
+            admin_hosts: Default::default(),
             store: StoreUrl::Memory,
             tls: None,
             trusted: TrustedProxies::default(),
@@ -572,6 +575,7 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
                 regions,
                 gateway: gateway.clone(),
                 reloader: reloader.clone(),
+                hosts: cfg.admin_hosts.clone(),
             };
             tasks.extend(serve_admin(l, handler, cfg.limits, &stop_rx));
             Some(a)

@@ -64,6 +64,10 @@ pub struct CommonArgs {
     /// Admin listener (/healthz, /readyz, /metrics, /admin/rules); off when unset.
     #[arg(long, env = "TOLLGATE_ADMIN_LISTEN")]
     pub admin_listen: Option<SocketAddr>,
+    /// A host name the admin listener's `/admin/` pages and API answer to, besides IP
+    /// literals and `localhost` (repeat, or separate with commas). Any other `Host` gets 421.
+    #[arg(long = "admin-host", env = "TOLLGATE_ADMIN_HOST", value_delimiter = ',')]
+    pub admin_hosts: Vec<String>,
     /// `memory` (embedded), `redis://HOST:PORT` or `redis-cluster://H1:P1,H2:P2`.
     #[arg(long, env = "TOLLGATE_STORE", default_value = "memory")]
     pub store: String,
