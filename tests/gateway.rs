@@ -151,6 +151,7 @@ async fn unknown_key_gets_401_and_pays_the_ip_bucket() {
         assert_eq!(a.status, StatusCode::UNAUTHORIZED, "guess {i}");
         assert_eq!(a.json()["error"], "unauthorized");
         assert_eq!(a.json()["message"], "unknown API key");
+        assert_eq!(a.json()["reason"], "unknown_key");
     }
     let a = http.get(&url, &[("x-api-key", "another-guess")]).await;
     assert_eq!(a.status, StatusCode::TOO_MANY_REQUESTS);
@@ -167,6 +168,7 @@ async fn keyed_route_without_a_key_is_401_and_unknown_route_404() {
     let a = http.get(&format!("{base}/v1/orders"), &[]).await;
     assert_eq!(a.status, StatusCode::UNAUTHORIZED);
     assert_eq!(a.json()["error"], "unauthorized");
+    assert_eq!(a.json()["reason"], "missing_key");
     let a = http
         .get(&format!("{base}/nowhere"), &[("authorization", &bearer(K7))])
         .await;

@@ -33,8 +33,13 @@ pub enum Refusal {
     NotFound,
     #[error("{0}")]
     BadRequest(String),
-    #[error("{0}")]
-    Unauthorized(&'static str),
+    /// No usable API key; `reason` says which way: `missing_key`, `unknown_key`,
+    /// `key_expired` (the key, or the secret presented, is past its end) or `key_revoked`.
+    #[error("{message}")]
+    Unauthorized {
+        reason: &'static str,
+        message: &'static str,
+    },
     /// A JWT route's bearer token is missing or does not verify; the body says which.
     #[error("{0}")]
     BadToken(tollgate_rules::jwt::TokenError),
@@ -69,7 +74,7 @@ impl Refusal {
         match self {
             Refusal::NotFound => StatusCode::NOT_FOUND,
             Refusal::BadRequest(_) => StatusCode::BAD_REQUEST,
-            Refusal::Unauthorized(_) | Refusal::BadToken(_) => StatusCode::UNAUTHORIZED,
+            Refusal::Unauthorized { .. } | Refusal::BadToken(_) => StatusCode::UNAUTHORIZED,
             Refusal::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Refusal::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Refusal::RateLimited { .. } | Refusal::QuotaExceeded { .. } | Refusal::TooManyInFlight { .. } => {
@@ -91,7 +96,9 @@ impl Refusal {
                 json!({"error": "not_found", "message": "no route for this method and path"})
             }
             Refusal::BadRequest(m) => json!({"error": "bad_request", "message": m}),
-            Refusal::Unauthorized(m) => json!({"error": "unauthorized", "message": m}),
+            Refusal::Unauthorized { reason, message } => {
+                json!({"error": "unauthorized", "reason": reason, "message": message})
+            }
             Refusal::BadToken(e) => {
                 json!({"error": "unauthorized", "reason": e.reason(), "message": e.to_string()})
             }

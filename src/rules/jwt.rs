@@ -352,6 +352,7 @@ mod tests {
             "r.json",
             CompileOptions::default(),
             &read,
+            &[],
         )
     }
 

@@ -2,6 +2,7 @@
 //! per key, the numbers keys set shared by every key that writes the same, and the indexes by
 //! secret hash and by id as arrays of positions rather than maps of copies.
 
+use std::collections::BTreeMap;
 use std::ops::Index;
 use std::sync::Arc;
 
@@ -26,6 +27,45 @@ pub struct ApiKey {
     /// Its own numbers: `Keys::overrides[at..at + len]`.
     overrides_at: u32,
     overrides_len: u32,
+    /// The Unix second the key stops working ([`NEVER`] for none): keys made through the admin
+    /// API may expire; a rules file's never do.
+    expires_s: u64,
+    /// The Unix second its secret `hash` stops working ([`NEVER`] for none).
+    hash_until_s: u64,
+    /// Revoked through the admin API: its secrets are refused as revoked, not unknown.
+    revoked: bool,
+    /// Made through the admin API rather than written in the rules file.
+    pub managed: bool,
+}
+
+/// A key made through the admin API rather than written in the rules file, as the compiler
+/// takes it: the same checks apply, and its life (expiry, older secrets, revocation) with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ManagedKey {
+    pub id: String,
+    pub tenant: String,
+    pub name: Option<String>,
+    /// Its own numbers: limit name → (rate as written, `600/60s`, and burst).
+    pub limits: BTreeMap<String, (String, u64)>,
+    /// The SHA-256 of each of its secrets, newest last, with the Unix second it stops working.
+    pub secrets: Vec<([u8; 32], Option<u64>)>,
+    /// The Unix second the key stops working.
+    pub expires_at: Option<u64>,
+    pub revoked: bool,
+}
+
+/// No end: a key or secret that never expires.
+pub const NEVER: u64 = u64::MAX;
+
+/// What a presented secret's hash finds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyCheck {
+    /// Key `k`, usable now.
+    Valid(usize),
+    /// Key `k`, past its own expiry or this secret's end (a rotated-out secret's grace).
+    Expired(usize),
+    /// Key `k`, revoked.
+    Revoked(usize),
 }
 
 impl ApiKey {
@@ -51,10 +91,20 @@ fn header(text: &str) -> HeaderValue {
     HeaderValue::from_str(text).expect("key ids and tenants are checked printable ASCII at load")
 }
 
-/// Every key of the rules, in file order.
+/// A secret a key had before its newest, kept until its grace ends.
+#[derive(Debug)]
+struct Older {
+    hash: [u8; 32],
+    key: u32,
+    until_s: u64,
+}
+
+/// Every key of the rules, in file order, then the keys made through the admin API.
 #[derive(Debug, Default)]
 pub struct Keys {
     list: Vec<ApiKey>,
+    /// Rotated-out secrets still in their grace: positions past `list` in `by_hash`.
+    older: Vec<Older>,
     /// (limit index, index in `numbers`): each key's run, in limit order.
     overrides: Vec<(u16, u32)>,
     /// The distinct numbers keys set, one per limit and numbers as written.
@@ -96,9 +146,33 @@ impl Keys {
         &self.overrides[key.overrides_at as usize..][..key.overrides_len as usize]
     }
 
-    /// The key whose secret hashes to `digest`.
+    /// The key whose secret hashes to `digest`, whatever its state.
     pub fn by_hash(&self, digest: &[u8; 32]) -> Option<usize> {
-        self.by_hash.get(&self.list, digest)
+        self.check(digest, || 0).map(|c| match c {
+            KeyCheck::Valid(k) | KeyCheck::Expired(k) | KeyCheck::Revoked(k) => k,
+        })
+    }
+
+    /// The key whose secret hashes to `digest`, and whether it may be used now (`now_s`, the
+    /// Unix second, read only for a key or secret that has an end): revoked before expired,
+    /// and a secret's own end counts as the key's.
+    pub fn check(&self, digest: &[u8; 32], now_s: impl FnOnce() -> u64) -> Option<KeyCheck> {
+        let at = self.by_hash.get(&self.list, &self.older, digest)? as usize;
+        let (k, until_s) = match at.checked_sub(self.list.len()) {
+            Some(o) => (self.older[o].key as usize, self.older[o].until_s),
+            None => (at, self.list[at].hash_until_s),
+        };
+        let key = &self.list[k];
+        Some(if key.revoked {
+            KeyCheck::Revoked(k)
+        } else if (key.expires_s != NEVER || until_s != NEVER) && {
+            let now = now_s();
+            now >= key.expires_s || now >= until_s
+        } {
+            KeyCheck::Expired(k)
+        } else {
+            KeyCheck::Valid(k)
+        })
     }
 
     /// The key with this public id.
@@ -138,11 +212,14 @@ struct HashIndex {
 }
 
 impl HashIndex {
-    fn build(list: &[ApiKey]) -> HashIndex {
-        let mut slots = vec![EMPTY; (list.len() * 2).next_power_of_two()].into_boxed_slice();
+    /// Every key's hash at its position, then every older secret's at `list.len()` plus its own.
+    fn build(list: &[ApiKey], older: &[Older]) -> HashIndex {
+        let n = list.len() + older.len();
+        let mut slots = vec![EMPTY; (n * 2).next_power_of_two()].into_boxed_slice();
         let mask = slots.len() - 1;
-        for (i, k) in list.iter().enumerate() {
-            let mut s = slot(&k.hash) & mask;
+        let hashes = list.iter().map(|k| &k.hash).chain(older.iter().map(|o| &o.hash));
+        for (i, h) in hashes.enumerate() {
+            let mut s = slot(h) & mask;
             while slots[s] != EMPTY {
                 s = (s + 1) & mask;
             }
@@ -151,7 +228,7 @@ impl HashIndex {
         HashIndex { slots }
     }
 
-    fn get(&self, list: &[ApiKey], digest: &[u8; 32]) -> Option<usize> {
+    fn get(&self, list: &[ApiKey], older: &[Older], digest: &[u8; 32]) -> Option<u32> {
         let mask = self.slots.len().checked_sub(1)?;
         let mut s = slot(digest) & mask;
         // The table is never full, so the probe ends at an empty slot.
@@ -160,8 +237,12 @@ impl HashIndex {
             if i == EMPTY {
                 return None;
             }
-            if list[i as usize].hash == *digest {
-                return Some(i as usize);
+            let hash = match list.get(i as usize) {
+                Some(k) => &k.hash,
+                None => &older[i as usize - list.len()].hash,
+            };
+            if hash == digest {
+                return Some(i);
             }
             s = (s + 1) & mask;
         }
@@ -263,6 +344,25 @@ impl KeysBuilder {
         self.keys.list.push(key);
     }
 
+    /// Sets the life of the key just pushed: when it expires, when its newest secret ends,
+    /// whether it is revoked; it was made through the admin API.
+    pub(crate) fn set_life(&mut self, expires_s: u64, hash_until_s: u64, revoked: bool) {
+        if let Some(k) = self.keys.list.last_mut() {
+            k.expires_s = expires_s;
+            k.hash_until_s = hash_until_s;
+            k.revoked = revoked;
+            k.managed = true;
+        }
+    }
+
+    /// Adds an older secret of the key just pushed, working until `until_s`. The caller has
+    /// checked that its hash is new.
+    pub(crate) fn push_older(&mut self, hash: [u8; 32], until_s: u64) {
+        let key = self.len().saturating_sub(1) as u32;
+        self.hashes.insert(hash, key);
+        self.keys.older.push(Older { hash, key, until_s });
+    }
+
     /// Every distinct numbers keys wrote, with its limit and the first key that wrote it.
     pub(crate) fn numbers_mut(&mut self) -> impl Iterator<Item = (u16, usize, &mut Numbers)> {
         self.keys
@@ -279,7 +379,8 @@ impl KeysBuilder {
         keys.list.shrink_to_fit();
         keys.overrides.shrink_to_fit();
         keys.numbers.shrink_to_fit();
-        keys.by_hash = HashIndex::build(&keys.list);
+        keys.older.shrink_to_fit();
+        keys.by_hash = HashIndex::build(&keys.list, &keys.older);
         let mut by_id: Vec<u32> = (0..keys.list.len() as u32).collect();
         by_id.sort_unstable_by(|&a, &b| keys.list[a as usize].id.cmp(&keys.list[b as usize].id));
         keys.by_id = by_id;
@@ -303,6 +404,10 @@ pub(crate) fn new_key(
         quota,
         overrides_at: 0,
         overrides_len: 0,
+        expires_s: NEVER,
+        hash_until_s: NEVER,
+        revoked: false,
+        managed: false,
     }
 }
 
@@ -345,5 +450,34 @@ mod tests {
         let keys = KeysBuilder::default().finish();
         assert_eq!(keys.by_hash(&[0; 32]), None);
         assert_eq!(keys.by_id("k-1"), None);
+    }
+
+    #[test]
+    fn a_managed_keys_state_and_its_older_secret_are_checked_at_the_time_asked() {
+        let mut b = KeysBuilder::default();
+        let (new, old) = (crate::hash_secret(b"new"), crate::hash_secret(b"old"));
+        b.push(key("k-1", new), &[]);
+        b.set_life(2_000, NEVER, false);
+        b.push_older(old, 1_500);
+        b.push(key("k-2", crate::hash_secret(b"gone")), &[]);
+        b.set_life(NEVER, NEVER, true);
+        let keys = b.finish();
+        assert_eq!(keys.check(&new, || 1_000), Some(KeyCheck::Valid(0)));
+        assert_eq!(keys.check(&old, || 1_499), Some(KeyCheck::Valid(0)));
+        assert_eq!(
+            keys.check(&old, || 1_500),
+            Some(KeyCheck::Expired(0)),
+            "the grace ended"
+        );
+        assert_eq!(
+            keys.check(&new, || 2_000),
+            Some(KeyCheck::Expired(0)),
+            "the key expired"
+        );
+        let gone = crate::hash_secret(b"gone");
+        assert_eq!(keys.check(&gone, || 0), Some(KeyCheck::Revoked(1)));
+        assert_eq!(keys.by_hash(&old), Some(0));
+        assert_eq!(keys.check(&crate::hash_secret(b"nothing"), || 0), None);
+        assert!(keys[0].managed && keys[1].managed);
     }
 }

@@ -30,7 +30,7 @@ use sha2::{Digest, Sha256};
 pub use compile::hash_secret;
 use headers::policy_value;
 use keys::KeysBuilder;
-pub use keys::{ApiKey, Keys};
+pub use keys::{ApiKey, KeyCheck, Keys, ManagedKey};
 pub use load::*;
 pub use model::*;
 pub use raw::{Identity, KeyRequirement, LimitClass, Mode, Scope};

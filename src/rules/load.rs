@@ -45,14 +45,20 @@ pub struct RulesLoader {
 
 impl RulesLoader {
     pub fn load(&self) -> Result<Snapshot, RulesError> {
+        self.load_with(&[])
+    }
+
+    /// [`RulesLoader::load`] with the keys made through the admin API after the file's own:
+    /// an error in one of them names its field as `managed_keys[i]…`.
+    pub fn load_with(&self, managed: &[ManagedKey]) -> Result<Snapshot, RulesError> {
         let mut snap = match &self.source {
-            RulesSource::File(path) => load(path, self.opts)?,
+            RulesSource::File(path) => load_file(path, self.opts, managed)?,
             RulesSource::Embedded { label, bytes } => {
                 let builtin = |name: &str| match name {
                     "demo-jwks.json" => Ok(DEMO_JWKS.to_vec()),
                     other => Err(format!("{other:?} is not built in (only \"demo-jwks.json\" is)")),
                 };
-                compile_with(bytes, label, self.opts, &builtin)?
+                compile_with(bytes, label, self.opts, &builtin, managed)?
             }
         };
         if let Some(auth) = &self.upstream_override {
@@ -75,18 +81,31 @@ impl RulesLoader {
 
 /// Reads and compiles a rules file.
 pub fn load(path: &Path, opts: CompileOptions) -> Result<Snapshot, RulesError> {
+    load_file(path, opts, &[])
+}
+
+fn load_file(path: &Path, opts: CompileOptions, managed: &[ManagedKey]) -> Result<Snapshot, RulesError> {
     let file = path.display().to_string();
     let bytes = std::fs::read(path).map_err(|e| RulesError {
         file: file.clone(),
         field: "(file)".into(),
         reason: format!("cannot read: {e}"),
     })?;
-    compile(&bytes, &file, opts)
+    compile_read(&bytes, &file, opts, managed)
 }
 
 /// Parses and compiles rules from bytes; `file` names them in errors, and files they name
 /// (the JWKS) are read relative to its directory.
 pub fn compile(bytes: &[u8], file: &str, opts: CompileOptions) -> Result<Snapshot, RulesError> {
+    compile_read(bytes, file, opts, &[])
+}
+
+fn compile_read(
+    bytes: &[u8],
+    file: &str,
+    opts: CompileOptions,
+    managed: &[ManagedKey],
+) -> Result<Snapshot, RulesError> {
     let dir = Path::new(file)
         .parent()
         .map(Path::to_path_buf)
@@ -95,5 +114,5 @@ pub fn compile(bytes: &[u8], file: &str, opts: CompileOptions) -> Result<Snapsho
         let path = dir.join(name);
         std::fs::read(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))
     };
-    compile_with(bytes, file, opts, &read)
+    compile_with(bytes, file, opts, &read, managed)
 }

@@ -220,6 +220,9 @@ impl Route {
 #[derive(Debug)]
 pub struct Snapshot {
     pub version: u64,
+    /// This snapshot among those the process compiled, in order: above the last one's even
+    /// when only the admin API's keys changed and the file's `version` did not.
+    pub serial: u64,
     /// SHA-256 of the file's bytes, hex.
     pub digest: String,
     pub source: String,

@@ -430,7 +430,7 @@ const STATUSES: [u16; 14] = [
 /// adds instead of hashing label sets under a lock. Built lazily for the snapshot it was made
 /// for; a reload makes a new one.
 pub struct Handles {
-    /// The version of the snapshot these handles belong to (0: none yet).
+    /// The serial of the snapshot these handles belong to (0: none yet).
     pub snapshot: u64,
     routes: Vec<RouteHandles>,
     limits: Vec<LimitHandles>,

@@ -50,6 +50,10 @@ static DEMO: LazyLock<Snapshot> = LazyLock::new(|| {
 
 /// Trusted-proxy lists a request is classified under: none, some private networks and
 /// loopback, and every address (so `X-Forwarded-For` is always read).
+/// The wall clock a key's expiry is read on: the demo's keys have none, so it is never read.
+static CLOCK: LazyLock<std::sync::Arc<ManualClock>> =
+    LazyLock::new(|| ManualClock::new(1_700_000_000_000_000));
+
 static TRUSTED: LazyLock<[TrustedProxies; 3]> = LazyLock::new(|| {
     let parse = |items: &[&str]| {
         let items: Vec<String> = items.iter().map(|s| s.to_string()).collect();
@@ -237,7 +241,7 @@ pub fn classify(data: &[u8]) {
     // the route, the key and the limiter.
     parts.version = http::Version::HTTP_10;
     let headers = &parts.headers;
-    match gateway::classify(snap, &parts, peer, Fingerprint::None, trusted) {
+    match gateway::classify(snap, &parts, peer, Fingerprint::None, trusted, &**CLOCK) {
         Ok((c, _)) => {
             assert_eq!(c.ip, ip);
             let route = &snap.routes[c.route];

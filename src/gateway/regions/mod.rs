@@ -169,9 +169,8 @@ pub(crate) struct SharedBucket {
 /// The shared buckets of one rules snapshot.
 #[derive(Default)]
 pub(crate) struct SharedBuckets {
-    /// The snapshot they were built from.
-    version: u64,
-    digest: String,
+    /// The snapshot they were built from (its serial: the admin API's keys change it too).
+    serial: u64,
     by_key: HashMap<(Arc<str>, Arc<str>), usize>,
     pub list: Vec<SharedBucket>,
 }
@@ -179,8 +178,7 @@ pub(crate) struct SharedBuckets {
 impl SharedBuckets {
     fn build(snap: &Snapshot, regions: usize, shares: &HashMap<String, f64>) -> SharedBuckets {
         let mut buckets = SharedBuckets {
-            version: snap.version,
-            digest: snap.digest.clone(),
+            serial: snap.serial,
             ..SharedBuckets::default()
         };
         for (li, limit) in snap.limits.iter().enumerate() {
@@ -212,7 +210,7 @@ impl SharedBuckets {
     }
 
     fn same_rules(&self, snap: &Snapshot) -> bool {
-        self.version == snap.version && self.digest == snap.digest
+        self.serial == snap.serial
     }
 }
 

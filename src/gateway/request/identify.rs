@@ -46,7 +46,8 @@ pub enum Early {
 }
 
 /// Reads a request head against a snapshot: framing, method, host and path checks, the route,
-/// the client address and the key; `fingerprint` is its connection's. Pure, so it can be fuzzed.
+/// the client address and the key; `fingerprint` is its connection's, `clock` the wall clock a
+/// key's expiry is read on (only for a key that has one). Pure, so it can be fuzzed.
 ///
 /// Routing is on the canonical path; when that differs from the client's spelling it comes
 /// back too, and the caller forwards it (see [`set_path`]), so the upstream serves exactly the
@@ -57,6 +58,7 @@ pub fn classify(
     peer: IpAddr,
     fingerprint: Fingerprint,
     trusted: &TrustedProxies,
+    clock: &dyn Clock,
 ) -> Result<(Classified, Option<String>), Early> {
     let headers = &parts.headers;
     check_head(parts)?;
@@ -69,7 +71,7 @@ pub fn classify(
     };
     let route = route_of(snap, overridden.as_ref().unwrap_or(&parts.method), &path)?;
     let ip = identity::client_ip(peer, headers, trusted);
-    let (key, jwt) = caller_of(snap, route, headers, ip)?;
+    let (key, jwt) = caller_of(snap, route, headers, ip, clock)?;
     let rewritten = match path {
         Cow::Owned(p) => Some(p),
         Cow::Borrowed(_) => None,
@@ -147,7 +149,13 @@ type Who = (Option<(usize, KeySource)>, Option<Arc<JwtCaller>>);
 
 /// Who calls, as the route asks them to prove it: a verified token on a JWT route, else a known
 /// key (or none, where the route lets the unauthenticated bucket decide).
-fn caller_of(snap: &Snapshot, route: usize, headers: &http::HeaderMap, ip: IpAddr) -> Result<Who, Early> {
+fn caller_of(
+    snap: &Snapshot,
+    route: usize,
+    headers: &http::HeaderMap,
+    ip: IpAddr,
+    clock: &dyn Clock,
+) -> Result<Who, Early> {
     let unauthorized = |why| Early::Unauthorized {
         route: Some(route),
         ip,
@@ -164,17 +172,26 @@ fn caller_of(snap: &Snapshot, route: usize, headers: &http::HeaderMap, ip: IpAdd
             .map_err(|e| unauthorized(Refusal::BadToken(e)))?;
         return Ok((None, Some(Arc::new(caller))));
     }
+    let refused = |reason, message| unauthorized(Refusal::Unauthorized { reason, message });
     let key = match credential {
         None => None,
-        Some((secret, source)) => match snap.key_by_hash(&hash_secret(secret)) {
-            Some(k) => Some((k, source)),
-            None => return Err(unauthorized(Refusal::Unauthorized("unknown API key"))),
+        Some((secret, source)) => match snap
+            .keys
+            .check(&hash_secret(secret), || clock.now_us() / 1_000_000)
+        {
+            Some(KeyCheck::Valid(k)) => Some((k, source)),
+            Some(KeyCheck::Expired(_)) => {
+                return Err(refused("key_expired", "this API key or secret has expired"));
+            }
+            Some(KeyCheck::Revoked(_)) => return Err(refused("key_revoked", "this API key was revoked")),
+            None => return Err(refused("unknown_key", "unknown API key")),
         },
     };
     if key.is_none() && snap.routes[route].key == KeyRequirement::Required {
-        return Err(unauthorized(Refusal::Unauthorized(
+        return Err(refused(
+            "missing_key",
             "this route needs an API key (Authorization: Bearer or X-API-Key)",
-        )));
+        ));
     }
     Ok((key, None))
 }
@@ -239,7 +256,7 @@ impl Gateway {
         // Disjoint borrows of the request's state, not clones of its `Arc`s.
         let (snap, live, facts) = (&*b.snap, &*b.live, &mut b.facts);
         let peer = identity::canonical(conn.peer.ip());
-        let classified = classify(snap, parts, peer, conn.fingerprint, &self.trusted);
+        let classified = classify(snap, parts, peer, conn.fingerprint, &self.trusted, &*self.clock);
         if let Some(r) = &mut facts.access {
             r.client_ip = match &classified {
                 Ok((c, _)) => Some(c.ip),

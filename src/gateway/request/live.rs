@@ -76,7 +76,7 @@ impl Live {
             .collect();
         Live {
             handles: Handles::new(
-                snap.version,
+                snap.serial,
                 snap.routes.iter().map(|r| r.name.clone()).collect(),
                 snap.limits.iter().map(|l| l.name.clone()).collect(),
                 snap.upstreams.iter().map(|u| u.name.clone()).collect(),
@@ -107,10 +107,11 @@ impl Gateway {
     }
 
     /// The live state for this snapshot, made at its first request from the last one's.
-    /// Versions only go up, so a version names one snapshot.
+    /// Serials only go up, and a key change through the admin API makes a new one, so a serial
+    /// names one snapshot.
     pub(super) fn live(&self, snap: &Snapshot) -> Arc<Live> {
         let current = self.live.load_full();
-        if current.handles.snapshot == snap.version {
+        if current.handles.snapshot == snap.serial {
             return current;
         }
         // One builder at a time: the first requests of a snapshot arrive together, and each
@@ -121,13 +122,13 @@ impl Gateway {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let current = self.live.load_full();
-        if current.handles.snapshot == snap.version {
+        if current.handles.snapshot == snap.serial {
             return current;
         }
         let fresh = Arc::new(Live::new(snap, &current, self.meter.as_deref(), &self.metrics));
         // A request that loaded its snapshot just before a reload gets state for it (sharing
         // the current pools and gates by name) without pushing the newer one out.
-        if snap.version > current.handles.snapshot {
+        if snap.serial > current.handles.snapshot {
             self.live.store(fresh.clone());
         }
         fresh

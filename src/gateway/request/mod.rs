@@ -50,7 +50,7 @@ use tollgate_rules::identity::{self, KeySource, TrustedProxies};
 use tollgate_rules::jwt::{JwtCaller, TokenError};
 use tollgate_rules::plan;
 use tollgate_rules::quota::Quota;
-use tollgate_rules::{Fingerprint, Identity, KeyRequirement, Snapshot, hash_secret};
+use tollgate_rules::{Fingerprint, Identity, KeyCheck, KeyRequirement, Snapshot, hash_secret};
 use tollgate_store::seats::{MemorySeats, Seat, Seats, Taken};
 use tollgate_store::{Batch, Outcome, Store, StoreError};
 use tollgate_telemetry::logsample::Sampler;

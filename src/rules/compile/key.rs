@@ -4,6 +4,65 @@
 use super::*;
 
 impl Compiler<'_> {
+    /// The keys made through the admin API, after the file's and held to the same checks: an
+    /// id or a secret the file has, a limit it lacks, numbers a tenant's other keys don't
+    /// share are refused, naming `managed_keys[i]`.
+    pub(super) fn managed_keys(
+        &self,
+        raw: &RawRules,
+        limits: &Limits,
+        keys: &mut KeysBuilder,
+    ) -> Result<(), RulesError> {
+        if self.managed.is_empty() {
+            return Ok(());
+        }
+        let plan_quota = self.plan_quota(raw)?.map(Arc::new);
+        for (i, m) in self.managed.iter().enumerate() {
+            let field = KeyAt::Managed(i);
+            if keys.len() >= keys::MAX_KEYS {
+                return Err(self.err("managed_keys", format!("more than {} keys", keys::MAX_KEYS)));
+            }
+            let Some(((newest, newest_until), older)) = m.secrets.split_last() else {
+                return Err(self.err(format!("{field}.secrets"), format!("key {}: no secret", m.id)));
+            };
+            let k = RawKey {
+                id: m.id.clone(),
+                tenant: Some(m.tenant.clone()),
+                name: m.name.clone(),
+                sha256: hex::encode(newest),
+                limits: m
+                    .limits
+                    .iter()
+                    .map(|(l, (rate, burst))| {
+                        let n = RawNumbers {
+                            rate: rate.clone(),
+                            burst: *burst,
+                        };
+                        (l.clone(), n)
+                    })
+                    .collect(),
+                quota: None,
+            };
+            let hash = self.key_hash(field, &k, keys)?;
+            self.key(field, k, hash, limits, keys, plan_quota.as_ref())?;
+            keys.set_life(
+                m.expires_at.unwrap_or(keys::NEVER),
+                newest_until.unwrap_or(keys::NEVER),
+                m.revoked,
+            );
+            for (hash, until) in older {
+                if keys.hash_of(hash).is_some() {
+                    return Err(self.err(
+                        format!("{field}.secrets"),
+                        format!("key {}: a secret another key has", m.id),
+                    ));
+                }
+                keys.push_older(*hash, until.unwrap_or(keys::NEVER));
+            }
+        }
+        Ok(())
+    }
+
     /// The keys, read from the file one at a time: each is parsed, checked and compiled before
     /// the next, so the parsed form of one key at most is held, never the whole list.
     pub(super) fn keys(&self, raw: &RawRules, limits: &Limits) -> Result<KeysBuilder, RulesError> {
@@ -191,13 +250,20 @@ struct KeysPass<'p, 'a, 'r> {
     failed: Option<RulesError>,
 }
 
-/// The field of the key at an index, `keys[i]`, written out only in an error.
+/// The field of a key, written out only in an error: the file's `keys[i]`, or
+/// `managed_keys[i]` for the i-th key made through the admin API.
 #[derive(Clone, Copy)]
-struct KeyAt(usize);
+enum KeyAt {
+    File(usize),
+    Managed(usize),
+}
 
 impl std::fmt::Display for KeyAt {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "keys[{}]", self.0)
+        match self {
+            KeyAt::File(i) => write!(f, "keys[{i}]"),
+            KeyAt::Managed(i) => write!(f, "managed_keys[{i}]"),
+        }
     }
 }
 
@@ -208,7 +274,7 @@ impl KeysPass<'_, '_, '_> {
         if i >= keys::MAX_KEYS {
             return Err(c.err("keys", format!("more than {} keys", keys::MAX_KEYS)));
         }
-        let field = KeyAt(i);
+        let field = KeyAt::File(i);
         let hash = c.key_hash(field, &k, &self.keys)?;
         c.key(
             field,
@@ -300,8 +366,9 @@ pub fn hash_secret(secret: &[u8]) -> [u8; 32] {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::{base, err, ok};
+    use super::super::testing::{base, err, ok, with_managed};
     use super::hash_secret;
+    use crate::{KeyCheck, ManagedKey};
 
     const ABC: &str = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
 
@@ -328,5 +395,69 @@ mod tests {
         rules["keys"] = serde_json::json!([{"id": "k-1", "sha256": "not-a-hash"}]);
         let e = err(&rules);
         assert_eq!(e.field, "keys[0].sha256", "{e}");
+    }
+
+    fn managed(id: &str, secrets: &[(&str, Option<u64>)]) -> ManagedKey {
+        ManagedKey {
+            id: id.into(),
+            tenant: format!("t-{id}"),
+            name: None,
+            limits: [("per_key".to_string(), ("5/1s".to_string(), 5))].into(),
+            secrets: secrets.iter().map(|(s, until)| (hash_secret(s.as_bytes()), *until)).collect(),
+            expires_at: None,
+            revoked: false,
+        }
+    }
+
+    #[test]
+    fn managed_keys_follow_the_files_and_keep_their_life() {
+        let mut rules = base();
+        rules["keys"] = serde_json::json!([{"id": "k-1", "sha256": ABC}]);
+        let mut m = managed("m-1", &[("old", Some(1_000)), ("new", None)]);
+        m.expires_at = Some(5_000);
+        let snap = with_managed(&rules, &[m]).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(snap.keys.len(), 2);
+        let k = snap.key_by_id("m-1").unwrap();
+        assert!(snap.keys[k].managed && !snap.keys[0].managed);
+        let per_key = snap.limits.iter().position(|l| &*l.name == "per_key").unwrap();
+        assert_eq!(snap.keys.own_numbers(k, per_key).unwrap().params.burst, 5);
+        assert_eq!(snap.keys.check(&hash_secret(b"old"), || 999), Some(KeyCheck::Valid(k)));
+        assert_eq!(snap.keys.check(&hash_secret(b"old"), || 1_000), Some(KeyCheck::Expired(k)));
+        assert_eq!(snap.keys.check(&hash_secret(b"new"), || 4_999), Some(KeyCheck::Valid(k)));
+        assert_eq!(snap.keys.check(&hash_secret(b"new"), || 5_000), Some(KeyCheck::Expired(k)));
+        assert_eq!(snap.keys.check(&hash_secret(b"abc"), || 0), Some(KeyCheck::Valid(0)));
+    }
+
+    #[test]
+    fn a_managed_key_is_held_to_the_files_checks_by_its_own_field() {
+        let mut rules = base();
+        rules["keys"] = serde_json::json!([{"id": "k-1", "sha256": ABC}]);
+        let cases: Vec<(ManagedKey, &str, &str)> = vec![
+            (managed("k-1", &[("x", None)]), "managed_keys[0].id", "duplicate key id"),
+            (managed("m-1", &[("abc", None)]), "managed_keys[0].sha256", "same secret"),
+            (managed("m-1", &[("abc", Some(9)), ("y", None)]), "managed_keys[0].secrets", "another key"),
+            (managed("m-1", &[]), "managed_keys[0].secrets", "no secret"),
+            (
+                ManagedKey {
+                    limits: [("nope".to_string(), ("5/1s".to_string(), 5))].into(),
+                    ..managed("m-1", &[("x", None)])
+                },
+                "managed_keys[0].limits.nope",
+                "no limit named",
+            ),
+            (
+                ManagedKey {
+                    limits: [("per_key".to_string(), ("0/1s".to_string(), 5))].into(),
+                    ..managed("m-1", &[("x", None)])
+                },
+                "managed_keys[0].limits.per_key.rate",
+                "",
+            ),
+        ];
+        for (m, field, reason) in cases {
+            let e = with_managed(&rules, &[m]).unwrap_err();
+            assert_eq!(e.field, field, "{e}");
+            assert!(e.reason.contains(reason), "{e}");
+        }
     }
 }

@@ -19,6 +19,7 @@ pub(crate) fn compile_with(
     file: &str,
     opts: CompileOptions,
     read: ReadNamed<'_>,
+    managed: &[ManagedKey],
 ) -> Result<Snapshot, RulesError> {
     // Everything but the keys, which this pass skips: they are read one at a time later, each
     // compiled and dropped before the next, so a file's keys are never all held as parsed.
@@ -35,7 +36,13 @@ pub(crate) fn compile_with(
     let digest = hex::encode(Sha256::digest(bytes));
     // An option added later must be handled here.
     let CompileOptions {} = opts;
-    Compiler { file, read, bytes }.run(raw, digest)
+    Compiler {
+        file,
+        read,
+        bytes,
+        managed,
+    }
+    .run(raw, digest)
 }
 
 /// A parse error at `path` (serde_path_to_error's form, `.` for the top level).
@@ -56,11 +63,17 @@ fn parse_error(file: &str, path: String, inner: serde_json::Error) -> RulesError
     }
 }
 
+/// Numbers each snapshot this process compiles, in order: a key made through the admin API
+/// changes the snapshot without changing the file's version.
+static SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
 struct Compiler<'a> {
     file: &'a str,
     read: ReadNamed<'a>,
     /// The whole file, for the pass that reads its keys.
     bytes: &'a [u8],
+    /// Keys made through the admin API, compiled after the file's.
+    managed: &'a [ManagedKey],
 }
 
 /// The compiled upstreams, and where each is by name for the routes that name it.
@@ -101,6 +114,7 @@ impl Compiler<'_> {
         let upstreams = self.upstreams(&raw)?;
         let mut limits = self.limits(&raw)?;
         let mut keys = self.keys(&raw, &limits)?;
+        self.managed_keys(&raw, &limits, &mut keys)?;
         self.owing(&mut limits, &mut keys)?;
         let mut routes = self.routes(&raw, &upstreams, &limits, keys.keys())?;
         sort_routes(&mut routes);
@@ -117,6 +131,7 @@ impl Compiler<'_> {
         }
         Ok(Snapshot {
             version: raw.version,
+            serial: SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             digest,
             source: self.file.to_string(),
             loaded_at: SystemTime::now(),
@@ -215,6 +230,18 @@ pub(super) mod testing {
     pub fn ok(rules: &Value) -> crate::Snapshot {
         crate::compile(rules.to_string().as_bytes(), "rules.json", Default::default())
             .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// `rules` with keys made through the admin API after the file's.
+    pub fn with_managed(rules: &Value, managed: &[crate::ManagedKey]) -> Result<crate::Snapshot, crate::RulesError> {
+        let no_files = |name: &str| Err(format!("{name}: no files in this test"));
+        super::compile_with(
+            rules.to_string().as_bytes(),
+            "rules.json",
+            Default::default(),
+            &no_files,
+            managed,
+        )
     }
 
     /// The error compiling `rules`, which must fail.
