@@ -15,7 +15,7 @@ use arc_swap::ArcSwap;
 use notify::{RecursiveMode, Watcher};
 use tokio::sync::mpsc;
 
-use tollgate_rules::{RulesError, RulesLoader, RulesSource, Snapshot};
+use tollgate_rules::{ManagedKey, RulesError, RulesLoader, RulesSource, Snapshot};
 use tollgate_telemetry::metrics::Metrics;
 
 /// What one reload did.
@@ -37,6 +37,41 @@ pub struct Reloader {
     lock: Mutex<()>,
     /// The last reload that left the running rules in place, and why.
     rejected: Mutex<Option<Rejected>>,
+    /// The keys made through the admin API, compiled after the file's on every load.
+    managed: Mutex<Arc<Vec<ManagedKey>>>,
+}
+
+/// Why a set of keys made through the admin API was not put in place; the running rules stay.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeysRefused {
+    /// One of the keys can't be compiled beside the file's: its field is `managed_keys[i]…`.
+    Key(RulesError),
+    /// The rules file no longer loads.
+    File(RulesError),
+    /// The file on disk changed to a version not above the running one; a key change must not
+    /// roll the rules back, so it waits for the file to be fixed.
+    FileChanged { offered: u64, running: u64 },
+}
+
+/// A failed load with keys in it: the keys' fault when the error names one of them.
+fn refused(e: RulesError) -> KeysRefused {
+    if e.field.starts_with("managed_keys") {
+        KeysRefused::Key(e)
+    } else {
+        KeysRefused::File(e)
+    }
+}
+
+impl std::fmt::Display for KeysRefused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KeysRefused::Key(e) | KeysRefused::File(e) => e.fmt(f),
+            KeysRefused::FileChanged { offered, running } => write!(
+                f,
+                "the rules file changed to version {offered}, not above the running {running}: fix it before changing keys"
+            ),
+        }
+    }
 }
 
 /// A reload that changed nothing: when, and why.
@@ -55,7 +90,44 @@ impl Reloader {
             metrics,
             lock: Mutex::new(()),
             rejected: Mutex::new(None),
+            managed: Mutex::new(Arc::new(Vec::new())),
         }
+    }
+
+    fn managed(&self) -> Arc<Vec<ManagedKey>> {
+        self.managed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Whether `keys` would compile beside the running rules' file, without putting them in
+    /// place: what the admin API asks before it stores a change.
+    pub fn check_managed(&self, keys: &[ManagedKey]) -> Result<(), KeysRefused> {
+        self.loader.load_with(keys).map(drop).map_err(refused)
+    }
+
+    /// Puts `keys`, the whole set made through the admin API, in place beside the rules file:
+    /// both compile into a snapshot that replaces the running one. The file is read again; if
+    /// it changed to a higher version, that reload happens here too.
+    pub fn set_managed(&self, keys: Vec<ManagedKey>) -> Result<(), KeysRefused> {
+        let _one_at_a_time = self.lock.lock().unwrap_or_else(PoisonError::into_inner);
+        let running = self.rules.load_full();
+        let snap = self.loader.load_with(&keys).map_err(refused)?;
+        if snap.digest != running.digest && snap.version <= running.version {
+            return Err(KeysRefused::FileChanged {
+                offered: snap.version,
+                running: running.version,
+            });
+        }
+        if snap.version != running.version {
+            self.metrics.reload("ok");
+            self.metrics.rules_version.set(snap.version as i64);
+            tracing::info!(from = running.version, to = snap.version, "rules reloaded");
+        }
+        *self.managed.lock().unwrap_or_else(PoisonError::into_inner) = Arc::new(keys);
+        self.rules.store(Arc::new(snap));
+        Ok(())
     }
 
     /// The last reload that left the running rules in place.
@@ -70,7 +142,7 @@ impl Reloader {
     pub fn reload(&self) -> Reload {
         let _one_at_a_time = self.lock.lock().unwrap_or_else(PoisonError::into_inner);
         let running = self.rules.load().version;
-        let outcome = match self.loader.load() {
+        let outcome = match self.loader.load_with(&self.managed()) {
             Err(e) => Reload::Failed(e),
             Ok(snap) if snap.version <= running => Reload::Ignored {
                 offered: snap.version,
@@ -315,5 +387,82 @@ impl Drop for WatchHandle {
         for t in &self.tasks {
             t.abort();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tollgate_rules::{CompileOptions, hash_secret};
+
+    fn rules(version: u64, file_key: &str) -> String {
+        serde_json::json!({
+            "version": version,
+            "upstreams": {"u": {"url": "http://127.0.0.1:9"}},
+            "limits": {"per_key": {"dimension": "key", "rate": "10/1s", "burst": 10}},
+            "routes": [{"method": "GET", "path": "/v1", "upstream": "u", "cost": {"per_key": 1}}],
+            "keys": [{"id": file_key, "sha256": hex::encode(hash_secret(file_key.as_bytes()))}]
+        })
+        .to_string()
+    }
+
+    fn managed(id: &str, rate: &str) -> ManagedKey {
+        ManagedKey {
+            id: id.into(),
+            tenant: id.into(),
+            name: None,
+            limits: [("per_key".to_string(), (rate.to_string(), 5))].into(),
+            secrets: vec![(hash_secret(id.as_bytes()), None)],
+            expires_at: None,
+            revoked: false,
+        }
+    }
+
+    #[test]
+    fn managed_keys_stay_through_reloads_and_never_roll_the_file_back() {
+        let dir = std::env::temp_dir().join(format!("tollgate-reload-keys-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("rules.json");
+        std::fs::write(&path, rules(1, "f-1")).unwrap();
+        let loader = RulesLoader {
+            source: RulesSource::File(path.clone()),
+            opts: CompileOptions::default(),
+            upstream_override: None,
+        };
+        let snap = Arc::new(ArcSwap::from_pointee(loader.load().unwrap()));
+        let r = Reloader::new(loader, snap.clone(), Metrics::new());
+        let first = snap.load().serial;
+
+        r.set_managed(vec![managed("m-1", "5/1s")]).unwrap();
+        let now = snap.load_full();
+        assert_eq!((now.version, now.keys.len()), (1, 2));
+        assert!(now.serial > first, "a key change is a new snapshot");
+
+        let bad = r.set_managed(vec![managed("m-1", "5/1s"), managed("m-2", "nonsense")]);
+        match bad {
+            Err(KeysRefused::Key(e)) => assert_eq!(e.field, "managed_keys[1].limits.per_key.rate", "{e}"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(snap.load().keys.len(), 2, "the running keys stay");
+        assert!(
+            r.check_managed(&[managed("f-1", "5/1s")]).is_err(),
+            "an id the file has"
+        );
+
+        std::fs::write(&path, rules(2, "f-2")).unwrap();
+        assert_eq!(r.reload(), Reload::Swapped { from: 1, to: 2 });
+        let now = snap.load_full();
+        assert!(now.key_by_id("m-1").is_some() && now.key_by_id("f-2").is_some());
+
+        std::fs::write(&path, rules(1, "f-3")).unwrap();
+        assert_eq!(
+            r.set_managed(vec![]),
+            Err(KeysRefused::FileChanged {
+                offered: 1,
+                running: 2
+            })
+        );
+        assert!(snap.load().key_by_id("m-1").is_some(), "nothing changed");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

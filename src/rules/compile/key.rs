@@ -403,7 +403,10 @@ mod tests {
             tenant: format!("t-{id}"),
             name: None,
             limits: [("per_key".to_string(), ("5/1s".to_string(), 5))].into(),
-            secrets: secrets.iter().map(|(s, until)| (hash_secret(s.as_bytes()), *until)).collect(),
+            secrets: secrets
+                .iter()
+                .map(|(s, until)| (hash_secret(s.as_bytes()), *until))
+                .collect(),
             expires_at: None,
             revoked: false,
         }
@@ -421,11 +424,26 @@ mod tests {
         assert!(snap.keys[k].managed && !snap.keys[0].managed);
         let per_key = snap.limits.iter().position(|l| &*l.name == "per_key").unwrap();
         assert_eq!(snap.keys.own_numbers(k, per_key).unwrap().params.burst, 5);
-        assert_eq!(snap.keys.check(&hash_secret(b"old"), || 999), Some(KeyCheck::Valid(k)));
-        assert_eq!(snap.keys.check(&hash_secret(b"old"), || 1_000), Some(KeyCheck::Expired(k)));
-        assert_eq!(snap.keys.check(&hash_secret(b"new"), || 4_999), Some(KeyCheck::Valid(k)));
-        assert_eq!(snap.keys.check(&hash_secret(b"new"), || 5_000), Some(KeyCheck::Expired(k)));
-        assert_eq!(snap.keys.check(&hash_secret(b"abc"), || 0), Some(KeyCheck::Valid(0)));
+        assert_eq!(
+            snap.keys.check(&hash_secret(b"old"), || 999),
+            Some(KeyCheck::Valid(k))
+        );
+        assert_eq!(
+            snap.keys.check(&hash_secret(b"old"), || 1_000),
+            Some(KeyCheck::Expired(k))
+        );
+        assert_eq!(
+            snap.keys.check(&hash_secret(b"new"), || 4_999),
+            Some(KeyCheck::Valid(k))
+        );
+        assert_eq!(
+            snap.keys.check(&hash_secret(b"new"), || 5_000),
+            Some(KeyCheck::Expired(k))
+        );
+        assert_eq!(
+            snap.keys.check(&hash_secret(b"abc"), || 0),
+            Some(KeyCheck::Valid(0))
+        );
     }
 
     #[test]
@@ -433,9 +451,21 @@ mod tests {
         let mut rules = base();
         rules["keys"] = serde_json::json!([{"id": "k-1", "sha256": ABC}]);
         let cases: Vec<(ManagedKey, &str, &str)> = vec![
-            (managed("k-1", &[("x", None)]), "managed_keys[0].id", "duplicate key id"),
-            (managed("m-1", &[("abc", None)]), "managed_keys[0].sha256", "same secret"),
-            (managed("m-1", &[("abc", Some(9)), ("y", None)]), "managed_keys[0].secrets", "another key"),
+            (
+                managed("k-1", &[("x", None)]),
+                "managed_keys[0].id",
+                "duplicate key id",
+            ),
+            (
+                managed("m-1", &[("abc", None)]),
+                "managed_keys[0].sha256",
+                "same secret",
+            ),
+            (
+                managed("m-1", &[("abc", Some(9)), ("y", None)]),
+                "managed_keys[0].secrets",
+                "another key",
+            ),
             (managed("m-1", &[]), "managed_keys[0].secrets", "no secret"),
             (
                 ManagedKey {

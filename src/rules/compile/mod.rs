@@ -233,7 +233,10 @@ pub(super) mod testing {
     }
 
     /// `rules` with keys made through the admin API after the file's.
-    pub fn with_managed(rules: &Value, managed: &[crate::ManagedKey]) -> Result<crate::Snapshot, crate::RulesError> {
+    pub fn with_managed(
+        rules: &Value,
+        managed: &[crate::ManagedKey],
+    ) -> Result<crate::Snapshot, crate::RulesError> {
         let no_files = |name: &str| Err(format!("{name}: no files in this test"));
         super::compile_with(
             rules.to_string().as_bytes(),
