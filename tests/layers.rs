@@ -16,6 +16,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("tollgate-regions", 1),
     ("tollgate-store", 2),
     ("tollgate-meter", 2),
+    ("tollgate-keys", 2),
     ("tollgate-gateway", 3),
     ("tollgate-replay", 3),
     ("tollgate-fleet", 4),
@@ -53,6 +54,11 @@ const NEVER: &[(&str, &[&str], &str)] = &[
         "tollgate-store",
         &["hyper", "http"],
         "the store knows buckets, not requests",
+    ),
+    (
+        "tollgate-keys",
+        &["hyper", "http"],
+        "the keys are records and stores: the gateway brings the admin API's HTTP",
     ),
 ];
 
