@@ -1,13 +1,17 @@
 //! API keys managed at run time through the gateway's admin API, beside the keys of the rules
 //! file: everything about them but HTTP. A key's record ([`record`]) holds its tenant, its own
 //! numbers, its expiry and revocation, and the SHA-256 of each of its secrets; secrets are
-//! made here in a checksummed form ([`secret`]) and shown once.
+//! made here in a checksummed form ([`secret`]) and shown once. The admin API's bodies are
+//! read and applied to records by pure functions of the time handed in ([`change`]).
 //!
-//! The gateway brings the HTTP: on the request path it judges a presented secret with
-//! [`secret::looks_generated`], then finds its key by [`secret::hash`].
+//! The gateway brings the HTTP: it routes the admin API to [`change`], and on the request
+//! path judges a presented secret with [`secret::looks_generated`], then finds its key by
+//! [`secret::hash`].
 
+pub mod change;
 pub mod record;
 pub mod secret;
 
+pub use change::{Create, FieldError, Patch, Refusal, Rotate};
 pub use record::{KeyRecord, Numbers, Secret, Status};
 pub use secret::Verdict;

@@ -96,6 +96,15 @@ fn crc32(bytes: &[u8]) -> u32 {
     !crc
 }
 
+/// Random base62 characters, for generated key ids.
+pub(crate) fn base62(n: usize) -> String {
+    rand::rng()
+        .sample_iter(Alphanumeric)
+        .take(n)
+        .map(char::from)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
