@@ -6,12 +6,14 @@
 //!
 //! The gateway brings the HTTP: it routes the admin API to [`change`], and on the request
 //! path judges a presented secret with [`secret::looks_generated`], then finds its key by
-//! [`secret::hash`].
+//! [`secret::hash`] in its [`keyring::Keyring`].
 
 pub mod change;
+pub mod keyring;
 pub mod record;
 pub mod secret;
 
 pub use change::{Create, FieldError, Patch, Refusal, Rotate};
+pub use keyring::Keyring;
 pub use record::{KeyRecord, Numbers, Secret, Status};
 pub use secret::Verdict;
