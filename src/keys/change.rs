@@ -120,8 +120,9 @@ impl Create {
     }
 }
 
-/// The new key and its one secret, to be shown once. A made id that the store finds taken
-/// (one in 62^12) calls for another `create`; a given one taken is the caller's conflict.
+/// The new key and its one secret, to be shown once. A made id that
+/// [`KeyStore::insert_new`](crate::store::KeyStore::insert_new) finds taken (one in 62^12)
+/// calls for another `create`; a given one taken is the caller's conflict (409).
 pub fn create(c: Create, now: Timestamp) -> (KeyRecord, String) {
     let (secret, hash) = secret::generate();
     let record = KeyRecord {

@@ -1,5 +1,6 @@
 //! The managed keys a gateway holds in memory, found by a presented secret's hash: built from
-//! every key at one generation, and brought up to date with the keys written since.
+//! [`KeyStore::load_all`](crate::store::KeyStore::load_all) and brought up to date with each
+//! answer of [`KeyStore::changes_since`](crate::store::KeyStore::changes_since).
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -2,18 +2,24 @@
 //! file: everything about them but HTTP. A key's record ([`record`]) holds its tenant, its own
 //! numbers, its expiry and revocation, and the SHA-256 of each of its secrets; secrets are
 //! made here in a checksummed form ([`secret`]) and shown once. The admin API's bodies are
-//! read and applied to records by pure functions of the time handed in ([`change`]).
+//! read and applied to records by pure functions of the time handed in ([`change`]). Records
+//! are kept in a SQLite file ([`store`], [`sqlite`]), each write at a new generation, so a
+//! gateway follows the writes by asking what changed since the generation it holds
+//! ([`keyring`]).
 //!
-//! The gateway brings the HTTP: it routes the admin API to [`change`], and on the request
-//! path judges a presented secret with [`secret::looks_generated`], then finds its key by
-//! [`secret::hash`] in its [`keyring::Keyring`].
+//! The gateway brings the HTTP: it routes the admin API to [`change`] and [`store`], and on
+//! the request path judges a presented secret with [`secret::looks_generated`], then finds its
+//! key by [`secret::hash`] in its [`keyring::Keyring`].
 
 pub mod change;
 pub mod keyring;
 pub mod record;
 pub mod secret;
+pub mod sqlite;
+pub mod store;
 
 pub use change::{Create, FieldError, Patch, Refusal, Rotate};
 pub use keyring::Keyring;
 pub use record::{KeyRecord, Numbers, Secret, Status};
 pub use secret::Verdict;
+pub use store::{KeyStore, KeysError};
