@@ -3,9 +3,9 @@
 //! numbers, its expiry and revocation, and the SHA-256 of each of its secrets; secrets are
 //! made here in a checksummed form ([`secret`]) and shown once. The admin API's bodies are
 //! read and applied to records by pure functions of the time handed in ([`change`]). Records
-//! are kept in a SQLite file ([`store`], [`sqlite`]), each write at a new generation, so a
-//! gateway follows the writes by asking what changed since the generation it holds
-//! ([`keyring`]).
+//! are kept in a SQLite file or in Redis ([`store`], [`sqlite`], [`redis`] with
+//! `lua/keys_put.lua`), each write at a new generation, so gateways follow one another's
+//! writes by asking what changed since the generation they hold ([`keyring`]).
 //!
 //! The gateway brings the HTTP: it routes the admin API to [`change`] and [`store`], and on
 //! the request path judges a presented secret with [`secret::looks_generated`], then finds its
@@ -14,6 +14,7 @@
 pub mod change;
 pub mod keyring;
 pub mod record;
+pub mod redis;
 pub mod secret;
 pub mod sqlite;
 pub mod store;

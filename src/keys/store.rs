@@ -1,5 +1,5 @@
-//! Where managed keys are kept, for now the SQLite file of a single gateway, and the errors
-//! it can give.
+//! Where managed keys are kept: one interface over the SQLite file of a single gateway and
+//! the Redis store a fleet shares, and the errors either can give.
 //!
 //! Every write takes the next *generation* of the store, a counter that only grows; each
 //! record is kept with the generation of its last write. A gateway loads everything once
@@ -9,6 +9,7 @@
 //! no harm. Keys are never deleted, only revoked, so the changes are all there is to follow.
 
 use crate::record::KeyRecord;
+use crate::redis::RedisKeys;
 use crate::sqlite::SqliteKeys;
 
 /// Why the store could not do what was asked; each names its file or server and the reason.
@@ -16,6 +17,12 @@ use crate::sqlite::SqliteKeys;
 pub enum KeysError {
     #[error("{file}: {reason}")]
     File { file: String, reason: String },
+    #[error("Redis store {server}: {what}: {reason}")]
+    Redis {
+        server: String,
+        what: String,
+        reason: String,
+    },
     /// A stored record that doesn't read: written by hand, or by a newer gateway that changed
     /// a field's meaning. Loading stops rather than leave the key out, which would refuse its
     /// callers without a word.
@@ -30,13 +37,15 @@ pub enum KeysError {
 /// The store of managed keys the gateway was started with.
 pub enum KeyStore {
     Sqlite(SqliteKeys),
+    Redis(RedisKeys),
 }
 
 impl KeyStore {
-    /// Where the keys are, for logs: the file.
+    /// Where the keys are, for logs: the file, or the Redis server.
     pub fn place(&self) -> &str {
         match self {
             KeyStore::Sqlite(s) => s.place(),
+            KeyStore::Redis(r) => r.place(),
         }
     }
 
@@ -44,6 +53,7 @@ impl KeyStore {
     pub async fn insert_new(&self, rec: &KeyRecord) -> Result<bool, KeysError> {
         match self {
             KeyStore::Sqlite(s) => s.insert_new(rec).await,
+            KeyStore::Redis(r) => r.insert_new(rec).await,
         }
     }
 
@@ -52,12 +62,14 @@ impl KeyStore {
     pub async fn put(&self, rec: &KeyRecord) -> Result<(), KeysError> {
         match self {
             KeyStore::Sqlite(s) => s.put(rec).await,
+            KeyStore::Redis(r) => r.put(rec).await,
         }
     }
 
     pub async fn get(&self, id: &str) -> Result<Option<KeyRecord>, KeysError> {
         match self {
             KeyStore::Sqlite(s) => s.get(id).await,
+            KeyStore::Redis(r) => r.get(id).await,
         }
     }
 
@@ -65,14 +77,19 @@ impl KeyStore {
     pub async fn load_all(&self) -> Result<(u64, Vec<KeyRecord>), KeysError> {
         match self {
             KeyStore::Sqlite(s) => s.load_all().await,
+            KeyStore::Redis(r) => r.load_all().await,
         }
     }
 
     /// The keys written after generation `since`, and the generation to ask from next time.
-    /// A generation below `since` means the store was emptied or replaced (another file): call [`KeyStore::load_all`] again.
+    /// A generation below `since` means the store was emptied or replaced (a Redis without
+    /// persistence restarted, another file): call [`KeyStore::load_all`] again. One emptied
+    /// and written past `since` before this is asked can't be told apart, so a gateway should
+    /// also load everything now and then, minutes apart.
     pub async fn changes_since(&self, since: u64) -> Result<(u64, Vec<KeyRecord>), KeysError> {
         match self {
             KeyStore::Sqlite(s) => s.changes_since(since).await,
+            KeyStore::Redis(r) => r.changes_since(since).await,
         }
     }
 }
