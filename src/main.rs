@@ -254,6 +254,18 @@ fn config(rules: RulesSource, c: &CommonArgs, demo: bool) -> Result<GatewayConfi
     cfg.listen = c.listen;
     cfg.admin_listen = c.admin_listen;
     cfg.admin_hosts = tollgate_gateway::admin_guard::AdminHosts::new(&c.admin_hosts);
+    cfg.admin_token = c
+        .admin_token_file
+        .as_deref()
+        .map(tollgate_gateway::admin_guard::AdminToken::read)
+        .transpose()
+        .map_err(anyhow::Error::msg)?;
+    cfg.keys_file = Some(c.keys_file.clone().unwrap_or_else(|| {
+        c.meter_file
+            .parent()
+            .unwrap_or(std::path::Path::new(""))
+            .join("tollgate-keys.db")
+    }));
     cfg.store = StoreUrl::parse(&c.store).map_err(anyhow::Error::msg)?;
     cfg.clock_source = c.clock;
     cfg.tls = match (&c.tls_cert, &c.tls_key) {

@@ -32,6 +32,10 @@ pub(crate) struct Admin {
     pub reloader: Arc<crate::reload::Reloader>,
     /// The names `/admin/` answers to besides IP literals and `localhost`.
     pub hosts: crate::admin_guard::AdminHosts,
+    /// The token `/admin/keys` asks for; without one it answers 404.
+    pub token: Option<crate::admin_guard::AdminToken>,
+    /// Keys made through the admin API; `None` on a store that keeps none.
+    pub keys: Option<Arc<crate::managed::ManagedKeys>>,
 }
 
 /// A static asset of the dashboard, cached by nobody: it is served from the binary.
@@ -60,7 +64,7 @@ fn asset(content_type: &'static str, body: &'static str) -> Response<Body> {
 }
 
 impl Admin {
-    pub async fn serve(&self, req: Request<Incoming>) -> Response<Body> {
+    pub async fn serve(&self, req: Request<Incoming>, peer: std::net::SocketAddr) -> Response<Body> {
         // Probes and scrapers name the gateway however they reach it; the pages and the API
         // are what a page in a browser must not reach through a rebound name.
         if req.uri().path().starts_with("/admin") {
@@ -80,6 +84,10 @@ impl Admin {
                     .to_string(),
                 );
             }
+        }
+        let path = req.uri().path();
+        if path == "/admin/keys" || path.starts_with("/admin/keys/") {
+            return self.keys_api(req, peer).await;
         }
         if req.method() != Method::GET {
             return json_response(
@@ -182,6 +190,30 @@ impl Admin {
 }
 
 impl Admin {
+    /// `/admin/keys…`: only with the operator's token, and not at all without one configured
+    /// (404, as if there were no such API).
+    async fn keys_api(&self, req: Request<Incoming>, peer: std::net::SocketAddr) -> Response<Body> {
+        let (Some(token), Some(keys)) = (&self.token, &self.keys) else {
+            return json_response(
+                StatusCode::NOT_FOUND,
+                json!({"error": "not_found", "detail": "the key API is on with --admin-token-file, on the embedded store or one Redis node"})
+                    .to_string(),
+            );
+        };
+        if !token.allows(req.headers().get(http::header::AUTHORIZATION)) {
+            let mut r = json_response(
+                StatusCode::UNAUTHORIZED,
+                json!({"error": "unauthorized", "reason": "admin_token"}).to_string(),
+            );
+            r.headers_mut().insert(
+                http::header::WWW_AUTHENTICATE,
+                http::HeaderValue::from_static("Bearer"),
+            );
+            return r;
+        }
+        keys.serve(req, peer).await
+    }
+
     /// `GET /admin/usage?key=ID`: what this gateway has admitted for the key since it started,
     /// and the key's quota as the last flags read say.
     fn usage(&self, query: Option<&str>) -> Response<Body> {
@@ -251,7 +283,7 @@ impl Admin {
 }
 
 impl Handler for Admin {
-    async fn handle(self: Arc<Self>, req: Request<Incoming>, _conn: ConnInfo) -> Response<Body> {
-        self.serve(req).await
+    async fn handle(self: Arc<Self>, req: Request<Incoming>, conn: ConnInfo) -> Response<Body> {
+        self.serve(req, conn.peer).await
     }
 }

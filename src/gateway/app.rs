@@ -19,6 +19,7 @@ use crate::regions::{RegionTasks, Regions};
 use crate::reload::{Reloader, WatchHandle};
 use crate::request::{Gateway, Parts};
 use crate::server::{self, ServerLimits, stopped, tls};
+use fred::interfaces::ClientLike;
 use tollgate_limit::clock::{Clock, SystemClock};
 use tollgate_meter::counter::{self, Meter, Sink};
 use tollgate_meter::record::Identity;
@@ -41,6 +42,11 @@ pub struct GatewayConfig {
     pub admin_listen: Option<SocketAddr>,
     /// Host names the admin pages and API answer to besides IP literals and `localhost`.
     pub admin_hosts: crate::admin_guard::AdminHosts,
+    /// The token the key API asks for; `None`: the key API answers 404.
+    pub admin_token: Option<crate::admin_guard::AdminToken>,
+    /// Where the embedded store keeps keys made through the admin API; `None`: it keeps
+    /// none and the key API is off (the command line always names one).
+    pub keys_file: Option<PathBuf>,
     pub store: StoreUrl,
     pub tls: Option<(PathBuf, PathBuf)>,
     pub trusted: TrustedProxies,
@@ -88,6 +94,8 @@ impl GatewayConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             admin_listen: None,
             admin_hosts: Default::default(),
+            admin_token: None,
+            keys_file: None,
             store: StoreUrl::Memory,
             tls: None,
             trusted: TrustedProxies::default(),
@@ -128,6 +136,49 @@ pub enum StartError {
     Regions(String),
     #[error("OTLP: {0}")]
     Otlp(String),
+    #[error("managed keys: {0}")]
+    Keys(String),
+}
+
+/// The keys made through the admin API, loaded and put in place before anything serves: in
+/// the store's Redis, or in the keys file on the embedded store. A Redis Cluster store has
+/// none yet.
+async fn start_managed_keys(
+    cfg: &GatewayConfig,
+    reloader: &Arc<Reloader>,
+    rules: &Arc<ArcSwap<Snapshot>>,
+    metrics: &Arc<Metrics>,
+) -> Result<Option<Arc<crate::managed::ManagedKeys>>, StartError> {
+    use tollgate_keys::KeyStore;
+    let store = match &cfg.store {
+        StoreUrl::Memory => match &cfg.keys_file {
+            Some(file) => KeyStore::Sqlite(
+                tollgate_keys::sqlite::SqliteKeys::open(file).map_err(|e| StartError::Keys(e.to_string()))?,
+            ),
+            None => return Ok(None),
+        },
+        StoreUrl::Redis(url) => {
+            let client = side_client(Target::Node(url)).map_err(StartError::Store)?;
+            let _task = client.connect();
+            KeyStore::Redis(tollgate_keys::redis::RedisKeys::new(client))
+        }
+        StoreUrl::RedisCluster(_) => {
+            tracing::warn!(
+                "keys made through the admin API need one Redis node or the embedded store; the key API is off on a Redis Cluster store"
+            );
+            return Ok(None);
+        }
+    };
+    let keys = crate::managed::ManagedKeys::start(
+        store,
+        reloader.clone(),
+        rules.clone(),
+        metrics.clone(),
+        cfg.clock.clone(),
+    )
+    .await
+    .map_err(StartError::Keys)?;
+    Ok(Some(keys))
 }
 
 /// Closes kept upstream connections that expired or that their upstream closed, once a second,
@@ -515,6 +566,16 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         guard,
         leases,
     } = crate::stack::build(&cfg, &rules, &metrics).await?;
+    let keys = start_managed_keys(&cfg, &reloader, &rules, &metrics).await?;
+    if let Some(k) = &keys {
+        tasks.push(tokio::spawn({
+            let (k, stop) = (k.clone(), stopped(stop_rx.clone()));
+            async move {
+                k.follow(stop).await;
+                0
+            }
+        }));
+    }
 
     let listeners = server::bind_shards(cfg.listen, cfg.shards).map_err(|source| StartError::Bind {
         addr: cfg.listen,
@@ -576,6 +637,8 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
                 gateway: gateway.clone(),
                 reloader: reloader.clone(),
                 hosts: cfg.admin_hosts.clone(),
+                token: cfg.admin_token.clone(),
+                keys,
             };
             tasks.extend(serve_admin(l, handler, cfg.limits, &stop_rx));
             Some(a)

@@ -143,6 +143,14 @@ pub struct CommonArgs {
     /// The SQLite file that takes usage records on the embedded store.
     #[arg(long, env = "TOLLGATE_METER_FILE", default_value = "tollgate-usage.db")]
     pub meter_file: PathBuf,
+    /// A file whose first line is the token the admin listener's key API asks for
+    /// (`Authorization: Bearer …`, at least 16 characters). Without it the key API answers 404.
+    #[arg(long, env = "TOLLGATE_ADMIN_TOKEN_FILE")]
+    pub admin_token_file: Option<PathBuf>,
+    /// The SQLite file that keeps the keys made through the admin API on the embedded store
+    /// (default: `tollgate-keys.db` beside the metering file); a Redis store keeps them itself.
+    #[arg(long, env = "TOLLGATE_KEYS_FILE")]
+    pub keys_file: Option<PathBuf>,
     /// Count nothing for billing (for comparison; quotas then see no usage from this gateway).
     #[arg(long, env = "TOLLGATE_NO_METER")]
     pub no_meter: bool,

@@ -36,6 +36,7 @@ pub(crate) mod concurrency;
 pub mod config;
 pub(crate) mod dashboard;
 pub mod demo;
+pub(crate) mod managed;
 pub mod otel;
 pub(crate) mod proxy;
 pub mod regions;

@@ -5,14 +5,14 @@
 //! read and applied to records by pure functions of the time handed in ([`change`]). Records
 //! are kept in a SQLite file or in Redis ([`store`], [`sqlite`], [`redis`] with
 //! `lua/keys_put.lua`), each write at a new generation, so gateways follow one another's
-//! writes by asking what changed since the generation they hold ([`keyring`]).
+//! writes by asking what changed since the generation they hold.
 //!
-//! The gateway brings the HTTP: it routes the admin API to [`change`] and [`store`], and on
-//! the request path judges a presented secret with [`secret::looks_generated`], then finds its
-//! key by [`secret::hash`] in its [`keyring::Keyring`].
+//! The gateway brings the HTTP: it routes the admin API to [`change`] and [`store`], compiles
+//! the records beside the rules file's keys (`tollgate_rules::ManagedKey`), and on the request
+//! path judges a presented secret with [`secret::looks_generated`] before it looks the key up
+//! in its rules.
 
 pub mod change;
-pub mod keyring;
 pub mod record;
 pub mod redis;
 pub mod secret;
@@ -20,7 +20,6 @@ pub mod sqlite;
 pub mod store;
 
 pub use change::{Create, FieldError, Patch, Refusal, Rotate};
-pub use keyring::Keyring;
 pub use record::{KeyRecord, Numbers, Secret, Status};
 pub use secret::Verdict;
 pub use store::{KeyStore, KeysError};

@@ -70,6 +70,11 @@ pub struct ResultLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ActionLabel {
+    pub action: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct UpstreamLabel {
     pub upstream: Arc<str>,
 }
@@ -91,6 +96,8 @@ pub struct Metrics {
     pub store_refund_failures: Family<Kind, Counter>,
     pub rules_version: Gauge,
     pub rules_reloads: Family<ResultLabel, Counter>,
+    /// Changes made through the admin API's key endpoints, by action.
+    pub admin_changes: Family<ActionLabel, Counter>,
     pub upstream_seconds: Family<UpstreamLabel, Histogram>,
     pub in_flight: Gauge,
     /// Per upstream: the limit on requests in flight (adaptive, under the static cap; the cap
@@ -199,6 +206,12 @@ impl Metrics {
             "rules_reloads",
             "Rules reloads, by result (ok, ignored, failed)",
             rules_reloads.clone(),
+        );
+        let admin_changes = Family::<ActionLabel, Counter>::default();
+        registry.register(
+            "admin_changes",
+            "Changes through the admin API's key endpoints, by action (create, rotate, revoke, patch)",
+            admin_changes.clone(),
         );
         let upstream_seconds =
             Family::<UpstreamLabel, Histogram>::new_with_constructor(latency_histogram as fn() -> Histogram);
@@ -330,6 +343,7 @@ impl Metrics {
             store_refund_failures,
             rules_version,
             rules_reloads,
+            admin_changes,
             upstream_seconds,
             in_flight,
             upstream_concurrency_limit,
@@ -383,6 +397,11 @@ impl Metrics {
 
     pub fn reload(&self, result: &'static str) {
         self.rules_reloads.get_or_create(&ResultLabel { result }).inc();
+    }
+
+    /// One change through the admin API's key endpoints: `create`, `rotate`, `revoke`, `patch`.
+    pub fn admin_change(&self, action: &'static str) {
+        self.admin_changes.get_or_create(&ActionLabel { action }).inc();
     }
 }
 

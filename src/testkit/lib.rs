@@ -331,17 +331,13 @@ impl Gateway {
             .env_remove("TOLLGATE_TLS_KEY")
             .env_remove("TOLLGATE_TRUSTED_PROXY")
             .env_remove("TOLLGATE_CLOCK");
+        // Each keeps its own files: twenty gateways must not share one SQLite file in the
+        // directory they were started from.
+        let files = format!("{}-gateway-{:02}", setup.run.replace('/', "-"), index + 1);
+        cmd.arg("--keys-file").arg(dir.join(format!("{files}-keys.db")));
+        cmd.arg("--meter-file").arg(dir.join(format!("{files}-usage.db")));
         let name = format!("gateway {}", index + 1);
-        let (proc, out) = Proc::spawn(
-            name,
-            cmd,
-            dir.join(format!(
-                "{}-gateway-{:02}.log",
-                setup.run.replace('/', "-"),
-                index + 1
-            )),
-            true,
-        )?;
+        let (proc, out) = Proc::spawn(name, cmd, dir.join(format!("{files}.log")), true)?;
         let addrs = read_addrs(
             &proc,
             out.expect("piped"),

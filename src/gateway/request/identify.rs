@@ -175,6 +175,11 @@ fn caller_of(
     let refused = |reason, message| unauthorized(Refusal::Unauthorized { reason, message });
     let key = match credential {
         None => None,
+        // A secret in the form the admin API makes, with a wrong checksum (a typo, a cut
+        // paste), is no key's: refused before any lookup.
+        Some((secret, _)) if tollgate_keys::secret::looks_generated(secret) == Verdict::BadChecksum => {
+            return Err(refused("unknown_key", "unknown API key"));
+        }
         Some((secret, source)) => match snap
             .keys
             .check(&hash_secret(secret), || clock.now_us() / 1_000_000)

@@ -41,6 +41,7 @@ use crate::respond::{Answer, Body, Budget, RateFields, Refusal};
 use crate::server::{ConnInfo, Handler};
 use tollgate_http1::path::{EncodedSlashes, PathError, canonical, has_encoded_slash};
 use tollgate_http1::{method_override, sanitize};
+use tollgate_keys::Verdict;
 use tollgate_limit::batch::FailurePolicy;
 use tollgate_limit::clock::Clock;
 use tollgate_limit::decision::{Decision, decide};

@@ -490,4 +490,15 @@ mod tests {
             assert!(e.reason.contains(reason), "{e}");
         }
     }
+
+    #[test]
+    fn a_managed_key_whose_burst_a_route_outgrows_is_named_by_its_own_field() {
+        let mut rules = base();
+        rules["routes"][0]["cost"]["per_key"] = serde_json::json!(5);
+        let mut m = managed("m-1", &[("x", None)]);
+        m.limits = [("per_key".to_string(), ("5/1s".to_string(), 3))].into();
+        let e = with_managed(&rules, &[m]).unwrap_err();
+        assert_eq!(e.field, "managed_keys[0].limits.per_key.burst", "{e}");
+        assert!(e.reason.contains("could never pass"), "{e}");
+    }
 }

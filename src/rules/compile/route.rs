@@ -184,12 +184,27 @@ impl Compiler<'_> {
             if let Some(n) = &limit.numbers {
                 check(n, &String::new)?;
             }
+            // The admin API's keys follow the file's: an error in one names its own field.
+            let first_managed = keys.len() - self.managed.len();
+            let key_field = |ki: usize| match ki.checked_sub(first_managed) {
+                Some(m) => format!("managed_keys[{m}].limits.{lname}"),
+                None => format!("keys[{ki}].limits.{lname}"),
+            };
             for ki in 0..keys.len() {
                 match keys.numbers(ki, limit, li) {
+                    Some(n) if keys[ki].managed && cost > n.params.burst => {
+                        return Err(self.err(
+                            format!("{}.burst", key_field(ki)),
+                            format!(
+                                "route {name:?} costs {cost} in limit {lname:?}, above this key's burst {}: it could never pass",
+                                n.params.burst
+                            ),
+                        ));
+                    }
                     Some(n) => check(n, &|| format!(" for key {:?}", keys[ki].id))?,
                     None if r.key == KeyRequirement::Required || limit.dimension == Dimension::Key => {
                         return Err(self.err(
-                            format!("keys[{ki}].limits.{lname}"),
+                            key_field(ki),
                             format!(
                                 "limit {lname:?} has no numbers of its own and key {:?} sets none, but route {name:?} charges it",
                                 keys[ki].id

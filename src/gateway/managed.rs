@@ -1,0 +1,438 @@
+//! Keys with a life cycle: made, rotated, revoked and changed through the admin API, kept in the
+//! store's Redis (or a SQLite file on the embedded store), followed by every gateway that
+//! shares it, and compiled beside the rules file's keys so a request finds them in memory.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use jiff::Timestamp;
+use serde_json::{Value, json};
+use tokio::sync::Mutex;
+
+use crate::reload::{KeysRefused, Reloader};
+use crate::respond::{Body, json_response};
+use tollgate_keys::{Create, FieldError, KeyRecord, KeyStore, Patch, Rotate, change};
+use tollgate_limit::clock::Clock;
+use tollgate_rules::{ManagedKey, Snapshot};
+use tollgate_telemetry::metrics::Metrics;
+
+/// The largest body a key change may have: a key is a few hundred bytes.
+const MAX_BODY: usize = 64 * 1024;
+
+/// How often a gateway asks its store what changed: a change made on one gateway serves on
+/// every other within this and a compile.
+pub const FOLLOW_EVERY: Duration = Duration::from_millis(250);
+
+/// The keys made through the admin API, as this gateway last read them.
+struct Held {
+    generation: u64,
+    by_id: BTreeMap<String, KeyRecord>,
+}
+
+pub struct ManagedKeys {
+    store: KeyStore,
+    reloader: Arc<Reloader>,
+    rules: Arc<ArcSwap<Snapshot>>,
+    metrics: Arc<Metrics>,
+    clock: Arc<dyn Clock>,
+    /// Writes on this gateway one at a time, and the follower between them.
+    held: Mutex<Held>,
+}
+
+impl ManagedKeys {
+    /// Loads every key from `store` and puts them in place beside the rules file's. A key that
+    /// no longer compiles against the rules (a limit it names was removed) is left out and
+    /// named in the log; its callers get 401 until it is patched.
+    pub async fn start(
+        store: KeyStore,
+        reloader: Arc<Reloader>,
+        rules: Arc<ArcSwap<Snapshot>>,
+        metrics: Arc<Metrics>,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Arc<ManagedKeys>, String> {
+        // A store that can't be reached at start must not keep the gateway from serving: the
+        // follower asks for every change from generation 0 once it answers.
+        let (generation, records) = match store.load_all().await {
+            Ok(all) => all,
+            Err(e) => {
+                tracing::warn!(error = %e, "managed keys: cannot load them yet; they are served once the store answers");
+                (0, Vec::new())
+            }
+        };
+        let keys = Arc::new(ManagedKeys {
+            store,
+            reloader,
+            rules,
+            metrics,
+            clock,
+            held: Mutex::new(Held {
+                generation,
+                by_id: records.into_iter().map(|r| (r.id.clone(), r)).collect(),
+            }),
+        });
+        let held = keys.held.lock().await;
+        keys.put_in_place(&held).map_err(|e| e.to_string())?;
+        tracing::info!(
+            keys = held.by_id.len(),
+            place = keys.store.place(),
+            "managed keys loaded"
+        );
+        drop(held);
+        Ok(keys)
+    }
+
+    /// Follows the store's changes every [`FOLLOW_EVERY`] until `stop`. A store that can't be
+    /// reached leaves the keys this gateway has in place.
+    pub async fn follow(self: Arc<Self>, stop: impl std::future::Future<Output = ()>) {
+        tokio::pin!(stop);
+        let mut tick = tokio::time::interval(FOLLOW_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut failing = false;
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                () = &mut stop => return,
+            }
+            match self.catch_up().await {
+                Ok(()) if failing => {
+                    failing = false;
+                    tracing::info!(
+                        place = self.store.place(),
+                        "managed keys: the store answers again"
+                    );
+                }
+                Ok(()) => {}
+                Err(e) if !failing => {
+                    failing = true;
+                    tracing::warn!(error = %e, "managed keys: cannot read changes; keeping the keys this gateway has");
+                }
+                Err(_) => {}
+            }
+        }
+    }
+
+    async fn catch_up(&self) -> Result<(), String> {
+        let since = self.held.lock().await.generation;
+        let (generation, records) = self.store.changes_since(since).await.map_err(|e| e.to_string())?;
+        let (generation, records, whole) = if generation < since {
+            // The store was emptied or replaced: what it holds now is all there is.
+            let (g, all) = self.store.load_all().await.map_err(|e| e.to_string())?;
+            (g, all, true)
+        } else {
+            (generation, records, false)
+        };
+        if records.is_empty() && !whole {
+            return Ok(());
+        }
+        let mut held = self.held.lock().await;
+        if whole {
+            held.by_id.clear();
+        }
+        for r in records {
+            held.by_id.insert(r.id.clone(), r);
+        }
+        held.generation = held.generation.max(generation);
+        if whole {
+            held.generation = generation;
+        }
+        self.put_in_place(&held).map_err(|e| e.to_string())
+    }
+
+    /// Compiles the held keys beside the file's and swaps the result in, leaving out each key
+    /// that does not compile.
+    fn put_in_place(&self, held: &Held) -> Result<(), KeysRefused> {
+        let (set, left_out) = compilable(&self.reloader, held.by_id.values());
+        for (id, why) in left_out {
+            tracing::error!(key = %id, reason = %why, "managed key left out: it does not compile against the running rules");
+        }
+        self.reloader.set_managed(set)
+    }
+
+    fn now(&self) -> Timestamp {
+        Timestamp::from_microsecond(self.clock.now_us() as i64).unwrap_or(Timestamp::UNIX_EPOCH)
+    }
+
+    /// `/admin/keys…`, once the caller's token has been checked.
+    pub async fn serve(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+        let path = req.uri().path().to_string();
+        let query = req.uri().query().map(str::to_string);
+        let method = req.method().clone();
+        let rest = path.strip_prefix("/admin/keys").unwrap_or("");
+        let parts: Vec<&str> = rest.split('/').filter(|s| !s.is_empty()).collect();
+        let body = match read_body(req).await {
+            Ok(b) => b,
+            Err(f) => return f.into_response(),
+        };
+        let answer = match (&method, parts.as_slice()) {
+            (&Method::GET, []) => Ok(self.list(query.as_deref()).await),
+            (&Method::POST, []) => self.create(&body, peer).await,
+            (&Method::GET, [id]) => self.get(id).await,
+            (&Method::PATCH, [id]) => self.patch(id, &body, peer).await,
+            (&Method::POST, [id, "rotate"]) => self.rotate(id, &body, peer).await,
+            (&Method::POST, [id, "revoke"]) => self.revoke(id, peer).await,
+            (_, [] | [_] | [_, "rotate" | "revoke"]) => Err(fail(
+                StatusCode::METHOD_NOT_ALLOWED,
+                json!({"error": "method_not_allowed"}),
+            )),
+            _ => Err(not_found()),
+        };
+        answer.unwrap_or_else(Fail::into_response)
+    }
+
+    async fn list(&self, query: Option<&str>) -> Response<Body> {
+        let tenant = query.and_then(|q| {
+            q.split('&')
+                .filter_map(|p| p.split_once('='))
+                .find(|(k, _)| *k == "tenant")
+                .map(|(_, v)| v.to_string())
+        });
+        let held = self.held.lock().await;
+        let keys: Vec<Value> = held
+            .by_id
+            .values()
+            .filter(|r| tenant.as_deref().is_none_or(|t| r.tenant == t))
+            .map(KeyRecord::public_view)
+            .collect();
+        json_response(StatusCode::OK, json!({ "keys": keys }).to_string())
+    }
+
+    async fn get(&self, id: &str) -> Result<Response<Body>, Fail> {
+        let held = self.held.lock().await;
+        let rec = held.by_id.get(id).ok_or_else(not_found)?;
+        Ok(json_response(StatusCode::OK, rec.public_view().to_string()))
+    }
+
+    async fn create(&self, body: &[u8], peer: SocketAddr) -> Result<Response<Body>, Fail> {
+        let now = self.now();
+        let c = Create::parse(body, now).map_err(bad)?;
+        let mut held = self.held.lock().await;
+        if let Some(id) = &c.id {
+            self.check_free(id, &held)?;
+        }
+        let (rec, secret) = change::create(c, now);
+        self.check_free(&rec.id, &held)?;
+        self.check_compiles(&held, &rec)?;
+        match self.store.insert_new(&rec).await {
+            Ok(true) => {}
+            Ok(false) => return Err(conflict(&format!("key {:?} exists", rec.id))),
+            Err(e) => return Err(unavailable(&e.to_string())),
+        }
+        let id = rec.id.clone();
+        held.by_id.insert(id.clone(), rec);
+        self.settle(&held, "create", &id, peer, now);
+        Ok(json_response(
+            StatusCode::CREATED,
+            json!({"id": id, "secret": secret}).to_string(),
+        ))
+    }
+
+    async fn rotate(
+        &self,
+        id: &str,
+        body: &[u8],
+        peer: SocketAddr,
+    ) -> Result<Response<Body>, Fail> {
+        let now = self.now();
+        let r = Rotate::parse(body).map_err(bad)?;
+        let mut held = self.held.lock().await;
+        let current = self.fresh(id).await?;
+        let (rec, secret) = change::rotate(&current, r.grace_s, now).map_err(|e| conflict(&e.to_string()))?;
+        self.write(&mut held, rec).await?;
+        self.settle(&held, "rotate", id, peer, now);
+        Ok(json_response(
+            StatusCode::OK,
+            json!({"id": id, "secret": secret}).to_string(),
+        ))
+    }
+
+    async fn revoke(&self, id: &str, peer: SocketAddr) -> Result<Response<Body>, Fail> {
+        let now = self.now();
+        let mut held = self.held.lock().await;
+        let rec = change::revoke(&self.fresh(id).await?, now);
+        let view = rec.public_view();
+        self.write(&mut held, rec).await?;
+        self.settle(&held, "revoke", id, peer, now);
+        Ok(json_response(StatusCode::OK, view.to_string()))
+    }
+
+    async fn patch(&self, id: &str, body: &[u8], peer: SocketAddr) -> Result<Response<Body>, Fail> {
+        let now = self.now();
+        let p = Patch::parse(body, now).map_err(bad)?;
+        let mut held = self.held.lock().await;
+        let rec = change::patch(&self.fresh(id).await?, p, now).map_err(|e| conflict(&e.to_string()))?;
+        self.check_compiles(&held, &rec)?;
+        let view = rec.public_view();
+        self.write(&mut held, rec).await?;
+        self.settle(&held, "patch", id, peer, now);
+        Ok(json_response(StatusCode::OK, view.to_string()))
+    }
+
+    /// The key as the store has it now: another gateway may have changed it since this one
+    /// last followed.
+    async fn fresh(&self, id: &str) -> Result<KeyRecord, Fail> {
+        match self.store.get(id).await {
+            Ok(Some(rec)) => Ok(rec),
+            Ok(None) => Err(not_found()),
+            Err(e) => Err(unavailable(&e.to_string())),
+        }
+    }
+
+    async fn write(&self, held: &mut Held, rec: KeyRecord) -> Result<(), Fail> {
+        self.store
+            .put(&rec)
+            .await
+            .map_err(|e| unavailable(&e.to_string()))?;
+        held.by_id.insert(rec.id.clone(), rec);
+        Ok(())
+    }
+
+    /// An id the rules file or the store already has is the caller's conflict.
+    fn check_free(&self, id: &str, held: &Held) -> Result<(), Fail> {
+        if held.by_id.contains_key(id) {
+            return Err(conflict(&format!("key {id:?} exists")));
+        }
+        let snap = self.rules.load();
+        if snap.key_by_id(id).is_some_and(|k| !snap.keys[k].managed) {
+            return Err(conflict(&format!("key {id:?} is in the rules file")));
+        }
+        Ok(())
+    }
+
+    /// Whether `rec` compiles beside the file's keys and the other held keys: a limit it
+    /// names must exist and take per-key numbers, a tenant's keys must share numbers.
+    fn check_compiles(&self, held: &Held, rec: &KeyRecord) -> Result<(), Fail> {
+        let others = held.by_id.values().filter(|r| r.id != rec.id);
+        let (mut set, _) = compilable(&self.reloader, others);
+        set.push(managed_key(rec));
+        match self.reloader.check_managed(&set) {
+            Ok(()) => Ok(()),
+            Err(KeysRefused::Key(e)) => Err(bad(FieldError {
+                field: e
+                    .field
+                    .split_once('.')
+                    .map_or(String::new(), |(_, f)| f.to_string()),
+                reason: e.reason,
+            })),
+            Err(e) => Err(unavailable(&e.to_string())),
+        }
+    }
+
+    /// After a change is stored: this gateway serves it at once, and it is audited.
+    fn settle(&self, held: &Held, action: &'static str, id: &str, peer: SocketAddr, now: Timestamp) {
+        if let Err(e) = self.put_in_place(held) {
+            tracing::error!(error = %e, "managed keys: the change is stored but not in place here");
+        }
+        self.metrics.admin_change(action);
+        tracing::info!(target: "tollgate::audit", action, key = %id, at = %now, peer = %peer, "admin change");
+    }
+}
+
+/// The keys of `records` that compile beside the file's, in the form the compiler takes, and
+/// each left out with why. One bad key must not take the others down with it.
+fn compilable<'a>(
+    reloader: &Reloader,
+    records: impl Iterator<Item = &'a KeyRecord>,
+) -> (Vec<ManagedKey>, Vec<(String, String)>) {
+    let mut set: Vec<ManagedKey> = records.map(managed_key).collect();
+    let mut left_out = Vec::new();
+    // Each round removes the key the error names; a file error ends it (nothing to remove).
+    while !set.is_empty() {
+        match reloader.check_managed(&set) {
+            Err(KeysRefused::Key(e)) => {
+                let at = e
+                    .field
+                    .strip_prefix("managed_keys[")
+                    .and_then(|r| r.split(']').next())
+                    .and_then(|i| i.parse::<usize>().ok());
+                match at {
+                    Some(i) if i < set.len() => {
+                        let k = set.remove(i);
+                        left_out.push((k.id, format!("{}: {}", e.field, e.reason)));
+                    }
+                    _ => break,
+                }
+            }
+            _ => break,
+        }
+    }
+    (set, left_out)
+}
+
+/// A record in the form the rules compiler takes: times as Unix seconds.
+fn managed_key(r: &KeyRecord) -> ManagedKey {
+    let secs = |t: Timestamp| t.as_second().max(0) as u64;
+    ManagedKey {
+        id: r.id.clone(),
+        tenant: r.tenant.clone(),
+        name: r.name.clone(),
+        limits: r
+            .limits
+            .iter()
+            .map(|(l, n)| (l.clone(), (n.rate.clone(), n.burst)))
+            .collect(),
+        secrets: r
+            .secrets
+            .iter()
+            .map(|s| (s.hash, s.not_after.map(secs)))
+            .collect(),
+        expires_at: r.expires_at.map(secs),
+        revoked: r.revoked,
+    }
+}
+
+async fn read_body(req: Request<Incoming>) -> Result<Vec<u8>, Fail> {
+    let limited = http_body_util::Limited::new(req.into_body(), MAX_BODY);
+    match limited.collect().await {
+        Ok(b) => Ok(b.to_bytes().to_vec()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(bad(FieldError {
+            field: String::new(),
+            reason: format!("larger than {MAX_BODY} bytes"),
+        })),
+        Err(e) => Err(bad(FieldError {
+            field: String::new(),
+            reason: format!("could not be read: {e}"),
+        })),
+    }
+}
+
+/// An answer other than success: its status and JSON body, made into a response at the end.
+struct Fail(StatusCode, Value);
+
+impl Fail {
+    fn into_response(self) -> Response<Body> {
+        json_response(self.0, self.1.to_string())
+    }
+}
+
+fn fail(status: StatusCode, body: Value) -> Fail {
+    Fail(status, body)
+}
+
+fn bad(e: FieldError) -> Fail {
+    let field = if e.field.is_empty() { "(body)".to_string() } else { e.field };
+    fail(
+        StatusCode::BAD_REQUEST,
+        json!({"error": "bad_request", "field": field, "reason": e.reason}),
+    )
+}
+
+fn conflict(reason: &str) -> Fail {
+    fail(StatusCode::CONFLICT, json!({"error": "conflict", "reason": reason}))
+}
+
+fn not_found() -> Fail {
+    fail(StatusCode::NOT_FOUND, json!({"error": "not_found"}))
+}
+
+fn unavailable(reason: &str) -> Fail {
+    fail(
+        StatusCode::SERVICE_UNAVAILABLE,
+        json!({"error": "keys_unavailable", "reason": reason}),
+    )
+}
