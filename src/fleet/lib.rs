@@ -270,9 +270,9 @@ struct Fleet<'a> {
 
 /// Writes the storm's requests as a `tollgate replay` trace: time (send time, seconds from the
 /// start of the run), key id, gateway.
-fn write_trace(path: &std::path::Path, storm_id: &str, records: &[load::Record]) -> Result<(), String> {
+fn write_trace(path: &std::path::Path, storm_id: &str, answers: &[load::Answer]) -> Result<(), String> {
     use std::io::Write;
-    let mut rows: Vec<&load::Record> = records.iter().filter(|r| r.who == load::STORM).collect();
+    let mut rows: Vec<&load::Answer> = answers.iter().filter(|r| r.who == load::STORM).collect();
     rows.sort_by_key(|r| r.send_us);
     let file = std::fs::File::create(path).map_err(|e| format!("--trace-dir: {}: {e}", path.display()))?;
     let mut w = std::io::BufWriter::new(file);
@@ -356,11 +356,11 @@ async fn one_run(
         write_trace(
             &d.join(format!("{}.csv", label.replace('/', "-"))),
             fleet.storm_id,
-            &outcome.records,
+            &outcome.answers,
         )?;
     }
     Ok(report::analyse(
-        &outcome.records,
+        &outcome.answers,
         RunFacts {
             run: label,
             mode: run.mode.name(),

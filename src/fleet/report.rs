@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use super::load::{NO_ANSWER, Record, STORM};
+use super::load::{Answer, NO_ANSWER, STORM};
 use super::rules::Contract;
 use tollgate_limit::bucket::US_PER_S;
 use tollgate_replay::report::BusiestWindow;
@@ -120,7 +120,7 @@ pub struct RunReport {
     pub unexpected_answers: BTreeMap<u16, String>,
 }
 
-/// What the analysis needs besides the records.
+/// What the analysis needs besides the answers.
 pub(crate) struct RunFacts<'a> {
     pub run: String,
     pub mode: &'static str,
@@ -141,10 +141,10 @@ fn ok(status: u16) -> bool {
     (200..300).contains(&status)
 }
 
-pub(crate) fn analyse(records: &[Record], f: RunFacts<'_>) -> RunReport {
-    let mut storm: Vec<&Record> = records.iter().filter(|r| r.who == STORM).collect();
+pub(crate) fn analyse(answers: &[Answer], f: RunFacts<'_>) -> RunReport {
+    let mut storm: Vec<&Answer> = answers.iter().filter(|r| r.who == STORM).collect();
     storm.sort_by_key(|r| r.recv_us);
-    let others: Vec<&Record> = records.iter().filter(|r| r.who != STORM).collect();
+    let others: Vec<&Answer> = answers.iter().filter(|r| r.who != STORM).collect();
     let storm_report = storm_report(&storm, &f);
     let outage = f
         .outage_us
@@ -164,7 +164,7 @@ pub(crate) fn analyse(records: &[Record], f: RunFacts<'_>) -> RunReport {
 }
 
 /// The storm key's answers, sorted by answer time, against its contract's bound.
-fn storm_report(storm: &[&Record], f: &RunFacts<'_>) -> Storm {
+fn storm_report(storm: &[&Answer], f: &RunFacts<'_>) -> Storm {
     let first_send = storm.iter().map(|r| r.send_us).min().unwrap_or(0);
     let last_recv = storm.iter().map(|r| r.recv_us).max().unwrap_or(0);
     let span_us = last_recv.saturating_sub(first_send);
@@ -216,7 +216,7 @@ fn storm_report(storm: &[&Record], f: &RunFacts<'_>) -> Storm {
 }
 
 /// The other partners' answers: a request without an answer counts as an error.
-fn others_report(others: &[&Record]) -> Others {
+fn others_report(others: &[&Answer]) -> Others {
     let mut statuses = BTreeMap::new();
     let (mut o_ok, mut o_429, mut o_err, mut o_none) = (0, 0, 0, 0);
     for r in others {
@@ -248,14 +248,14 @@ fn others_report(others: &[&Record]) -> Others {
 /// that runs on until every breaker has closed.
 fn outage_report(
     (stop, resume): (u64, u64),
-    storm: &[&Record],
-    others: &[&Record],
+    storm: &[&Answer],
+    others: &[&Answer],
     f: &RunFacts<'_>,
     offered: f64,
 ) -> Outage {
     let degraded_end = resume + US_PER_S;
-    let in_out = |r: &&&Record| r.recv_us >= stop && r.recv_us < resume;
-    let in_deg = |r: &&&Record| r.recv_us >= stop && r.recv_us < degraded_end;
+    let in_out = |r: &&&Answer| r.recv_us >= stop && r.recv_us < resume;
+    let in_deg = |r: &&&Answer| r.recv_us >= stop && r.recv_us < degraded_end;
     let length_s = (resume - stop) as f64 / US_PER_S as f64;
     Outage {
         stopped_at_s: stop as f64 / US_PER_S as f64,
@@ -500,9 +500,9 @@ mod tests {
         }
     }
 
-    fn rec(send_s: f64, status: u16, who: u16) -> Record {
+    fn answer(send_s: f64, status: u16, who: u16) -> Answer {
         let t = (send_s * 1e6) as u64;
-        Record {
+        Answer {
             send_us: t,
             recv_us: t + 1_000,
             gateway: 0,
@@ -514,23 +514,23 @@ mod tests {
     #[test]
     fn counts_windows_and_the_bound() {
         let c = contract();
-        let mut records = Vec::new();
+        let mut answers = Vec::new();
         // 25 admitted in the first 0.5 s, then one a second for 9 s; all sent at 10/s.
         for i in 0..25 {
-            records.push(rec(i as f64 * 0.02, 200, STORM));
+            answers.push(answer(i as f64 * 0.02, 200, STORM));
         }
         for i in 1..10 {
-            records.push(rec(i as f64, 200, STORM));
-            records.push(rec(i as f64 + 0.5, 429, STORM));
+            answers.push(answer(i as f64, 200, STORM));
+            answers.push(answer(i as f64 + 0.5, 429, STORM));
         }
-        records.push(rec(3.3, 503, STORM));
-        records.push(rec(3.4, NO_ANSWER, STORM));
-        records.push(rec(1.0, 200, 1));
-        records.push(rec(1.1, 429, 1));
-        records.push(rec(1.2, 503, 2));
-        records.push(rec(1.3, NO_ANSWER, 2));
+        answers.push(answer(3.3, 503, STORM));
+        answers.push(answer(3.4, NO_ANSWER, STORM));
+        answers.push(answer(1.0, 200, 1));
+        answers.push(answer(1.1, 429, 1));
+        answers.push(answer(1.2, 503, 2));
+        answers.push(answer(1.3, NO_ANSWER, 2));
         let r = analyse(
-            &records,
+            &answers,
             RunFacts {
                 run: "central".into(),
                 mode: "central",
@@ -572,9 +572,9 @@ mod tests {
     #[test]
     fn a_slow_harness_is_flagged() {
         let c = contract();
-        let records: Vec<Record> = (0..10).map(|i| rec(i as f64, 429, STORM)).collect();
+        let answers: Vec<Answer> = (0..10).map(|i| answer(i as f64, 429, STORM)).collect();
         let r = analyse(
-            &records,
+            &answers,
             RunFacts {
                 run: "local".into(),
                 mode: "local",
