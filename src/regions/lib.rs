@@ -5,5 +5,10 @@
 pub mod agent;
 pub mod sim;
 
-pub use agent::{Agent, Design, Params, ReclaimRule, Record, View};
+pub use agent::{Agent, Design, Params, ReclaimRule, ShareRecord, View};
 pub use sim::{Report, Run, Scenario, UnknownRun};
+
+// The gateway's `regions` (records.rs, agent.rs) still names a share record by its former name;
+// this goes once it names `ShareRecord`.
+#[doc(hidden)]
+pub type Record = ShareRecord;

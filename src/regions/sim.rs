@@ -10,7 +10,7 @@ use std::str::FromStr;
 
 use serde::Serialize;
 
-use crate::agent::{Agent, Design, Params, ReclaimRule, Record, View};
+use crate::agent::{Agent, Design, Params, ReclaimRule, ShareRecord, View};
 
 /// The model's step.
 const STEP_S: f64 = 0.01;
@@ -259,7 +259,7 @@ struct World<'a> {
     sc: &'a Scenario,
     agents: Vec<Agent>,
     /// Every record each Region wrote, with the step it was written at.
-    written: Vec<Vec<(i64, Record)>>,
+    written: Vec<Vec<(i64, ShareRecord)>>,
     /// Each Region's demand for the last 5 s, one entry a step.
     history: Vec<Vec<f64>>,
     tokens: [f64; 3],
@@ -362,7 +362,7 @@ impl World<'_> {
             .is_none_or(|l| !((writer == l.region || reader == l.region) && written >= l.at))
     }
 
-    fn visible(&self, reader: usize, step: i64) -> Vec<Record> {
+    fn visible(&self, reader: usize, step: i64) -> Vec<ShareRecord> {
         (0..3)
             .filter(|&w| w != reader)
             .filter_map(|w| {
