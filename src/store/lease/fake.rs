@@ -11,7 +11,7 @@ use crate::guard::FleetSize;
 use crate::{Adjusted, BoxFuture, CheckFuture, CheckItem, FailurePolicy, Outcome, Source, Store, StoreError};
 use tollgate_limit::batch::LeaseBlock;
 use tollgate_limit::bucket::{BucketParams, BucketState, BucketVerdict, Charge, Rate};
-use tollgate_limit::lease::{Account, Grant, LeaseConfig, Records, give_back_recorded, lease_recorded};
+use tollgate_limit::lease::{Account, Grant, HolderRecords, LeaseConfig, give_back_recorded, lease_recorded};
 use tollgate_telemetry::metrics::Metrics;
 
 /// A store in memory on tokio's (paused) clock: leases by `limit::lease`, checks answered
@@ -19,7 +19,7 @@ use tollgate_telemetry::metrics::Metrics;
 pub(super) struct Fake {
     pub(super) origin: Instant,
     pub(super) bucket: Mutex<Option<BucketState>>,
-    pub(super) records: Mutex<Records>,
+    pub(super) records: Mutex<HolderRecords>,
     pub(super) fail: AtomicBool,
     /// Lease answers take this long (virtual ms).
     pub(super) delay_ms: AtomicU64,
@@ -36,7 +36,7 @@ impl Fake {
         Arc::new(Fake {
             origin: Instant::now(),
             bucket: Mutex::new(None),
-            records: Mutex::new(Records::new()),
+            records: Mutex::new(HolderRecords::new()),
             fail: AtomicBool::new(false),
             delay_ms: AtomicU64::new(0),
             leases: AtomicU64::new(0),

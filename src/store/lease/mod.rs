@@ -34,9 +34,9 @@
 //! items a block paid (`Outcome::leased`); only the first 64 items of a request are leased.
 //!
 //! A gateway killed with -9 gives nothing back, so the store keeps a record per gateway of what
-//! it holds (`tollgate_limit::lease` [`Records`](tollgate_limit::lease::Records)): this gateway
-//! has a holder id of its own, and every lease and give-back reports the tokens it spent from
-//! that key's blocks since its previous call. A record expires 12 s after the gateway's last
+//! it holds ([`HolderRecords`](tollgate_limit::lease::HolderRecords)): this gateway has a
+//! holder id of its own, and every lease and give-back reports the tokens it spent from that
+//! key's blocks since its previous call. A record expires 12 s after the gateway's last
 //! call, when the store puts its tokens back; so that a live gateway's never does, one that has
 //! spent since its last call and has nothing else to send sends a give-back of nothing 11 s after
 //! it (a sync). A call that fails counts what it carried as spent, so the record can only come
