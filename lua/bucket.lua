@@ -1,6 +1,6 @@
 -- lua/bucket.lua: the bucket arithmetic and encoding that lua/check.lua, lua/lease.lua and
 -- lua/refund.lua share. Redis scripts can't load modules, so the gateway puts this file in front
--- of each script when it loads them (src/store/redis.rs); each script's SHA-1 covers both parts.
+-- of each script when it loads them (src/store/redis/mod.rs); each script's SHA-1 covers both parts.
 --
 -- It is src/limit/bucket.rs (`rescale`, `refill`) in Lua 5.1 doubles. Rule validation keeps
 -- every integer below 2^53, where doubles are exact for +, - and *, but `/` rounds: every

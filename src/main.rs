@@ -435,94 +435,94 @@ fn main() -> Result<()> {
     // Freed memory goes back to the system within the decay time even while the process idles.
     let _ = tikv_jemalloc_ctl::background_thread::write(true);
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    let cli = match Cli::try_parse_from(&args) {
+    let cli = parse_or_exit(&args);
+    if run_standalone(&cli.command)? {
+        return Ok(());
+    }
+    run_server(cli)
+}
+
+/// The command line, or the process ends with clap's message: in json mode, as one event.
+fn parse_or_exit(args: &[std::ffi::OsString]) -> Cli {
+    match Cli::try_parse_from(args) {
         Ok(cli) => cli,
-        Err(e) if e.use_stderr() && json_asked(&args) => {
+        Err(e) if e.use_stderr() && json_asked(args) => {
             let _access_log = init_logging(LogFormat::Json, DEFAULT_ACCESS_BUFFER, true);
             tracing::error!("{}", e.to_string().trim_end());
             std::process::exit(e.exit_code());
         }
         Err(e) => e.exit(),
-    };
-    if let Command::Replay(a) = &cli.command {
+    }
+}
+
+/// Runs a command that serves nothing to its end, each with the logging it needs, if any, and
+/// says whether it was one; `serve`, `demo` and `demo-upstream` are left to [`run_server`].
+fn run_standalone(command: &Command) -> Result<bool> {
+    match command {
         // Offline and single-threaded: no logging, no async runtime. The error names the
         // file, row and column already; a backtrace would only bury it.
-        if let Err(e) = tollgate_replay::args::main(a) {
-            eprintln!("tollgate replay: {e}");
-            std::process::exit(1);
-        }
-        return Ok(());
-    }
-    if let Command::Fleet(a) = &cli.command {
+        Command::Replay(a) => exit_on_error("replay", tollgate_replay::args::main(a)),
         // Runs its own runtime and child processes, and reports on stdout.
-        if let Err(e) = tollgate_fleet::main(a) {
-            eprintln!("tollgate fleet: {e}");
-            std::process::exit(1);
-        }
-        return Ok(());
-    }
-    if let Command::Regions(a) = &cli.command {
-        // A model on a virtual clock: no logging, no runtime.
-        let RegionsCommand::Simulate { run, json } = &a.command;
-        let report = tollgate_regions::sim::simulate(&run.scenario());
-        if *json {
-            println!("{}", report.json());
-        } else {
-            print!("{}", report.table());
-        }
-        return Ok(());
-    }
-    if let Command::Meter(a) = &cli.command {
-        // Runs its own runtime; errors name the flag, file or field already.
-        let _access_log = init_logging(LogFormat::Human, DEFAULT_ACCESS_BUFFER, true);
-        if let Err(e) = tollgate_meter::cli::main(a) {
-            eprintln!("tollgate meter: {e}");
-            std::process::exit(1);
-        }
-        return Ok(());
-    }
-    if let Command::DemoToken {
-        sub,
-        org,
-        plan,
-        exp_seconds,
-    } = &cli.command
-    {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .context("the clock is before 1970")?
-            .as_secs();
-        let t = tollgate_gateway::demo::DemoToken {
-            sub: sub.clone(),
-            org: org.clone(),
-            plan: plan.clone(),
-            exp_seconds: *exp_seconds,
-        };
-        match tollgate_gateway::demo::demo_token(&t, now) {
-            Ok(token) => println!("{token}"),
-            Err(e) => {
-                eprintln!("tollgate demo-token: {e}");
-                std::process::exit(1);
+        Command::Fleet(a) => exit_on_error("fleet", tollgate_fleet::main(a)),
+        Command::Regions(a) => {
+            // A model on a virtual clock: no logging, no runtime.
+            let RegionsCommand::Simulate { run, json } = &a.command;
+            let report = tollgate_regions::sim::simulate(&run.scenario());
+            if *json {
+                println!("{}", report.json());
+            } else {
+                print!("{}", report.table());
             }
         }
-        return Ok(());
-    }
-    if let Command::RulesSchema = &cli.command {
-        print!("{}", tollgate_rules::raw::schema());
-        return Ok(());
-    }
-    if let Command::CheckRules { file, cluster: _ } = &cli.command {
-        match tollgate_rules::load(file, tollgate_rules::CompileOptions::default()) {
-            Ok(snap) => {
-                print!("{}", tollgate_rules::summary::summary(&snap));
-                return Ok(());
-            }
-            Err(e) => {
-                eprintln!("error: {e}");
-                std::process::exit(1);
+        Command::Meter(a) => {
+            // Runs its own runtime; errors name the flag, file or field already.
+            let _access_log = init_logging(LogFormat::Human, DEFAULT_ACCESS_BUFFER, true);
+            exit_on_error("meter", tollgate_meter::cli::main(a));
+        }
+        Command::DemoToken {
+            sub,
+            org,
+            plan,
+            exp_seconds,
+        } => {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .context("the clock is before 1970")?
+                .as_secs();
+            let t = tollgate_gateway::demo::DemoToken {
+                sub: sub.clone(),
+                org: org.clone(),
+                plan: plan.clone(),
+                exp_seconds: *exp_seconds,
+            };
+            let token = tollgate_gateway::demo::demo_token(&t, now);
+            exit_on_error("demo-token", token.map(|token| println!("{token}")));
+        }
+        Command::RulesSchema => print!("{}", tollgate_rules::raw::schema()),
+        Command::CheckRules { file, cluster: _ } => {
+            match tollgate_rules::load(file, tollgate_rules::CompileOptions::default()) {
+                Ok(snap) => print!("{}", tollgate_rules::summary::summary(&snap)),
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    std::process::exit(1);
+                }
             }
         }
+        Command::Serve(_) | Command::Demo(_) | Command::DemoUpstream { .. } => return Ok(false),
     }
+    Ok(true)
+}
+
+/// Ends the process with status 1 and `tollgate <command>: <error>` on stderr when `r` failed.
+fn exit_on_error<E: std::fmt::Display>(command: &str, r: Result<(), E>) {
+    if let Err(e) = r {
+        eprintln!("tollgate {command}: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// Sets up logging and, when asked for, the access log, then runs the server `cli` names.
+fn run_server(cli: Cli) -> Result<()> {
     let (format, threads, access_buffer, access_format) = match &cli.command {
         Command::Serve(a) => (
             a.common.log_format,
@@ -545,7 +545,7 @@ fn main() -> Result<()> {
         | Command::DemoToken { .. }
         | Command::Regions(_) => (LogFormat::Human, None, DEFAULT_ACCESS_BUFFER, None),
     };
-    // Held to the end of main: dropping them writes the access lines still waiting.
+    // Held to the end: dropping them writes the access lines still waiting.
     let access_log = init_logging(format, access_buffer, access_format.is_none());
     let (lines, formatted) = match access_format
         .map(|f| start_access_log(f, access_buffer))

@@ -22,7 +22,8 @@ use rand::{Rng, SeedableRng};
 use tollgate_limit::bucket::{BucketParams, BucketState, BucketVerdict, Charge, Rate, check_all};
 use tollgate_limit::clock::{Clock, ManualClock};
 use tollgate_limit::lease::{
-    Account, Grant, LeaseConfig, Record, Records, block_cycle_us, give_back_recorded, lease_recorded,
+    Account, Grant, HolderRecord, HolderRecords, LeaseConfig, block_cycle_us, give_back_recorded,
+    lease_recorded,
 };
 use tollgate_store::lease::held_key;
 use tollgate_store::redis::{RedisStore, Target};
@@ -82,15 +83,15 @@ fn random_spent(rng: &mut StdRng, p: &BucketParams) -> u64 {
 }
 
 /// The records hash as stored, parsed.
-fn stored_records(redis: &common::RedisServer, key: &str) -> Records {
+fn stored_records(redis: &common::RedisServer, key: &str) -> HolderRecords {
     let out = redis.cli(&["HGETALL", &held_key(key)]);
     let lines: Vec<&str> = out.lines().filter(|l| !l.is_empty()).collect();
-    let mut recs = Records::new();
+    let mut recs = HolderRecords::new();
     for pair in lines.chunks(2) {
         let (tokens, expires) = pair[1].split_once(':').expect("tokens:expires");
         recs.insert(
             pair[0].to_string(),
-            Record {
+            HolderRecord {
                 tokens: tokens.parse().unwrap(),
                 expires_us: expires.parse().unwrap(),
             },
@@ -110,7 +111,7 @@ async fn run(
     let keys: Vec<String> = (0..BUCKETS).map(|i| format!("rl:{{eq}}:lease{i}")).collect();
     let mut rules: Vec<BucketParams> = (0..BUCKETS).map(|_| random_params(&mut rng)).collect();
     let mut states: HashMap<usize, common::Stored> = HashMap::new();
-    let mut records: Vec<Records> = vec![Records::new(); BUCKETS];
+    let mut records: Vec<HolderRecords> = vec![HolderRecords::new(); BUCKETS];
     let (mut grants, mut denials, mut gives, mut checks, mut changes) = (0, 0, 0, 0, 0);
     let mut reclaims = 0;
     for step in 0..STEPS {

@@ -22,7 +22,7 @@ use serde::Serialize;
 use tokio::time::{Instant, sleep_until};
 
 pub use args::FleetArgs;
-use args::{Mode, Plan, RunSpec};
+use args::{Mode, Plan, Policy, RunSpec};
 use load::{LoadSpec, Target};
 use report::{RunFacts, RunReport, StoreCounters};
 use rules::{BaseRules, Contract};
@@ -270,9 +270,9 @@ struct Fleet<'a> {
 
 /// Writes the storm's requests as a `tollgate replay` trace: time (send time, seconds from the
 /// start of the run), key id, gateway.
-fn write_trace(path: &std::path::Path, storm_id: &str, records: &[load::Record]) -> Result<(), String> {
+fn write_trace(path: &std::path::Path, storm_id: &str, answers: &[load::Answer]) -> Result<(), String> {
     use std::io::Write;
-    let mut rows: Vec<&load::Record> = records.iter().filter(|r| r.who == load::STORM).collect();
+    let mut rows: Vec<&load::Answer> = answers.iter().filter(|r| r.who == load::STORM).collect();
     rows.sort_by_key(|r| r.send_us);
     let file = std::fs::File::create(path).map_err(|e| format!("--trace-dir: {}: {e}", path.display()))?;
     let mut w = std::io::BufWriter::new(file);
@@ -298,58 +298,37 @@ async fn one_run(
     fleet: &Fleet<'_>,
     store_full_at: Option<Instant>,
 ) -> Result<RunReport, String> {
-    let Fleet {
-        base,
-        contract,
-        storm_id,
-        bin,
-        dir,
-        store_url,
-        redis,
-        upstream,
-    } = *fleet;
     let label = run.label();
-    let text = base.variant(upstream, run, plan.gateways)?;
-    let rules_path = dir.path.join(format!("rules-{}.json", label.replace('/', "-")));
-    std::fs::write(&rules_path, text).map_err(|e| format!("cannot write {}: {e}", rules_path.display()))?;
     let store = match run.mode {
-        Mode::Central => store_url
+        Mode::Central => fleet
+            .store_url
             .ok_or("the central mode needs a store, and none was started")?
             .to_string(),
         Mode::Local | Mode::Shares => "memory".to_string(),
     };
+    let rules = fleet.base.variant(fleet.upstream, run, plan.gateways)?;
     progress(&format!(
         "{label}: starting {} gateways on {store}",
         plan.gateways
     ));
     let setup = Arc::new(GatewaySpec {
         run: label.clone(),
-        bin: bin.to_path_buf(),
-        rules: rules_path,
-        store: store.clone(),
+        bin: fleet.bin.to_path_buf(),
+        rules: write_rules(&fleet.dir.path, &label, rules)?,
+        store,
         fleet_size: plan.gateways,
         store_timeout: plan.store_timeout,
         threads: plan.gateway_threads,
         log: plan.gateway_log.clone(),
     });
-    let gws = start_gateways(setup, plan.gateways, &dir.path).await?;
+    let gws = start_gateways(setup, plan.gateways, &fleet.dir.path).await?;
     if run.mode == Mode::Central
         && let Some(t) = store_full_at
     {
         // The last run drained the shared buckets; start this one from full, as the first.
         sleep_until(t).await;
     }
-    let targets: Vec<Target> = gws
-        .iter()
-        .map(|g| {
-            Ok(Target {
-                client: g.client.clone(),
-                uri: format!("http://{}{}", g.addr, rules::PATH)
-                    .parse()
-                    .map_err(|e| format!("{e}"))?,
-            })
-        })
-        .collect::<Result<_, String>>()?;
+    let targets = targets(&gws)?;
     let traffic = LoadSpec {
         duration: plan.duration,
         workers: plan.workers,
@@ -365,42 +344,23 @@ async fn one_run(
     ));
     let load_before = load_average();
     let t0 = Instant::now() + Duration::from_millis(50);
-    let outage = async {
-        let (Some(len), Some(_)) = (plan.outage, run.policy) else {
-            return Ok(None);
-        };
-        let r = redis.ok_or("--outage needs the redis-server this harness starts")?;
-        sleep_until(t0 + plan.duration / 2).await;
-        r.proc.signal("STOP").await?;
-        let stop = Instant::now() - t0;
-        sleep_until(Instant::now() + len).await;
-        let resumed = r.proc.signal("CONT").await;
-        let resume = Instant::now() - t0;
-        resumed?;
-        Ok::<_, String>(Some((stop.as_micros() as u64, resume.as_micros() as u64)))
-    };
-    let (outcome, outage) = tokio::join!(load::drive(&traffic, Arc::new(targets), t0), outage);
+    let (outcome, outage) = tokio::join!(
+        load::drive(&traffic, Arc::new(targets), t0),
+        pause_store(plan, run.policy, fleet.redis, t0)
+    );
     let (outcome, outage_us) = (outcome?, outage?);
-
-    let mut counters = StoreCounters::default();
-    for g in &gws {
-        match g.admin_get("/metrics").await {
-            Ok((200, text)) => report::scrape(&text, &mut counters),
-            Ok((s, _)) => return Err(format!("{}: /metrics answered {s}", g.proc.name)),
-            Err(e) => return Err(e),
-        }
-    }
+    let counters = store_counters(&gws).await?;
     let load_after = load_average();
     stop_all(gws.into_iter().map(|g| g.proc).collect()).await;
     if let Some(d) = &plan.trace_dir {
         write_trace(
             &d.join(format!("{}.csv", label.replace('/', "-"))),
-            storm_id,
-            &outcome.records,
+            fleet.storm_id,
+            &outcome.answers,
         )?;
     }
     Ok(report::analyse(
-        &outcome.records,
+        &outcome.answers,
         RunFacts {
             run: label,
             mode: run.mode.name(),
@@ -409,7 +369,7 @@ async fn one_run(
             duration_us: plan.duration.as_micros() as u64,
             target_per_s: plan.target_rate(),
             others_rate: plan.others_rate,
-            contract,
+            contract: fleet.contract,
             outage_us,
             load_before,
             load_after,
@@ -417,6 +377,63 @@ async fn one_run(
             samples: outcome.samples,
         },
     ))
+}
+
+/// Writes a run's rules into the work directory, and returns the file's path.
+fn write_rules(dir: &std::path::Path, label: &str, text: String) -> Result<std::path::PathBuf, String> {
+    let path = dir.join(format!("rules-{}.json", label.replace('/', "-")));
+    std::fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    Ok(path)
+}
+
+/// Where the storm's workers send: each gateway's client and the limited path.
+fn targets(gws: &[Gateway]) -> Result<Vec<Target>, String> {
+    gws.iter()
+        .map(|g| {
+            Ok(Target {
+                client: g.client.clone(),
+                uri: format!("http://{}{}", g.addr, rules::PATH)
+                    .parse()
+                    .map_err(|e| format!("{e}"))?,
+            })
+        })
+        .collect()
+}
+
+/// For an outage run (one with a failure `policy`), stops the redis-server halfway through the
+/// storm (SIGSTOP) and resumes it `--outage` later; returns when that was, in microseconds from
+/// `t0`. `None` for other runs.
+async fn pause_store(
+    plan: &Plan,
+    policy: Option<Policy>,
+    redis: Option<&Redis>,
+    t0: Instant,
+) -> Result<Option<(u64, u64)>, String> {
+    let (Some(len), Some(_)) = (plan.outage, policy) else {
+        return Ok(None);
+    };
+    let r = redis.ok_or("--outage needs the redis-server this harness starts")?;
+    sleep_until(t0 + plan.duration / 2).await;
+    r.proc.signal("STOP").await?;
+    let stop = Instant::now() - t0;
+    sleep_until(Instant::now() + len).await;
+    let resumed = r.proc.signal("CONT").await;
+    let resume = Instant::now() - t0;
+    resumed?;
+    Ok(Some((stop.as_micros() as u64, resume.as_micros() as u64)))
+}
+
+/// The store counters summed over every gateway's /metrics.
+async fn store_counters(gws: &[Gateway]) -> Result<StoreCounters, String> {
+    let mut counters = StoreCounters::default();
+    for g in gws {
+        match g.admin_get("/metrics").await {
+            Ok((200, text)) => report::scrape(&text, &mut counters),
+            Ok((s, _)) => return Err(format!("{}: /metrics answered {s}", g.proc.name)),
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(counters)
 }
 
 fn text_report(out: &Output) -> String {

@@ -25,9 +25,9 @@ pub(crate) const PARTNER0: u16 = 1;
 /// The other partners' workers each send every this long, like the storm's padding.
 const PARTNER_PERIOD_MS: u64 = 100;
 
-/// One answer.
+/// One request's answer, or `NO_ANSWER`, with its times.
 #[derive(Clone, Copy, Debug)]
-pub struct Record {
+pub struct Answer {
     /// Microseconds from the start of the load.
     pub send_us: u64,
     pub recv_us: u64,
@@ -91,7 +91,7 @@ async fn send(t: &Target, auth: &HeaderValue) -> (u16, Option<String>) {
 /// What the load produced: every answer, and one example of each unexpected answer.
 #[derive(Default)]
 pub struct Outcome {
-    pub records: Vec<Record>,
+    pub answers: Vec<Answer>,
     /// The first body (or transport error) seen for each status other than 2xx and 429.
     pub samples: BTreeMap<u16, String>,
 }
@@ -114,7 +114,7 @@ struct Worker {
 
 async fn work(w: Worker, t0: Instant, deadline: Instant, targets: Arc<Vec<Target>>) -> Outcome {
     let mut out = Outcome {
-        records: Vec::with_capacity(256),
+        answers: Vec::with_capacity(256),
         samples: BTreeMap::new(),
     };
     let n = targets.len();
@@ -145,7 +145,7 @@ async fn work(w: Worker, t0: Instant, deadline: Instant, targets: Arc<Vec<Target
         if let Some(text) = odd {
             out.samples.entry(status).or_insert(text);
         }
-        out.records.push(Record {
+        out.answers.push(Answer {
             send_us: (start - t0).as_micros() as u64,
             recv_us: (end - t0).as_micros() as u64,
             gateway: g as u16,
@@ -204,7 +204,7 @@ pub async fn drive(traffic: &LoadSpec, targets: Arc<Vec<Target>>, t0: Instant) -
     let mut all = Outcome::default();
     for t in tasks {
         let o = t.await.map_err(|e| format!("a load worker failed: {e}"))?;
-        all.records.extend(o.records);
+        all.answers.extend(o.answers);
         for (k, v) in o.samples {
             all.samples.entry(k).or_insert(v);
         }

@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use super::load::{NO_ANSWER, Record, STORM};
+use super::load::{Answer, NO_ANSWER, STORM};
 use super::rules::Contract;
 use tollgate_limit::bucket::US_PER_S;
 use tollgate_replay::report::BusiestWindow;
@@ -120,7 +120,7 @@ pub struct RunReport {
     pub unexpected_answers: BTreeMap<u16, String>,
 }
 
-/// What the analysis needs besides the records.
+/// What the analysis needs besides the answers.
 pub(crate) struct RunFacts<'a> {
     pub run: String,
     pub mode: &'static str,
@@ -141,11 +141,30 @@ fn ok(status: u16) -> bool {
     (200..300).contains(&status)
 }
 
-pub(crate) fn analyse(records: &[Record], f: RunFacts<'_>) -> RunReport {
-    let mut storm: Vec<&Record> = records.iter().filter(|r| r.who == STORM).collect();
+pub(crate) fn analyse(answers: &[Answer], f: RunFacts<'_>) -> RunReport {
+    let mut storm: Vec<&Answer> = answers.iter().filter(|r| r.who == STORM).collect();
     storm.sort_by_key(|r| r.recv_us);
-    let others: Vec<&Record> = records.iter().filter(|r| r.who != STORM).collect();
+    let others: Vec<&Answer> = answers.iter().filter(|r| r.who != STORM).collect();
+    let storm_report = storm_report(&storm, &f);
+    let outage = f
+        .outage_us
+        .map(|window| outage_report(window, &storm, &others, &f, storm_report.offered_per_s));
+    RunReport {
+        run: f.run,
+        mode: f.mode,
+        policy: f.policy,
+        load_average_before: f.load_before,
+        load_average_after: f.load_after,
+        storm: storm_report,
+        others: others_report(&others),
+        store: f.store,
+        outage,
+        unexpected_answers: f.samples,
+    }
+}
 
+/// The storm key's answers, sorted by answer time, against its contract's bound.
+fn storm_report(storm: &[&Answer], f: &RunFacts<'_>) -> Storm {
     let first_send = storm.iter().map(|r| r.send_us).min().unwrap_or(0);
     let last_recv = storm.iter().map(|r| r.recv_us).max().unwrap_or(0);
     let span_us = last_recv.saturating_sub(first_send);
@@ -155,7 +174,7 @@ pub(crate) fn analyse(records: &[Record], f: RunFacts<'_>) -> RunReport {
     let mut per_s = vec![0u64; secs];
     let mut one = BusiestWindow::new(US_PER_S);
     let mut sixty = BusiestWindow::new(60 * US_PER_S);
-    for r in &storm {
+    for r in storm {
         match r.status {
             s if ok(s) => {
                 admitted += 1;
@@ -174,7 +193,7 @@ pub(crate) fn analyse(records: &[Record], f: RunFacts<'_>) -> RunReport {
     }
     let offered = storm.len() as f64 / (f.duration_us as f64 / US_PER_S as f64);
     let bound = f.contract.bound(span_us);
-    let storm_report = Storm {
+    Storm {
         requests: storm.len() as u64,
         admitted,
         limited_429: limited,
@@ -193,11 +212,14 @@ pub(crate) fn analyse(records: &[Record], f: RunFacts<'_>) -> RunReport {
         bound_60s: f.contract.bound(60 * US_PER_S),
         admitted_per_s: per_s,
         latency: latency(storm.iter().map(|r| r.recv_us - r.send_us).collect()),
-    };
+    }
+}
 
+/// The other partners' answers: a request without an answer counts as an error.
+fn others_report(others: &[&Answer]) -> Others {
     let mut statuses = BTreeMap::new();
     let (mut o_ok, mut o_429, mut o_err, mut o_none) = (0, 0, 0, 0);
-    for r in &others {
+    for r in others {
         match r.status {
             s if ok(s) => o_ok += 1,
             429 => o_429 += 1,
@@ -211,7 +233,7 @@ pub(crate) fn analyse(records: &[Record], f: RunFacts<'_>) -> RunReport {
             *statuses.entry(r.status).or_insert(0) += 1;
         }
     }
-    let others_report = Others {
+    Others {
         requests: others.len() as u64,
         ok: o_ok,
         limited_429: o_429,
@@ -219,61 +241,60 @@ pub(crate) fn analyse(records: &[Record], f: RunFacts<'_>) -> RunReport {
         statuses,
         no_answer: o_none,
         latency: latency(others.iter().map(|r| r.recv_us - r.send_us).collect()),
-    };
+    }
+}
 
-    let outage = f.outage_us.map(|(stop, resume)| {
-        let degraded_end = resume + US_PER_S;
-        let in_out = |r: &&&Record| r.recv_us >= stop && r.recv_us < resume;
-        let in_deg = |r: &&&Record| r.recv_us >= stop && r.recv_us < degraded_end;
-        let length_s = (resume - stop) as f64 / US_PER_S as f64;
-        let n = f64::from(f.gateways);
-        let expected = match f.policy {
-            Some("open") => format!(
-                "every storm request admitted: {offered:.0}/s x {length_s:.1} s = {:.0}",
-                offered * length_s
-            ),
-            Some("closed") => format!(
-                "every other partner unavailable (503): {}/s x {length_s:.1} s = {:.0}",
-                f.others_rate,
-                f64::from(f.others_rate) * length_s
-            ),
-            Some("local") => {
-                let b = (f.contract.burst / u64::from(f.gateways)).max(1) as f64;
-                let r = f.contract.per_second() / n;
-                format!(
-                    "local shares: {n} x ({b} + {r} x {length_s:.1} s) = {:.0} storm admissions, every other partner admitted",
-                    n * (b + r * length_s)
-                )
-            }
-            _ => String::new(),
-        };
-        Outage {
-            stopped_at_s: stop as f64 / US_PER_S as f64,
-            resumed_at_s: resume as f64 / US_PER_S as f64,
-            length_s,
-            degraded_window_s: (degraded_end - stop) as f64 / US_PER_S as f64,
-            storm_requests_in_outage: storm.iter().filter(in_out).count() as u64,
-            storm_admitted_in_outage: storm.iter().filter(in_out).filter(|r| ok(r.status)).count() as u64,
-            storm_admitted_in_degraded_window: storm.iter().filter(in_deg).filter(|r| ok(r.status)).count()
-                as u64,
-            others_requests_in_degraded_window: others.iter().filter(in_deg).count() as u64,
-            others_not_admitted_in_degraded_window: others.iter().filter(in_deg).filter(|r| !ok(r.status)).count()
-                as u64,
-            expected,
+/// What passed while the store was stopped, from `stop` to `resume`, and in the degraded window
+/// that runs on until every breaker has closed.
+fn outage_report(
+    (stop, resume): (u64, u64),
+    storm: &[&Answer],
+    others: &[&Answer],
+    f: &RunFacts<'_>,
+    offered: f64,
+) -> Outage {
+    let degraded_end = resume + US_PER_S;
+    let in_out = |r: &&&Answer| r.recv_us >= stop && r.recv_us < resume;
+    let in_deg = |r: &&&Answer| r.recv_us >= stop && r.recv_us < degraded_end;
+    let length_s = (resume - stop) as f64 / US_PER_S as f64;
+    Outage {
+        stopped_at_s: stop as f64 / US_PER_S as f64,
+        resumed_at_s: resume as f64 / US_PER_S as f64,
+        length_s,
+        degraded_window_s: (degraded_end - stop) as f64 / US_PER_S as f64,
+        storm_requests_in_outage: storm.iter().filter(in_out).count() as u64,
+        storm_admitted_in_outage: storm.iter().filter(in_out).filter(|r| ok(r.status)).count() as u64,
+        storm_admitted_in_degraded_window: storm.iter().filter(in_deg).filter(|r| ok(r.status)).count()
+            as u64,
+        others_requests_in_degraded_window: others.iter().filter(in_deg).count() as u64,
+        others_not_admitted_in_degraded_window: others.iter().filter(in_deg).filter(|r| !ok(r.status)).count()
+            as u64,
+        expected: expected_in_outage(f, offered, length_s),
+    }
+}
+
+/// What the failure policy's arithmetic says an outage of `length_s` should let through.
+fn expected_in_outage(f: &RunFacts<'_>, offered: f64, length_s: f64) -> String {
+    let n = f64::from(f.gateways);
+    match f.policy {
+        Some("open") => format!(
+            "every storm request admitted: {offered:.0}/s x {length_s:.1} s = {:.0}",
+            offered * length_s
+        ),
+        Some("closed") => format!(
+            "every other partner unavailable (503): {}/s x {length_s:.1} s = {:.0}",
+            f.others_rate,
+            f64::from(f.others_rate) * length_s
+        ),
+        Some("local") => {
+            let b = (f.contract.burst / u64::from(f.gateways)).max(1) as f64;
+            let r = f.contract.per_second() / n;
+            format!(
+                "local shares: {n} x ({b} + {r} x {length_s:.1} s) = {:.0} storm admissions, every other partner admitted",
+                n * (b + r * length_s)
+            )
         }
-    });
-
-    RunReport {
-        run: f.run,
-        mode: f.mode,
-        policy: f.policy,
-        load_average_before: f.load_before,
-        load_average_after: f.load_after,
-        storm: storm_report,
-        others: others_report,
-        store: f.store,
-        outage,
-        unexpected_answers: f.samples,
+        _ => String::new(),
     }
 }
 
@@ -479,9 +500,9 @@ mod tests {
         }
     }
 
-    fn rec(send_s: f64, status: u16, who: u16) -> Record {
+    fn answer(send_s: f64, status: u16, who: u16) -> Answer {
         let t = (send_s * 1e6) as u64;
-        Record {
+        Answer {
             send_us: t,
             recv_us: t + 1_000,
             gateway: 0,
@@ -493,23 +514,23 @@ mod tests {
     #[test]
     fn counts_windows_and_the_bound() {
         let c = contract();
-        let mut records = Vec::new();
+        let mut answers = Vec::new();
         // 25 admitted in the first 0.5 s, then one a second for 9 s; all sent at 10/s.
         for i in 0..25 {
-            records.push(rec(i as f64 * 0.02, 200, STORM));
+            answers.push(answer(i as f64 * 0.02, 200, STORM));
         }
         for i in 1..10 {
-            records.push(rec(i as f64, 200, STORM));
-            records.push(rec(i as f64 + 0.5, 429, STORM));
+            answers.push(answer(i as f64, 200, STORM));
+            answers.push(answer(i as f64 + 0.5, 429, STORM));
         }
-        records.push(rec(3.3, 503, STORM));
-        records.push(rec(3.4, NO_ANSWER, STORM));
-        records.push(rec(1.0, 200, 1));
-        records.push(rec(1.1, 429, 1));
-        records.push(rec(1.2, 503, 2));
-        records.push(rec(1.3, NO_ANSWER, 2));
+        answers.push(answer(3.3, 503, STORM));
+        answers.push(answer(3.4, NO_ANSWER, STORM));
+        answers.push(answer(1.0, 200, 1));
+        answers.push(answer(1.1, 429, 1));
+        answers.push(answer(1.2, 503, 2));
+        answers.push(answer(1.3, NO_ANSWER, 2));
         let r = analyse(
-            &records,
+            &answers,
             RunFacts {
                 run: "central".into(),
                 mode: "central",
@@ -551,9 +572,9 @@ mod tests {
     #[test]
     fn a_slow_harness_is_flagged() {
         let c = contract();
-        let records: Vec<Record> = (0..10).map(|i| rec(i as f64, 429, STORM)).collect();
+        let answers: Vec<Answer> = (0..10).map(|i| answer(i as f64, 429, STORM)).collect();
         let r = analyse(
-            &records,
+            &answers,
             RunFacts {
                 run: "local".into(),
                 mode: "local",

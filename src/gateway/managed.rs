@@ -232,12 +232,7 @@ impl ManagedKeys {
         ))
     }
 
-    async fn rotate(
-        &self,
-        id: &str,
-        body: &[u8],
-        peer: SocketAddr,
-    ) -> Result<Response<Body>, Fail> {
+    async fn rotate(&self, id: &str, body: &[u8], peer: SocketAddr) -> Result<Response<Body>, Fail> {
         let now = self.now();
         let r = Rotate::parse(body).map_err(bad)?;
         let mut held = self.held.lock().await;
@@ -415,7 +410,11 @@ fn fail(status: StatusCode, body: Value) -> Fail {
 }
 
 fn bad(e: FieldError) -> Fail {
-    let field = if e.field.is_empty() { "(body)".to_string() } else { e.field };
+    let field = if e.field.is_empty() {
+        "(body)".to_string()
+    } else {
+        e.field
+    };
     fail(
         StatusCode::BAD_REQUEST,
         json!({"error": "bad_request", "field": field, "reason": e.reason}),
@@ -423,7 +422,10 @@ fn bad(e: FieldError) -> Fail {
 }
 
 fn conflict(reason: &str) -> Fail {
-    fail(StatusCode::CONFLICT, json!({"error": "conflict", "reason": reason}))
+    fail(
+        StatusCode::CONFLICT,
+        json!({"error": "conflict", "reason": reason}),
+    )
 }
 
 fn not_found() -> Fail {

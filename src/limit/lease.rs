@@ -28,7 +28,7 @@
 //! The Lua twin must keep the same integer arithmetic: tokens in units of `1 / scale`,
 //! microseconds, `denied_until` rounded up to the next microsecond.
 //!
-//! **A gateway that dies holding blocks** ([`Records`], [`lease_recorded`],
+//! **A gateway that dies holding blocks** ([`HolderRecords`], [`lease_recorded`],
 //! [`give_back_recorded`]): beside the bucket the store keeps one record per gateway, the
 //! tokens granted to it that it has not yet reported spent or given back, and a store-clock
 //! expiry [`RECORD_TTL_US`] after its last call. Every call reports the tokens the gateway
@@ -157,14 +157,14 @@ pub fn give_back(p: &BucketParams, state: &mut Option<BucketState>, tokens: u64,
 
 /// One gateway's record in the store: tokens granted and not yet reported spent or given back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Record {
+pub struct HolderRecord {
     pub tokens: u64,
     /// Store time (µs) at and after which the next lease or give-back reclaims them.
     pub expires_us: u64,
 }
 
 /// A leased bucket's records, by the holder id each gateway picks at start.
-pub type Records = BTreeMap<String, Record>;
+pub type HolderRecords = BTreeMap<String, HolderRecord>;
 
 /// What a lease or give-back call says about its caller's tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -176,7 +176,7 @@ pub struct Account<'a> {
 }
 
 /// Removes the records that expired at or before `now` and returns their tokens.
-pub fn sweep(records: &mut Records, now: u64) -> u64 {
+pub fn sweep(records: &mut HolderRecords, now: u64) -> u64 {
     let mut back = 0u64;
     records.retain(|_, r| {
         if r.expires_us <= now {
@@ -200,7 +200,7 @@ fn reclaim(p: &BucketParams, state: &mut Option<BucketState>, tokens: u64, now: 
 /// The caller's record after a call: what it spent and gave back comes off (never below 0),
 /// then what it was granted goes on; it expires [`RECORD_TTL_US`] after `now`, and a record of 0
 /// is removed. Returns the tokens now recorded.
-fn note(records: &mut Records, acct: &Account<'_>, granted: u64, given: u64, now: u64) -> u64 {
+fn note(records: &mut HolderRecords, acct: &Account<'_>, granted: u64, given: u64, now: u64) -> u64 {
     let before = records.get(acct.holder).map_or(0, |r| r.tokens);
     let tokens = before.saturating_sub(given.saturating_add(acct.spent)) + granted;
     if tokens == 0 {
@@ -208,7 +208,7 @@ fn note(records: &mut Records, acct: &Account<'_>, granted: u64, given: u64, now
     } else {
         records.insert(
             acct.holder.to_string(),
-            Record {
+            HolderRecord {
                 tokens,
                 expires_us: now.saturating_add(RECORD_TTL_US),
             },
@@ -231,7 +231,7 @@ pub struct Recorded {
 pub fn lease_recorded(
     cfg: &LeaseConfig,
     state: &mut Option<BucketState>,
-    records: &mut Records,
+    records: &mut HolderRecords,
     acct: &Account<'_>,
     now: u64,
 ) -> (Grant, Recorded) {
@@ -252,7 +252,7 @@ pub fn lease_recorded(
 pub fn give_back_recorded(
     p: &BucketParams,
     state: &mut Option<BucketState>,
-    records: &mut Records,
+    records: &mut HolderRecords,
     acct: &Account<'_>,
     tokens: u64,
     now: u64,
@@ -525,7 +525,7 @@ mod tests {
     fn a_silent_gateways_record_goes_back_after_its_expiry_and_a_live_one_never_does() {
         let c = kbig();
         let mut s = None;
-        let mut recs = Records::new();
+        let mut recs = HolderRecords::new();
         let dead = Account {
             holder: "dead",
             spent: 0,
@@ -559,7 +559,7 @@ mod tests {
         let p = BucketParams::new(Rate::parse("500/1s").unwrap(), 500).unwrap();
         let c = LeaseConfig::new(p, 200, 3).unwrap();
         let mut s = None;
-        let mut recs = Records::new();
+        let mut recs = HolderRecords::new();
         for h in ["a", "b"] {
             let acct = Account { holder: h, spent: 0 };
             lease_recorded(&c, &mut s, &mut recs, &acct, 0);

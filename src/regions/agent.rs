@@ -66,7 +66,7 @@ pub enum ReclaimRule {
 /// What a Region publishes at each rebalance. Grants are running totals per recipient, so a
 /// record read twice or late never hands out room twice.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Record {
+pub struct ShareRecord {
     pub region: String,
     /// Rises at every rebalance; an unchanged number is what silence means.
     pub seq: u64,
@@ -86,7 +86,7 @@ pub struct View<'a> {
     /// Its own Region's demand over the last interval.
     pub own_demand: f64,
     /// The newest record of each other Region that has reached this Region.
-    pub records: &'a [Record],
+    pub records: &'a [ShareRecord],
     /// The Regions the outside health check currently reports down.
     pub unhealthy: &'a [String],
 }
@@ -176,8 +176,8 @@ impl Agent {
     }
 
     /// The record this agent would publish now, without deciding anything.
-    pub fn record(&self, demand: f64) -> Record {
-        Record {
+    pub fn record(&self, demand: f64) -> ShareRecord {
+        ShareRecord {
             region: self.name.clone(),
             seq: self.seq,
             demand,
@@ -189,7 +189,13 @@ impl Agent {
 
     /// One rebalance: reclaim what the rule allows, take granted room, lower or raise toward the
     /// target, grant the rest by name; returns the record to publish.
-    pub fn rebalance(&mut self, p: &Params, design: Design, rule: ReclaimRule, view: View<'_>) -> Record {
+    pub fn rebalance(
+        &mut self,
+        p: &Params,
+        design: Design,
+        rule: ReclaimRule,
+        view: View<'_>,
+    ) -> ShareRecord {
         self.observe(view.records);
         if design == Design::NamedGrants {
             self.reclaim(p, rule, view);
@@ -214,7 +220,7 @@ impl Agent {
         self.record(view.own_demand)
     }
 
-    fn observe(&mut self, records: &[Record]) {
+    fn observe(&mut self, records: &[ShareRecord]) {
         for r in records.iter().filter(|r| r.region != self.name) {
             match self.watch.get_mut(&r.region) {
                 Some(w) if w.seq == r.seq => w.unchanged += 1,
@@ -249,7 +255,7 @@ impl Agent {
     }
 
     /// Other Regions this agent still hears from and has not reclaimed.
-    fn heard(&self, records: &[Record]) -> usize {
+    fn heard(&self, records: &[ShareRecord]) -> usize {
         records
             .iter()
             .filter(|r| r.region != self.name && !self.reclaimed.contains_key(&r.region))
@@ -283,7 +289,7 @@ impl Agent {
     /// Floor for every Region counted live, the rest by demand; a reclaimed Region no longer
     /// counts, a silent one not yet reclaimed still does with its last demand.
     fn target_share(&self, p: &Params, view: View<'_>) -> f64 {
-        let others: Vec<&Record> = view
+        let others: Vec<&ShareRecord> = view
             .records
             .iter()
             .filter(|r| r.region != self.name && !self.reclaimed.contains_key(&r.region))
@@ -297,7 +303,7 @@ impl Agent {
         p.floor + spare * view.own_demand / total
     }
 
-    fn take_grants(&mut self, records: &[Record]) {
+    fn take_grants(&mut self, records: &[ShareRecord]) {
         for r in records.iter().filter(|r| r.region != self.name) {
             let given = r.granted.get(&self.name).copied().unwrap_or(0.0);
             let taken = self.taken.entry(r.region.clone()).or_insert(0.0);
@@ -308,7 +314,7 @@ impl Agent {
         }
     }
 
-    fn grant(&mut self, records: &[Record]) {
+    fn grant(&mut self, records: &[ShareRecord]) {
         let needs: Vec<(&str, f64)> = records
             .iter()
             .filter(|r| r.region != self.name && !self.reclaimed.contains_key(&r.region) && r.unmet > 0.0)
@@ -335,8 +341,8 @@ impl Agent {
 mod tests {
     use super::*;
 
-    fn rec(region: &str, seq: u64, demand: f64, share: f64, unmet: f64) -> Record {
-        Record {
+    fn rec(region: &str, seq: u64, demand: f64, share: f64, unmet: f64) -> ShareRecord {
+        ShareRecord {
             region: region.into(),
             seq,
             demand,

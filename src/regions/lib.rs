@@ -5,5 +5,5 @@
 pub mod agent;
 pub mod sim;
 
-pub use agent::{Agent, Design, Params, ReclaimRule, Record, View};
+pub use agent::{Agent, Design, Params, ReclaimRule, ShareRecord, View};
 pub use sim::{Report, Run, Scenario, UnknownRun};

@@ -10,7 +10,7 @@ use std::str::FromStr;
 
 use serde::Serialize;
 
-use crate::agent::{Agent, Design, Params, ReclaimRule, Record, View};
+use crate::agent::{Agent, Design, Params, ReclaimRule, ShareRecord, View};
 
 /// The model's step.
 const STEP_S: f64 = 0.01;
@@ -259,7 +259,7 @@ struct World<'a> {
     sc: &'a Scenario,
     agents: Vec<Agent>,
     /// Every record each Region wrote, with the step it was written at.
-    written: Vec<Vec<(i64, Record)>>,
+    written: Vec<Vec<(i64, ShareRecord)>>,
     /// Each Region's demand for the last 5 s, one entry a step.
     history: Vec<Vec<f64>>,
     tokens: [f64; 3],
@@ -267,6 +267,89 @@ struct World<'a> {
 }
 
 impl World<'_> {
+    fn new(sc: &Scenario) -> World<'_> {
+        let agents: Vec<Agent> = (0..3).map(|i| Agent::new(REGIONS[i], sc.share[i])).collect();
+        World {
+            sc,
+            written: (0..3)
+                .map(|i| vec![(-10 * HZ, agents[i].record(sc.demand[i]))])
+                .collect(),
+            agents,
+            history: (0..3).map(|i| vec![sc.demand[i]; INTERVAL as usize]).collect(),
+            // A Region under its share has a full bucket; one over it has spent everything.
+            tokens: std::array::from_fn(|i| {
+                if sc.demand[i] < sc.share[i] {
+                    2.0 * sc.share[i]
+                } else {
+                    0.0
+                }
+            }),
+            demand: sc.demand,
+        }
+    }
+
+    /// The scenario's changes of demand that fall on this step.
+    fn change_demand(&mut self, step: i64) {
+        for &(at, i, d) in &self.sc.changes {
+            if at == step {
+                self.demand[i] = d;
+            }
+        }
+    }
+
+    /// Each Region up whose rebalance falls on this step decides from what it sees, and writes
+    /// its record.
+    fn rebalance(&mut self, step: i64, params: &Params) {
+        for i in 0..3 {
+            if self.lost(i, step) || (step - self.sc.offsets[i]).rem_euclid(INTERVAL) != 0 {
+                continue;
+            }
+            let own_demand = self.history[i].iter().sum::<f64>() / INTERVAL as f64;
+            let records = self.visible(i, step);
+            let unhealthy = self.unhealthy(step);
+            let view = View {
+                own_demand,
+                records: &records,
+                unhealthy: &unhealthy,
+            };
+            let rec = self.agents[i].rebalance(params, self.sc.design, self.sc.rule, view);
+            self.written[i].push((step, rec));
+        }
+    }
+
+    /// Each Region up admits this step's demand from its bucket; returns the total admitted.
+    fn admit(&mut self, step: i64) -> f64 {
+        let mut admitted = 0.0;
+        for i in 0..3 {
+            self.history[i][step.rem_euclid(INTERVAL) as usize] = self.demand[i];
+            if self.lost(i, step) {
+                continue;
+            }
+            // The bucket holds two seconds of its share; a lowered share clamps the tokens.
+            // Refill and spend within the step before clamping, so a full bucket's refill
+            // during the step is not lost to the clamp.
+            let share = self.agents[i].share();
+            let available = self.tokens[i] + share * STEP_S;
+            let take = (self.demand[i] * STEP_S).min(available);
+            self.tokens[i] = (available - take).min(2.0 * share);
+            admitted += take;
+        }
+        admitted
+    }
+
+    /// The report's row for the second starting at `step`, its admissions still to add.
+    fn second(&self, step: i64, sum_of_shares: f64) -> Second {
+        let per = |f: &dyn Fn(usize) -> f64| (0..3).map(|i| (REGIONS[i], f(i))).collect();
+        Second {
+            t: clock(step),
+            shares: per(&|i| self.agents[i].share()),
+            pools: per(&|i| self.agents[i].pool()),
+            grants_in_flight: per(&|i| self.in_flight_to(i)),
+            sum_of_shares,
+            admitted: 0.0,
+        }
+    }
+
     fn lost(&self, i: usize, step: i64) -> bool {
         self.sc
             .loss
@@ -279,7 +362,7 @@ impl World<'_> {
             .is_none_or(|l| !((writer == l.region || reader == l.region) && written >= l.at))
     }
 
-    fn visible(&self, reader: usize, step: i64) -> Vec<Record> {
+    fn visible(&self, reader: usize, step: i64) -> Vec<ShareRecord> {
         (0..3)
             .filter(|&w| w != reader)
             .filter_map(|w| {
@@ -342,50 +425,15 @@ pub fn simulate(sc: &Scenario) -> Report {
     };
     let ledger_promised = sc.design == Design::NamedGrants
         && !(sc.rule == ReclaimRule::Silence && sc.loss.is_some_and(|l| l.kind == LossKind::CutOff));
-    let agents: Vec<Agent> = (0..3).map(|i| Agent::new(REGIONS[i], sc.share[i])).collect();
-    let mut w = World {
-        sc,
-        written: (0..3)
-            .map(|i| vec![(-10 * HZ, agents[i].record(sc.demand[i]))])
-            .collect(),
-        agents,
-        history: (0..3).map(|i| vec![sc.demand[i]; INTERVAL as usize]).collect(),
-        // A Region under its share has a full bucket; one over it has spent everything.
-        tokens: std::array::from_fn(|i| {
-            if sc.demand[i] < sc.share[i] {
-                2.0 * sc.share[i]
-            } else {
-                0.0
-            }
-        }),
-        demand: sc.demand,
-    };
+    let mut w = World::new(sc);
     let end = sc.seconds * HZ;
     let mut steps = Vec::with_capacity(end as usize);
     let mut seconds: Vec<Second> = Vec::new();
     let mut admitted_steps = Vec::with_capacity(end as usize);
     let (mut max_sum, mut min_sum) = ((f64::MIN, 0), (f64::MAX, 0));
     for step in 0..end {
-        for &(at, i, d) in &sc.changes {
-            if at == step {
-                w.demand[i] = d;
-            }
-        }
-        for i in 0..3 {
-            if w.lost(i, step) || (step - sc.offsets[i]).rem_euclid(INTERVAL) != 0 {
-                continue;
-            }
-            let own_demand = w.history[i].iter().sum::<f64>() / INTERVAL as f64;
-            let records = w.visible(i, step);
-            let unhealthy = w.unhealthy(step);
-            let view = View {
-                own_demand,
-                records: &records,
-                unhealthy: &unhealthy,
-            };
-            let rec = w.agents[i].rebalance(&params, sc.design, sc.rule, view);
-            w.written[i].push((step, rec));
-        }
+        w.change_demand(step);
+        w.rebalance(step, &params);
         let ledger_error = w.ledger_error(step);
         if ledger_promised {
             assert!(
@@ -408,31 +456,9 @@ pub fn simulate(sc: &Scenario) -> Report {
             ledger_error,
         });
         if step % HZ == 0 {
-            let per = |f: &dyn Fn(usize) -> f64| (0..3).map(|i| (REGIONS[i], f(i))).collect();
-            seconds.push(Second {
-                t: clock(step),
-                shares: per(&|i| w.agents[i].share()),
-                pools: per(&|i| w.agents[i].pool()),
-                grants_in_flight: per(&|i| w.in_flight_to(i)),
-                sum_of_shares: sum,
-                admitted: 0.0,
-            });
+            seconds.push(w.second(step, sum));
         }
-        let mut admitted = 0.0;
-        for i in 0..3 {
-            w.history[i][step.rem_euclid(INTERVAL) as usize] = w.demand[i];
-            if w.lost(i, step) {
-                continue;
-            }
-            // The bucket holds two seconds of its share; a lowered share clamps the tokens.
-            // Refill and spend within the step before clamping, so a full bucket's refill
-            // during the step is not lost to the clamp.
-            let share = w.agents[i].share();
-            let available = w.tokens[i] + share * STEP_S;
-            let take = (w.demand[i] * STEP_S).min(available);
-            w.tokens[i] = (available - take).min(2.0 * share);
-            admitted += take;
-        }
+        let admitted = w.admit(step);
         admitted_steps.push(admitted);
         seconds.last_mut().expect("a second was sampled").admitted += admitted;
     }

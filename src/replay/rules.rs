@@ -14,11 +14,12 @@ use http::{HeaderMap, Method};
 
 use super::algorithms::{Verdict, share};
 use super::{Design, RowError};
+use tollgate_limit::batch::{Batch, Outcome};
 use tollgate_limit::bucket::{BucketParams, Rate};
 use tollgate_limit::clock::ManualClock;
 use tollgate_limit::decision::decide;
 use tollgate_rules::plan;
-use tollgate_rules::{Dimension, Fingerprint, Snapshot};
+use tollgate_rules::{Dimension, Fingerprint, Limit, Route, Snapshot};
 use tollgate_store::fingerprint;
 use tollgate_store::memory::MemoryStore;
 
@@ -133,16 +134,7 @@ impl RulesFleet {
         excess_limit: Option<u16>,
         cost_after: Option<u64>,
     ) -> Result<Paid, RowError> {
-        let method = Method::from_bytes(method).map_err(|_| {
-            RowError::new(
-                "method",
-                format!("{:?} is not an HTTP method", String::from_utf8_lossy(method)),
-            )
-        })?;
-        let path = std::str::from_utf8(path).map_err(|_| RowError::new("path", "not UTF-8"))?;
-        if !path.starts_with('/') {
-            return Err(RowError::new("path", format!("{path:?} must start with '/'")));
-        }
+        let (method, path) = request_line(method, path)?;
         let snap = self.snap.clone();
         let Some(ri) = snap.route(&method, path) else {
             return Err(RowError::new(
@@ -154,61 +146,8 @@ impl RulesFleet {
             ));
         };
         let route = &snap.routes[ri];
-        let ip: IpAddr = match who.ip {
-            Some(text) => {
-                let t = std::str::from_utf8(text).unwrap_or("");
-                t.parse().map_err(|_| {
-                    RowError::new(
-                        "ip",
-                        format!("{:?} is not an IP address", String::from_utf8_lossy(text)),
-                    )
-                })?
-            }
-            None => {
-                if let Some(&(li, _)) = route
-                    .costs
-                    .iter()
-                    .find(|(li, _)| snap.limits[*li as usize].dimension == Dimension::Ip)
-                {
-                    return Err(RowError::new(
-                        "ip",
-                        format!(
-                            "route {:?} charges the per-IP limit {:?}, but the trace has no ip column",
-                            route.name, snap.limits[li as usize].name
-                        ),
-                    ));
-                }
-                // Never read: with a key, only per-IP limits use the address.
-                IpAddr::V4(Ipv4Addr::UNSPECIFIED)
-            }
-        };
-        let client = match who.fingerprint {
-            Some(text) => std::str::from_utf8(text)
-                .ok()
-                .and_then(|t| t.parse::<Fingerprint>().ok())
-                .ok_or_else(|| {
-                    let shown = String::from_utf8_lossy(text);
-                    let e = tollgate_rules::BadFingerprint(shown.into_owned());
-                    RowError::new("fingerprint", e.to_string())
-                })?,
-            None => {
-                if let Some(&(li, _)) = route
-                    .costs
-                    .iter()
-                    .find(|(li, _)| snap.limits[*li as usize].dimension == Dimension::Fingerprint)
-                {
-                    return Err(RowError::new(
-                        "fingerprint",
-                        format!(
-                            "route {:?} charges the fingerprint limit {:?}, but the trace has no fingerprint column",
-                            route.name, snap.limits[li as usize].name
-                        ),
-                    ));
-                }
-                // Never read: no limit of the route keys on it.
-                Fingerprint::None
-            }
-        };
+        let ip = client_ip(&snap, route, who.ip)?;
+        let client = client_fingerprint(&snap, route, who.fingerprint)?;
         let mut batch =
             plan::build(&snap, route, Some(key), ip, client, &self.headers, None).map_err(|e| {
                 RowError::new(
@@ -222,6 +161,38 @@ impl RulesFleet {
                 tokens: 0,
             });
         }
+        self.place_for_design(&mut batch, gw)?;
+        let outcome = self.store.check_at(&batch, now);
+        // The gateway's debit when the answer's head arrives, at the same instant: a replay
+        // has no upstream latency.
+        let reported = cost_after.filter(|_| outcome.admitted && route.post_paid);
+        if let Some(n) = reported {
+            self.debit_post_paid(&batch, &outcome, n, now);
+        }
+        if !outcome.admitted {
+            let verdict = Verdict {
+                admitted: false,
+                retry_after: decide(&batch, &outcome).retry_after(),
+            };
+            return Ok(Paid { verdict, tokens: 0 });
+        }
+        let tokens = excess_limit
+            .and_then(|li| batch.iter().find(|i| i.limit == li))
+            .map_or(0, |i| {
+                match (&snap.limits[i.limit as usize].post_paid, reported) {
+                    (Some(_), Some(n)) => n,
+                    _ => i.charge.cost,
+                }
+            });
+        Ok(Paid {
+            verdict: Verdict::ALLOW,
+            tokens,
+        })
+    }
+
+    /// Points the batch at the buckets the design checks: under `central` the shared ones as
+    /// they are; under `local` and `shares` this gateway's own copies.
+    fn place_for_design(&mut self, batch: &mut Batch, gw: u64) -> Result<(), RowError> {
         match self.design {
             Design::Central => self.store_calls += 1,
             Design::Local | Design::Shares => {
@@ -244,45 +215,104 @@ impl RulesFleet {
             }
             Design::Lease => unreachable!("rejected when the replay is set up"),
         }
-        let outcome = self.store.check_at(&batch, now);
-        // The gateway's debit when the answer's head arrives, at the same instant: a replay
-        // has no upstream latency.
-        let reported = cost_after.filter(|_| outcome.admitted && route.post_paid);
-        if let Some(n) = reported {
-            let units: Vec<i64> = batch
-                .iter()
-                .zip(&outcome.buckets)
-                .map(|(item, v)| match &snap.limits[item.limit as usize].post_paid {
+        Ok(())
+    }
+
+    /// Debits the `reported` cost of an admitted post-paid row from the buckets it charged.
+    fn debit_post_paid(&mut self, batch: &Batch, outcome: &Outcome, reported: u64, now: u64) {
+        let units: Vec<i64> = batch
+            .iter()
+            .zip(&outcome.buckets)
+            .map(
+                |(item, v)| match &self.snap.limits[item.limit as usize].post_paid {
                     Some(pp) if tollgate_limit::bucket::charged(&item.charge, v, true) => {
-                        pp.units(&item.charge.params, n)
+                        pp.units(&item.charge.params, reported)
                     }
                     _ => 0,
-                })
-                .collect();
-            if units.iter().any(|u| *u != 0) {
-                self.store.adjust_at(&batch, &units, now);
-            }
+                },
+            )
+            .collect();
+        if units.iter().any(|u| *u != 0) {
+            self.store.adjust_at(batch, &units, now);
         }
-        let tokens = if outcome.admitted {
-            excess_limit
-                .and_then(|li| batch.iter().find(|i| i.limit == li))
-                .map_or(0, |i| {
-                    match (&snap.limits[i.limit as usize].post_paid, reported) {
-                        (Some(_), Some(n)) => n,
-                        _ => i.charge.cost,
-                    }
-                })
-        } else {
-            0
-        };
-        let verdict = if outcome.admitted {
-            Verdict::ALLOW
-        } else {
-            Verdict {
-                admitted: false,
-                retry_after: decide(&batch, &outcome).retry_after(),
-            }
-        };
-        Ok(Paid { verdict, tokens })
     }
+}
+
+/// The row's method and path, as the gateway would accept them.
+fn request_line<'a>(method: &[u8], path: &'a [u8]) -> Result<(Method, &'a str), RowError> {
+    let method = Method::from_bytes(method).map_err(|_| {
+        RowError::new(
+            "method",
+            format!("{:?} is not an HTTP method", String::from_utf8_lossy(method)),
+        )
+    })?;
+    let path = std::str::from_utf8(path).map_err(|_| RowError::new("path", "not UTF-8"))?;
+    if !path.starts_with('/') {
+        return Err(RowError::new("path", format!("{path:?} must start with '/'")));
+    }
+    Ok((method, path))
+}
+
+/// The first limit of `route` keyed on `dimension`: a row without that column can't be checked.
+fn charged_on<'a>(snap: &'a Snapshot, route: &Route, dimension: Dimension) -> Option<&'a Limit> {
+    route
+        .costs
+        .iter()
+        .map(|(li, _)| &snap.limits[*li as usize])
+        .find(|l| l.dimension == dimension)
+}
+
+/// The row's client address; without an ip column, an address nothing reads, unless the
+/// route charges a per-IP limit.
+fn client_ip(snap: &Snapshot, route: &Route, ip: Option<&[u8]>) -> Result<IpAddr, RowError> {
+    if let Some(text) = ip {
+        let t = std::str::from_utf8(text).unwrap_or("");
+        return t.parse().map_err(|_| {
+            RowError::new(
+                "ip",
+                format!("{:?} is not an IP address", String::from_utf8_lossy(text)),
+            )
+        });
+    }
+    if let Some(limit) = charged_on(snap, route, Dimension::Ip) {
+        return Err(RowError::new(
+            "ip",
+            format!(
+                "route {:?} charges the per-IP limit {:?}, but the trace has no ip column",
+                route.name, limit.name
+            ),
+        ));
+    }
+    // Never read: with a key, only per-IP limits use the address.
+    Ok(IpAddr::V4(Ipv4Addr::UNSPECIFIED))
+}
+
+/// The row's client fingerprint; without a fingerprint column, none, unless the route charges
+/// a fingerprint limit.
+fn client_fingerprint(
+    snap: &Snapshot,
+    route: &Route,
+    fingerprint: Option<&[u8]>,
+) -> Result<Fingerprint, RowError> {
+    if let Some(text) = fingerprint {
+        return std::str::from_utf8(text)
+            .ok()
+            .and_then(|t| t.parse::<Fingerprint>().ok())
+            .ok_or_else(|| {
+                let shown = String::from_utf8_lossy(text);
+                let e = tollgate_rules::BadFingerprint(shown.into_owned());
+                RowError::new("fingerprint", e.to_string())
+            });
+    }
+    if let Some(limit) = charged_on(snap, route, Dimension::Fingerprint) {
+        return Err(RowError::new(
+            "fingerprint",
+            format!(
+                "route {:?} charges the fingerprint limit {:?}, but the trace has no fingerprint column",
+                route.name, limit.name
+            ),
+        ));
+    }
+    // Never read: no limit of the route keys on it.
+    Ok(Fingerprint::None)
 }

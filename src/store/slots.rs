@@ -23,6 +23,7 @@
 
 use std::sync::Arc;
 
+use futures_util::future::join_all;
 use smallvec::SmallVec;
 
 use super::{
@@ -273,30 +274,6 @@ impl Store for Slots {
     fn remote(&self) -> bool {
         self.inner.remote()
     }
-}
-
-/// Runs every future at once and returns their outputs in order.
-async fn join_all<F: std::future::Future>(fs: impl Iterator<Item = F>) -> Vec<F::Output> {
-    let mut pending: Vec<std::pin::Pin<Box<F>>> = fs.map(Box::pin).collect();
-    let mut out: Vec<Option<F::Output>> = pending.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut done = true;
-        for (f, slot) in pending.iter_mut().zip(out.iter_mut()) {
-            if slot.is_none() {
-                match f.as_mut().poll(cx) {
-                    std::task::Poll::Ready(v) => *slot = Some(v),
-                    std::task::Poll::Pending => done = false,
-                }
-            }
-        }
-        if done {
-            std::task::Poll::Ready(())
-        } else {
-            std::task::Poll::Pending
-        }
-    })
-    .await;
-    out.into_iter().flatten().collect()
 }
 
 #[cfg(test)]

@@ -140,232 +140,243 @@ fn latency_histogram() -> Histogram {
 
 impl Metrics {
     pub fn new() -> Arc<Metrics> {
-        let mut registry = Registry::with_prefix("tollgate");
-        let requests = Family::<RouteStatus, Counter>::default();
-        registry.register(
+        let mut metrics = Metrics::unregistered();
+        metrics.register_request_families();
+        metrics.register_store_families();
+        metrics.register_rules_families();
+        metrics.register_upstream_families();
+        metrics.register_lease_families();
+        metrics.register_drop_families();
+        metrics.register_connection_families();
+        Arc::new(metrics)
+    }
+
+    /// Every metric at zero and the registry empty: the `register_*` methods below name each
+    /// to the registry, by family, in the order the exposition lists them.
+    fn unregistered() -> Metrics {
+        Metrics {
+            registry: Registry::with_prefix("tollgate"),
+            requests: Default::default(),
+            decisions: Default::default(),
+            shadow_refusals: Default::default(),
+            store_check_seconds: latency_histogram(),
+            store_errors: Default::default(),
+            breaker_open: Default::default(),
+            store_bypass: Default::default(),
+            store_refunds: Default::default(),
+            store_refund_failures: Default::default(),
+            rules_version: Default::default(),
+            rules_reloads: Default::default(),
+            admin_changes: Default::default(),
+            upstream_seconds: Family::new_with_constructor(latency_histogram as fn() -> Histogram),
+            in_flight: Default::default(),
+            upstream_concurrency_limit: Default::default(),
+            upstream_in_flight: Default::default(),
+            upstream_shed: Default::default(),
+            upstream_strays: Default::default(),
+            lease_calls: Default::default(),
+            lease_grants: Default::default(),
+            lease_denials: Default::default(),
+            lease_failures: Default::default(),
+            lease_tokens_granted: Default::default(),
+            lease_tokens_returned: Default::default(),
+            lease_tokens_held: Default::default(),
+            otlp_spans_dropped: Default::default(),
+            access_lines_dropped: Default::default(),
+            access_sync: std::sync::Mutex::new(()),
+            connections_refused: Default::default(),
+            connections_evicted: Default::default(),
+            connections_open: Default::default(),
+            connections_idle: Default::default(),
+            connections_accepted: Default::default(),
+        }
+    }
+
+    /// Requests answered and in flight, and what each limit decided.
+    fn register_request_families(&mut self) {
+        self.registry.register(
             "requests",
             "Requests answered, by route and status",
-            requests.clone(),
+            self.requests.clone(),
         );
-        let decisions = Family::<LimitDecision, Counter>::default();
-        registry.register(
+        self.registry.register(
+            "in_flight_requests",
+            "Requests being served",
+            self.in_flight.clone(),
+        );
+        self.registry.register(
             "limit_decisions",
             "Requests admitted, limited (429) or unavailable (503, a failure policy refused), by the limit that decided",
-            decisions.clone(),
+            self.decisions.clone(),
         );
-        let shadow_refusals = Family::<LimitLabel, Counter>::default();
-        registry.register(
+        self.registry.register(
             "shadow_would_refuse",
             "Requests a shadow-mode limit would have refused",
-            shadow_refusals.clone(),
+            self.shadow_refusals.clone(),
         );
-        let store_check_seconds = latency_histogram();
-        registry.register(
+    }
+
+    /// The limiter store: its checks' time, failures, the breaker, and changes after a check.
+    fn register_store_families(&mut self) {
+        self.registry.register(
             "store_check_seconds",
             "Time of one limiter store check",
-            store_check_seconds.clone(),
+            self.store_check_seconds.clone(),
         );
-        let store_errors = Family::<Kind, Counter>::default();
-        registry.register(
+        self.registry.register(
             "store_errors",
             "Limiter store failures, by kind",
-            store_errors.clone(),
+            self.store_errors.clone(),
         );
-        let breaker_open = Gauge::default();
-        registry.register(
+        self.registry.register(
             "store_breaker_open",
             "Breakers open in front of the limiter store: 1 or 0, or on a cluster the hash slots whose breaker is open",
-            breaker_open.clone(),
+            self.breaker_open.clone(),
         );
-        let store_bypass = Family::<LimitPolicy, Counter>::default();
-        registry.register(
+        self.registry.register(
             "store_bypass",
             "Decisions made without the store, by limit and failure policy",
-            store_bypass.clone(),
+            self.store_bypass.clone(),
         );
-        let store_refunds = Family::<Kind, Counter>::default();
-        registry.register(
+        self.registry.register(
             "store_refunds",
             "Changes to admitted requests' buckets after their check (refunds of undelivered requests, post-paid charges), by where they went (store, local)",
-            store_refunds.clone(),
+            self.store_refunds.clone(),
         );
-        let store_refund_failures = Family::<Kind, Counter>::default();
-        registry.register(
+        self.registry.register(
             "store_refund_failures",
             "Refunds lost (the charge stands), by kind (error, timeout, breaker_open)",
-            store_refund_failures.clone(),
+            self.store_refund_failures.clone(),
         );
-        let rules_version = Gauge::default();
-        registry.register(
+    }
+
+    fn register_rules_families(&mut self) {
+        self.registry.register(
             "rules_version",
             "Version of the running rules",
-            rules_version.clone(),
+            self.rules_version.clone(),
         );
-        let rules_reloads = Family::<ResultLabel, Counter>::default();
-        registry.register(
+        self.registry.register(
             "rules_reloads",
             "Rules reloads, by result (ok, ignored, failed)",
-            rules_reloads.clone(),
+            self.rules_reloads.clone(),
         );
-        let admin_changes = Family::<ActionLabel, Counter>::default();
-        registry.register(
+        self.registry.register(
             "admin_changes",
             "Changes through the admin API's key endpoints, by action (create, rotate, revoke, patch)",
-            admin_changes.clone(),
+            self.admin_changes.clone(),
         );
-        let upstream_seconds =
-            Family::<UpstreamLabel, Histogram>::new_with_constructor(latency_histogram as fn() -> Histogram);
-        registry.register(
+    }
+
+    /// Upstreams: their response time and their places for requests in flight.
+    fn register_upstream_families(&mut self) {
+        self.registry.register(
             "upstream_seconds",
             "Time until an upstream's response headers",
-            upstream_seconds.clone(),
+            self.upstream_seconds.clone(),
         );
-        let in_flight = Gauge::default();
-        registry.register("in_flight_requests", "Requests being served", in_flight.clone());
-        let upstream_concurrency_limit = Family::<UpstreamLabel, Gauge>::default();
-        registry.register(
+        self.registry.register(
             "upstream_concurrency_limit",
             "Requests that may be in flight to an upstream now: its adaptive limit under max_in_flight",
-            upstream_concurrency_limit.clone(),
+            self.upstream_concurrency_limit.clone(),
         );
-        let upstream_in_flight = Family::<UpstreamLabel, Gauge>::default();
-        registry.register(
+        self.registry.register(
             "upstream_in_flight",
             "Requests forwarded to an upstream whose response has not ended",
-            upstream_in_flight.clone(),
+            self.upstream_in_flight.clone(),
         );
-        let upstream_shed = Family::<UpstreamLabel, Counter>::default();
-        registry.register(
+        self.registry.register(
             "upstream_shed",
             "Requests answered 503 upstream_overloaded: no place under the upstream's limit",
-            upstream_shed.clone(),
+            self.upstream_shed.clone(),
         );
-        let upstream_strays = Family::<UpstreamLabel, Counter>::default();
-        registry.register(
+        self.registry.register(
             "upstream_strays",
             "Times an upstream was caught sending a response nobody asked for; its connections then carry one request each for a minute",
-            upstream_strays.clone(),
+            self.upstream_strays.clone(),
         );
-        let lease_calls = Family::<Kind, Counter>::default();
-        registry.register(
+    }
+
+    /// Leased blocks: the lease script's calls and the tokens they moved.
+    fn register_lease_families(&mut self) {
+        self.registry.register(
             "lease_calls",
             "Calls to the store's lease script, by kind (lease, give_back)",
-            lease_calls.clone(),
+            self.lease_calls.clone(),
         );
-        let lease_grants = Counter::default();
-        registry.register(
+        self.registry.register(
             "lease_grants",
             "Leases that granted a whole block",
-            lease_grants.clone(),
+            self.lease_grants.clone(),
         );
-        let lease_denials = Counter::default();
-        registry.register(
+        self.registry.register(
             "lease_denials",
             "Leases that granted nothing (the bucket held less than a block)",
-            lease_denials.clone(),
+            self.lease_denials.clone(),
         );
-        let lease_failures = Family::<Kind, Counter>::default();
-        registry.register(
+        self.registry.register(
             "lease_failures",
             "Lease-script calls that failed or timed out, by kind (lease, give_back)",
-            lease_failures.clone(),
+            self.lease_failures.clone(),
         );
-        let lease_tokens_granted = Counter::default();
-        registry.register(
+        self.registry.register(
             "lease_tokens_granted",
             "Tokens received in leased blocks",
-            lease_tokens_granted.clone(),
+            self.lease_tokens_granted.clone(),
         );
-        let lease_tokens_returned = Counter::default();
-        registry.register(
+        self.registry.register(
             "lease_tokens_returned",
             "Leased tokens given back to the store unused (expiry, shutdown, refunds)",
-            lease_tokens_returned.clone(),
+            self.lease_tokens_returned.clone(),
         );
-        let lease_tokens_held = Gauge::default();
-        registry.register(
+        self.registry.register(
             "lease_tokens_held",
             "Leased tokens this gateway holds now",
-            lease_tokens_held.clone(),
+            self.lease_tokens_held.clone(),
         );
-        let otlp_spans_dropped = Counter::default();
-        registry.register(
+    }
+
+    /// What the gateway's own telemetry dropped for want of room.
+    fn register_drop_families(&mut self) {
+        self.registry.register(
             "otlp_spans_dropped",
             "Request spans dropped, not exported, because the OTLP export queue was full",
-            otlp_spans_dropped.clone(),
+            self.otlp_spans_dropped.clone(),
         );
-        let access_lines_dropped = Counter::default();
-        registry.register(
+        self.registry.register(
             "access_lines_dropped",
             "Access lines dropped, not written, because the log writer fell behind",
-            access_lines_dropped.clone(),
+            self.access_lines_dropped.clone(),
         );
-        let connections_refused = Family::<CapLabel, Counter>::default();
-        registry.register(
+    }
+
+    /// Client connections: accepted per shard, and what the connection caps did.
+    fn register_connection_families(&mut self) {
+        self.registry.register(
             "connections_refused",
             "Client connections closed at accept because a cap was full with none idle, by cap",
-            connections_refused.clone(),
+            self.connections_refused.clone(),
         );
-        let connections_evicted = Family::<CapLabel, Counter>::default();
-        registry.register(
+        self.registry.register(
             "connections_evicted",
             "Idle client connections closed to make room for a new one, by cap",
-            connections_evicted.clone(),
+            self.connections_evicted.clone(),
         );
-        let connections_open = Gauge::default();
-        registry.register(
+        self.registry.register(
             "connections_open",
             "Client connections open (kept only when a connection cap is set)",
-            connections_open.clone(),
+            self.connections_open.clone(),
         );
-        let connections_idle = Gauge::default();
-        registry.register(
+        self.registry.register(
             "connections_idle",
             "Client connections open with no request in flight (kept only when a connection cap is set)",
-            connections_idle.clone(),
+            self.connections_idle.clone(),
         );
-        let connections_accepted = Family::<ShardLabel, Counter>::default();
-        registry.register(
+        self.registry.register(
             "connections_accepted",
             "Client connections accepted on the public listener, by the shard (thread) that accepted them",
-            connections_accepted.clone(),
+            self.connections_accepted.clone(),
         );
-        Arc::new(Metrics {
-            registry,
-            requests,
-            decisions,
-            shadow_refusals,
-            store_check_seconds,
-            store_errors,
-            breaker_open,
-            store_bypass,
-            store_refunds,
-            store_refund_failures,
-            rules_version,
-            rules_reloads,
-            admin_changes,
-            upstream_seconds,
-            in_flight,
-            upstream_concurrency_limit,
-            upstream_in_flight,
-            upstream_shed,
-            upstream_strays,
-            lease_calls,
-            lease_grants,
-            lease_denials,
-            lease_failures,
-            lease_tokens_granted,
-            lease_tokens_returned,
-            lease_tokens_held,
-            otlp_spans_dropped,
-            access_lines_dropped,
-            access_sync: std::sync::Mutex::new(()),
-            connections_refused,
-            connections_evicted,
-            connections_open,
-            connections_idle,
-            connections_accepted,
-        })
     }
 
     /// The exposition text (OpenMetrics, which Prometheus scrapes).

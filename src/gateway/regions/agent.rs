@@ -227,7 +227,7 @@ async fn rebalance(regions: &Regions, _snap: &Snapshot, h: &mut Held, now: u64) 
         };
         next.demand_seen.insert(bucket.name.clone(), total);
         next.demand.insert(bucket.name.clone(), demand);
-        let seen: Vec<tollgate_regions::Record> = others
+        let seen: Vec<tollgate_regions::ShareRecord> = others
             .iter()
             .filter_map(|r| r.limits.get(&bucket.name).cloned())
             .collect();

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use fred::interfaces::{HashesInterface, KeysInterface};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
-use tollgate_regions::{Agent, Record};
+use tollgate_regions::{Agent, ShareRecord};
 
 use super::{Regions, keys, timeout};
 
@@ -21,7 +21,7 @@ pub(crate) struct RegionRecord {
     pub agent: String,
     /// Its writer's wall clock, in Unix milliseconds.
     pub at_ms: u64,
-    pub limits: BTreeMap<String, Record>,
+    pub limits: BTreeMap<String, ShareRecord>,
     /// Per bucket, the room this Region took from silent Regions: a Region that comes back and
     /// finds its share reclaimed starts from nothing.
     #[serde(default)]

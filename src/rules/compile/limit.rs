@@ -23,110 +23,23 @@ impl Compiler<'_> {
 
     pub(super) fn limit(&self, name: &str, l: &RawLimit) -> Result<Limit, RulesError> {
         let field = format!("limits.{name}");
-        if name.is_empty()
-            || !name
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
-        {
-            return Err(self.err(&field, "a limit name uses only letters, digits, '-', '_' and '.'"));
-        }
+        self.check_limit_name(&field, name)?;
         let dimension = self.dimension(&field, &l.dimension)?;
         let ip_prefixes = self.ip_prefixes(&field, l, &dimension)?;
         if let Some(max) = l.concurrent {
             return self.concurrent_limit(&field, name, l, dimension, max);
         }
-        let numbers = match (&l.rate, l.burst) {
-            (Some(rate), Some(burst)) => Some(self.numbers(&field, name, rate, burst)?),
-            (None, None) if dimension == Dimension::Key => None,
-            (None, None) => {
-                return Err(self.err(
-                    &field,
-                    "needs \"rate\" and \"burst\" (only key limits may leave them to each key)",
-                ));
-            }
-            (Some(_), None) => {
-                return Err(self.err(format!("{field}.burst"), "missing: a rate needs a burst"));
-            }
-            (None, Some(_)) => {
-                return Err(self.err(format!("{field}.rate"), "missing: a burst needs a rate"));
-            }
-        };
-        let policy = l.on_store_failure.unwrap_or(FailurePolicy::Local);
-        if l.class == LimitClass::Security && policy == FailurePolicy::Open {
-            return Err(self.err(
-                format!("{field}.on_store_failure"),
-                "a security limit may not fail open; use \"local\" or \"closed\"",
-            ));
-        }
+        let numbers = self.limit_numbers(&field, name, l, &dimension)?;
+        let policy = self.failure_policy(&field, l)?;
         let lease = self.lease(&field, l, &dimension)?;
         if let (Some(block), Some(n)) = (lease, &numbers) {
             self.check_leasable(&field, &n.params, block)?;
         }
         if l.scope == Scope::Global {
-            if dimension != Dimension::Key {
-                return Err(self.err(
-                    format!("{field}.scope"),
-                    "only key limits can be global: each key's number is what the Regions share",
-                ));
-            }
-            if l.class == LimitClass::Security {
-                return Err(self.err(
-                    format!("{field}.scope"),
-                    "a security limit is not shared out; give it a \"home_region\" instead",
-                ));
-            }
-            if lease.is_some() {
-                return Err(self.err(
-                    format!("{field}.lease"),
-                    "a global limit's share moves every rebalance; it is not leased",
-                ));
-            }
+            self.check_global(&field, l, &dimension, lease.is_some())?;
         }
-        let charge_on = match &l.charge_on {
-            None => None,
-            Some(_) if lease.is_some() => {
-                return Err(self.err(
-                    format!("{field}.charge_on"),
-                    "a limit charged on the answer gives charges back, so it is not leased",
-                ));
-            }
-            Some(c) if c.status.is_empty() => {
-                return Err(self.err(format!("{field}.charge_on.status"), "name at least one status"));
-            }
-            Some(c) => {
-                if let Some(bad) = c.status.iter().find(|s| !(100..=599).contains(*s)) {
-                    return Err(self.err(
-                        format!("{field}.charge_on.status"),
-                        format!("{bad} is not an HTTP status (100 to 599)"),
-                    ));
-                }
-                let mut s = c.status.clone();
-                s.sort_unstable();
-                s.dedup();
-                Some(s.into_boxed_slice())
-            }
-        };
-        let home_region = match &l.home_region {
-            None => None,
-            Some(_) if l.class != LimitClass::Security => {
-                return Err(self.err(
-                    format!("{field}.home_region"),
-                    "only a security limit (\"class\": \"security\") has a home Region",
-                ));
-            }
-            Some(r)
-                if r.is_empty()
-                    || !r
-                        .bytes()
-                        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') =>
-            {
-                return Err(self.err(
-                    format!("{field}.home_region"),
-                    format!("{r:?} is not a Region name (letters, digits, - and _)"),
-                ));
-            }
-            Some(r) => Some(Arc::from(r.as_str())),
-        };
+        let charge_on = self.charge_on(&field, l, lease.is_some())?;
+        let home_region = self.home_region(&field, l)?;
         let plans = self.plans(&field, name, l, &dimension)?;
         let post_paid = self.post_paid(&field, l, lease.is_some())?;
         Ok(Limit {
@@ -145,6 +58,128 @@ impl Compiler<'_> {
             home_region,
             ip_prefixes,
         })
+    }
+
+    /// A limit's name goes into bucket names and metric labels, so it keeps to a plain alphabet.
+    fn check_limit_name(&self, field: &str, name: &str) -> Result<(), RulesError> {
+        if name.is_empty()
+            || !name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+        {
+            return Err(self.err(field, "a limit name uses only letters, digits, '-', '_' and '.'"));
+        }
+        Ok(())
+    }
+
+    /// `rate` and `burst`, both or neither; neither only on a key limit, whose keys set them.
+    fn limit_numbers(
+        &self,
+        field: &str,
+        name: &str,
+        l: &RawLimit,
+        dimension: &Dimension,
+    ) -> Result<Option<Numbers>, RulesError> {
+        match (&l.rate, l.burst) {
+            (Some(rate), Some(burst)) => Ok(Some(self.numbers(field, name, rate, burst)?)),
+            (None, None) if *dimension == Dimension::Key => Ok(None),
+            (None, None) => Err(self.err(
+                field,
+                "needs \"rate\" and \"burst\" (only key limits may leave them to each key)",
+            )),
+            (Some(_), None) => Err(self.err(format!("{field}.burst"), "missing: a rate needs a burst")),
+            (None, Some(_)) => Err(self.err(format!("{field}.rate"), "missing: a burst needs a rate")),
+        }
+    }
+
+    fn failure_policy(&self, field: &str, l: &RawLimit) -> Result<FailurePolicy, RulesError> {
+        let policy = l.on_store_failure.unwrap_or(FailurePolicy::Local);
+        if l.class == LimitClass::Security && policy == FailurePolicy::Open {
+            return Err(self.err(
+                format!("{field}.on_store_failure"),
+                "a security limit may not fail open; use \"local\" or \"closed\"",
+            ));
+        }
+        Ok(policy)
+    }
+
+    /// A global limit is one key number the Regions share out, so nothing else may move it.
+    fn check_global(
+        &self,
+        field: &str,
+        l: &RawLimit,
+        dimension: &Dimension,
+        leased: bool,
+    ) -> Result<(), RulesError> {
+        if *dimension != Dimension::Key {
+            return Err(self.err(
+                format!("{field}.scope"),
+                "only key limits can be global: each key's number is what the Regions share",
+            ));
+        }
+        if l.class == LimitClass::Security {
+            return Err(self.err(
+                format!("{field}.scope"),
+                "a security limit is not shared out; give it a \"home_region\" instead",
+            ));
+        }
+        if leased {
+            return Err(self.err(
+                format!("{field}.lease"),
+                "a global limit's share moves every rebalance; it is not leased",
+            ));
+        }
+        Ok(())
+    }
+
+    /// `charge_on.status`: the answers that keep the charge, sorted and without repeats.
+    fn charge_on(&self, field: &str, l: &RawLimit, leased: bool) -> Result<Option<Box<[u16]>>, RulesError> {
+        let Some(c) = &l.charge_on else {
+            return Ok(None);
+        };
+        if leased {
+            return Err(self.err(
+                format!("{field}.charge_on"),
+                "a limit charged on the answer gives charges back, so it is not leased",
+            ));
+        }
+        if c.status.is_empty() {
+            return Err(self.err(format!("{field}.charge_on.status"), "name at least one status"));
+        }
+        if let Some(bad) = c.status.iter().find(|s| !(100..=599).contains(*s)) {
+            return Err(self.err(
+                format!("{field}.charge_on.status"),
+                format!("{bad} is not an HTTP status (100 to 599)"),
+            ));
+        }
+        let mut s = c.status.clone();
+        s.sort_unstable();
+        s.dedup();
+        Ok(Some(s.into_boxed_slice()))
+    }
+
+    /// The Region whose store keeps a security limit's buckets.
+    fn home_region(&self, field: &str, l: &RawLimit) -> Result<Option<Arc<str>>, RulesError> {
+        let Some(r) = &l.home_region else {
+            return Ok(None);
+        };
+        if l.class != LimitClass::Security {
+            return Err(self.err(
+                format!("{field}.home_region"),
+                "only a security limit (\"class\": \"security\") has a home Region",
+            ));
+        }
+        if r.is_empty()
+            || !r
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        {
+            return Err(self.err(
+                format!("{field}.home_region"),
+                format!("{r:?} is not a Region name (letters, digits, - and _)"),
+            ));
+        }
+        Ok(Some(Arc::from(r.as_str())))
     }
 
     /// `cost_from_response`, `reserve` and `max_debt`: a limit whose cost the upstream's answer
