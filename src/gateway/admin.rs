@@ -65,25 +65,8 @@ fn asset(content_type: &'static str, body: &'static str) -> Response<Body> {
 
 impl Admin {
     pub async fn serve(&self, req: Request<Incoming>, peer: std::net::SocketAddr) -> Response<Body> {
-        // Probes and scrapers name the gateway however they reach it; the pages and the API
-        // are what a page in a browser must not reach through a rebound name.
-        if req.uri().path().starts_with("/admin") {
-            let host = match req.uri().authority() {
-                Some(a) => a.as_str(),
-                None => req
-                    .headers()
-                    .get(http::header::HOST)
-                    .and_then(|h| h.to_str().ok())
-                    .unwrap_or(""),
-            };
-            if !self.hosts.allows(host) {
-                return json_response(
-                    StatusCode::MISDIRECTED_REQUEST,
-                    json!({"error": "misdirected_request",
-                           "detail": "the admin pages answer to IP literals, localhost and the names given with --admin-host"})
-                    .to_string(),
-                );
-            }
+        if let Some(refused) = self.foreign_host(&req) {
+            return refused;
         }
         let path = req.uri().path();
         if path == "/admin/keys" || path.starts_with("/admin/keys/") {
@@ -190,6 +173,31 @@ impl Admin {
 }
 
 impl Admin {
+    /// 421 for an `/admin` request naming a host the pages don't answer to. Probes and
+    /// scrapers name the gateway however they reach it; the pages and the API are what a page
+    /// in a browser must not reach through a rebound name.
+    fn foreign_host(&self, req: &Request<Incoming>) -> Option<Response<Body>> {
+        if !req.uri().path().starts_with("/admin") {
+            return None;
+        }
+        let host = match req.uri().authority() {
+            Some(a) => a.as_str(),
+            None => req
+                .headers()
+                .get(http::header::HOST)
+                .and_then(|h| h.to_str().ok())
+                .unwrap_or(""),
+        };
+        (!self.hosts.allows(host)).then(|| {
+            json_response(
+                StatusCode::MISDIRECTED_REQUEST,
+                json!({"error": "misdirected_request",
+                       "detail": "the admin pages answer to IP literals, localhost and the names given with --admin-host"})
+                .to_string(),
+            )
+        })
+    }
+
     /// `/admin/keys…`: only with the operator's token, and not at all without one configured
     /// (404, as if there were no such API).
     async fn keys_api(&self, req: Request<Incoming>, peer: std::net::SocketAddr) -> Response<Body> {

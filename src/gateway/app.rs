@@ -536,6 +536,32 @@ fn conn_counters(metrics: &Metrics) -> server::conns::ConnCounters {
     }
 }
 
+/// The public listener (one per shard) and its address, and the admin listener's, bound
+/// before anything serves.
+async fn bind_listeners(
+    cfg: &GatewayConfig,
+) -> Result<
+    (
+        Vec<std::net::TcpListener>,
+        SocketAddr,
+        Option<(TcpListener, SocketAddr)>,
+    ),
+    StartError,
+> {
+    let bind_err = |addr| move |source| StartError::Bind { addr, source };
+    let listeners = server::bind_shards(cfg.listen, cfg.shards).map_err(bind_err(cfg.listen))?;
+    let addr = listeners[0].local_addr().map_err(bind_err(cfg.listen))?;
+    let admin = match cfg.admin_listen {
+        Some(a) => {
+            let l = bind(a).await?;
+            let addr = l.local_addr().map_err(bind_err(a))?;
+            Some((l, addr))
+        }
+        None => None,
+    };
+    Ok((listeners, addr, admin))
+}
+
 /// Starts every listener. Fails before serving anything if a part can't start.
 pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
     // Before anything keeps state per shard.
@@ -567,34 +593,15 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         leases,
     } = crate::stack::build(&cfg, &rules, &metrics).await?;
     let keys = start_managed_keys(&cfg, &reloader, &rules, &metrics).await?;
-    if let Some(k) = &keys {
-        tasks.push(tokio::spawn({
-            let (k, stop) = (k.clone(), stopped(stop_rx.clone()));
-            async move {
-                k.follow(stop).await;
-                0
-            }
-        }));
-    }
+    tasks.extend(keys.clone().map(|k| {
+        let stop = stopped(stop_rx.clone());
+        tokio::spawn(async move {
+            k.follow(stop).await;
+            0
+        })
+    }));
 
-    let listeners = server::bind_shards(cfg.listen, cfg.shards).map_err(|source| StartError::Bind {
-        addr: cfg.listen,
-        source,
-    })?;
-    let addr = listeners[0].local_addr().map_err(|source| StartError::Bind {
-        addr: cfg.listen,
-        source,
-    })?;
-    let admin = match cfg.admin_listen {
-        Some(a) => {
-            let l = bind(a).await?;
-            let addr = l
-                .local_addr()
-                .map_err(|source| StartError::Bind { addr: a, source })?;
-            Some((l, addr))
-        }
-        None => None,
-    };
+    let (listeners, addr, admin) = bind_listeners(&cfg).await?;
 
     let Assembled {
         gateway,

@@ -118,7 +118,10 @@ impl ManagedKeys {
     }
 
     async fn catch_up(&self) -> Result<(), String> {
-        let since = self.held.lock().await.generation;
+        // Held across the read: a change this gateway writes meanwhile must not be replaced by
+        // the record as it was before it.
+        let mut held = self.held.lock().await;
+        let since = held.generation;
         let (generation, records) = self.store.changes_since(since).await.map_err(|e| e.to_string())?;
         let (generation, records, whole) = if generation < since {
             // The store was emptied or replaced: what it holds now is all there is.
@@ -130,7 +133,6 @@ impl ManagedKeys {
         if records.is_empty() && !whole {
             return Ok(());
         }
-        let mut held = self.held.lock().await;
         if whole {
             held.by_id.clear();
         }
