@@ -527,8 +527,8 @@ mod tests {
 
     #[test]
     fn all_or_nothing_and_longest_wait() {
-        // Replay M: the plan holds 20, the export bucket is empty; the export is limited and
-        // the plan is untouched.
+        // An export while its own bucket is spent: the plan holds 20, the export bucket is
+        // empty; the export is limited and the plan is untouched.
         let plan = p("600/60s", 20);
         let exports = p("1/5s", 1);
         let charges = [
