@@ -102,6 +102,10 @@ fn each_broken_file_fails_with_its_own_message() {
             "routes[0].upstream: no upstream named \"billing\"",
         ),
         (
+            "usage-with-upstream.json",
+            "routes[0].upstream: a usage route (\"serve\": \"usage\") forwards nothing: it answers with the caller's budget itself, so it takes no upstream (remove \"upstream\": \"orders\")",
+        ),
+        (
             "route-path-not-canonical.json",
             "routes[0].path: \"/v1/./exports\" is not in canonical form; write \"/v1/exports\"",
         ),

@@ -132,16 +132,20 @@ impl Gateway {
             .limit(snap, route, &c, &parts.headers, body_value, &live.handles, facts)
             .await
             .map_err(with_quota)?;
-        let upstream = &snap.upstreams[route.upstream];
+        let tollgate_rules::Serves::Upstream(up) = route.serves else {
+            // The driver answers a usage route before admission: nothing to forward to.
+            return Err(Refusal::NotFound.into());
+        };
+        let upstream = &snap.upstreams[up];
         let place = self
-            .gate(upstream, &live.upstreams[route.upstream], facts)
+            .gate(upstream, &live.upstreams[up], facts)
             .await
             .map_err(with_quota)?;
         crate::proxy::retarget(upstream, parts).map_err(Answer::from)?;
         facts.metered = c.key.map(|(k, _)| k);
         facts.admitted = true;
         Ok(Forward {
-            upstream: route.upstream,
+            upstream: up,
             fields: RateFields { budget, quota },
             paid,
             seats,
