@@ -54,6 +54,10 @@ fn the_summary_lists_rates_bursts_and_costs() {
         "{stdout}"
     );
     assert!(stdout.contains("costs: exports 1, plan 10"), "{stdout}");
+    assert!(
+        stdout.contains("usage        GET /v1/usage -> (the caller's usage); key Required; costs: usage 1"),
+        "{stdout}"
+    );
 }
 
 #[test]
