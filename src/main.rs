@@ -369,6 +369,12 @@ fn announce_plain(running: &app::Running, snap: &tollgate_rules::Snapshot, schem
             "try: curl -i -H 'Authorization: Bearer k7-demo-key' {scheme}://{}/v1/orders",
             running.addr
         );
+        if let Some(path) = usage_path(snap) {
+            println!(
+                "budget: curl -s -H 'X-API-Key: k7-demo-key' {scheme}://{}{path}",
+                running.addr
+            );
+        }
         if snap.jwt.is_some() {
             println!(
                 "JWT: curl -i -H \"Authorization: Bearer $(tollgate demo-token --sub k-7)\" {scheme}://{}/v2/orders",
@@ -376,6 +382,16 @@ fn announce_plain(running: &app::Running, snap: &tollgate_rules::Snapshot, schem
             );
         }
     }
+}
+
+/// The path of a route that answers a GET with the caller's budget, for the demo's hint.
+fn usage_path(snap: &tollgate_rules::Snapshot) -> Option<&str> {
+    snap.routes
+        .iter()
+        .find(|r| {
+            r.serves == tollgate_rules::Serves::Usage && r.method.as_ref().is_none_or(|m| m.as_str() == "GET")
+        })
+        .map(|r| &*r.prefix)
 }
 
 /// The same as [`announce_plain`], each line an event with its values as fields.
@@ -404,6 +420,13 @@ fn announce_json(running: &app::Running, snap: &tollgate_rules::Snapshot, scheme
             command = %format_args!("curl -i -H 'Authorization: Bearer k7-demo-key' {scheme}://{}/v1/orders", running.addr),
             "try"
         );
+        if let Some(path) = usage_path(snap) {
+            tracing::info!(
+                target: STARTUP,
+                command = %format_args!("curl -s -H 'X-API-Key: k7-demo-key' {scheme}://{}{path}", running.addr),
+                "try the caller's budget"
+            );
+        }
         if snap.jwt.is_some() {
             tracing::info!(
                 target: STARTUP,

@@ -54,6 +54,10 @@ fn the_summary_lists_rates_bursts_and_costs() {
         "{stdout}"
     );
     assert!(stdout.contains("costs: exports 1, plan 10"), "{stdout}");
+    assert!(
+        stdout.contains("usage        GET /v1/usage -> (the caller's usage); key Required; costs: usage 1"),
+        "{stdout}"
+    );
 }
 
 #[test]
@@ -100,6 +104,10 @@ fn each_broken_file_fails_with_its_own_message() {
         (
             "missing-upstream.json",
             "routes[0].upstream: no upstream named \"billing\"",
+        ),
+        (
+            "usage-with-upstream.json",
+            "routes[0].upstream: a usage route (\"serve\": \"usage\") forwards nothing: it answers with the caller's budget itself, so it takes no upstream (remove \"upstream\": \"orders\")",
         ),
         (
             "route-path-not-canonical.json",

@@ -53,6 +53,7 @@ fn sha256(secret: &str) -> String {
 /// - `/v1/accounts`: limited per value of a JSON body field;
 /// - `/v1/completions`: post-paid, charged the `X-Usage-Tokens` the upstream reports;
 /// - `/v1/free`: no limit at all (a quota key's quota is then the only budget);
+/// - `/v1/usage`: the caller's own budget (`"serve": "usage"`), two asks and then `429`;
 /// - `/shed`: an upstream that takes one request at a time and queues none;
 /// - `/slow`: an upstream that must answer within 300 ms;
 /// - `/down`: an upstream nobody listens for.
@@ -75,7 +76,8 @@ fn rules(up: SocketAddr, dead: u16) -> String {
             "account": {"dimension": {"body_field": "account"}, "rate": "10/1s", "burst": 10},
             "tokens": {"dimension": "key", "rate": "1000/60s", "burst": 1000,
                        "cost_from_response": {"header": "X-Usage-Tokens"}},
-            "unauth": {"dimension": "ip", "rate": "1/3600s", "burst": 3}
+            "unauth": {"dimension": "ip", "rate": "1/3600s", "burst": 3},
+            "asks": {"dimension": "key", "rate": "1/3600s", "burst": 2}
         },
         "keys": [
             {"id": "k-1", "sha256": sha256(KEY)},
@@ -91,6 +93,7 @@ fn rules(up: SocketAddr, dead: u16) -> String {
             {"name": "completions", "method": "GET", "path": "/v1/completions", "upstream": "up",
              "cost": {"tokens": 1}},
             {"name": "free", "method": "*", "path": "/v1/free", "upstream": "up"},
+            {"name": "usage", "method": "GET", "path": "/v1/usage", "serve": "usage", "cost": {"asks": 1}},
             {"name": "shed", "method": "*", "path": "/shed", "upstream": "shed", "cost": {"plan": 1}},
             {"name": "slow", "method": "*", "path": "/slow", "upstream": "tight", "cost": {"plan": 1}},
             {"name": "down", "method": "*", "path": "/down", "upstream": "dead", "cost": {"plan": 1}}
@@ -777,6 +780,15 @@ async fn a_quota_keys_answers_follow_its_flags_alike() {
         let state = a.header("ratelimit").unwrap_or("");
         assert!(state.ends_with("\"day\";r=15;t=1800"), "{path}: {state}");
     }
+    let a = p.both(Method::GET, "/v1/usage", &quota).await;
+    assert_eq!(
+        (
+            a.status,
+            &a.json()["quota"]["used"],
+            &a.json()["quota"]["remaining"]
+        ),
+        (StatusCode::OK, &serde_json::json!(85), &serde_json::json!(15))
+    );
 
     flag_both(&p, &flag(State::Over, 100), "over").await;
     for method in [Method::GET, Method::HEAD, Method::DELETE] {
@@ -789,6 +801,10 @@ async fn a_quota_keys_answers_follow_its_flags_alike() {
         (a.status, error_of(&a)),
         (StatusCode::TOO_MANY_REQUESTS, "quota_exceeded".into())
     );
+    // Asking what is left is not billed, so a spent quota does not refuse it.
+    let a = p.both(Method::GET, "/v1/usage", &quota).await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(a.json()["quota"]["remaining"], 0);
     // Another key is not held to k-q's quota.
     let a = p.both(Method::GET, "/v1/orders", &key()).await;
     assert_eq!(a.status, StatusCode::OK);
@@ -812,6 +828,70 @@ async fn flag_both(p: &Pair, flag: &tollgate_meter::flags::Flag, state: &str) {
     }
 }
 
+/// The caller's own budget, answered by the gateway on both wires alike: each bucket of the key
+/// as a request paying it is told, the route's own limit charged (two asks, then `429`) and
+/// nothing else; a quota key's quota; `401` without a usable key.
+#[tokio::test]
+async fn the_usage_route_answers_alike() {
+    let mut p = Pair::start().await;
+    let a = p.both(Method::GET, "/v1/orders", &key()).await;
+    assert_eq!(a.header("ratelimit"), Some("\"plan-burst\";r=99;t=1"));
+    let limits = |asks: u64| {
+        serde_json::json!([
+            {"name": "asks", "rate": "1/3600s", "burst": 2, "remaining": asks, "reset_s": (2 - asks) * 3600},
+            {"name": "plan", "rate": "100/1s", "burst": 100, "remaining": 99, "reset_s": 1},
+            {"name": "small", "rate": "1/3600s", "burst": 2, "remaining": 2, "reset_s": 0},
+            {"name": "tokens", "rate": "1000/60s", "burst": 1000, "remaining": 1000, "reset_s": 0}
+        ])
+    };
+    for left in [1, 0] {
+        let a = p.both(Method::GET, "/v1/usage", &key()).await;
+        assert_eq!(a.status, StatusCode::OK, "{:?}", a.body);
+        assert_eq!(a.header("content-type"), Some("application/json"));
+        assert_eq!(a.header("cache-control"), Some("no-store"));
+        assert_eq!(
+            a.header("ratelimit"),
+            Some(format!("\"asks-burst\";r={left};t={}", (2 - left) * 3600).as_str())
+        );
+        assert_eq!(
+            a.json(),
+            serde_json::json!({"key": "k-1", "tenant": "k-1", "limits": limits(left), "quota": null})
+        );
+        let body = String::from_utf8_lossy(&a.body).into_owned();
+        assert!(body.starts_with("{\"key\":\"k-1\",\"tenant\":"), "{body}");
+    }
+    let a = p.both(Method::GET, "/v1/usage", &key()).await;
+    assert_eq!(
+        (a.status, a.json()["limit"].as_str()),
+        (StatusCode::TOO_MANY_REQUESTS, Some("asks"))
+    );
+    // Asking charged nothing but its own limit.
+    let a = p.both(Method::GET, "/v1/orders", &key()).await;
+    assert_eq!(a.header("ratelimit"), Some("\"plan-burst\";r=98;t=1"));
+    let quota = [("x-api-key", QUOTA_KEY)];
+    let a = p.both(Method::GET, "/v1/usage", &quota).await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(
+        a.json()["quota"],
+        serde_json::json!({"per": "day", "limit": 100, "used": 0, "remaining": 100,
+                           "resets_at": "2026-12-02T00:00:00+01:00"})
+    );
+    assert!(
+        a.header("ratelimit")
+            .is_some_and(|s| s.ends_with("\"day\";r=100;t=1800")),
+        "{:?}",
+        a.headers
+    );
+    for unusable in [&[("x-api-key", "not-a-key")][..], &[]] {
+        let a = p.both(Method::GET, "/v1/usage", unusable).await;
+        assert_eq!(
+            (a.status, error_of(&a)),
+            (StatusCode::UNAUTHORIZED, "unauthorized".into())
+        );
+    }
+    p.assert_alike();
+}
+
 /// The comparisons above mean something only if the express gateway serves those requests on
 /// the lane, not handed to hyper. The lane relays an upstream's header names as they came and
 /// hyper writes them lowercased, and a connection handed to hyper stays there: so after each
@@ -830,6 +910,8 @@ async fn the_lane_serves_the_refusals_it_is_compared_on() {
         // A limit keyed on a body field, and a post-paid one: begun on the lane, ended there.
         ("/v1/accounts", KEY, 400),
         ("/v1/completions?tokens=5", KEY, 200),
+        // Answered by the gateway itself, with a body of its own.
+        ("/v1/usage", KEY, 200),
         ("/down", KEY, 502),
         ("/slow?silent", KEY, 504),
     ];

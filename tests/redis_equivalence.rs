@@ -1,10 +1,11 @@
 //! `lua/check.lua` and `limit/bucket.rs` are one algorithm in two homes: thousands of random
 //! checks (random rates and bursts, rule changes, costs up to far above the burst, batches of
-//! several buckets, shadow flags, post-paid buckets that may owe, several requests in one script
-//! call) give the same decision, the same units left and the same wait on every step. Now and
-//! then an admitted request is refunded, or charged what its answer cost (`lua/refund.lua`
-//! against `bucket::adjust`), sometimes after the clock moved, and both leave the same balance.
-//! The Rust side keeps its own copy of every bucket and is fed the `now` the script reports.
+//! several buckets, shadow flags, post-paid buckets that may owe, checks of cost 0 that only
+//! read a bucket, several requests in one script call) give the same decision, the same units
+//! left and the same wait on every step. Now and then an admitted request is refunded, or
+//! charged what its answer cost (`lua/refund.lua` against `bucket::adjust`), sometimes after
+//! the clock moved, and both leave the same balance. The Rust side keeps its own copy of every
+//! bucket and is fed the `now` the script reports.
 //!
 //! Set `TOLLGATE_EQ_SEED` to replay a failing seed; every failure prints its seed and step.
 
@@ -87,6 +88,7 @@ fn random_plain_params(rng: &mut StdRng) -> BucketParams {
 
 fn random_cost(rng: &mut StdRng, p: &BucketParams) -> u64 {
     match rng.random_range(0..20) {
+        // A peek: how the usage route reads a bucket it does not charge.
         0 => 0,
         1 => p.burst + rng.random_range(1..=p.burst),
         2 => u64::MAX / rng.random_range(1..=1_000),
@@ -138,7 +140,7 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u
     let mut rules: Vec<BucketParams> = (0..BUCKETS).map(|_| random_params(&mut rng)).collect();
     let mut states: HashMap<String, Stored> = HashMap::new();
     let (mut admitted, mut refused, mut changes, mut multi, mut refunds) = (0, 0, 0, 0, 0);
-    let mut debts = 0;
+    let (mut debts, mut peeks_refused) = (0, 0);
     for step in 0..STEPS {
         // A rule changes under a live bucket now and then.
         if rng.random_range(0..5) == 0 {
@@ -233,6 +235,7 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u
                 admitted += 1;
             } else {
                 refused += 1;
+                peeks_refused += batch.iter().filter(|i| i.charge.cost == 0).count();
             }
         }
 
@@ -322,6 +325,11 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u
         "seed {seed}: {admitted} admitted, {refused} limited"
     );
     assert!(changes > 100, "seed {seed}: only {changes} rule changes");
+    // Peeks beside a bucket that refused: what the usage route's own limit does.
+    assert!(
+        peeks_refused > STEPS / 100,
+        "seed {seed}: only {peeks_refused} buckets of cost 0 in a refused request"
+    );
 }
 
 #[tokio::test]

@@ -76,6 +76,10 @@ const SEMANTIC: &[(&str, &str)] = &[
         "missing-upstream.json",
         "a route naming an upstream that is not there",
     ),
+    (
+        "usage-with-upstream.json",
+        "a usage route's upstream, which it may not have",
+    ),
     ("concurrency-max-below-min.json", "max against min"),
     (
         "concurrency-min-above-max-in-flight.json",

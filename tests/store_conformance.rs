@@ -536,6 +536,85 @@ async fn post_paid_debt(s: &Subject<'_>) {
     }
 }
 
+/// A check of cost 0 is how the usage route reads a bucket it does not charge, in the same call
+/// as the buckets it does: it takes nothing beside a bucket that is charged, nothing beside one
+/// that refuses the request, and a bucket in debt keeps its debt. Every later answer is what it
+/// would have been without the peeks.
+async fn peeks_take_nothing(s: &Subject<'_>) {
+    use tollgate_limit::bucket::BucketVerdict;
+    let minute = params("1/60s", 1).scale;
+    let plan = s.item("pk-plan", "1/60s", 5, 2, false, 0);
+    let own = s.item("pk-own", "1/60s", 1, 1, false, 1);
+    let mut peek = plan.clone();
+    peek.charge.cost = 0;
+    let warm = s.check(std::slice::from_ref(&plan)).await;
+    assert_eq!(warm.buckets[0].tokens, 3 * minute, "{}", s.name);
+    let batch = [own.clone(), peek.clone()];
+    let read = |o: &Outcome| BucketVerdict {
+        sufficient: true,
+        tokens: 3 * minute + (o.now_us - warm.now_us),
+        wait_us: Some(0),
+    };
+    let first = s.check(&batch).await;
+    assert!(first.admitted, "{}", s.name);
+    assert_eq!(first.buckets[0].tokens, 0, "{}: its own bucket paid", s.name);
+    assert_eq!(
+        first.buckets[1],
+        read(&first),
+        "{}: the peek took nothing",
+        s.name
+    );
+    let second = s.check(&batch).await;
+    assert!(!second.admitted, "{}: its own bucket is empty", s.name);
+    assert_eq!(second.buckets[1], read(&second), "{}: nor when refused", s.name);
+    let d = decide(&batch[..1], &second);
+    assert_eq!((d.deciding, d.retry_after()), (Some(0), Some(60)), "{}", s.name);
+    let after = s.check(std::slice::from_ref(&plan)).await;
+    assert!(after.admitted, "{}", s.name);
+    assert_eq!(
+        after.buckets[0].tokens,
+        minute + (after.now_us - warm.now_us),
+        "{}: as if the peeks had never been",
+        s.name
+    );
+
+    // A post-paid bucket at its debt floor: ten tokens owed at one a second.
+    let p = params("1/1s", 10).with_debt(10).unwrap();
+    let mut owing = s.item("pk-owing", "1/1s", 10, 1, false, 2);
+    owing.charge.params = p;
+    let o = s.check(std::slice::from_ref(&owing)).await;
+    assert!(o.admitted, "{}", s.name);
+    let got = s
+        .store
+        .adjust(std::slice::from_ref(&owing), &o, &[-(p.units(20) as i64)])
+        .await
+        .unwrap_or_else(|e| panic!("{}: post-paid charge failed: {e}", s.name));
+    assert_eq!(got.balances.as_slice(), &[Some(-(p.debt as i64))], "{}", s.name);
+    let owed_until = got.now_us + p.debt;
+    let mut free = owing.clone();
+    free.charge.cost = 0;
+    let peeked = s.check(std::slice::from_ref(&free)).await;
+    assert!(peeked.admitted, "{}: a peek never waits", s.name);
+    assert_eq!(
+        peeked.buckets[0],
+        BucketVerdict {
+            sufficient: true,
+            tokens: 0,
+            wait_us: Some(0),
+        },
+        "{}: a bucket in debt holds nothing",
+        s.name
+    );
+    let next = s.check(std::slice::from_ref(&owing)).await;
+    assert!(!next.admitted, "{}", s.name);
+    assert_eq!(
+        next.buckets[0].wait_us,
+        Some(owed_until - next.now_us + p.scale),
+        "{}: the peek left the debt where it was",
+        s.name
+    );
+}
+
 /// The whole suite, in one order, on fresh keys under `s.tag`.
 async fn conformance(s: Subject<'_>) {
     burst_then_refusal(&s).await;
@@ -549,6 +628,7 @@ async fn conformance(s: Subject<'_>) {
     refused_refund_changes_nothing(&s).await;
     refund_after_time_passed(&s).await;
     post_paid_debt(&s).await;
+    peeks_take_nothing(&s).await;
 }
 
 #[tokio::test]

@@ -67,6 +67,43 @@ pub enum Refusal {
     GatewayTimeout(String),
     #[error("the request body stalled")]
     RequestTimeout,
+    /// Not a refusal: a usage route's answer, the caller's own budget (`200`).
+    #[error("usage of key {}", .0.key)]
+    Usage(Box<Usage>),
+}
+
+/// A usage route's answer: the caller's key, each of its own buckets as `RateLimit` would
+/// report it now, and its quota. Serialized in this order, not as a map's.
+#[derive(Debug, serde::Serialize)]
+pub struct Usage {
+    pub key: String,
+    pub tenant: String,
+    pub limits: Vec<UsageLimit>,
+    pub quota: Option<UsageQuota>,
+}
+
+/// One bucket of a key, read without charging it (or as the usage request's own cost left it).
+#[derive(Debug, serde::Serialize)]
+pub struct UsageLimit {
+    pub name: String,
+    /// The key's rate, `600/60s`.
+    pub rate: String,
+    pub burst: u64,
+    /// `r` of its `RateLimit` member: whole tokens left.
+    pub remaining: u64,
+    /// `t` of its `RateLimit` member: seconds until the bucket is full.
+    pub reset_s: u64,
+}
+
+/// A key's quota as the gateway's last flags from metering say.
+#[derive(Debug, serde::Serialize)]
+pub struct UsageQuota {
+    pub per: &'static str,
+    pub limit: u64,
+    pub used: u64,
+    pub remaining: u64,
+    /// The period's end, RFC 3339 in the quota's zone.
+    pub resets_at: String,
 }
 
 impl Refusal {
@@ -86,6 +123,7 @@ impl Refusal {
             Refusal::BadGateway(_) => StatusCode::BAD_GATEWAY,
             Refusal::GatewayTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             Refusal::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
+            Refusal::Usage(_) => StatusCode::OK,
         }
     }
 
@@ -129,12 +167,17 @@ impl Refusal {
             Refusal::RequestTimeout => {
                 json!({"error": "request_timeout", "message": "the request was not received in time"})
             }
+            Refusal::Usage(u) => serde_json::to_value(u).unwrap_or_default(),
         }
     }
 
     /// The refusal's JSON body.
     pub(crate) fn body_text(&self) -> String {
-        self.body().to_string()
+        match self {
+            // Its fields in the order a reader expects them, which a `Value`'s map would sort.
+            Refusal::Usage(u) => serde_json::to_string(u).unwrap_or_default(),
+            r => r.body().to_string(),
+        }
     }
 
     /// The headers that go with this refusal besides `Content-Type` and the rate-limit fields
@@ -158,6 +201,8 @@ impl Refusal {
                 f.push((RETRY_AFTER, HeaderValue::from(*retry_after)));
                 f.push(no_store());
             }
+            // A budget is true only at the moment it was read.
+            Refusal::Usage(_) => f.push(no_store()),
             // RFC 6750: a client library knows to fetch a new token on `invalid_token`.
             Refusal::BadToken(e) => {
                 let v = match e {
@@ -331,10 +376,7 @@ pub struct QuotaHeaders {
 impl QuotaHeaders {
     /// `period` is the quota's period holding `now_ms`.
     pub fn new(quota: &Quota, period: &Period, flag: Option<&Flag>, now_ms: i64) -> QuotaHeaders {
-        // A flag of another period says nothing about this one.
-        let used = flag
-            .filter(|f| f.in_force(now_ms) && f.period == period.label)
-            .map_or(0, |f| f.used);
+        let used = quota_used(period, flag, now_ms);
         let name = quota.per.as_str();
         QuotaHeaders {
             policy: format!("\"{name}\";q={};w={}", quota.limit, period.seconds()),
@@ -345,6 +387,14 @@ impl QuotaHeaders {
             ),
         }
     }
+}
+
+/// What a key has used of its quota in `period` (the one holding `now_ms`), as its last flag
+/// says: the quota's `RateLimit` member and a usage route's answer both count it so.
+pub(crate) fn quota_used(period: &Period, flag: Option<&Flag>, now_ms: i64) -> u64 {
+    // A flag of another period says nothing about this one.
+    flag.filter(|f| f.in_force(now_ms) && f.period == period.label)
+        .map_or(0, |f| f.used)
 }
 
 /// The `408` for a request head not finished in time, as HTTP/1.1 bytes: it is written where no

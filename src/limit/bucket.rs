@@ -559,6 +559,128 @@ mod tests {
         assert_eq!(retry_after_secs(v[1].wait_us.unwrap()), 5);
     }
 
+    /// A check of cost 0 is how a bucket is read without spending it (the usage route's
+    /// peeks): it must take nothing, not even when the request's other buckets refuse it, and
+    /// the state it writes back (refilled to its now) must leave every later check, at that now
+    /// or after, as it would have been without it.
+    #[test]
+    fn a_check_of_cost_zero_takes_nothing_and_changes_no_later_answer() {
+        let plain = p("600/60s", 20);
+        let owing = p("10/1s", 10).with_debt(10).unwrap();
+        let coarse = p("7/3s", 5);
+        let states = |q: &BucketParams| {
+            [
+                None,
+                Some(BucketState {
+                    tokens: q.capacity,
+                    ts: 1_000,
+                    scale: q.scale,
+                }),
+                Some(BucketState {
+                    tokens: 3 * q.scale + 17,
+                    ts: 1_000,
+                    scale: q.scale,
+                }),
+                // Stored under another rule's scale: the peek converts it, as any check does.
+                Some(BucketState {
+                    tokens: 2 * plain.scale + 5,
+                    ts: 1_000,
+                    scale: plain.scale,
+                }),
+                // Empty and stamped ahead: in debt for a post-paid limit, a fast writer's clock
+                // for the others.
+                Some(BucketState {
+                    tokens: 0,
+                    ts: 400_000,
+                    scale: q.scale,
+                }),
+            ]
+        };
+        let verdict = || BucketVerdict {
+            sufficient: false,
+            tokens: 0,
+            wait_us: None,
+        };
+        for q in [plain, owing, coarse] {
+            for start in states(&q) {
+                for peek_at in [1_000u64, 50_000, 2_000_000] {
+                    if q.debt == 0 && start.is_some_and(|s| s.ts > peek_at) {
+                        // Stamped ahead by a faster clock: every check, a peek as any other,
+                        // writes it back at its own now (README "--clock gateway").
+                        continue;
+                    }
+                    let free = [Charge {
+                        params: q,
+                        cost: 0,
+                        shadow: false,
+                    }];
+                    let mut peeked = [start];
+                    let mut v = [verdict()];
+                    assert!(check_all(&free, &mut peeked, peek_at, &mut v));
+                    assert_eq!(
+                        v[0],
+                        BucketVerdict {
+                            sufficient: true,
+                            tokens: refill(&q, start, peek_at),
+                            wait_us: Some(0),
+                        },
+                        "{q:?} from {start:?}"
+                    );
+                    assert_eq!(balance(&q, peeked[0], peek_at), balance(&q, start, peek_at));
+                    for later in [peek_at, peek_at + 1, peek_at + 99_999, peek_at + 10_000_000] {
+                        for cost in [1, 3, q.burst, q.burst + 1] {
+                            let c = [Charge {
+                                params: q,
+                                cost,
+                                shadow: false,
+                            }];
+                            let (mut with, mut without) = ([peeked[0]], [start]);
+                            let (mut vw, mut vo) = ([verdict()], [verdict()]);
+                            let aw = check_all(&c, &mut with, later, &mut vw);
+                            let ao = check_all(&c, &mut without, later, &mut vo);
+                            assert_eq!(
+                                (aw, vw, with),
+                                (ao, vo, without),
+                                "{q:?} from {start:?}, cost {cost} at {later}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        // Beside a bucket that refuses the request, the peeked bucket is still not charged.
+        let empty = p("1/5s", 1);
+        let charges = [
+            Charge {
+                params: empty,
+                cost: 1,
+                shadow: false,
+            },
+            Charge {
+                params: plain,
+                cost: 0,
+                shadow: false,
+            },
+        ];
+        let mut s = [
+            Some(BucketState {
+                tokens: 0,
+                ts: 0,
+                scale: empty.scale,
+            }),
+            Some(BucketState {
+                tokens: 7 * plain.scale,
+                ts: 0,
+                scale: plain.scale,
+            }),
+        ];
+        let mut v = [verdict(), verdict()];
+        assert!(!check_all(&charges, &mut s, 1_000, &mut v));
+        assert!(v[1].sufficient);
+        assert_eq!(v[1].tokens, 7 * plain.scale + 1_000);
+        assert_eq!(s[1].unwrap().tokens, 7 * plain.scale + 1_000);
+    }
+
     #[test]
     fn tightening_clamps_and_loosening_refills_from_current() {
         let wide = p("10/1s", 20);

@@ -307,6 +307,16 @@ impl Holder {
         self.blocks.iter().map(|b| b.left).sum()
     }
 
+    /// Whole tokens held in blocks still unexpired at `now`, read without expiring any: what a
+    /// look that must change nothing sees.
+    pub fn held_at(&self, now: u64) -> u64 {
+        self.blocks
+            .iter()
+            .filter(|b| b.expires_at > now)
+            .map(|b| b.left)
+            .sum()
+    }
+
     pub fn in_flight(&self) -> bool {
         self.in_flight
     }

@@ -36,7 +36,7 @@ pub use model::*;
 pub use raw::{Identity, KeyRequirement, LimitClass, Mode, Scope};
 use raw::{
     RawBlock, RawConcurrency, RawDimension, RawDimensionName, RawEncodedSlashes, RawKey, RawLimit,
-    RawNumbers, RawPathMatch, RawQuota, RawRoute, RawRules, RawUpstream, RawUpstreamTls,
+    RawNumbers, RawPathMatch, RawQuota, RawRoute, RawRules, RawServe, RawUpstream, RawUpstreamTls,
 };
 pub use tls::UpstreamTls;
 pub use tollgate_hello::{BadFingerprint, Fingerprint};

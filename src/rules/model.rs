@@ -170,7 +170,8 @@ pub struct Route {
     /// `None` matches any method.
     pub method: Option<Method>,
     pub prefix: String,
-    pub upstream: usize,
+    /// Where its admitted requests go, or what it answers itself.
+    pub serves: Serves,
     pub key: KeyRequirement,
     /// Whether callers are API keys or JWTs.
     pub identity: Identity,
@@ -188,6 +189,16 @@ pub struct Route {
     /// Whether a POST may be served as this route's method by asking with a method override
     /// header (`tollgate_http1::method_override`).
     pub method_override: bool,
+}
+
+/// What a route does with a request once it is admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Serves {
+    /// Forwards it to the upstream at this index of [`Snapshot::upstreams`].
+    Upstream(usize),
+    /// Answers with the caller's own budget (`"serve": "usage"`), forwarding nothing: its
+    /// key's buckets read without charging them, the route's own cost charged as usual.
+    Usage,
 }
 
 impl Route {

@@ -157,6 +157,33 @@ pub fn build_for(
     Ok(batch)
 }
 
+/// The key's own buckets a usage route reads without charging: one item of cost 0 for every
+/// enforced `"key"` limit the key has numbers for (its own or the limit's), in limit order,
+/// but those the route's `cost` already charges, whose charged item answers for them. Named and
+/// leased exactly as a request paying them would name them, so each reads that bucket.
+pub fn key_peeks(snap: &Snapshot, route: &Route, key: usize, ip: IpAddr) -> Batch {
+    let mut batch = Batch::new();
+    let who = Who {
+        key: Some(Id::Key(&snap.keys, key)),
+        ip,
+        fingerprint: Fingerprint::None,
+    };
+    for (idx, limit) in snap.limits.iter().enumerate() {
+        if limit.dimension != Dimension::Key
+            || limit.concurrent.is_some()
+            || limit.shadow()
+            || route.costs.iter().any(|&(li, _)| li as usize == idx)
+        {
+            continue;
+        }
+        // A key limit's name needs neither headers nor a body, so this never errs.
+        if let Ok(Some(item)) = item_for(limit, idx, &who, route, &HeaderMap::new(), None, 0) {
+            batch.push(item);
+        }
+    }
+    batch
+}
+
 /// The unauthenticated bucket alone: what a request with a missing or unknown key pays.
 pub fn unauthenticated_only(snap: &Snapshot, ip: IpAddr) -> Batch {
     let mut batch = Batch::new();
@@ -389,6 +416,56 @@ mod tests {
             names(v1, Some(0), ip, fp),
             ["rl:{k7}:clients:0123456789abcdef", "rl:{k7}:plan"],
             "with a key, within the tenant's tag"
+        );
+    }
+
+    #[test]
+    fn a_usage_route_peeks_at_the_key_buckets_it_does_not_charge() {
+        let snap = crate::compile(
+            br#"{"version": 1, "upstreams": {"u": {"url": "http://127.0.0.1:9"}},
+                "limits": {"plan": {"dimension": "key"},
+                           "usage": {"dimension": "key", "rate": "1/1s", "burst": 5},
+                           "tokens": {"dimension": "key", "rate": "1000/60s", "burst": 1000},
+                           "watch": {"dimension": "key", "rate": "1/1s", "burst": 1, "mode": "shadow"},
+                           "seats": {"dimension": "key", "concurrent": 2},
+                           "exports": {"dimension": "route", "rate": "1/5s", "burst": 1},
+                           "jwt_only": {"dimension": "key", "plans": {"free": {"rate": "1/1s", "burst": 1}}}},
+                "keys": [{"id": "k-7", "tenant": "k7", "limits": {"plan": {"rate": "600/60s", "burst": 20}},
+                          "sha256": "80eb978e9718fd80febfebcc532e51df464a198ba85d15a9b9b6fb31acc1b3bc"}],
+                "routes": [{"method": "GET", "path": "/v1/usage", "serve": "usage", "cost": {"usage": 1}},
+                           {"method": "GET", "path": "/v1", "upstream": "u", "cost": {"plan": 1, "exports": 1}}]}"#,
+            "t.json",
+            crate::CompileOptions::default(),
+        )
+        .unwrap();
+        let usage = snap
+            .routes
+            .iter()
+            .position(|r| &*r.prefix == "/v1/usage")
+            .unwrap();
+        let ip: IpAddr = "192.0.2.1".parse().unwrap();
+        let peeks = key_peeks(&snap, &snap.routes[usage], 0, ip);
+        let read: Vec<(String, u64)> = peeks.iter().map(|i| (i.key.to_string(), i.charge.cost)).collect();
+        let mut want = vec![("rl:{k7}:plan".to_string(), 0), ("rl:{k7}:tokens".to_string(), 0)];
+        want.sort_by_key(|(name, _)| snap.limits.iter().position(|l| name.ends_with(&*l.name)));
+        assert_eq!(read, want);
+        // Each names the bucket a request paying it names.
+        let v1 = snap.routes.iter().position(|r| &*r.prefix == "/v1").unwrap();
+        let paid = build(
+            &snap,
+            &snap.routes[v1],
+            Some(0),
+            ip,
+            Fingerprint::None,
+            &HeaderMap::new(),
+            None,
+        )
+        .unwrap();
+        let plan = peeks.iter().find(|i| i.key.ends_with(":plan")).unwrap();
+        let charged = paid.iter().find(|i| i.key.ends_with(":plan")).unwrap();
+        assert_eq!(
+            (&plan.key, plan.fp, plan.charge.params),
+            (&charged.key, charged.fp, charged.charge.params)
         );
     }
 

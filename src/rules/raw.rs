@@ -490,6 +490,16 @@ pub enum Identity {
     Jwt,
 }
 
+/// What a route answers itself instead of forwarding.
+#[derive(Debug, Deserialize, Serialize, JsonSchema, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+#[schemars(rename = "Serve")]
+pub(crate) enum RawServe {
+    /// The caller's key, its limits' buckets as `RateLimit` would report them, and its quota;
+    /// nothing is forwarded, and only the route's own `cost` is charged.
+    Usage,
+}
+
 /// Requests of one method under one path prefix: where they go and what they cost.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -503,8 +513,12 @@ pub(crate) struct RawRoute {
     pub method: String,
     /// A path prefix, matched on whole segments.
     pub path: String,
-    /// The name of an upstream in `upstreams`.
-    pub upstream: String,
+    /// The name of an upstream in `upstreams`; none on a route that serves the caller's usage.
+    #[serde(default)]
+    pub upstream: Option<String>,
+    /// What the route answers itself instead of forwarding: `"usage"`, the caller's own budget.
+    #[serde(default)]
+    pub serve: Option<RawServe>,
     /// Whether a request needs a valid API key.
     #[serde(default)]
     pub key: KeyRequirement,

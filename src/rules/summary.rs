@@ -156,7 +156,10 @@ fn write_routes(out: &mut String, snap: &Snapshot) {
             &*r.name,
             r.method.as_ref().map_or("*", |m| m.as_str()),
             r.prefix,
-            &*snap.upstreams[r.upstream].name,
+            match r.serves {
+                crate::Serves::Upstream(u) => &*snap.upstreams[u].name,
+                crate::Serves::Usage => "(the caller's usage)",
+            },
             match r.identity {
                 crate::Identity::Key => format!("key {:?}", r.key),
                 crate::Identity::Jwt => "JWT".to_string(),

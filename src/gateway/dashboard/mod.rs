@@ -237,7 +237,9 @@ impl Dashboard {
                 let status = |s: u16| -> u64 {
                     snap.routes
                         .iter()
-                        .filter(|r| *snap.upstreams[r.upstream].name == *u.name)
+                        .filter(|r| {
+                            matches!(r.serves, tollgate_rules::Serves::Upstream(i) if *snap.upstreams[i].name == *u.name)
+                        })
                         .map(|r| {
                             Metrics::count(
                                 &m.requests,

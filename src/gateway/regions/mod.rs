@@ -306,7 +306,11 @@ impl Regions {
                 continue;
             };
             let bucket = &buckets.list[i];
-            bucket.demand.fetch_add(1, Ordering::Relaxed);
+            // A peek (cost 0, the usage route's read) is no demand: the share it reads is the
+            // one the Region enforces.
+            if item.charge.cost > 0 {
+                bucket.demand.fetch_add(1, Ordering::Relaxed);
+            }
             if let Some(p) = bucket.params.load().as_deref() {
                 item.charge.params = *p;
             }
@@ -466,6 +470,57 @@ mod tests {
         assert!(err("A", &["A=redis://a:1", "B=redis://b:1"], &["C=http://x:1/"]).contains("not among"));
         assert!(err("A", &["A=redis://a:1", "B=redis://b:1"], &["B=ftp://x/"]).contains("http://"));
         assert!(err("A", &["A=redis://a:1"], &[]).contains("at least two"));
+    }
+
+    /// The usage route reads a key's global buckets with checks of cost 0 beside what it
+    /// charges: those read the Region's share, and count no demand.
+    #[tokio::test]
+    async fn a_check_of_cost_zero_reads_the_share_and_counts_no_demand() {
+        let snap = tollgate_rules::compile(
+            br#"{"version": 1, "upstreams": {"u": {"url": "http://127.0.0.1:9"}},
+                "limits": {"plan": {"dimension": "key", "rate": "100/1s", "burst": 100, "scope": "global"}},
+                "keys": [{"id": "k", "sha256": "80eb978e9718fd80febfebcc532e51df464a198ba85d15a9b9b6fb31acc1b3bc"}],
+                "routes": [{"method": "GET", "path": "/", "upstream": "u", "cost": {"plan": 1}}]}"#,
+            "test.json",
+            tollgate_rules::CompileOptions::default(),
+        )
+        .unwrap();
+        let cfg = RegionsConfig::parse(
+            "A",
+            &["A=redis://127.0.0.1:9".into(), "B=redis://127.0.0.1:9".into()],
+            &[],
+            Duration::from_secs(5),
+            Duration::from_secs(10),
+            "gw",
+        )
+        .unwrap();
+        let regions = Regions::connect(cfg).unwrap();
+        regions
+            .buckets
+            .store(Arc::new(SharedBuckets::build(&snap, 2, &HashMap::new())));
+        let route = &snap.routes[0];
+        let ip = std::net::IpAddr::from([127, 0, 0, 1]);
+        let batch = || {
+            tollgate_rules::plan::build(
+                &snap,
+                route,
+                Some(0),
+                ip,
+                Default::default(),
+                &Default::default(),
+                None,
+            )
+            .unwrap()
+        };
+        let mut charged = batch();
+        let mut peek = batch();
+        peek[0].charge.cost = 0;
+        regions.apply(&snap, Some(0), &mut charged);
+        regions.apply(&snap, Some(0), &mut peek);
+        let half = share_params(50.0).unwrap();
+        assert_eq!((charged[0].charge.params, peek[0].charge.params), (half, half));
+        let demand = regions.buckets.load().list[0].demand.load(Ordering::Relaxed);
+        assert_eq!(demand, 1, "only the charged check is demand");
     }
 
     #[test]

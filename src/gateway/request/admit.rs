@@ -82,12 +82,16 @@ impl Drop for InFlight<'_> {
     }
 }
 
-pub(super) fn deciding_name(snap: &Snapshot, batch: &Batch, d: &Decision) -> Option<Arc<str>> {
+pub(super) fn deciding_name(
+    snap: &Snapshot,
+    batch: &[tollgate_store::CheckItem],
+    d: &Decision,
+) -> Option<Arc<str>> {
     d.deciding
         .map(|i| snap.limits[batch[i].limit as usize].name.clone())
 }
 
-pub(super) fn rate_limited(snap: &Snapshot, batch: &Batch, d: &Decision) -> Refusal {
+pub(super) fn rate_limited(snap: &Snapshot, batch: &[tollgate_store::CheckItem], d: &Decision) -> Refusal {
     let limit = deciding_name(snap, batch, d)
         .map(|n| n.to_string())
         .unwrap_or_default();
@@ -132,16 +136,20 @@ impl Gateway {
             .limit(snap, route, &c, &parts.headers, body_value, &live.handles, facts)
             .await
             .map_err(with_quota)?;
-        let upstream = &snap.upstreams[route.upstream];
+        let tollgate_rules::Serves::Upstream(up) = route.serves else {
+            // The driver answers a usage route before admission: nothing to forward to.
+            return Err(Refusal::NotFound.into());
+        };
+        let upstream = &snap.upstreams[up];
         let place = self
-            .gate(upstream, &live.upstreams[route.upstream], facts)
+            .gate(upstream, &live.upstreams[up], facts)
             .await
             .map_err(with_quota)?;
         crate::proxy::retarget(upstream, parts).map_err(Answer::from)?;
         facts.metered = c.key.map(|(k, _)| k);
         facts.admitted = true;
         Ok(Forward {
-            upstream: route.upstream,
+            upstream: up,
             fields: RateFields { budget, quota },
             paid,
             seats,
@@ -150,13 +158,16 @@ impl Gateway {
         })
     }
 
-    /// One store call for a batch. The batch is borrowed, not moved: it is a few hundred bytes,
-    /// and every move through an async call is a copy.
+    /// One store call for a batch whose first `paying` items are what the request pays; any
+    /// after them cost 0 and only read their buckets (a usage route's), so the decision, the
+    /// metrics and the span speak for the first alone. The batch is borrowed, not moved: it is a
+    /// few hundred bytes, and every move through an async call is a copy.
     pub(super) async fn check(
         &self,
         snap: &Snapshot,
         h: &Handles,
         batch: &Batch,
+        paying: usize,
         facts: &mut Facts,
     ) -> Result<(Decision, Outcome), StoreError> {
         let started = Instant::now();
@@ -179,9 +190,10 @@ impl Gateway {
                 return Err(e);
             }
         };
-        let decision = decide(batch, &outcome);
+        let paid = &batch[..paying.min(batch.len())];
+        let decision = decide(paid, &outcome);
         facts.check = Some(crate::otel::Checked::new(took, &decision));
-        self.count(snap, h, batch, &decision);
+        self.count(snap, h, paid, &decision);
         Ok((decision, outcome))
     }
 
@@ -255,7 +267,7 @@ impl Gateway {
                 ..Charged::default()
             });
         }
-        let (d, outcome) = match self.check(snap, h, &batch, facts).await {
+        let (d, outcome) = match self.check(snap, h, &batch, batch.len(), facts).await {
             Ok(d) => d,
             Err(e) => {
                 tracing::warn!(error = %e, "limiter store failed");

@@ -17,7 +17,7 @@ pub(super) struct Facts {
     pub(super) span: Option<Box<crate::otel::RequestSpan>>,
     /// The store check that decided it, for its span.
     pub(super) check: Option<crate::otel::Checked>,
-    /// Admitted, and on its way upstream.
+    /// Admitted: on its way upstream, or answered with its caller's usage.
     pub(super) admitted: bool,
     /// Its line for `--access-log-format`, filled in as it goes.
     pub(super) access: Option<Box<crate::access::AccessEntry>>,

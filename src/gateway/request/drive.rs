@@ -1,8 +1,9 @@
 //! One request's steps, ordered once for both wires: begin, identify, read the body field a
-//! limit keys on, admit, the upstream's header edits, the exchange, settle (or refund), the
-//! answer, finish. What differs between the express lane and hyper's path (how a body is
-//! read, how a head is written, how a body is relayed) is a [`Wire`]; the steps can't differ
-//! between them, because there is one copy of them, here.
+//! limit keys on, admit (or, on a usage route, the caller's budget as the answer), the
+//! upstream's header edits, the exchange, settle (or refund), the answer, finish. What differs
+//! between the express lane and hyper's path (how a body is read, how a head is written, how a
+//! body is relayed) is a [`Wire`]; the steps can't differ between them, because there is one
+//! copy of them, here.
 
 use std::future::Future;
 use std::time::Instant;
@@ -111,6 +112,7 @@ pub(crate) async fn drive<W: Wire>(
         // Borrowed, not cloned: an `Arc`'s count is two atomic operations a request.
         let route = &b.snap.routes[c.route];
         let (max, post_paid) = (route.max_body_bytes, route.post_paid);
+        let usage = route.serves == tollgate_rules::Serves::Usage;
         if W::BODIES && declared_length(&parts.headers).is_some_and(|len| len > max) {
             // Declared too large: nothing of it will be read, so it is answered at once and
             // the connection closed, rather than waited for.
@@ -131,6 +133,12 @@ pub(crate) async fn drive<W: Wire>(
                 ))
             }
         };
+        if usage {
+            // Answered here, in place of admission and the exchange. Boxed, like every rare
+            // path here: the usual request never builds it.
+            let a = Box::pin(gw.usage(b, c, &parts.headers, body_value.as_deref())).await;
+            break 'steps Err(a.into());
+        }
         let mut f = step!(gw.admit(b, c, parts, body_value.as_deref()).await);
         wire.write_request(parts, &gw.edits(b, &f, parts, conn));
         let upstream = &b.snap.upstreams[f.upstream];

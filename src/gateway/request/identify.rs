@@ -317,7 +317,7 @@ impl Gateway {
         if batch.is_empty() {
             return why.into();
         }
-        let d = match self.check(snap, h, &batch, facts).await {
+        let d = match self.check(snap, h, &batch, batch.len(), facts).await {
             Err(_) => return Refusal::LimiterUnavailable.into(),
             Ok((d, _)) => d,
         };

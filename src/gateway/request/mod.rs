@@ -5,8 +5,10 @@
 //! lane, `general` for hyper's), and `drive` runs its steps: `begin` (its id and the guard that
 //! records it), `identify` (route, key, client IP), `admit` (the one store check, seats, the
 //! upstream's place, the quota), `forward` (the upstream's header edits, then what its answer
-//! settles or a refund), `finish` (the access line, metrics and span). `live` holds what
-//! outlasts a request beside each rules snapshot.
+//! settles or a refund), `finish` (the access line, metrics and span). A usage route takes
+//! `usage` in place of `admit` and `forward`: its own cost charged and the key's other buckets
+//! read in one store check, answered with the caller's budget. `live` holds what outlasts a
+//! request beside each rules snapshot.
 
 mod admit;
 mod begin;
@@ -17,6 +19,7 @@ mod forward;
 mod general;
 mod identify;
 mod live;
+mod usage;
 
 pub use admit::*;
 pub(crate) use begin::*;

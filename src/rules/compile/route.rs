@@ -52,16 +52,7 @@ impl Compiler<'_> {
                     "a JWT route needs its token: \"optional\" applies to API keys only",
                 ));
             }
-            let Some(&upstream) = upstreams.by_name.get(&r.upstream) else {
-                return Err(self.err(
-                    format!("{field}.upstream"),
-                    format!(
-                        "no upstream named {:?} (known: {:?})",
-                        r.upstream,
-                        raw.upstreams.keys().collect::<Vec<_>>()
-                    ),
-                ));
-            };
+            let serves = self.serves(&field, r, raw, upstreams)?;
             let name = r
                 .name
                 .clone()
@@ -77,24 +68,75 @@ impl Compiler<'_> {
             let post_paid = costs
                 .iter()
                 .any(|&(li, _)| limits.list[li as usize].post_paid.is_some());
-            let up = &upstreams.list[upstream];
+            // A usage route has no upstream to take these from: its paths are matched exactly
+            // and refuse encoded slashes, as an upstream's do by default.
+            let (up_slashes, case_insensitive) = match serves {
+                Serves::Upstream(u) => (
+                    upstreams.list[u].encoded_slashes,
+                    upstreams.list[u].case_insensitive,
+                ),
+                Serves::Usage => (EncodedSlashes::default(), false),
+            };
             routes.push(Route {
                 post_paid,
                 name: name.into(),
                 body_field,
                 method,
                 prefix: r.path.clone(),
-                upstream,
+                serves,
                 key: r.key,
                 identity: r.identity,
                 costs,
                 max_body_bytes: r.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES),
-                encoded_slashes: slashes(r.encoded_slashes).unwrap_or(up.encoded_slashes),
-                case_insensitive: up.case_insensitive,
+                encoded_slashes: slashes(r.encoded_slashes).unwrap_or(up_slashes),
+                case_insensitive,
                 method_override: r.method_override,
             });
         }
         Ok(routes)
+    }
+
+    /// Where a route's requests go: its upstream, or, for `"serve": "usage"`, the gateway's own
+    /// answer, which forwards nothing and reads the budget of an API key that must be sent.
+    fn serves(
+        &self,
+        field: &str,
+        r: &RawRoute,
+        raw: &RawRules,
+        upstreams: &Upstreams,
+    ) -> Result<Serves, RulesError> {
+        let known = || raw.upstreams.keys().collect::<Vec<_>>();
+        match (r.serve, &r.upstream) {
+            (Some(RawServe::Usage), Some(u)) => Err(self.err(
+                format!("{field}.upstream"),
+                format!(
+                    "a usage route (\"serve\": \"usage\") forwards nothing: it answers with the caller's budget itself, so it takes no upstream (remove \"upstream\": {u:?})"
+                ),
+            )),
+            (Some(RawServe::Usage), None) if r.identity == Identity::Jwt => Err(self.err(
+                format!("{field}.identity"),
+                "a usage route answers with an API key's own budget; a JWT caller has no key in the rules to answer for (use \"identity\": \"key\")",
+            )),
+            (Some(RawServe::Usage), None) if r.key == KeyRequirement::Optional => Err(self.err(
+                format!("{field}.key"),
+                "a usage route answers with the caller's key's budget, so it needs the key: leave \"key\" out or write \"required\"",
+            )),
+            (Some(RawServe::Usage), None) => Ok(Serves::Usage),
+            (None, None) => Err(self.err(
+                format!("{field}.upstream"),
+                format!(
+                    "a route needs the upstream it forwards to (known: {:?}), or \"serve\": \"usage\" to answer itself",
+                    known()
+                ),
+            )),
+            (None, Some(u)) => match upstreams.by_name.get(u) {
+                Some(&i) => Ok(Serves::Upstream(i)),
+                None => Err(self.err(
+                    format!("{field}.upstream"),
+                    format!("no upstream named {u:?} (known: {:?})", known()),
+                )),
+            },
+        }
     }
 
     pub(super) fn route_path(&self, field: &str, path: &str) -> Result<(), RulesError> {
@@ -364,6 +406,38 @@ mod tests {
         rules["routes"].as_array_mut().unwrap().push(again);
         let e = err(&rules);
         assert!(e.reason.contains("same method and path as routes[0]"), "{e}");
+    }
+
+    #[test]
+    fn a_usage_route_takes_no_upstream_and_needs_a_key() {
+        use crate::{KeyRequirement, Serves};
+        let mut rules = base();
+        rules["routes"][0]["serve"] = "usage".into();
+        let e = err(&rules);
+        assert_eq!(e.field, "routes[0].upstream", "{e}");
+        assert!(
+            e.reason
+                .contains("a usage route (\"serve\": \"usage\") forwards nothing"),
+            "{e}"
+        );
+        rules["routes"][0].as_object_mut().unwrap().remove("upstream");
+        let snap = super::super::testing::ok(&rules);
+        assert_eq!(snap.routes[0].serves, Serves::Usage);
+        assert_eq!(snap.routes[0].key, KeyRequirement::Required);
+        let mut optional = rules.clone();
+        optional["routes"][0]["key"] = "optional".into();
+        let e = err(&optional);
+        assert_eq!(e.field, "routes[0].key", "{e}");
+        let mut jwt = rules.clone();
+        jwt["routes"][0]["identity"] = "jwt".into();
+        let e = err(&jwt);
+        assert_eq!(e.field, "routes[0].identity", "{e}");
+        assert!(e.reason.contains("a JWT caller has no key"), "{e}");
+        let mut forward = rules;
+        forward["routes"][0].as_object_mut().unwrap().remove("serve");
+        let e = err(&forward);
+        assert_eq!(e.field, "routes[0].upstream", "{e}");
+        assert!(e.reason.contains("or \"serve\": \"usage\""), "{e}");
     }
 
     #[test]

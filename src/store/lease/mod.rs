@@ -28,6 +28,11 @@
 //! tokens already held are still spent. The one lease a second per key that then finds the store
 //! back turns leasing on again.
 //!
+//! An item of cost 0 only reads its bucket (the usage route's peeks): it never spends from a
+//! block, asks for one or counts as spending. It is answered with the tokens this gateway's
+//! unexpired blocks hold, as a request paid from them is told, or by the store when they hold
+//! none.
+//!
 //! A refund of an undelivered request ([`Store::refund`]) puts the tokens a block paid back into
 //! this gateway's newest unexpired block of that key (or gives them back to the store when none is
 //! left), and sends the rest of the request to the inner store's refund. The outcome says which

@@ -31,6 +31,10 @@ enum Local {
     Paid {
         held: u64,
     },
+    /// A check of cost 0, read from this gateway's blocks without spending from them.
+    Held {
+        held: u64,
+    },
     Short {
         wait_us: u64,
         held: u64,
@@ -147,6 +151,22 @@ impl Leases {
             let Some(size) = item.lease.filter(|_| i < 64) else {
                 continue;
             };
+            if item.charge.cost == 0 {
+                // A peek (the usage route's read of a bucket it does not charge) must neither
+                // lease nor count as spending, or merely looking would pull blocks out of the
+                // store. It sees what a request paid from the blocks is told is left; with
+                // nothing held, the store's bucket.
+                let now = self.now_us();
+                let held = self
+                    .lock()
+                    .keys
+                    .get(&item.fp)
+                    .map_or(0, |e| e.holder.held_at(now));
+                if held > 0 {
+                    local[i] = Local::Held { held };
+                }
+                continue;
+            }
             // A shadow limit never makes a request wait.
             let mut waited = item.charge.shadow;
             loop {
@@ -185,7 +205,7 @@ impl Leases {
             .map(|(item, l)| {
                 let p = &item.charge.params;
                 match *l {
-                    Local::Paid { held } => verdict(p, true, held, Some(0)),
+                    Local::Paid { held } | Local::Held { held } => verdict(p, true, held, Some(0)),
                     Local::Short { wait_us, held } => verdict(p, false, held, Some(wait_us)),
                     // Not asked: only insufficient buckets decide a limited request.
                     Local::Store => BucketVerdict {
@@ -292,6 +312,8 @@ mod tests {
 
     use super::super::fake::{Fake, item, leases, settle};
     use crate::Store;
+    use tollgate_limit::bucket::BucketVerdict;
+    use tollgate_limit::lease::BLOCK_TTL_US;
 
     #[tokio::test(start_paused = true)]
     async fn a_denied_key_is_refused_locally_until_denied_until_without_a_store_call() {
@@ -371,5 +393,54 @@ mod tests {
         assert_eq!(l.held(), 100);
         l.refund(&batch, &limited).await.unwrap();
         assert_eq!(l.held(), 100);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_check_of_cost_zero_neither_leases_nor_spends() {
+        let fake = Fake::new();
+        let (l, m) = leases(&fake);
+        let peek = item("10000/1s", 20_000, 100, 0);
+        let scale = peek.charge.params.scale;
+        // Nothing held: the store reads the bucket, and no block is asked for.
+        let out = l.check(std::slice::from_ref(&peek)).await.unwrap();
+        assert!(out.admitted && out.leased == 0);
+        settle(&l).await;
+        assert_eq!(fake.leases.load(Ordering::SeqCst), 0);
+        assert_eq!(fake.checks.load(Ordering::SeqCst), 1);
+        // A block held: the peek reads what is left of it and takes none of it.
+        let hot = item("10000/1s", 20_000, 100, 1);
+        assert!(l.check(std::slice::from_ref(&hot)).await.unwrap().admitted);
+        settle(&l).await;
+        assert_eq!((l.held(), fake.leases.load(Ordering::SeqCst)), (99, 1));
+        let out = l.check(std::slice::from_ref(&peek)).await.unwrap();
+        assert!(out.admitted && out.leased == 0);
+        assert_eq!(
+            out.buckets[0],
+            BucketVerdict {
+                sufficient: true,
+                tokens: 99 * scale,
+                wait_us: Some(0),
+            }
+        );
+        // Beside a bucket the store refuses, it still takes nothing, and nothing goes back.
+        let mut other = item("1/1s", 1, 1, 1);
+        other.lease = None;
+        other.key = "rl:{kbig}:exports".into();
+        fake.refuse_checks.store(true, Ordering::SeqCst);
+        let out = l.check(&[peek.clone(), other]).await.unwrap();
+        assert!(!out.admitted && out.leased == 0);
+        settle(&l).await;
+        assert_eq!(l.held(), 99);
+        assert_eq!(fake.leases.load(Ordering::SeqCst), 1);
+        assert!(fake.given.lock().unwrap().is_empty());
+        assert_eq!(m.lease_tokens_held.get(), 99);
+        // Past the block's expiry (its timer gave the rest back) a peek sees nothing held: the
+        // store answers, and still no block is asked for.
+        tokio::time::sleep(Duration::from_micros(BLOCK_TTL_US)).await;
+        fake.refuse_checks.store(false, Ordering::SeqCst);
+        let before = fake.checks.load(Ordering::SeqCst);
+        assert!(l.check(std::slice::from_ref(&peek)).await.unwrap().admitted);
+        assert_eq!(fake.checks.load(Ordering::SeqCst), before + 1);
+        assert_eq!(fake.leases.load(Ordering::SeqCst), 1);
     }
 }
