@@ -29,6 +29,21 @@ const MAX_BODY: usize = 64 * 1024;
 /// every other within this and a compile.
 pub const FOLLOW_EVERY: Duration = Duration::from_millis(250);
 
+/// The longest a call to the key store may take: a store that isn't there must not hold up
+/// the gateway's start, the follower or an admin request.
+const STORE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// `f`, or an error saying the key store did not answer in [`STORE_TIMEOUT`].
+async fn within<T>(
+    place: &str,
+    f: impl std::future::Future<Output = Result<T, tollgate_keys::KeysError>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(STORE_TIMEOUT, f).await {
+        Ok(r) => r.map_err(|e| e.to_string()),
+        Err(_) => Err(format!("{place}: no answer within {STORE_TIMEOUT:?}")),
+    }
+}
+
 /// The keys made through the admin API, as this gateway last read them.
 struct Held {
     generation: u64,
@@ -58,7 +73,7 @@ impl ManagedKeys {
     ) -> Result<Arc<ManagedKeys>, String> {
         // A store that can't be reached at start must not keep the gateway from serving: the
         // follower asks for every change from generation 0 once it answers.
-        let (generation, records) = match store.load_all().await {
+        let (generation, records) = match within(store.place(), store.load_all()).await {
             Ok(all) => all,
             Err(e) => {
                 tracing::warn!(error = %e, "managed keys: cannot load them yet; they are served once the store answers");
@@ -122,10 +137,11 @@ impl ManagedKeys {
         // the record as it was before it.
         let mut held = self.held.lock().await;
         let since = held.generation;
-        let (generation, records) = self.store.changes_since(since).await.map_err(|e| e.to_string())?;
+        let place = self.store.place();
+        let (generation, records) = within(place, self.store.changes_since(since)).await?;
         let (generation, records, whole) = if generation < since {
             // The store was emptied or replaced: what it holds now is all there is.
-            let (g, all) = self.store.load_all().await.map_err(|e| e.to_string())?;
+            let (g, all) = within(place, self.store.load_all()).await?;
             (g, all, true)
         } else {
             (generation, records, false)
@@ -220,10 +236,10 @@ impl ManagedKeys {
         let (rec, secret) = change::create(c, now);
         self.check_free(&rec.id, &held)?;
         self.check_compiles(&held, &rec)?;
-        match self.store.insert_new(&rec).await {
+        match within(self.store.place(), self.store.insert_new(&rec)).await {
             Ok(true) => {}
             Ok(false) => return Err(conflict(&format!("key {:?} exists", rec.id))),
-            Err(e) => return Err(unavailable(&e.to_string())),
+            Err(e) => return Err(unavailable(&e)),
         }
         let id = rec.id.clone();
         held.by_id.insert(id.clone(), rec);
@@ -273,18 +289,17 @@ impl ManagedKeys {
     /// The key as the store has it now: another gateway may have changed it since this one
     /// last followed.
     async fn fresh(&self, id: &str) -> Result<KeyRecord, Fail> {
-        match self.store.get(id).await {
+        match within(self.store.place(), self.store.get(id)).await {
             Ok(Some(rec)) => Ok(rec),
             Ok(None) => Err(not_found()),
-            Err(e) => Err(unavailable(&e.to_string())),
+            Err(e) => Err(unavailable(&e)),
         }
     }
 
     async fn write(&self, held: &mut Held, rec: KeyRecord) -> Result<(), Fail> {
-        self.store
-            .put(&rec)
+        within(self.store.place(), self.store.put(&rec))
             .await
-            .map_err(|e| unavailable(&e.to_string()))?;
+            .map_err(|e| unavailable(&e))?;
         held.by_id.insert(rec.id.clone(), rec);
         Ok(())
     }
@@ -383,19 +398,37 @@ fn managed_key(r: &KeyRecord) -> ManagedKey {
     }
 }
 
+/// A body past [`MAX_BODY`] is refused, but read to its end first, up to this: a client
+/// still sending when the answer comes and the connection closes gets a reset, not the answer.
+const DRAIN_MAX: usize = 16 << 20;
+
 async fn read_body(req: Request<Incoming>) -> Result<Vec<u8>, Fail> {
-    let limited = http_body_util::Limited::new(req.into_body(), MAX_BODY);
-    match limited.collect().await {
-        Ok(b) => Ok(b.to_bytes().to_vec()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(bad(FieldError {
+    let mut body = req.into_body();
+    let mut kept = Vec::new();
+    let mut seen = 0usize;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| {
+            bad(FieldError {
+                field: String::new(),
+                reason: format!("could not be read: {e}"),
+            })
+        })?;
+        if let Ok(data) = frame.into_data() {
+            seen += data.len();
+            if seen <= MAX_BODY {
+                kept.extend_from_slice(&data);
+            } else if seen > DRAIN_MAX {
+                break;
+            }
+        }
+    }
+    if seen > MAX_BODY {
+        return Err(bad(FieldError {
             field: String::new(),
             reason: format!("larger than {MAX_BODY} bytes"),
-        })),
-        Err(e) => Err(bad(FieldError {
-            field: String::new(),
-            reason: format!("could not be read: {e}"),
-        })),
+        }));
     }
+    Ok(kept)
 }
 
 /// An answer other than success: its status and JSON body, made into a response at the end.
