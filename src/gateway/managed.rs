@@ -2,7 +2,6 @@
 //! store's Redis (or a SQLite file on the embedded store), followed by every gateway that
 //! shares it, and compiled beside the rules file's keys so a request finds them in memory.
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -44,10 +43,11 @@ async fn within<T>(
     }
 }
 
-/// The keys made through the admin API, as this gateway last read them.
+/// How far this gateway has read the key store. The keys themselves are held once, as the
+/// compiler takes them, by the reloader (`Reloader::managed`): a record's other fields are
+/// read from the store when the API shows it.
 struct Held {
     generation: u64,
-    by_id: BTreeMap<String, KeyRecord>,
 }
 
 pub struct ManagedKeys {
@@ -86,19 +86,12 @@ impl ManagedKeys {
             rules,
             metrics,
             clock,
-            held: Mutex::new(Held {
-                generation,
-                by_id: records.into_iter().map(|r| (r.id.clone(), r)).collect(),
-            }),
+            held: Mutex::new(Held { generation }),
         });
-        let held = keys.held.lock().await;
-        keys.put_in_place(&held).map_err(|e| e.to_string())?;
-        tracing::info!(
-            keys = held.by_id.len(),
-            place = keys.store.place(),
-            "managed keys loaded"
-        );
-        drop(held);
+        let n = records.len();
+        keys.put_in_place(records.iter().map(managed_key).collect())
+            .map_err(|e| e.to_string())?;
+        tracing::info!(keys = n, place = keys.store.place(), "managed keys loaded");
         Ok(keys)
     }
 
@@ -149,23 +142,43 @@ impl ManagedKeys {
         if records.is_empty() && !whole {
             return Ok(());
         }
-        if whole {
-            held.by_id.clear();
-        }
+        let set = if whole {
+            records.iter().map(managed_key).collect()
+        } else {
+            self.merged(&records)
+        };
+        held.generation = if whole {
+            generation
+        } else {
+            held.generation.max(generation)
+        };
+        self.put_in_place(set).map_err(|e| e.to_string())
+    }
+
+    /// The keys in place with `records` put over them by id, or added.
+    fn merged(&self, records: &[KeyRecord]) -> Vec<ManagedKey> {
+        let mut set: Vec<ManagedKey> = self.reloader.managed().as_ref().clone();
+        let at: std::collections::HashMap<String, usize> =
+            set.iter().enumerate().map(|(i, k)| (k.id.clone(), i)).collect();
         for r in records {
-            held.by_id.insert(r.id.clone(), r);
+            match at.get(&r.id) {
+                Some(&i) => set[i] = managed_key(r),
+                None => set.push(managed_key(r)),
+            }
         }
-        held.generation = held.generation.max(generation);
-        if whole {
-            held.generation = generation;
-        }
-        self.put_in_place(&held).map_err(|e| e.to_string())
+        set
     }
 
     /// Compiles the held keys beside the file's and swaps the result in, leaving out each key
     /// that does not compile.
-    fn put_in_place(&self, held: &Held) -> Result<(), KeysRefused> {
-        let (set, left_out) = compilable(&self.reloader, held.by_id.values());
+    fn put_in_place(&self, set: Vec<ManagedKey>) -> Result<(), KeysRefused> {
+        // One compile when every key compiles, as nearly always: only a failure looks for
+        // the keys to leave out.
+        match self.reloader.set_managed(set.clone()) {
+            Err(KeysRefused::Key(_)) => {}
+            done => return done,
+        }
+        let (set, left_out) = compilable(&self.reloader, set);
         for (id, why) in left_out {
             tracing::error!(key = %id, reason = %why, "managed key left out: it does not compile against the running rules");
         }
@@ -188,7 +201,7 @@ impl ManagedKeys {
             Err(f) => return f.into_response(),
         };
         let answer = match (&method, parts.as_slice()) {
-            (&Method::GET, []) => Ok(self.list(query.as_deref()).await),
+            (&Method::GET, []) => self.list(query.as_deref()).await,
             (&Method::POST, []) => self.create(&body, peer).await,
             (&Method::GET, [id]) => self.get(id).await,
             (&Method::PATCH, [id]) => self.patch(id, &body, peer).await,
@@ -203,47 +216,46 @@ impl ManagedKeys {
         answer.unwrap_or_else(Fail::into_response)
     }
 
-    async fn list(&self, query: Option<&str>) -> Response<Body> {
+    async fn list(&self, query: Option<&str>) -> Result<Response<Body>, Fail> {
         let tenant = query.and_then(|q| {
             q.split('&')
                 .filter_map(|p| p.split_once('='))
                 .find(|(k, _)| *k == "tenant")
                 .map(|(_, v)| v.to_string())
         });
-        let held = self.held.lock().await;
-        let keys: Vec<Value> = held
-            .by_id
-            .values()
+        let (_, all) = within(self.store.place(), self.store.load_all())
+            .await
+            .map_err(|e| unavailable(&e))?;
+        let keys: Vec<Value> = all
+            .iter()
             .filter(|r| tenant.as_deref().is_none_or(|t| r.tenant == t))
             .map(KeyRecord::public_view)
             .collect();
-        json_response(StatusCode::OK, json!({ "keys": keys }).to_string())
+        Ok(json_response(StatusCode::OK, json!({ "keys": keys }).to_string()))
     }
 
     async fn get(&self, id: &str) -> Result<Response<Body>, Fail> {
-        let held = self.held.lock().await;
-        let rec = held.by_id.get(id).ok_or_else(not_found)?;
+        let rec = self.fresh(id).await?;
         Ok(json_response(StatusCode::OK, rec.public_view().to_string()))
     }
 
     async fn create(&self, body: &[u8], peer: SocketAddr) -> Result<Response<Body>, Fail> {
         let now = self.now();
         let c = Create::parse(body, now).map_err(bad)?;
-        let mut held = self.held.lock().await;
+        let _one_at_a_time = self.held.lock().await;
         if let Some(id) = &c.id {
-            self.check_free(id, &held)?;
+            self.check_free(id)?;
         }
         let (rec, secret) = change::create(c, now);
-        self.check_free(&rec.id, &held)?;
-        self.check_compiles(&held, &rec)?;
+        self.check_free(&rec.id)?;
+        self.check_compiles(&rec)?;
         match within(self.store.place(), self.store.insert_new(&rec)).await {
             Ok(true) => {}
             Ok(false) => return Err(conflict(&format!("key {:?} exists", rec.id))),
             Err(e) => return Err(unavailable(&e)),
         }
         let id = rec.id.clone();
-        held.by_id.insert(id.clone(), rec);
-        self.settle(&held, "create", &id, peer, now);
+        self.settle(&rec, "create", peer, now);
         Ok(json_response(
             StatusCode::CREATED,
             json!({"id": id, "secret": secret}).to_string(),
@@ -253,11 +265,11 @@ impl ManagedKeys {
     async fn rotate(&self, id: &str, body: &[u8], peer: SocketAddr) -> Result<Response<Body>, Fail> {
         let now = self.now();
         let r = Rotate::parse(body).map_err(bad)?;
-        let mut held = self.held.lock().await;
+        let _one_at_a_time = self.held.lock().await;
         let current = self.fresh(id).await?;
         let (rec, secret) = change::rotate(&current, r.grace_s, now).map_err(|e| conflict(&e.to_string()))?;
-        self.write(&mut held, rec).await?;
-        self.settle(&held, "rotate", id, peer, now);
+        self.write(&rec).await?;
+        self.settle(&rec, "rotate", peer, now);
         Ok(json_response(
             StatusCode::OK,
             json!({"id": id, "secret": secret}).to_string(),
@@ -266,24 +278,22 @@ impl ManagedKeys {
 
     async fn revoke(&self, id: &str, peer: SocketAddr) -> Result<Response<Body>, Fail> {
         let now = self.now();
-        let mut held = self.held.lock().await;
+        let _one_at_a_time = self.held.lock().await;
         let rec = change::revoke(&self.fresh(id).await?, now);
-        let view = rec.public_view();
-        self.write(&mut held, rec).await?;
-        self.settle(&held, "revoke", id, peer, now);
-        Ok(json_response(StatusCode::OK, view.to_string()))
+        self.write(&rec).await?;
+        self.settle(&rec, "revoke", peer, now);
+        Ok(json_response(StatusCode::OK, rec.public_view().to_string()))
     }
 
     async fn patch(&self, id: &str, body: &[u8], peer: SocketAddr) -> Result<Response<Body>, Fail> {
         let now = self.now();
         let p = Patch::parse(body, now).map_err(bad)?;
-        let mut held = self.held.lock().await;
+        let _one_at_a_time = self.held.lock().await;
         let rec = change::patch(&self.fresh(id).await?, p, now).map_err(|e| conflict(&e.to_string()))?;
-        self.check_compiles(&held, &rec)?;
-        let view = rec.public_view();
-        self.write(&mut held, rec).await?;
-        self.settle(&held, "patch", id, peer, now);
-        Ok(json_response(StatusCode::OK, view.to_string()))
+        self.check_compiles(&rec)?;
+        self.write(&rec).await?;
+        self.settle(&rec, "patch", peer, now);
+        Ok(json_response(StatusCode::OK, rec.public_view().to_string()))
     }
 
     /// The key as the store has it now: another gateway may have changed it since this one
@@ -296,84 +306,84 @@ impl ManagedKeys {
         }
     }
 
-    async fn write(&self, held: &mut Held, rec: KeyRecord) -> Result<(), Fail> {
-        within(self.store.place(), self.store.put(&rec))
+    async fn write(&self, rec: &KeyRecord) -> Result<(), Fail> {
+        within(self.store.place(), self.store.put(rec))
             .await
-            .map_err(|e| unavailable(&e))?;
-        held.by_id.insert(rec.id.clone(), rec);
-        Ok(())
+            .map_err(|e| unavailable(&e))
     }
 
-    /// An id the rules file or the store already has is the caller's conflict.
-    fn check_free(&self, id: &str, held: &Held) -> Result<(), Fail> {
-        if held.by_id.contains_key(id) {
-            return Err(conflict(&format!("key {id:?} exists")));
-        }
+    /// An id the rules file or the running keys already have is the caller's conflict (the
+    /// store's own refusal catches one made elsewhere a moment ago).
+    fn check_free(&self, id: &str) -> Result<(), Fail> {
         let snap = self.rules.load();
-        if snap.key_by_id(id).is_some_and(|k| !snap.keys[k].managed) {
-            return Err(conflict(&format!("key {id:?} is in the rules file")));
+        match snap.key_by_id(id) {
+            Some(k) if snap.keys[k].managed => Err(conflict(&format!("key {id:?} exists"))),
+            Some(_) => Err(conflict(&format!("key {id:?} is in the rules file"))),
+            None => Ok(()),
         }
-        Ok(())
     }
 
-    /// Whether `rec` compiles beside the file's keys and the other held keys: a limit it
+    /// Whether `rec` compiles beside the file's keys and the other running keys: a limit it
     /// names must exist and take per-key numbers, a tenant's keys must share numbers.
-    fn check_compiles(&self, held: &Held, rec: &KeyRecord) -> Result<(), Fail> {
-        let others = held.by_id.values().filter(|r| r.id != rec.id);
-        let (mut set, _) = compilable(&self.reloader, others);
+    fn check_compiles(&self, rec: &KeyRecord) -> Result<(), Fail> {
+        let mut set: Vec<ManagedKey> = self
+            .reloader
+            .managed()
+            .iter()
+            .filter(|k| k.id != rec.id)
+            .cloned()
+            .collect();
         set.push(managed_key(rec));
         match self.reloader.check_managed(&set) {
             Ok(()) => Ok(()),
-            Err(KeysRefused::Key(e)) => Err(bad(FieldError {
-                field: e
-                    .field
-                    .split_once('.')
-                    .map_or(String::new(), |(_, f)| f.to_string()),
-                reason: e.reason,
-            })),
+            Err(KeysRefused::Key(e)) if managed_index(&e.field) == Some(set.len() - 1) => {
+                Err(bad(FieldError {
+                    field: e
+                        .field
+                        .split_once('.')
+                        .map_or(String::new(), |(_, f)| f.to_string()),
+                    reason: e.reason,
+                }))
+            }
             Err(e) => Err(unavailable(&e.to_string())),
         }
     }
 
     /// After a change is stored: this gateway serves it at once, and it is audited.
-    fn settle(&self, held: &Held, action: &'static str, id: &str, peer: SocketAddr, now: Timestamp) {
-        if let Err(e) = self.put_in_place(held) {
+    fn settle(&self, rec: &KeyRecord, action: &'static str, peer: SocketAddr, now: Timestamp) {
+        if let Err(e) = self.put_in_place(self.merged(std::slice::from_ref(rec))) {
             tracing::error!(error = %e, "managed keys: the change is stored but not in place here");
         }
         self.metrics.admin_change(action);
-        tracing::info!(target: "tollgate::audit", action, key = %id, at = %now, peer = %peer, "admin change");
+        tracing::info!(target: "tollgate::audit", action, key = %rec.id, at = %now, peer = %peer, "admin change");
     }
 }
 
-/// The keys of `records` that compile beside the file's, in the form the compiler takes, and
-/// each left out with why. One bad key must not take the others down with it.
-fn compilable<'a>(
-    reloader: &Reloader,
-    records: impl Iterator<Item = &'a KeyRecord>,
-) -> (Vec<ManagedKey>, Vec<(String, String)>) {
-    let mut set: Vec<ManagedKey> = records.map(managed_key).collect();
+/// The keys of `set` that compile beside the file's, and each left out with why. One bad key must not take the others down with it.
+fn compilable(reloader: &Reloader, mut set: Vec<ManagedKey>) -> (Vec<ManagedKey>, Vec<(String, String)>) {
     let mut left_out = Vec::new();
     // Each round removes the key the error names; a file error ends it (nothing to remove).
     while !set.is_empty() {
         match reloader.check_managed(&set) {
-            Err(KeysRefused::Key(e)) => {
-                let at = e
-                    .field
-                    .strip_prefix("managed_keys[")
-                    .and_then(|r| r.split(']').next())
-                    .and_then(|i| i.parse::<usize>().ok());
-                match at {
-                    Some(i) if i < set.len() => {
-                        let k = set.remove(i);
-                        left_out.push((k.id, format!("{}: {}", e.field, e.reason)));
-                    }
-                    _ => break,
+            Err(KeysRefused::Key(e)) => match managed_index(&e.field) {
+                Some(i) if i < set.len() => {
+                    let k = set.remove(i);
+                    left_out.push((k.id, format!("{}: {}", e.field, e.reason)));
                 }
-            }
+                _ => break,
+            },
             _ => break,
         }
     }
     (set, left_out)
+}
+
+/// The index `i` of a compile error's field `managed_keys[i]…`.
+fn managed_index(field: &str) -> Option<usize> {
+    field
+        .strip_prefix("managed_keys[")
+        .and_then(|r| r.split(']').next())
+        .and_then(|i| i.parse().ok())
 }
 
 /// A record in the form the rules compiler takes: times as Unix seconds.
@@ -386,7 +396,7 @@ fn managed_key(r: &KeyRecord) -> ManagedKey {
         limits: r
             .limits
             .iter()
-            .map(|(l, n)| (l.clone(), (n.rate.clone(), n.burst)))
+            .map(|(l, n)| (l.clone(), n.rate.clone(), n.burst))
             .collect(),
         secrets: r
             .secrets

@@ -94,7 +94,8 @@ impl Reloader {
         }
     }
 
-    fn managed(&self) -> Arc<Vec<ManagedKey>> {
+    /// The keys made through the admin API that are in place now.
+    pub(crate) fn managed(&self) -> Arc<Vec<ManagedKey>> {
         self.managed
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -411,7 +412,7 @@ mod tests {
             id: id.into(),
             tenant: id.into(),
             name: None,
-            limits: [("per_key".to_string(), (rate.to_string(), 5))].into(),
+            limits: vec![("per_key".to_string(), rate.to_string(), 5)],
             secrets: vec![(hash_secret(id.as_bytes()), None)],
             expires_at: None,
             revoked: false,

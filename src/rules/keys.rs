@@ -2,7 +2,6 @@
 //! per key, the numbers keys set shared by every key that writes the same, and the indexes by
 //! secret hash and by id as arrays of positions rather than maps of copies.
 
-use std::collections::BTreeMap;
 use std::ops::Index;
 use std::sync::Arc;
 
@@ -45,8 +44,9 @@ pub struct ManagedKey {
     pub id: String,
     pub tenant: String,
     pub name: Option<String>,
-    /// Its own numbers: limit name → (rate as written, `600/60s`, and burst).
-    pub limits: BTreeMap<String, (String, u64)>,
+    /// Its own numbers: (limit name, rate as written, `600/60s`, burst), a limit at most once.
+    /// A list, not a map: a map's node is most of a key's memory when it holds one limit.
+    pub limits: Vec<(String, String, u64)>,
     /// The SHA-256 of each of its secrets, newest last, with the Unix second it stops working.
     pub secrets: Vec<([u8; 32], Option<u64>)>,
     /// The Unix second the key stops working.

@@ -33,7 +33,7 @@ impl Compiler<'_> {
                 limits: m
                     .limits
                     .iter()
-                    .map(|(l, (rate, burst))| {
+                    .map(|(l, rate, burst)| {
                         let n = RawNumbers {
                             rate: rate.clone(),
                             burst: *burst,
@@ -402,7 +402,7 @@ mod tests {
             id: id.into(),
             tenant: format!("t-{id}"),
             name: None,
-            limits: [("per_key".to_string(), ("5/1s".to_string(), 5))].into(),
+            limits: vec![("per_key".to_string(), "5/1s".to_string(), 5)],
             secrets: secrets
                 .iter()
                 .map(|(s, until)| (hash_secret(s.as_bytes()), *until))
@@ -469,7 +469,7 @@ mod tests {
             (managed("m-1", &[]), "managed_keys[0].secrets", "no secret"),
             (
                 ManagedKey {
-                    limits: [("nope".to_string(), ("5/1s".to_string(), 5))].into(),
+                    limits: vec![("nope".to_string(), "5/1s".to_string(), 5)],
                     ..managed("m-1", &[("x", None)])
                 },
                 "managed_keys[0].limits.nope",
@@ -477,7 +477,7 @@ mod tests {
             ),
             (
                 ManagedKey {
-                    limits: [("per_key".to_string(), ("0/1s".to_string(), 5))].into(),
+                    limits: vec![("per_key".to_string(), "0/1s".to_string(), 5)],
                     ..managed("m-1", &[("x", None)])
                 },
                 "managed_keys[0].limits.per_key.rate",
@@ -496,7 +496,7 @@ mod tests {
         let mut rules = base();
         rules["routes"][0]["cost"]["per_key"] = serde_json::json!(5);
         let mut m = managed("m-1", &[("x", None)]);
-        m.limits = [("per_key".to_string(), ("5/1s".to_string(), 3))].into();
+        m.limits = vec![("per_key".to_string(), "5/1s".to_string(), 3)];
         let e = with_managed(&rules, &[m]).unwrap_err();
         assert_eq!(e.field, "managed_keys[0].limits.per_key.burst", "{e}");
         assert!(e.reason.contains("could never pass"), "{e}");
