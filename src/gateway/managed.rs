@@ -157,7 +157,7 @@ impl ManagedKeys {
 
     /// The keys in place with `records` put over them by id, or added.
     fn merged(&self, records: &[KeyRecord]) -> Vec<ManagedKey> {
-        let mut set: Vec<ManagedKey> = self.reloader.managed().as_ref().clone();
+        let mut set: Vec<ManagedKey> = self.reloader.managed();
         let at: std::collections::HashMap<String, usize> =
             set.iter().enumerate().map(|(i, k)| (k.id.clone(), i)).collect();
         for r in records {
@@ -174,7 +174,7 @@ impl ManagedKeys {
     fn put_in_place(&self, set: Vec<ManagedKey>) -> Result<(), KeysRefused> {
         // One compile when every key compiles, as nearly always: only a failure looks for
         // the keys to leave out.
-        match self.reloader.set_managed(set.clone()) {
+        match self.reloader.set_managed(&set) {
             Err(KeysRefused::Key(_)) => {}
             done => return done,
         }
@@ -182,7 +182,7 @@ impl ManagedKeys {
         for (id, why) in left_out {
             tracing::error!(key = %id, reason = %why, "managed key left out: it does not compile against the running rules");
         }
-        self.reloader.set_managed(set)
+        self.reloader.set_managed(&set)
     }
 
     fn now(&self) -> Timestamp {
@@ -329,9 +329,8 @@ impl ManagedKeys {
         let mut set: Vec<ManagedKey> = self
             .reloader
             .managed()
-            .iter()
+            .into_iter()
             .filter(|k| k.id != rec.id)
-            .cloned()
             .collect();
         set.push(managed_key(rec));
         match self.reloader.check_managed(&set) {

@@ -37,8 +37,6 @@ pub struct Reloader {
     lock: Mutex<()>,
     /// The last reload that left the running rules in place, and why.
     rejected: Mutex<Option<Rejected>>,
-    /// The keys made through the admin API, compiled after the file's on every load.
-    managed: Mutex<Arc<Vec<ManagedKey>>>,
 }
 
 /// Why a set of keys made through the admin API was not put in place; the running rules stay.
@@ -90,16 +88,14 @@ impl Reloader {
             metrics,
             lock: Mutex::new(()),
             rejected: Mutex::new(None),
-            managed: Mutex::new(Arc::new(Vec::new())),
         }
     }
 
-    /// The keys made through the admin API that are in place now.
-    pub(crate) fn managed(&self) -> Arc<Vec<ManagedKey>> {
-        self.managed
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+    /// The keys made through the admin API that are in place now, compiled after the file's
+    /// on every load. The running snapshot holds them, compiled, and is their only copy: held
+    /// a second time as the compiler takes them, they cost more than the compiled keys do.
+    pub(crate) fn managed(&self) -> Vec<ManagedKey> {
+        self.rules.load().managed_keys()
     }
 
     /// Whether `keys` would compile beside the running rules' file, without putting them in
@@ -111,10 +107,10 @@ impl Reloader {
     /// Puts `keys`, the whole set made through the admin API, in place beside the rules file:
     /// both compile into a snapshot that replaces the running one. The file is read again; if
     /// it changed to a higher version, that reload happens here too.
-    pub fn set_managed(&self, keys: Vec<ManagedKey>) -> Result<(), KeysRefused> {
+    pub fn set_managed(&self, keys: &[ManagedKey]) -> Result<(), KeysRefused> {
         let _one_at_a_time = self.lock.lock().unwrap_or_else(PoisonError::into_inner);
         let running = self.rules.load_full();
-        let snap = self.loader.load_with(&keys).map_err(refused)?;
+        let snap = self.loader.load_with(keys).map_err(refused)?;
         if snap.digest != running.digest && snap.version <= running.version {
             return Err(KeysRefused::FileChanged {
                 offered: snap.version,
@@ -126,7 +122,6 @@ impl Reloader {
             self.metrics.rules_version.set(snap.version as i64);
             tracing::info!(from = running.version, to = snap.version, "rules reloaded");
         }
-        *self.managed.lock().unwrap_or_else(PoisonError::into_inner) = Arc::new(keys);
         self.rules.store(Arc::new(snap));
         Ok(())
     }
@@ -420,6 +415,38 @@ mod tests {
     }
 
     #[test]
+    fn the_running_snapshot_gives_back_the_keys_it_was_given() {
+        let dir = std::env::temp_dir().join(format!("tollgate-reload-back-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("rules.json");
+        std::fs::write(&path, rules(1, "f-1")).unwrap();
+        let loader = RulesLoader {
+            source: RulesSource::File(path),
+            opts: CompileOptions::default(),
+            upstream_override: None,
+        };
+        let snap = Arc::new(ArcSwap::from_pointee(loader.load().unwrap()));
+        let r = Reloader::new(loader, snap, Metrics::new());
+        let mut rotated = managed("m-1", "5/1s");
+        rotated.name = Some("billing".into());
+        rotated.tenant = "acme".into();
+        rotated.secrets = vec![
+            (hash_secret(b"oldest"), Some(1_000)),
+            (hash_secret(b"older"), Some(2_000)),
+            (hash_secret(b"newest"), None),
+        ];
+        rotated.expires_at = Some(9_000);
+        let mut revoked = managed("m-2", "7/2s");
+        revoked.revoked = true;
+        let mut same_tenant = managed("m-3", "5/1s");
+        same_tenant.tenant = "acme".into();
+        let set = vec![rotated, revoked, same_tenant];
+        r.set_managed(&set).unwrap();
+        assert_eq!(r.managed(), set);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn managed_keys_stay_through_reloads_and_never_roll_the_file_back() {
         let dir = std::env::temp_dir().join(format!("tollgate-reload-keys-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -434,12 +461,12 @@ mod tests {
         let r = Reloader::new(loader, snap.clone(), Metrics::new());
         let first = snap.load().serial;
 
-        r.set_managed(vec![managed("m-1", "5/1s")]).unwrap();
+        r.set_managed(&[managed("m-1", "5/1s")]).unwrap();
         let now = snap.load_full();
         assert_eq!((now.version, now.keys.len()), (1, 2));
         assert!(now.serial > first, "a key change is a new snapshot");
 
-        let bad = r.set_managed(vec![managed("m-1", "5/1s"), managed("m-2", "nonsense")]);
+        let bad = r.set_managed(&[managed("m-1", "5/1s"), managed("m-2", "nonsense")]);
         match bad {
             Err(KeysRefused::Key(e)) => assert_eq!(e.field, "managed_keys[1].limits.per_key.rate", "{e}"),
             other => panic!("{other:?}"),
@@ -457,7 +484,7 @@ mod tests {
 
         std::fs::write(&path, rules(1, "f-3")).unwrap();
         assert_eq!(
-            r.set_managed(vec![]),
+            r.set_managed(&[]),
             Err(KeysRefused::FileChanged {
                 offered: 1,
                 running: 2

@@ -109,6 +109,8 @@ pub struct Keys {
     overrides: Vec<(u16, u32)>,
     /// The distinct numbers keys set, one per limit and numbers as written.
     numbers: Vec<Numbers>,
+    /// Each of `numbers` as written (rate, burst): what gives an API key's limits back.
+    written: Vec<(Box<str>, u64)>,
     by_hash: HashIndex,
     /// Positions in `list`, sorted by id.
     by_id: Vec<u32>,
@@ -182,6 +184,50 @@ impl Keys {
             .ok()
             .map(|p| self.by_id[p] as usize)
     }
+}
+
+impl Keys {
+    /// The keys made through the admin API, in the form the compiler takes them, given back
+    /// from their compiled form (`limit_name` names a limit by its index): the one copy a
+    /// gateway holds is the compiled one, and a change or a rules reload compiles from this.
+    pub fn managed_keys<'a>(&'a self, limit_name: impl Fn(usize) -> &'a str) -> Vec<ManagedKey> {
+        // A key's older secrets were pushed right after it, so they follow it in `older`.
+        let mut older = self.older.iter().peekable();
+        let mut out = Vec::new();
+        for (k, key) in self.list.iter().enumerate() {
+            let mut secrets = Vec::new();
+            while let Some(o) = older.next_if(|o| o.key as usize == k) {
+                secrets.push((o.hash, life(o.until_s)));
+            }
+            if !key.managed {
+                continue;
+            }
+            secrets.push((key.hash, life(key.hash_until_s)));
+            let limits = self
+                .run(k)
+                .iter()
+                .map(|&(l, n)| {
+                    let (rate, burst) = &self.written[n as usize];
+                    (limit_name(l as usize).to_string(), rate.to_string(), *burst)
+                })
+                .collect();
+            out.push(ManagedKey {
+                id: key.id.to_string(),
+                tenant: key.tenant.to_string(),
+                name: key.name.as_deref().map(str::to_string),
+                limits,
+                secrets,
+                expires_at: life(key.expires_s),
+                revoked: key.revoked,
+            });
+        }
+        out
+    }
+}
+
+/// An end as the compiler takes it: `None` for [`NEVER`].
+fn life(s: u64) -> Option<u64> {
+    (s != NEVER).then_some(s)
 }
 
 impl Index<usize> for Keys {
@@ -326,6 +372,7 @@ impl KeysBuilder {
     pub(crate) fn add_numbers(&mut self, limit: u16, rate: &str, burst: u64, n: Numbers) -> u32 {
         let at = self.keys.numbers.len() as u32;
         self.keys.numbers.push(n);
+        self.keys.written.push((rate.into(), burst));
         self.written_by.push((limit, self.len() as u32));
         self.written.insert((limit, rate.to_string(), burst), at);
         at
@@ -379,6 +426,7 @@ impl KeysBuilder {
         keys.list.shrink_to_fit();
         keys.overrides.shrink_to_fit();
         keys.numbers.shrink_to_fit();
+        keys.written.shrink_to_fit();
         keys.older.shrink_to_fit();
         keys.by_hash = HashIndex::build(&keys.list, &keys.older);
         let mut by_id: Vec<u32> = (0..keys.list.len() as u32).collect();

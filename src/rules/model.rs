@@ -274,6 +274,12 @@ impl Snapshot {
         self.keys.by_hash(digest)
     }
 
+    /// The keys made through the admin API that this snapshot holds, as the compiler takes
+    /// them.
+    pub fn managed_keys(&self) -> Vec<crate::ManagedKey> {
+        self.keys.managed_keys(|l| &self.limits[l].name)
+    }
+
     /// The key with this public id.
     pub fn key_by_id(&self, id: &str) -> Option<usize> {
         self.keys.by_id(id)
