@@ -104,6 +104,17 @@ fn serve(mut s: impl Read + Write, every: usize, strays: &AtomicUsize, answered:
     }
 }
 
+/// Waits (up to 5 s) until the upstream has written its `n`th stray, so the next request
+/// follows it by the gap asked: on a loaded machine the upstream's thread may wake well after
+/// its half millisecond, and a stray written after the next request went out is, on the wire,
+/// that request's answer to any proxy.
+fn wait_for_stray(up: &StrayUpstream, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while up.strays.load(Ordering::SeqCst) < n && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_micros(100));
+    }
+}
+
 fn gateway(up: SocketAddr, express: bool, tls: bool) -> (Tollgate, tempfile::TempDir) {
     let mut upstream = serde_json::json!({ "url": format!("http://{up}"), "timeout_ms": 5000 });
     if tls {
@@ -221,6 +232,7 @@ fn stray_never_answers(tls: bool) {
                     "{}, {gap_ms} ms between requests: request {n} got another's answer",
                     mode(express, tls)
                 );
+                wait_for_stray(&up, n + 1);
                 std::thread::sleep(Duration::from_millis(gap_ms));
             }
             assert!(
