@@ -28,8 +28,11 @@
 --     ttl           key expiry in milliseconds, at least b / r
 --     flags         1 if the bucket only observes (shadow: never blocks, charged on its own), plus
 --                   2 if the call names it again: its state is then kept here between its checks
---                   and written once, after the last
---     debt          units a post-paid limit's bucket may owe (max_debt x scale), else 0. A bucket
+--                   and written once, after the last, plus 4 if its limit queues (`"delay"`): a
+--                   request short of tokens is admitted to wait for them when they are due
+--                   within debt / refill microseconds, and the bucket owes them meanwhile
+--     debt          units a post-paid limit's bucket may owe (max_debt x scale), or a queueing
+--                   limit's (its longest wait in microseconds x refill), else 0. A bucket
 --                   in debt is stored empty with its ts ahead, when refill has repaid it; it
 --                   admits nothing before then, and a check leaves the debt where it is
 --   or a bucket sent earlier in the call with flag 2, again with the same rule, as 2 integers:
@@ -47,7 +50,8 @@
 --                   (the request then charges and writes nothing)
 --     tokens, wait  per bucket: units left after the check (0 while in debt); microseconds until
 --                   the bucket could pay its need, 0 when it can now, -1 when it never can (need
---                   above capacity)
+--                   above capacity). A queueing bucket pays a wait up to its longest: the request
+--                   then waits that long, and the bucket is stored empty until then
 -- With G = 0 (no KEYS) the script touches nothing and returns {now}: the start-up and /readyz
 -- probe that the store lets a script read TIME.
 --
@@ -94,7 +98,7 @@ elseif groups > 1 then
       elseif first < 0 then
         local f = flags_at[-first]
         if f ~= true then
-          if f == nil or (tonumber(ARGV[f]) or 0) < 2 then
+          if f == nil or (tonumber(ARGV[f]) or 0) % 4 < 2 then
             return bad('bucket ' .. first .. ' names no bucket before it with flag 2')
           end
           flags_at[-first] = true
@@ -128,10 +132,10 @@ local none = {}
 local kept, order = none, none
 local k_t, k_ts, k_scale, k_page, k_ttl = none, none, none, none, none
 local r_scale, r_refill, r_cap, r_flags, r_debt, r_at = none, none, none, none, none, none
--- The current request's buckets between the two passes, 8 values each: e, scale, flags, need,
--- tokens, wait, owed and where the rule is in ARGV. One table, made at its first bucket's size:
--- a call's tables are a good part of a one-check call's time.
-local cur = { 0, 0, 0, 0, 0, 0, 0, 0 }
+-- The current request's buckets between the two passes, 9 values each: e, scale, flags, need,
+-- tokens, wait, owed, where the rule is in ARGV and whether it pays. One table, made at its
+-- first bucket's size: a call's tables are a good part of a one-check call's time.
+local cur = { 0, 0, 0, 0, 0, 0, 0, 0, false }
 local at = 3
 for _ = 1, groups do
   local n = tonumber(ARGV[at])
@@ -166,7 +170,7 @@ for _ = 1, groups do
       elseif refill == nil or cap == nil or need == nil or flags == nil or debt == nil then
         return bad('the rule of bucket ' .. e .. ' is not numbers')
       end
-      if flags >= 2 then
+      if flags % 4 >= 2 then
         if kept == none then
           kept, order = {}, {}
           k_t, k_ts, k_scale, k_page, k_ttl = {}, {}, {}, {}, {}
@@ -181,7 +185,7 @@ for _ = 1, groups do
     local stored = kept[key]
     if stored == nil then
       stored = load(key, KEYS[nkeys + e], now)
-      if flags >= 2 then
+      if flags % 4 >= 2 then
         kept[key] = stored
       end
     end
@@ -203,7 +207,7 @@ for _ = 1, groups do
       end
     end
 
-    -- bucket.rs `wait_owing_us`.
+    -- bucket.rs `wait_owing_us` and `BucketParams::pays`.
     local w
     if need > cap then
       w = -1
@@ -212,10 +216,11 @@ for _ = 1, groups do
     else
       w = o + div_ceil(need - t, refill)
     end
-    local c = 8 * j
+    local pays = w == 0 or (flags >= 4 and w > 0 and w * refill <= debt)
+    local c = 9 * j
     cur[c + 1], cur[c + 2], cur[c + 3], cur[c + 4] = e, scale, flags, need
-    cur[c + 5], cur[c + 6], cur[c + 7], cur[c + 8] = t, w, o, a
-    if w ~= 0 and flags % 2 == 0 then
+    cur[c + 5], cur[c + 6], cur[c + 7], cur[c + 8], cur[c + 9] = t, w, o, a, pays
+    if not pays and flags % 2 == 0 then
       admitted = false
     end
   end
@@ -234,11 +239,16 @@ for _ = 1, groups do
     -- bucket is written back either way.
     out[#out + 1] = admitted and 1 or 0
     for j = 0, n - 1 do
-      local c = 8 * j
+      local c = 9 * j
       local e, scale, flags, need = cur[c + 1], cur[c + 2], cur[c + 3], cur[c + 4]
       local t, w, ts, a = cur[c + 5], cur[c + 6], now + cur[c + 7], cur[c + 8]
-      if w == 0 and (admitted or flags % 2 == 1) then
-        t = t - need
+      if cur[c + 9] and (admitted or flags % 2 == 1) then
+        if w == 0 then
+          t = t - need
+        else
+          -- Queued: empty until its tokens are due (bucket.rs `check_all`).
+          t, ts = 0, now + w
+        end
       end
       local key = KEYS[e]
       -- A name kept earlier in the call stays kept, whatever this entry's flags say.

@@ -1,6 +1,7 @@
 //! `lua/check.lua` and `limit/bucket.rs` are one algorithm in two homes: thousands of random
 //! checks (random rates and bursts, rule changes, costs up to far above the burst, batches of
-//! several buckets, shadow flags, post-paid buckets that may owe, checks of cost 0 that only
+//! several buckets, shadow flags, post-paid buckets that may owe, queueing buckets that admit a
+//! request to wait for its tokens and owe them meanwhile, checks of cost 0 that only
 //! read a bucket, several requests in one script call) give the same decision, the same units
 //! left and the same wait on every step. Now and then an admitted request is refunded, or
 //! charged what its answer cost (`lua/refund.lua` against `bucket::adjust`), sometimes after
@@ -35,9 +36,18 @@ const USUAL_RATES: [&str; 14] = [
     "1/1s", "300/1m", "9/7s",
 ];
 
-/// A third of the buckets are post-paid: they may owe up to a random debt.
+/// A third of the buckets are post-paid: they may owe up to a random debt; a sixth queue, with
+/// a random longest wait.
 fn random_params(rng: &mut StdRng) -> BucketParams {
     let p = random_plain_params(rng);
+    if rng.random_range(0..6) == 0 {
+        let max_wait_us = match rng.random_range(0..3) {
+            0 => rng.random_range(1..=1_000),
+            1 => rng.random_range(1..=p.fill_time_us().saturating_mul(2).max(1)),
+            _ => rng.random_range(1..=60_000_000),
+        };
+        return p.with_delay(max_wait_us).unwrap_or(p);
+    }
     if rng.random_range(0..3) == 0 {
         let max_debt = match rng.random_range(0..3) {
             0 => p.burst,
@@ -140,7 +150,7 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u
     let mut rules: Vec<BucketParams> = (0..BUCKETS).map(|_| random_params(&mut rng)).collect();
     let mut states: HashMap<String, Stored> = HashMap::new();
     let (mut admitted, mut refused, mut changes, mut multi, mut refunds) = (0, 0, 0, 0, 0);
-    let (mut debts, mut peeks_refused) = (0, 0);
+    let (mut debts, mut peeks_refused, mut queued) = (0, 0, 0);
     for step in 0..STEPS {
         // A rule changes under a live bucket now and then.
         if rng.random_range(0..5) == 0 {
@@ -233,6 +243,12 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u
             }
             if outcome.admitted {
                 admitted += 1;
+                queued += usize::from(
+                    outcome
+                        .buckets
+                        .iter()
+                        .any(|v| v.sufficient && v.wait_us > Some(0)),
+                );
             } else {
                 refused += 1;
                 peeks_refused += batch.iter().filter(|i| i.charge.cost == 0).count();
@@ -314,6 +330,10 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u
     assert!(
         debts > STEPS / 200,
         "seed {seed}: only {debts} changes left a bucket owing"
+    );
+    assert!(
+        queued > STEPS / 100,
+        "seed {seed}: only {queued} requests were admitted to wait"
     );
     assert!(
         multi > STEPS / 5,

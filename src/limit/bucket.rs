@@ -111,9 +111,12 @@ pub struct BucketParams {
     pub burst: u64,
     /// The rate as configured, for headers and display.
     pub rate: Rate,
-    /// Units a post-paid limit's bucket may owe (`max_debt × scale`); 0 for every other limit,
-    /// whose buckets never go below empty.
+    /// Units a post-paid limit's bucket may owe (`max_debt × scale`), or a queueing limit's
+    /// (`max_wait_us × refill`); 0 for every other limit, whose buckets never go below empty.
     pub debt: u64,
+    /// For a limit that queues rather than refuses (`"delay"`): the longest a request may wait
+    /// for its tokens, in microseconds. 0: a request short of tokens is refused.
+    pub max_wait_us: u64,
 }
 
 /// Why a rate and burst can't be compiled.
@@ -135,6 +138,10 @@ pub enum ParamError {
         "a debt of {max_debt} tokens with this burst needs {units} internal units, above the exact limit 2^53; use a smaller max_debt"
     )]
     DebtTooLarge { max_debt: u64, units: u128 },
+    #[error(
+        "a wait of {max_wait_us} µs at this rate is {units} internal units owed, above the exact limit 2^53; use a shorter max_wait_ms"
+    )]
+    WaitTooLong { max_wait_us: u64, units: u128 },
 }
 
 impl BucketParams {
@@ -163,6 +170,7 @@ impl BucketParams {
             burst,
             rate,
             debt: 0,
+            max_wait_us: 0,
         })
     }
 
@@ -180,6 +188,30 @@ impl BucketParams {
         }
         self.debt = debt as u64;
         Ok(self)
+    }
+
+    /// These numbers for a limit that queues: a request short of tokens is admitted when they
+    /// are due within `max_wait_us`, and waits for them; its bucket owes them meanwhile, up to
+    /// `max_wait_us` of refill (the rate × the wait), so gateways sharing it queue as one.
+    pub fn with_delay(mut self, max_wait_us: u64) -> Result<BucketParams, ParamError> {
+        let debt = max_wait_us as u128 * self.refill as u128;
+        let total = self.capacity as u128 + debt + self.refill as u128;
+        if total >= MAX_EXACT as u128 {
+            return Err(ParamError::WaitTooLong {
+                max_wait_us,
+                units: total,
+            });
+        }
+        self.debt = debt as u64;
+        self.max_wait_us = max_wait_us;
+        Ok(self)
+    }
+
+    /// Whether a bucket whose wait for a request is `wait` pays for it now: at once, or for a
+    /// queueing limit within its longest wait.
+    #[inline]
+    pub fn pays(&self, wait: Option<u64>) -> bool {
+        matches!(wait, Some(w) if w <= self.max_wait_us)
     }
 
     /// Microseconds an empty bucket takes to fill: `b / r`, rounded up.
@@ -347,7 +379,9 @@ pub struct BucketVerdict {
     pub sufficient: bool,
     /// Units left after the check (after charging, if the check charged it).
     pub tokens: u64,
-    /// Microseconds until this bucket could pay its cost; 0 when sufficient, `None` if never.
+    /// Microseconds until this bucket could pay its cost: 0 when it pays at once, `None` if
+    /// never. A queueing limit's bucket that is sufficient with a wait above 0 admitted the
+    /// request to wait that long.
     pub wait_us: Option<u64>,
 }
 
@@ -377,7 +411,7 @@ pub fn check_all(
         let tokens = refill(&c.params, *s, now);
         let need = c.params.units(c.cost);
         let wait = wait_owing_us(&c.params, tokens, owed_us(&c.params, *s, now), need);
-        let sufficient = wait == Some(0);
+        let sufficient = c.params.pays(wait);
         if !sufficient && !c.shadow {
             admitted = false;
         }
@@ -389,14 +423,21 @@ pub fn check_all(
     }
     for ((c, s), v) in charges.iter().zip(states.iter_mut()).zip(out.iter_mut()) {
         let charge = v.sufficient && (admitted || c.shadow);
-        if charge {
-            v.tokens -= c.params.units(c.cost);
+        let mut ts = now + owed_us(&c.params, *s, now);
+        match v.wait_us {
+            // A queued request owes its tokens until they are due: the bucket is empty until
+            // then, as a post-paid debt is.
+            Some(w) if charge && w > 0 => {
+                v.tokens = 0;
+                ts = now + w;
+            }
+            _ if charge => v.tokens -= c.params.units(c.cost),
+            // A debt stays where it is: the bucket is empty until its time comes.
+            _ => {}
         }
-        // A debt stays where it is: the bucket is empty until its time comes.
-        let owed = owed_us(&c.params, *s, now);
         *s = Some(BucketState {
             tokens: v.tokens,
-            ts: now + owed,
+            ts,
             scale: c.params.scale,
         });
     }
@@ -840,5 +881,69 @@ mod tests {
             Err(ParamError::DebtTooLarge { .. })
         ));
         assert_eq!(p.with_debt(7).unwrap().debt, p.units(7));
+    }
+
+    fn check_one(c: Charge, s: &mut Option<BucketState>, now: u64) -> (bool, BucketVerdict) {
+        let mut v = [BucketVerdict {
+            sufficient: false,
+            tokens: 0,
+            wait_us: None,
+        }];
+        let ok = check_all(&[c], std::slice::from_mut(s), now, &mut v);
+        (ok, v[0])
+    }
+
+    #[test]
+    fn a_queue_admits_what_is_due_within_its_wait_and_owes_it() {
+        // 10 a second, burst 1, a wait of up to 2 s: 30 at one instant.
+        let q = Charge {
+            params: p("10/1s", 1).with_delay(2_000_000).unwrap(),
+            cost: 1,
+            shadow: false,
+        };
+        let (mut s, now) = (None, 1_000_000_000);
+        let mut waits = Vec::new();
+        for _ in 0..30 {
+            let (ok, v) = check_one(q, &mut s, now);
+            assert_eq!(ok, v.sufficient);
+            if ok {
+                waits.push(v.wait_us.unwrap());
+            } else {
+                // The 22nd is due in 2.1 s: 0.1 s past the longest wait.
+                assert!(v.wait_us.unwrap() > 2_000_000);
+            }
+        }
+        assert_eq!(waits, (0..=20).map(|k| k * 100_000).collect::<Vec<_>>());
+        // Owed until the last is due; then it refills as any bucket.
+        assert_eq!(s.unwrap().tokens, 0);
+        assert_eq!(s.unwrap().ts, now + 2_000_000);
+        // 100 ms on, one more place in the queue has opened: its wait is the longest again.
+        let (ok, v) = check_one(q, &mut s, now + 100_000);
+        assert!(ok && v.wait_us == Some(2_000_000), "{v:?}");
+        assert!(!check_one(q, &mut s, now + 100_000).0);
+        let (ok, v) = check_one(q, &mut s, now + 2_000_000);
+        assert!(ok && v.wait_us == Some(200_000), "{v:?}");
+
+        // A request that leaves gives its tokens back: the next is due as if it never came.
+        let (mut s, now) = (None, 0);
+        check_one(q, &mut s, now);
+        let (_, queued) = check_one(q, &mut s, now);
+        assert_eq!(queued.wait_us, Some(100_000));
+        s = Some(give_back(&q.params, s, q.params.units(1), now));
+        let (_, next) = check_one(q, &mut s, now);
+        assert_eq!(next.wait_us, Some(100_000));
+
+        // A limit that refuses refuses the second.
+        let plain = Charge {
+            params: p("10/1s", 1),
+            ..q
+        };
+        let mut s = None;
+        assert!(check_one(plain, &mut s, 0).0);
+        assert!(!check_one(plain, &mut s, 0).0);
+        assert!(matches!(
+            p("10/1s", 1).with_delay(u64::MAX / 4),
+            Err(ParamError::WaitTooLong { .. })
+        ));
     }
 }

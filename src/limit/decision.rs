@@ -3,7 +3,7 @@
 
 use smallvec::SmallVec;
 
-use super::bucket::{BucketParams, retry_after_secs, secs_to_full};
+use super::bucket::{BucketParams, US_PER_S, retry_after_secs, secs_to_full};
 use crate::batch::{CheckItem, FailurePolicy, Outcome, Source};
 
 /// What the limiter decided for one request, in the words the gateway uses everywhere (code,
@@ -41,6 +41,9 @@ pub struct Report {
     pub shadow_refusals: SmallVec<[u16; 2]>,
     /// Who decided: the store, or a failure policy in its place.
     pub source: Source,
+    /// How long an admitted request waits for its tokens before it goes on: the longest wait
+    /// of its queueing limits' buckets (`"delay"`), 0 when every bucket paid at once.
+    pub delay_us: u64,
 }
 
 impl Decision {
@@ -71,12 +74,19 @@ impl std::ops::Deref for Decision {
 pub fn decide(batch: &[CheckItem], outcome: &Outcome) -> Decision {
     let mut deciding: Option<usize> = None;
     let mut shadow_refusals = SmallVec::new();
+    let mut delay_us = 0;
+    // What a refused bucket's wait means to its client: a queueing limit refuses a request
+    // whose wait is longer than its longest, so it passes once the rest is waited out.
+    let wait = |item: &CheckItem, w: Option<u64>| w.map(|w| w.saturating_sub(item.charge.params.max_wait_us));
     for (i, (item, v)) in batch.iter().zip(&outcome.buckets).enumerate() {
         if item.charge.shadow {
             if !v.sufficient {
                 shadow_refusals.push(item.limit);
             }
             continue;
+        }
+        if outcome.admitted && v.sufficient {
+            delay_us = delay_us.max(v.wait_us.unwrap_or(0));
         }
         let better = match deciding {
             None => outcome.admitted || !v.sufficient,
@@ -88,7 +98,7 @@ pub fn decide(batch: &[CheckItem], outcome: &Outcome) -> Decision {
                     false
                 } else {
                     // The longest wait decides; "never" is longest of all.
-                    match (v.wait_us, cur.wait_us) {
+                    match (wait(item, v.wait_us), wait(&batch[d], cur.wait_us)) {
                         (None, Some(_)) => true,
                         (Some(a), Some(b)) => a > b,
                         _ => false,
@@ -106,9 +116,16 @@ pub fn decide(batch: &[CheckItem], outcome: &Outcome) -> Decision {
             let v = &outcome.buckets[d];
             let p: &BucketParams = &batch[d].charge.params;
             if outcome.admitted {
-                (v.remaining(p), None, secs_to_full(p, v.tokens))
+                // A queued request's bucket is empty until its tokens are due, and fills after.
+                let owed = v.wait_us.unwrap_or(0);
+                let reset = if owed == 0 {
+                    secs_to_full(p, v.tokens)
+                } else {
+                    (p.fill_time_us() + owed).div_ceil(US_PER_S)
+                };
+                (v.remaining(p), None, reset)
             } else {
-                let retry = v.wait_us.map(retry_after_secs);
+                let retry = wait(&batch[d], v.wait_us).map(retry_after_secs);
                 (v.remaining(p), retry, retry.unwrap_or(0))
             }
         }
@@ -119,6 +136,7 @@ pub fn decide(batch: &[CheckItem], outcome: &Outcome) -> Decision {
         reset_secs,
         shadow_refusals,
         source: outcome.source,
+        delay_us: if outcome.admitted { delay_us } else { 0 },
     };
     match (outcome.admitted, outcome.source) {
         (true, _) => Decision::Admitted(report),

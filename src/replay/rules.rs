@@ -104,10 +104,15 @@ impl RulesFleet {
             return Ok(*s);
         }
         let (rate, burst) = share(p.rate, p.burst, self.gateways);
-        // A post-paid bucket's debt is shared out as its burst is.
+        // A post-paid bucket's debt is shared out as its burst is; a queue waits as long at
+        // each share's rate.
         let debt = (p.debt / p.scale).div_ceil(self.gateways);
         let s = BucketParams::new(rate, burst)
-            .and_then(|s| if debt > 0 { s.with_debt(debt) } else { Ok(s) })
+            .and_then(|s| match (p.max_wait_us, debt) {
+                (0, 0) => Ok(s),
+                (0, _) => s.with_debt(debt),
+                (w, _) => s.with_delay(w),
+            })
             .map_err(|e| {
                 RowError::new(
                     "key",

@@ -22,6 +22,8 @@ const NEED: usize = 3;
 const FLAGS: usize = 5;
 /// The flag that tells the script the call names the bucket again (1 is shadow).
 const KEEP: i64 = 2;
+/// The flag of a queueing limit's bucket: its debt is its longest wait's worth of refill.
+const DELAY: i64 = 4;
 
 /// The most requests and buckets in one call: a script blocks its node while it runs, so one
 /// call stays short (about 3 µs of script per bucket).
@@ -35,6 +37,8 @@ pub(super) struct Pending {
     pages: SmallVec<[Key; 4]>,
     /// [`ARGS_PER_BUCKET`] per bucket.
     args: SmallVec<[i64; 28]>,
+    /// Each bucket's longest wait (`BucketParams::max_wait_us`), to read the reply by.
+    waits: SmallVec<[u64; 4]>,
     /// The hash slot of its keys in a cluster: only requests of one slot share a call.
     slot: Option<u16>,
     reply: oneshot::Sender<Result<Outcome, StoreError>>,
@@ -57,16 +61,18 @@ impl Pending {
                 as_i64(p.capacity),
                 as_i64(need),
                 as_i64(p.ttl_ms()),
-                i64::from(i.charge.shadow),
+                i64::from(i.charge.shadow) | if p.max_wait_us > 0 { DELAY } else { 0 },
                 as_i64(p.debt),
             ]);
         }
+        let waits = batch.iter().map(|i| i.charge.params.max_wait_us).collect();
         let slot = cluster.then(|| redis_keyslot(keys.first().map(|k| k.as_bytes()).unwrap_or(b"")));
         (
             Pending {
                 keys,
                 pages,
                 args,
+                waits,
                 slot,
                 reply,
             },
@@ -142,11 +148,13 @@ impl Shared {
         self.checks.fetch_add(requests.len() as u64, Ordering::Relaxed);
         let build = || encode_call(self.clock_arg(), &requests);
         let reply = self.eval(build).await;
-        let sizes: SmallVec<[usize; 16]> = requests.iter().map(|r| r.keys.len()).collect();
-        match reply
-            .map_err(|e| store_error(&e))
-            .and_then(|v| parse_reply(&sizes, v))
-        {
+        let parsed = {
+            let sizes: SmallVec<[&[u64]; 16]> = requests.iter().map(|r| &r.waits[..]).collect();
+            reply
+                .map_err(|e| store_error(&e))
+                .and_then(|v| parse_reply(&sizes, v))
+        };
+        match parsed {
             Ok(outcomes) => {
                 for (r, o) in requests.into_iter().zip(outcomes) {
                     let _ = r.reply.send(o);
@@ -260,13 +268,14 @@ pub(super) async fn run_queue(shared: Arc<Shared>, mut rx: mpsc::UnboundedReceiv
     }
 }
 
-/// Reads `{now, allowed_1, tokens, wait, …, allowed_2, …}` for requests of `sizes` buckets.
-fn parse_reply(sizes: &[usize], reply: Value) -> Result<Vec<Result<Outcome, StoreError>>, StoreError> {
+/// Reads `{now, allowed_1, tokens, wait, …, allowed_2, …}` for requests whose buckets' longest
+/// waits are `sizes` (one slice a request, one wait a bucket).
+fn parse_reply(sizes: &[&[u64]], reply: Value) -> Result<Vec<Result<Outcome, StoreError>>, StoreError> {
     let bad = |what: String| StoreError::Protocol(format!("lua/check.lua answered {what}"));
     let Value::Array(items) = reply else {
         return Err(bad(format!("{reply:?}, not an array")));
     };
-    let expected = 1 + sizes.iter().map(|n| 1 + 2 * n).sum::<usize>();
+    let expected = 1 + sizes.iter().map(|n| 1 + 2 * n.len()).sum::<usize>();
     if items.len() != expected {
         return Err(bad(format!("{} values, not {expected}", items.len())));
     }
@@ -276,7 +285,8 @@ fn parse_reply(sizes: &[usize], reply: Value) -> Result<Vec<Result<Outcome, Stor
     let now_us = u64::try_from(num(0)?).map_err(|_| bad("a negative now".into()))?;
     let mut at = 1;
     let mut out = Vec::with_capacity(sizes.len());
-    for &n in sizes {
+    for &waits in sizes {
+        let n = waits.len();
         let admitted = num(at)?;
         at += 1;
         let admitted = match admitted {
@@ -292,7 +302,7 @@ fn parse_reply(sizes: &[usize], reply: Value) -> Result<Vec<Result<Outcome, Stor
             other => return Err(bad(format!("admitted = {other}"))),
         };
         let mut buckets = SmallVec::with_capacity(n);
-        for _ in 0..n {
+        for &max_wait in waits {
             let tokens = u64::try_from(num(at)?).map_err(|_| bad("negative tokens".into()))?;
             let wait_us = match num(at + 1)? {
                 -1 => None,
@@ -300,7 +310,7 @@ fn parse_reply(sizes: &[usize], reply: Value) -> Result<Vec<Result<Outcome, Stor
             };
             at += 2;
             buckets.push(BucketVerdict {
-                sufficient: wait_us == Some(0),
+                sufficient: matches!(wait_us, Some(w) if w <= max_wait),
                 tokens,
                 wait_us,
             });
@@ -324,7 +334,7 @@ mod tests {
     #[test]
     fn reply_is_read_strictly() {
         let v = |xs: &[i64]| Value::Array(xs.iter().map(|&x| Value::Integer(x)).collect());
-        let out = parse_reply(&[1, 2], v(&[17, 0, 5, -1, 1, 3, 0, 4, 0])).unwrap();
+        let out = parse_reply(&[&[0], &[0, 0]], v(&[17, 0, 5, -1, 1, 3, 0, 4, 0])).unwrap();
         let first = out[0].as_ref().unwrap();
         assert!(!first.admitted);
         assert_eq!(first.now_us, 17);
@@ -332,10 +342,14 @@ mod tests {
         assert!(!first.buckets[0].sufficient);
         let second = out[1].as_ref().unwrap();
         assert!(second.admitted && second.buckets.len() == 2 && second.buckets[1].tokens == 4);
-        let corrupt = parse_reply(&[1, 1], v(&[17, -1, 0, 0, 1, 9, 0])).unwrap();
+        let corrupt = parse_reply(&[&[0], &[0]], v(&[17, -1, 0, 0, 1, 9, 0])).unwrap();
         assert!(corrupt[0].is_err() && corrupt[1].is_ok());
-        assert!(parse_reply(&[2], v(&[17, 1, 1, 0])).is_err());
-        assert!(parse_reply(&[0], v(&[17, 2])).is_err());
+        assert!(parse_reply(&[&[0, 0]], v(&[17, 1, 1, 0])).is_err());
+        assert!(parse_reply(&[&[]], v(&[17, 2])).is_err());
+        // A queueing bucket pays a wait up to its longest, and no more.
+        let queued = parse_reply(&[&[100], &[100]], v(&[17, 1, 0, 100, 0, 0, 101])).unwrap();
+        assert!(queued[0].as_ref().unwrap().buckets[0].sufficient);
+        assert!(!queued[1].as_ref().unwrap().buckets[0].sufficient);
         assert!(parse_reply(&[], Value::Null).is_err());
     }
 
