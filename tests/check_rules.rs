@@ -154,6 +154,14 @@ fn each_broken_file_fails_with_its_own_message() {
             "limits.tokens.max_debt: a debt of 9007199254740000 tokens with this burst needs",
         ),
         (
+            "delay-zero-wait.json",
+            "limits.exports.delay.max_wait_ms: 0 is out of range: a request may wait 1 to 60000 ms for its tokens",
+        ),
+        (
+            "delay-leased.json",
+            "limits.plan.lease: a limit that queues (\"delay\") spends its shared bucket ahead of time",
+        ),
+        (
             "charge-on-leased.json",
             "limits.plan.charge_on: a limit charged on the answer gives charges back, so it is not leased",
         ),

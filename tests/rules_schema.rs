@@ -40,6 +40,11 @@ const STRUCTURAL: &[(&str, &str)] = &[
 /// a check can drift from it, and the loader's message says more than "does not match".
 const SEMANTIC: &[(&str, &str)] = &[
     ("version-zero.json", "a value's range: version 1 or more"),
+    ("delay-zero-wait.json", "a value's range: a wait of 1 to 60000 ms"),
+    (
+        "delay-leased.json",
+        "two fields that don't go together: a queue and a lease",
+    ),
     (
         "zero-rate.json",
         "a rate's syntax and value, parsed by the loader",

@@ -94,6 +94,9 @@ pub struct Limit {
     pub ip_prefixes: identity::IpPrefixes,
     /// For a limit whose cost the upstream reports in its answer.
     pub post_paid: Option<PostPaid>,
+    /// For a limit that queues rather than refuses (`"delay"`): the longest a request waits
+    /// for its tokens, in microseconds; 0 for every other limit.
+    pub max_wait_us: u64,
 }
 
 /// A limit charged after the fact: the reserve at the check, the rest of what the upstream's

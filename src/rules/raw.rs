@@ -400,6 +400,19 @@ pub(crate) struct RawLimit {
     /// the debt first.
     #[serde(default)]
     pub max_debt: Option<u64>,
+    /// Queue instead of refusing: a request short of tokens waits until they are due, up to
+    /// `max_wait_ms`, and is then forwarded; one that would wait longer is refused.
+    #[serde(default)]
+    pub delay: Option<RawDelay>,
+}
+
+/// `{"max_wait_ms": 2000}`.
+#[derive(Debug, Deserialize, JsonSchema, Clone, Copy)]
+#[serde(deny_unknown_fields)]
+#[schemars(rename = "Delay")]
+pub(crate) struct RawDelay {
+    /// The longest a request waits for its tokens, in milliseconds (1 to 60,000).
+    pub max_wait_ms: u64,
 }
 
 /// `{"header": "X-Usage-Tokens"}`: the response header whose decimal value is the cost.

@@ -106,6 +106,13 @@ pub struct Metrics {
     pub upstream_in_flight: Family<UpstreamLabel, Gauge>,
     pub upstream_shed: Family<UpstreamLabel, Counter>,
     pub upstream_strays: Family<UpstreamLabel, Counter>,
+    /// Requests a queueing limit (`"delay"`) admitted to wait for their tokens, and those
+    /// waiting now.
+    pub queued: Counter,
+    pub queue_waiting: Gauge,
+    /// Queued requests whose client left before their turn, counted once their tokens are
+    /// given back.
+    pub queue_left: Counter,
     /// Lease-script calls, `kind` = `lease` or `give_back`, answered or not.
     pub lease_calls: Family<Kind, Counter>,
     pub lease_grants: Counter,
@@ -174,6 +181,9 @@ impl Metrics {
             upstream_in_flight: Default::default(),
             upstream_shed: Default::default(),
             upstream_strays: Default::default(),
+            queued: Default::default(),
+            queue_waiting: Default::default(),
+            queue_left: Default::default(),
             lease_calls: Default::default(),
             lease_grants: Default::default(),
             lease_denials: Default::default(),
@@ -294,6 +304,21 @@ impl Metrics {
             "upstream_strays",
             "Times an upstream was caught sending a response nobody asked for; its connections then carry one request each for a minute",
             self.upstream_strays.clone(),
+        );
+        self.registry.register(
+            "queued",
+            "Requests a limit with \"delay\" admitted to wait for their tokens before they were forwarded",
+            self.queued.clone(),
+        );
+        self.registry.register(
+            "queue_waiting",
+            "Requests waiting now for their tokens under a limit with \"delay\"",
+            self.queue_waiting.clone(),
+        );
+        self.registry.register(
+            "queue_left",
+            "Queued requests whose client left before their turn; their tokens were given back",
+            self.queue_left.clone(),
         );
     }
 

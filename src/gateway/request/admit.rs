@@ -18,6 +18,8 @@ pub(super) struct Charged {
     pub(super) budget: Option<Budget>,
     pub(super) paid: Option<Box<Paid>>,
     pub(super) seats: Vec<Seat>,
+    /// How long it waits for its tokens (a queueing limit's), in microseconds.
+    pub(super) delay_us: u64,
 }
 
 /// An admitted request on its way upstream.
@@ -33,8 +35,10 @@ pub(crate) struct Forward {
     pub seats: Vec<Seat>,
     pub(super) classified: Classified,
     /// The upstream's in-flight place, held until the response body is done (hyper's path
-    /// moves it into the body).
+    /// moves it into the body). Taken after a queued request's wait.
     pub place: Option<Place>,
+    /// Microseconds a queued request waits for its tokens before it goes on; 0 for most.
+    pub delay_us: u64,
 }
 
 /// The most of a body read to find a limit's JSON field.
@@ -132,7 +136,12 @@ impl Gateway {
             a.fields.quota.clone_from(&quota);
             a
         };
-        let Charged { budget, paid, seats } = self
+        let Charged {
+            budget,
+            paid,
+            seats,
+            delay_us,
+        } = self
             .limit(snap, route, &c, &parts.headers, body_value, &live.handles, facts)
             .await
             .map_err(with_quota)?;
@@ -141,10 +150,16 @@ impl Gateway {
             return Err(Refusal::NotFound.into());
         };
         let upstream = &snap.upstreams[up];
-        let place = self
-            .gate(upstream, &live.upstreams[up], facts)
-            .await
-            .map_err(with_quota)?;
+        // A queued request takes its place after its wait: waiting, it holds none.
+        let place = if delay_us == 0 {
+            Some(
+                self.gate(upstream, &live.upstreams[up], facts)
+                    .await
+                    .map_err(with_quota)?,
+            )
+        } else {
+            None
+        };
         crate::proxy::retarget(upstream, parts).map_err(Answer::from)?;
         facts.metered = c.key.map(|(k, _)| k);
         facts.admitted = true;
@@ -154,7 +169,8 @@ impl Gateway {
             paid,
             seats,
             classified: c,
-            place: Some(place),
+            place,
+            delay_us,
         })
     }
 
@@ -275,6 +291,7 @@ impl Gateway {
             }
         };
         facts.limit = deciding_name(snap, &batch, &d);
+        let delay_us = d.delay_us;
         match d {
             Decision::Admitted(_) => {}
             Decision::Unavailable(_) => return Err(Refusal::LimiterUnavailable.into()),
@@ -289,6 +306,7 @@ impl Gateway {
             // the few hundred bytes of a batch and its outcome.
             paid: Some(Box::new(Paid { batch, outcome })),
             seats,
+            delay_us,
         })
     }
 

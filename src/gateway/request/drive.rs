@@ -60,10 +60,13 @@ pub(crate) trait Wire {
 
     /// The client went away while the upstream was asked: nothing is sent.
     fn gone(&mut self) -> Self::Out;
+
+    /// Waits for `turn`, a queued request's: false when the client hung up meanwhile.
+    fn wait(&mut self, turn: impl Future<Output = ()> + Send) -> impl Future<Output = bool> + Send;
 }
 
 /// How a request's steps ended before its answer was sent.
-enum Stop {
+pub(super) enum Stop {
     Answer(Answer),
     /// The client hung up: nothing to send.
     Gone,
@@ -140,6 +143,10 @@ pub(crate) async fn drive<W: Wire>(
             break 'steps Err(a.into());
         }
         let mut f = step!(gw.admit(b, c, parts, body_value.as_deref()).await);
+        if f.delay_us > 0 {
+            // Boxed, like every rare path here: the usual request never builds it.
+            step!(Box::pin(gw.wait_turn(b, &mut f, wire)).await);
+        }
         wire.write_request(parts, &gw.edits(b, &f, parts, conn));
         let upstream = &b.snap.upstreams[f.upstream];
         let ask = Ask {

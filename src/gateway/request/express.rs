@@ -352,6 +352,24 @@ impl<S: LaneIo> Wire for Lane<'_, S> {
         }
     }
 
+    async fn wait(&mut self, turn: impl Future<Output = ()> + Send) -> bool {
+        tokio::pin!(turn);
+        // As in the exchange: bytes of a next request say the client is there.
+        let mut watch = !self.next_waiting;
+        loop {
+            tokio::select! {
+                biased;
+                () = &mut turn => return true,
+                gone = hung_up(self.io.tcp()), if watch => {
+                    if gone {
+                        return false;
+                    }
+                    watch = false;
+                }
+            }
+        }
+    }
+
     fn gone(&mut self) -> Flow {
         Flow::Closed
     }

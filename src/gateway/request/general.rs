@@ -121,6 +121,13 @@ impl Wire for General<'_> {
 
     async fn send(&mut self, (): ()) {}
 
+    async fn wait(&mut self, turn: impl Future<Output = ()> + Send) -> bool {
+        // hyper drops the request of a client that hangs up, and what it paid is given back
+        // as it drops (`queue::Owed`).
+        turn.await;
+        true
+    }
+
     fn gone(&mut self) {
         // hyper drops a request whose client went away, so its exchange never reports one;
         // this is what such a client was owed (nginx's 499), with the connection closed.

@@ -19,6 +19,7 @@ mod forward;
 mod general;
 mod identify;
 mod live;
+mod queue;
 mod usage;
 
 pub use admit::*;

@@ -42,7 +42,9 @@ impl Compiler<'_> {
         let home_region = self.home_region(&field, l)?;
         let plans = self.plans(&field, name, l, &dimension)?;
         let post_paid = self.post_paid(&field, l, lease.is_some())?;
+        let max_wait_us = self.delay(&field, l, lease.is_some())?;
         Ok(Limit {
+            max_wait_us,
             post_paid,
             plans,
             name: name.into(),
@@ -238,32 +240,70 @@ impl Compiler<'_> {
         }))
     }
 
-    /// Lets every bucket of each post-paid limit owe down to its debt: the limit's numbers, its
-    /// plans' and each key's.
+    /// `delay`: the longest wait of a limit that queues rather than refuses, in microseconds
+    /// (0 for one that refuses). A queue spends the shared bucket ahead of time, so nothing
+    /// that spends it elsewhere (leases), settles it later (post-paid) or shares its numbers
+    /// out (global scope) goes with it.
+    fn delay(&self, field: &str, l: &RawLimit, leased: bool) -> Result<u64, RulesError> {
+        let Some(d) = l.delay else { return Ok(0) };
+        for (name, clash) in [
+            ("lease", leased),
+            ("cost_from_response", l.cost_from_response.is_some()),
+            ("scope", l.scope == Scope::Global),
+        ] {
+            if clash {
+                return Err(self.err(
+                    format!("{field}.{name}"),
+                    "a limit that queues (\"delay\") spends its shared bucket ahead of time; it takes no lease, cost_from_response or global scope",
+                ));
+            }
+        }
+        if !(1..=60_000).contains(&d.max_wait_ms) {
+            return Err(self.err(
+                format!("{field}.delay.max_wait_ms"),
+                format!(
+                    "{} is out of range: a request may wait 1 to 60000 ms for its tokens",
+                    d.max_wait_ms
+                ),
+            ));
+        }
+        Ok(d.max_wait_ms * 1_000)
+    }
+
+    /// Lets every bucket of each post-paid limit owe down to its debt, and of each queueing
+    /// limit its longest wait's worth of tokens: the limit's numbers, its plans' and each key's.
     pub(super) fn owing(&self, limits: &mut Limits, keys: &mut KeysBuilder) -> Result<(), RulesError> {
-        let owe = |field: String, n: &mut Numbers, max_debt: Option<u64>| {
-            let debt = max_debt.unwrap_or(n.params.burst);
-            n.params = n
-                .params
-                .with_debt(debt)
-                .map_err(|e| self.err(format!("{field}.max_debt"), e.to_string()))?;
+        let owe = |field: String, n: &mut Numbers, post_paid: Option<&PostPaid>, max_wait_us: u64| {
+            n.params = match post_paid {
+                Some(pp) => n
+                    .params
+                    .with_debt(pp.max_debt.unwrap_or(n.params.burst))
+                    .map_err(|e| self.err(format!("{field}.max_debt"), e.to_string()))?,
+                None => n
+                    .params
+                    .with_delay(max_wait_us)
+                    .map_err(|e| self.err(format!("{field}.delay.max_wait_ms"), e.to_string()))?,
+            };
             Ok::<(), RulesError>(())
         };
         for (li, l) in limits.list.iter_mut().enumerate() {
-            let Some(pp) = l.post_paid.clone() else { continue };
+            if l.post_paid.is_none() && l.max_wait_us == 0 {
+                continue;
+            }
+            let (pp, wait) = (l.post_paid.clone(), l.max_wait_us);
             let field = format!("limits.{}", l.name);
             if let Some(n) = &mut l.numbers {
-                owe(field.clone(), n, pp.max_debt)?;
+                owe(field.clone(), n, pp.as_ref(), wait)?;
             }
             if let Some(p) = &mut l.plans {
                 for (plan, n) in p.numbers.iter_mut() {
-                    owe(format!("{field}.plans.{plan}"), n, pp.max_debt)?;
+                    owe(format!("{field}.plans.{plan}"), n, pp.as_ref(), wait)?;
                 }
             }
             // Keys that write the same numbers share them: each is owed once, and an error
             // names the first key that wrote them.
             for (_, ki, n) in keys.numbers_mut().filter(|(l, _, _)| *l as usize == li) {
-                owe(format!("keys[{ki}].limits.{}", l.name), n, pp.max_debt)?;
+                owe(format!("keys[{ki}].limits.{}", l.name), n, pp.as_ref(), wait)?;
             }
         }
         Ok(())
@@ -325,6 +365,7 @@ impl Compiler<'_> {
             ("cost_from_response", l.cost_from_response.is_some()),
             ("reserve", l.reserve.is_some()),
             ("max_debt", l.max_debt.is_some()),
+            ("delay", l.delay.is_some()),
             ("quota", l.quota.is_some()),
             ("home_region", l.home_region.is_some()),
             ("scope", l.scope != Scope::Region),
@@ -353,6 +394,7 @@ impl Compiler<'_> {
             plans: None,
             ip_prefixes: identity::IpPrefixes::default(),
             post_paid: None,
+            max_wait_us: 0,
         })
     }
 

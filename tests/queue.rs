@@ -1,0 +1,233 @@
+//! Limits that queue instead of refusing (`"delay": {"max_wait_ms": N}`), end to end: a gateway
+//! in this process on a manual clock, on the embedded store and on a real redis-server reading
+//! the gateway's clock, on the express lane and on hyper's path, in front of an upstream that
+//! counts what reaches it. A request short of tokens waits until they are due and is then
+//! forwarded; one that would wait longer than N is refused at once; one whose client leaves
+//! gives its tokens back.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use common::{Http, KBIG, RedisServer};
+use http::StatusCode;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tollgate_gateway::app::{self, GatewayConfig, RulesSource, Running};
+use tollgate_gateway::config::{ClockSource, StoreUrl};
+use tollgate_limit::clock::ManualClock;
+
+/// An upstream that answers every request 200 and counts them.
+struct Counting {
+    addr: SocketAddr,
+    hits: Arc<AtomicU64>,
+}
+
+impl Counting {
+    async fn start() -> Counting {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let hits = Arc::new(AtomicU64::new(0));
+        let h = hits.clone();
+        tokio::spawn(async move {
+            while let Ok((mut tcp, _)) = l.accept().await {
+                let h = h.clone();
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 4096];
+                    loop {
+                        while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            buf.drain(..end + 4);
+                            h.fetch_add(1, Ordering::SeqCst);
+                            let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                            if tcp.write_all(ok).await.is_err() {
+                                return;
+                            }
+                        }
+                        match tcp.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                });
+            }
+        });
+        Counting { addr, hits }
+    }
+
+    fn hits(&self) -> u64 {
+        self.hits.load(Ordering::SeqCst)
+    }
+}
+
+/// The demo rules with "queue": 10 a second per client IP, burst 1, a wait of up to 2 s, on
+/// `GET /v1/queued` (k-big's plan, 10,000 a second, never decides).
+fn rules(upstream: SocketAddr) -> String {
+    let mut rules: serde_json::Value = serde_json::from_str(&common::demo_rules_for(upstream)).unwrap();
+    rules["limits"]["queue"] = serde_json::json!({
+        "dimension": "ip", "rate": "10/1s", "burst": 1, "delay": {"max_wait_ms": 2000}
+    });
+    rules["routes"].as_array_mut().unwrap().insert(
+        0,
+        serde_json::json!({
+            "name": "queued", "method": "GET", "path": "/v1/queued", "upstream": "orders",
+            "cost": {"plan": 1, "queue": 1}
+        }),
+    );
+    rules.to_string()
+}
+
+async fn gateway(
+    rules: &str,
+    store: StoreUrl,
+    express: bool,
+    clock: Arc<ManualClock>,
+) -> (Running, tempfile::TempDir) {
+    let (dir, path) = common::rules_file(rules);
+    let mut cfg = GatewayConfig::new(RulesSource::File(path));
+    cfg.store = store;
+    cfg.clock = clock;
+    cfg.clock_source = ClockSource::Gateway;
+    cfg.store_timeout = Duration::from_secs(1);
+    cfg.limits.express = express;
+    let running = app::start(cfg).await.expect("gateway starts");
+    (running, dir)
+}
+
+/// Polls `cond` every 5 ms for up to 5 s (real time, for the gateway's tasks to run; the
+/// bucket's time is the manual clock's).
+async fn until(what: &str, cond: impl Fn() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < Duration::from_secs(5), "waited 5 s for {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Every case on its own buckets: a fresh gateway, and a flushed redis-server.
+fn cases(redis: &RedisServer) -> Vec<(String, StoreUrl, bool)> {
+    let mut out = Vec::new();
+    for store in ["memory", "redis"] {
+        for express in [true, false] {
+            let url = match store {
+                "memory" => StoreUrl::Memory,
+                _ => StoreUrl::parse(&redis.url()).unwrap(),
+            };
+            out.push((format!("{store}, express lane {express}"), url, express));
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thirty_at_once_are_forwarded_a_tenth_of_a_second_apart_and_nine_refused() {
+    let redis = RedisServer::start();
+    let http = Http::new();
+    for (case, store, express) in cases(&redis) {
+        redis.cli(&["FLUSHALL"]);
+        let up = Counting::start().await;
+        let clock = ManualClock::new(1_700_000_000_000_000);
+        let (gw, _dir) = gateway(&rules(up.addr), store, express, clock.clone()).await;
+        let url = format!("http://{}/v1/queued", gw.addr);
+        let tasks: Vec<_> = (0..30)
+            .map(|_| {
+                let (http, url) = (http.clone(), url.clone());
+                tokio::spawn(async move { http.get(&url, &[("x-api-key", KBIG)]).await })
+            })
+            .collect();
+
+        // At the first instant: the one token's request goes on, twenty wait, nine are refused.
+        until(&format!("{case}: the first request"), || up.hits() == 1).await;
+        until(&format!("{case}: twenty waiting"), || {
+            gw.metrics.queue_waiting.get() == 20
+        })
+        .await;
+        assert_eq!(gw.metrics.queued.get(), 20, "{case}");
+        // The first answered and nine refused; twenty still waiting.
+        until(&format!("{case}: nine refusals"), || {
+            tasks.iter().filter(|t| t.is_finished()).count() == 10
+        })
+        .await;
+
+        // Then one every 100 ms of the clock, and none a microsecond before its turn.
+        for k in 1..=20u64 {
+            clock.advance_us(99_999);
+            tokio::time::sleep(Duration::from_millis(60)).await;
+            assert_eq!(up.hits(), k, "{case}: nothing before {k} × 100 ms");
+            clock.advance_us(1);
+            until(&format!("{case}: request {} at {k} × 100 ms", k + 1), || {
+                up.hits() == k + 1
+            })
+            .await;
+        }
+        assert_eq!(gw.metrics.queue_waiting.get(), 0, "{case}");
+
+        let mut statuses = Vec::new();
+        for t in tasks {
+            let a = t.await.unwrap();
+            if a.status == StatusCode::TOO_MANY_REQUESTS {
+                // The 22nd would wait 2.1 s, the 30th 2.9 s: each passes within a second.
+                assert_eq!(a.header("retry-after"), Some("1"), "{case}");
+                assert_eq!(a.json()["limit"], "queue", "{case}: {:?}", a.body);
+            }
+            statuses.push(a.status.as_u16());
+        }
+        statuses.sort();
+        assert_eq!(statuses, [vec![200; 21], vec![429; 9]].concat(), "{case}");
+        assert_eq!(up.hits(), 21, "{case}");
+        gw.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_its_queue_gets_its_tokens_back() {
+    let redis = RedisServer::start();
+    let http = Http::new();
+    for (case, store, express) in cases(&redis) {
+        redis.cli(&["FLUSHALL"]);
+        let up = Counting::start().await;
+        let clock = ManualClock::new(1_700_000_000_000_000);
+        let (gw, _dir) = gateway(&rules(up.addr), store, express, clock.clone()).await;
+        let url = format!("http://{}/v1/queued", gw.addr);
+
+        // The one token.
+        assert_eq!(
+            http.get(&url, &[("x-api-key", KBIG)]).await.status,
+            StatusCode::OK,
+            "{case}"
+        );
+        // A client that queues for the next one, 100 ms out, and leaves.
+        let mut tcp = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+        let head = format!("GET /v1/queued HTTP/1.1\r\nHost: t\r\nx-api-key: {KBIG}\r\n\r\n");
+        tcp.write_all(head.as_bytes()).await.unwrap();
+        until(&format!("{case}: the client queued"), || {
+            gw.metrics.queue_waiting.get() == 1
+        })
+        .await;
+        drop(tcp);
+        until(&format!("{case}: the client left its queue"), || {
+            gw.metrics.queue_left.get() == 1
+        })
+        .await;
+        assert_eq!(gw.metrics.queue_waiting.get(), 0, "{case}");
+        // Given back, the next request is due in 100 ms, not 200.
+        let next = {
+            let (http, url) = (http.clone(), url.clone());
+            tokio::spawn(async move { http.get(&url, &[("x-api-key", KBIG)]).await })
+        };
+        until(&format!("{case}: the next one queued"), || {
+            gw.metrics.queue_waiting.get() == 1
+        })
+        .await;
+        clock.advance_us(100_000);
+        until(&format!("{case}: the next one forwarded at 100 ms"), || {
+            up.hits() == 2
+        })
+        .await;
+        assert_eq!(next.await.unwrap().status, StatusCode::OK, "{case}");
+        assert_eq!(up.hits(), 2, "{case}: the client that left was never forwarded");
+        gw.shutdown().await;
+    }
+}
