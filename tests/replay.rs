@@ -724,3 +724,36 @@ fn several_designs_replay_in_one_pass_and_report_each() {
     assert!(e.contains("--lease-block") && e.contains("--design lease"), "{e}");
     ok(&run(&["--design", "central,lease", "--lease-block", "5"]));
 }
+
+#[test]
+fn a_second_app_joins_the_storm_behind_the_partners_address() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("two-apps.csv");
+    ok(&tollgate(&[
+        "replay",
+        "--generate",
+        "storm",
+        "--second-app",
+        "20/1s",
+        "-o",
+        p(&trace),
+    ]));
+    let text = std::fs::read_to_string(&trace).unwrap();
+    assert_eq!(text.lines().count(), 1 + 48_615 + 7_200);
+    assert!(text.starts_with(
+        "time,key,gateway,ip\n32340.000000,k-7,0,198.51.100.7\n32340.000000,k-8,1,198.51.100.7\n"
+    ));
+    assert_eq!(text.lines().filter(|l| l.contains(",k-8,")).count(), 7_200);
+    assert!(text.ends_with("32699.950000,k-8,14,198.51.100.7\n"));
+    let err = fails(&tollgate(&[
+        "replay",
+        "--generate",
+        "hot",
+        "--second-app",
+        "20/1s",
+    ]));
+    assert!(
+        err.contains("--second-app") && err.contains("--generate storm"),
+        "{err}"
+    );
+}

@@ -20,7 +20,8 @@ use tollgate_rules::CompileOptions;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Generated {
     /// A retry storm on k-7 (40 workers, 400 a second for two minutes, with normal traffic
-    /// before and after): 48,615 rows from 08:59:00 to 09:02:59.8.
+    /// before and after): 48,615 rows from 08:59:00 to 09:02:59.8. With --second-app, a second
+    /// app of the same partner beside it, behind one address.
     Storm,
     /// A hot key: k-big at 100,000 a second for one minute from 09:10:00 (6,000,000 rows).
     Hot,
@@ -38,6 +39,7 @@ Examples:
   tollgate replay storm.csv --rate 600/60s --burst 20 --design local --json
   tollgate replay storm.csv --rate 600/60s --algorithm fixed-window --decisions out.csv
   tollgate replay exports.csv --rules rules/demo.json
+  tollgate replay --generate storm --second-app 20/1s -o two-apps.csv
   tollgate replay --generate hot -o hot.csv
   tollgate replay hot.csv --rate 10000/1s --burst 20000 --design lease --seed 1 --excess-from 33000.25
   tollgate replay storm.csv --rate 600/60s --burst 20 --design central,local --plot storm.svg
@@ -108,6 +110,10 @@ pub struct ReplayArgs {
     /// Where --generate writes (default: standard output).
     #[arg(short = 'o', long, requires = "generate")]
     pub output: Option<PathBuf>,
+    /// With --generate storm: a second app of the partner, k-8, at this rate (evenly) from
+    /// 08:59:00 until 09:05:00, and an ip column: both apps behind the one address 198.51.100.7.
+    #[arg(long, value_name = "N/P", value_parser = Rate::parse, requires = "generate")]
+    pub second_app: Option<Rate>,
 }
 
 /// A lease block size.
@@ -225,6 +231,9 @@ pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
         if a.gateways == 0 {
             return Err(setting("--gateways", "must be at least 1"));
         }
+        if a.second_app.is_some() && which != Generated::Storm {
+            return Err(setting("--second-app", "goes with --generate storm"));
+        }
         let target = a
             .output
             .as_ref()
@@ -236,9 +245,16 @@ pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
             )),
             None => Box::new(BufWriter::with_capacity(1 << 20, io::stdout().lock())),
         };
-        let written = match which {
-            Generated::Storm => generate::write_csv(generate::storm(a.gateways).into_iter(), &mut out),
-            Generated::Hot => generate::write_csv(generate::hot(a.gateways), &mut out),
+        let written = match (which, a.second_app) {
+            (Generated::Storm, None) => {
+                generate::write_csv(generate::storm(a.gateways).into_iter(), None, &mut out)
+            }
+            (Generated::Storm, Some(rate)) => generate::write_csv(
+                generate::with_second_app(generate::storm(a.gateways), rate, a.gateways),
+                Some(generate::PARTNER_IP),
+                &mut out,
+            ),
+            (Generated::Hot, _) => generate::write_csv(generate::hot(a.gateways), None, &mut out),
         };
         written.map_err(io_err(format!("cannot write {target}")))?;
         return Ok(());
