@@ -1,6 +1,7 @@
 //! `tollgate replay` reproduces the figures worked out by hand on its generated traces: the
-//! storm under every algorithm and design, two exports 1 ms apart under the demo rules, and the
-//! hot key under leased blocks; and it refuses bad input with errors that name the row and column.
+//! storm under every algorithm and design, the queue included, two exports 1 ms apart under the
+//! demo rules, and the hot key under leased blocks; and it refuses bad input with errors that
+//! name the row and column.
 
 use tollgate_limit::bucket::{Rate, US_PER_S};
 use tollgate_replay::algorithms::Verdict;
@@ -755,5 +756,108 @@ fn a_second_app_joins_the_storm_behind_the_partners_address() {
     assert!(
         err.contains("--second-app") && err.contains("--generate storm"),
         "{err}"
+    );
+}
+
+/// The trace's rows (time in µs, key) beside the decisions CSV's fields, and its header.
+fn beside(trace: &std::path::Path, decisions: &std::path::Path) -> (String, Vec<(u64, String, Vec<String>)>) {
+    let t = std::fs::read_to_string(trace).unwrap();
+    let d = std::fs::read_to_string(decisions).unwrap();
+    let mut d = d.lines();
+    let header = d.next().unwrap().to_string();
+    let rows: Vec<_> = t
+        .lines()
+        .skip(1)
+        .zip(d)
+        .map(|(row, dec)| {
+            let mut f = row.split(',');
+            let (whole, frac) = f.next().unwrap().split_once('.').unwrap();
+            let time = whole.parse::<u64>().unwrap() * US_PER_S + frac.parse::<u64>().unwrap();
+            let key = f.next().unwrap().to_string();
+            (time, key, dec.split(',').map(String::from).collect())
+        })
+        .collect();
+    assert_eq!(rows.len(), t.lines().count() - 1, "a decision per trace row");
+    (header, rows)
+}
+
+#[test]
+fn the_queue_releases_one_request_every_100_ms_through_the_storm() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("storm.csv");
+    let decisions = dir.path().join("waits.csv");
+    ok(&tollgate(&["replay", "--generate", "storm", "-o", p(&trace)]));
+    let queue = ["--algorithm", "queue", "--rate", "10/1s", "--queue", "20"];
+    let run = |extra: &[&str]| tollgate(&[&["replay", p(&trace)][..], &queue, extra].concat());
+    let out = ok(&run(&["--json", "--decisions", p(&decisions)]));
+    let (header, rows) = beside(&trace, &decisions);
+    assert_eq!(header, "admitted,retry_after,wait_us");
+    assert_eq!(rows.len(), 48_615);
+    let wait = |d: &[String]| (d[0] == "1").then(|| d[2].parse::<u64>().unwrap());
+    // Released (by release time, not arrival) in the storm's two minutes: one every 100 ms.
+    let released = rows
+        .iter()
+        .filter_map(|(t, _, d)| wait(d).map(|w| t + w))
+        .filter(|r| in_storm(*r))
+        .count();
+    assert_eq!(released, 1_200);
+    let storm_waits: Vec<u64> = rows
+        .iter()
+        .filter(|(t, _, _)| in_storm(*t))
+        .filter_map(|(_, _, d)| wait(d))
+        .collect();
+    assert_eq!(storm_waits.iter().max(), Some(&2_000_000));
+    assert_eq!(storm_waits.iter().filter(|&&w| w == 2_000_000).count(), 1_199);
+    // The page load: 15 calls at 08:59:30.100, one released every 100 ms, the last after 1.4 s.
+    let page = (8 * 3600 + 59 * 60 + 30) * US_PER_S + 100_000;
+    let page: Vec<&[String]> = rows
+        .iter()
+        .filter(|(t, _, _)| *t == page)
+        .map(|(_, _, d)| &d[..])
+        .collect();
+    assert_eq!(page.len(), 15);
+    assert_eq!(page[14], ["1", "0", "1400000"]);
+    // Refused: a place frees within 100 ms, and the wait column is empty.
+    assert!(
+        rows.iter()
+            .filter(|(_, _, d)| d[0] == "0")
+            .all(|(_, _, d)| d[1..] == ["1", ""])
+    );
+    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(json["algorithm"], "queue");
+    assert_eq!(json["admitted"], 1_835);
+    assert_eq!(json["released"], 1_835);
+    assert_eq!(json["longest_wait_us"], 2_000_000);
+    assert_eq!(json["keys"]["k-7"]["longest_wait_us"], 2_000_000);
+    let table = ok(&run(&[]));
+    assert!(
+        table.contains("released 1,835  longest wait 2.000000 s"),
+        "{table}"
+    );
+
+    // Several designs: the wait column follows each design's pair.
+    ok(&run(&["--design", "central,local", "--decisions", p(&decisions)]));
+    let d = std::fs::read_to_string(&decisions).unwrap();
+    assert_eq!(
+        d.lines().next(),
+        Some(
+            "central_admitted,central_retry_after,central_wait_us,local_admitted,local_retry_after,local_wait_us"
+        )
+    );
+
+    let bare = ["replay", p(&trace), "--rate", "10/1s"];
+    let e = fails(&tollgate(&[&bare[..], &["--algorithm", "queue"]].concat()));
+    assert!(e.contains("--queue"), "{e}");
+    let e = fails(&tollgate(
+        &[&bare[..], &["--burst", "20", "--queue", "20"]].concat(),
+    ));
+    assert!(
+        e.contains("--queue") && e.contains("only means something with --algorithm queue"),
+        "{e}"
+    );
+    let e = fails(&run(&["--burst", "20"]));
+    assert!(
+        e.contains("--burst") && e.contains("the queue has no burst"),
+        "{e}"
     );
 }

@@ -44,13 +44,15 @@ Examples:
   tollgate replay hot.csv --rate 10000/1s --burst 20000 --design lease --seed 1 --excess-from 33000.25
   tollgate replay storm.csv --rate 600/60s --burst 20 --design central,local --plot storm.svg
   tollgate replay storm.csv --rate 600/60s --burst 20 --plot-tokens k-7 --plot-window 32400..+300ms --plot first-300ms.png
+  tollgate replay storm.csv --algorithm queue --rate 10/1s --queue 20 --decisions waits.csv
 
 Several designs (--design central,local,shares) replay the trace once each: the table prints one
 block per design, --json an array of the one-design objects in --design order, and --decisions
 a pair of columns per design (central_admitted,central_retry_after,local_admitted,…).
 
 Decisions CSV: admitted,retry_after per trace row, in trace order: 1,0 when admitted; 0,N when
-limited with Retry-After N seconds; 0, (empty) when no wait can help (cost above the burst).")]
+limited with Retry-After N seconds; 0, (empty) when no wait can help (cost above the burst). The
+queue adds wait_us: microseconds from arrival to release, empty when refused.")]
 pub struct ReplayArgs {
     /// The trace CSV, or - for standard input.
     #[arg(required_unless_present = "generate")]
@@ -61,9 +63,13 @@ pub struct ReplayArgs {
     /// One limit per key: N tokens per period, such as 10/1s, 600/60s or 1/5s.
     #[arg(long, value_parser = Rate::parse, required_unless_present_any = ["rules", "generate"])]
     pub rate: Option<Rate>,
-    /// The bucket's burst in tokens (token-bucket and gcra; window algorithms have none).
+    /// The bucket's burst in tokens (token-bucket and gcra; window algorithms and the queue
+    /// have none).
     #[arg(long)]
     pub burst: Option<u64>,
+    /// With --algorithm queue: how many requests may wait behind the one being released.
+    #[arg(long, required_if_eq("algorithm", "queue"))]
+    pub queue: Option<u64>,
     /// How the fleet shares the limit; several, comma-separated, replay the trace under each.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "central")]
     pub design: Vec<Design>,
@@ -105,7 +111,7 @@ pub struct ReplayArgs {
     #[arg(long, value_name = "FROM..TO", value_parser = Window::parse, requires = "plot")]
     pub plot_window: Option<Window>,
     /// Write a generated trace instead of replaying one.
-    #[arg(long, value_enum, conflicts_with_all = ["trace", "rules", "rate", "burst", "json", "decisions", "plot"])]
+    #[arg(long, value_enum, conflicts_with_all = ["trace", "rules", "rate", "burst", "queue", "json", "decisions", "plot"])]
     pub generate: Option<Generated>,
     /// Where --generate writes (default: standard output).
     #[arg(short = 'o', long, requires = "generate")]
@@ -221,6 +227,7 @@ pub fn settings(a: &ReplayArgs) -> Result<Vec<Settings>, ReplayError> {
                 _ => None,
             },
             excess_from_us: a.excess_from,
+            queue: a.queue,
         })
         .collect())
 }
@@ -298,9 +305,13 @@ pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
     let mut decisions = match &a.decisions {
         Some(p) => {
             let f = File::create(p).map_err(io_err(format!("cannot create {}", p.display())))?;
-            let names: Vec<&str> = designs.iter().map(|d| d.name()).collect();
+            let columns: Vec<(&str, bool)> = designs
+                .iter()
+                .zip(&replays)
+                .map(|(d, r)| (d.name(), r.waits()))
+                .collect();
             Some(
-                DecisionWriter::new(BufWriter::with_capacity(1 << 20, f), &names)
+                DecisionWriter::new(BufWriter::with_capacity(1 << 20, f), &columns)
                     .map_err(io_err(format!("cannot write {}", p.display())))?,
             )
         }

@@ -3,7 +3,7 @@
 //!
 //! - [`trace`]: the CSV reader (exact decimal seconds → integer µs, errors naming row/column).
 //! - [`algorithms`]: the token bucket through `MemoryStore::check_at`, and GCRA, fixed window,
-//!   sliding log and sliding counter for comparison.
+//!   sliding log, sliding counter and the queue for comparison.
 //! - [`leased`]: the `lease` design, every gateway running `limit::lease` with a modelled
 //!   store round trip.
 //! - [`rules`]: a real rules file: routes, costs, several limits, all-or-nothing per request.
@@ -32,7 +32,9 @@ use std::sync::Arc;
 
 pub use args::ReplayArgs;
 
-use self::algorithms::{Buckets, FixedWindow, Gcra, Metered, SlidingCounter, SlidingLog, Verdict, share};
+use self::algorithms::{
+    Buckets, FixedWindow, Gcra, Metered, Queue, SlidingCounter, SlidingLog, Verdict, share,
+};
 use self::leased::LeaseFleet;
 use self::plot::{TokenTrace, Window};
 use self::report::{KeyStats, KeySummary, Summary};
@@ -70,6 +72,9 @@ pub enum Algorithm {
     SlidingLog,
     /// This window's count plus the previous window's, weighted.
     SlidingCounter,
+    /// Released at the rate, one every P/N, with up to --queue waiting (nginx's limit_req with
+    /// a burst and no nodelay).
+    Queue,
 }
 
 impl Design {
@@ -91,6 +96,7 @@ impl Algorithm {
             Algorithm::FixedWindow => "fixed-window",
             Algorithm::SlidingLog => "sliding-log",
             Algorithm::SlidingCounter => "sliding-counter",
+            Algorithm::Queue => "queue",
         }
     }
 
@@ -126,6 +132,8 @@ pub struct Settings {
     pub lease_block: Option<u64>,
     /// Only intervals starting at or after this time count for `worst_excess`.
     pub excess_from_us: Option<u64>,
+    /// `--algorithm queue`: how many may wait behind the request being released.
+    pub queue: Option<u64>,
 }
 
 impl Settings {
@@ -140,6 +148,7 @@ impl Settings {
             lease_rtt_us: 1_000,
             lease_block: None,
             excess_from_us: None,
+            queue: None,
         }
     }
 }
@@ -208,6 +217,7 @@ enum Engine {
     Fixed(Metered<FixedWindow>),
     Log(Metered<SlidingLog>),
     Counter(Metered<SlidingCounter>),
+    Queue(Metered<Queue>),
     // Boxed: one engine per replay, and the others stay small.
     Lease(Box<LeaseFleet>),
     Rules(Box<RulesFleet>),
@@ -266,6 +276,9 @@ impl Replay {
                 "--lease-block",
                 "only means something with --design lease",
             ));
+        }
+        if s.queue.is_some() && s.algorithm != Algorithm::Queue {
+            return Err(setting("--queue", "only means something with --algorithm queue"));
         }
         let per_gateway = matches!(s.design, Design::Local | Design::Shares);
         let (engine, rate, limit_text) = match &s.limit {
@@ -347,6 +360,28 @@ impl Replay {
                 Algorithm::SlidingLog => Engine::Log(Metered::new(SlidingLog { limit, period })),
                 _ => Engine::Counter(Metered::new(SlidingCounter { limit, period })),
             });
+        }
+        if s.algorithm == Algorithm::Queue {
+            if burst.is_some() {
+                return Err(setting(
+                    "--burst",
+                    "the queue has no burst: it releases one request every P/N and holds --queue more waiting",
+                ));
+            }
+            let Some(queue) = s.queue else {
+                return Err(setting("--queue", "required with --algorithm queue"));
+            };
+            let (rate, queue) = match s.design {
+                Design::Shares => (share(rate, 1, g).0, queue / g),
+                Design::Lease => {
+                    return Err(setting(
+                        "--design",
+                        "lease works with --algorithm token-bucket only",
+                    ));
+                }
+                _ => (rate, queue),
+            };
+            return Ok(Engine::Queue(Metered::new(Queue::new(rate, queue))));
         }
         let Some(burst) = burst else {
             return Err(setting(
@@ -444,6 +479,11 @@ impl Replay {
         matches!(self.engine, Engine::Rules(_))
     }
 
+    /// Whether its verdicts say how long an admitted request waited (the queue).
+    pub fn waits(&self) -> bool {
+        matches!(self.engine, Engine::Queue(_))
+    }
+
     fn key_index(&mut self, key: &str) -> Result<u32, RowError> {
         if let Some(&k) = self.key_ids.get(key) {
             return Ok(k);
@@ -465,9 +505,13 @@ impl Replay {
             None => self.rate,
         };
         let idx = self.keys.len() as u32;
+        let mut stats = KeyStats::new(rate, self.excess_from);
+        if matches!(self.engine, Engine::Queue(_)) {
+            stats.longest_wait = Some(0);
+        }
         self.keys.push(KeyEntry {
             name: key.into(),
-            stats: KeyStats::new(rate, self.excess_from),
+            stats,
             rules_key,
             excess_limit: excess.map(|e| e.0),
         });
@@ -558,6 +602,7 @@ impl Replay {
             Engine::Fixed(m) => (m.check(instance, now, cost), cost),
             Engine::Log(m) => (m.check(instance, now, cost), cost),
             Engine::Counter(m) => (m.check(instance, now, cost), cost),
+            Engine::Queue(m) => (m.check(instance, now, cost), cost),
             Engine::Lease(l) => (l.check(k, gw as u32, now, cost), cost),
             Engine::Rules(f) => {
                 let (Some(method), Some(path)) = (r.method, r.path) else {
@@ -581,7 +626,11 @@ impl Replay {
         self.rows += 1;
         self.first_time.get_or_insert(now);
         self.last_time = Some(now);
-        self.keys[k as usize].stats.record(now, verdict.admitted, tokens);
+        let stats = &mut self.keys[k as usize].stats;
+        stats.record(now, verdict.admitted, tokens);
+        if let (Some(w), Some(longest)) = (verdict.wait_us, &mut stats.longest_wait) {
+            *longest = (*longest).max(w);
+        }
         Ok(verdict)
     }
 
@@ -610,6 +659,8 @@ impl Replay {
                     worst_excess: e.stats.excess.as_ref().and_then(|x| x.value()),
                     held_at_end: held,
                     bucket_at_end: bucket,
+                    released: e.stats.longest_wait.map(|_| e.stats.admitted),
+                    longest_wait_us: e.stats.longest_wait,
                 },
             );
         }
@@ -618,6 +669,9 @@ impl Replay {
             Engine::Rules(r) => (r.store_calls, None, None),
             _ => (self.store_calls, None, None),
         };
+        let waits = self.waits();
+        let longest_wait_us =
+            waits.then(|| keys.values().filter_map(|k| k.longest_wait_us).max().unwrap_or(0));
         Summary {
             requests: self.rows,
             admitted,
@@ -632,6 +686,8 @@ impl Replay {
             last_us: self.last_time,
             lease_grants: grants,
             lease_denials: denials,
+            released: waits.then_some(admitted),
+            longest_wait_us,
         }
     }
 
@@ -759,4 +815,94 @@ pub(crate) fn run_trace<R: BufRead>(
         }
     }
     Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::generate::{self, GenRow, STORM_END_US, STORM_START_US};
+    use tollgate_limit::bucket::US_PER_S;
+
+    const fn hms(h: u64, m: u64, s: u64) -> u64 {
+        (h * 3_600 + m * 60 + s) * US_PER_S
+    }
+
+    /// Every row's time, key and verdict, and the summary.
+    fn replay(
+        s: Settings,
+        rows: impl IntoIterator<Item = GenRow>,
+    ) -> (Vec<(u64, &'static str, Verdict)>, Summary) {
+        let mut r = Replay::new(s).unwrap();
+        let out = rows
+            .into_iter()
+            .map(|row| {
+                let req = Request {
+                    time_us: row.time_us,
+                    key: row.key,
+                    gateway: Some(row.gateway),
+                    ..Request::default()
+                };
+                (row.time_us, row.key, r.check(&req).unwrap())
+            })
+            .collect();
+        (out, r.summary())
+    }
+
+    fn queue_storm() -> (Vec<(u64, &'static str, Verdict)>, Summary) {
+        let mut s = Settings::single(Rate::parse("10/1s").unwrap(), None);
+        s.algorithm = Algorithm::Queue;
+        s.queue = Some(20);
+        replay(s, generate::storm(20))
+    }
+
+    #[test]
+    fn the_queue_releases_1200_in_the_storm_none_waiting_over_2_s() {
+        let (rows, summary) = queue_storm();
+        let storm = STORM_START_US..STORM_END_US;
+        // Released, by release time: one every 100 ms from 09:00:00.000 to 09:01:59.900.
+        let released = rows
+            .iter()
+            .filter_map(|(t, _, v)| v.wait_us.map(|w| t + w))
+            .filter(|r| storm.contains(r))
+            .count();
+        assert_eq!(released, 1_200);
+        // Admitted by arrival: 21 in the first 50 ms, then the one arriving every 100 ms that
+        // finds exactly 20 ahead of it, waiting 2 s.
+        let waits: Vec<u64> = rows
+            .iter()
+            .filter(|(t, _, _)| storm.contains(t))
+            .filter_map(|(_, _, v)| v.wait_us)
+            .collect();
+        assert_eq!(waits.len(), 1_220);
+        assert_eq!(waits.iter().max(), Some(&2_000_000));
+        assert_eq!(waits.iter().filter(|&&w| w == 2_000_000).count(), 1_199);
+        // A refused request waits at most 100 ms for a place: Retry-After 1.
+        assert!(
+            rows.iter()
+                .filter(|(_, _, v)| !v.admitted)
+                .all(|(_, _, v)| v.retry_after == Some(1) && v.wait_us.is_none())
+        );
+        assert_eq!(summary.released, Some(summary.admitted));
+        assert_eq!(summary.longest_wait_us, Some(2_000_000));
+        assert_eq!(summary.keys["k-7"].longest_wait_us, Some(2_000_000));
+    }
+
+    #[test]
+    fn the_page_loads_last_call_waits_1_4_s() {
+        let (rows, _) = queue_storm();
+        let page = hms(8, 59, 30) + 100_000;
+        let waits: Vec<Option<u64>> = rows
+            .iter()
+            .filter(|(t, _, _)| *t == page)
+            .map(|(_, _, v)| v.wait_us)
+            .collect();
+        let expected: Vec<Option<u64>> = (0..15).map(|i| Some(i * 100_000)).collect();
+        assert_eq!(waits, expected);
+        // The normal traffic before it never waits.
+        assert!(
+            rows.iter()
+                .filter(|(t, _, _)| *t < hms(8, 59, 30))
+                .all(|(_, _, v)| v.wait_us == Some(0))
+        );
+    }
 }

@@ -1,5 +1,6 @@
 //! What a replay reports: per-key counts, the busiest 1 s and 60 s, the worst excess over the
-//! rate, and the outputs built from them (the human table, `--json`, `--decisions` CSV).
+//! rate, the queue's longest wait, and the outputs built from them (the human table, `--json`,
+//! `--decisions` CSV).
 //!
 //! Busiest windows are sliding and half-open, `[s, s + w)`, over every start `s`; the worst
 //! excess is the supremum of `admitted − r·t` over every interval, computed exactly in units
@@ -108,6 +109,8 @@ pub(crate) struct KeyStats {
     pub one_s: BusiestWindow,
     pub sixty_s: BusiestWindow,
     pub excess: Option<Excess>,
+    /// The queue: the longest an admitted request waited, µs.
+    pub longest_wait: Option<u64>,
 }
 
 impl KeyStats {
@@ -119,6 +122,7 @@ impl KeyStats {
             one_s: BusiestWindow::new(US_PER_S),
             sixty_s: BusiestWindow::new(60 * US_PER_S),
             excess: rate.map(|r| Excess::new(r, excess_from)),
+            longest_wait: None,
         }
     }
 
@@ -154,6 +158,12 @@ pub struct KeySummary {
     /// Lease design: tokens in the store's bucket at the last row's time.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bucket_at_end: Option<u64>,
+    /// The queue: requests released (every admitted one is, after its wait).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub released: Option<u64>,
+    /// The queue: the longest an admitted request waited for its release, µs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub longest_wait_us: Option<u64>,
 }
 
 /// The whole replay, as `--json` prints it.
@@ -178,6 +188,11 @@ pub struct Summary {
     pub lease_grants: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lease_denials: Option<u64>,
+    /// The queue: requests released, and the longest wait of any, µs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub released: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub longest_wait_us: Option<u64>,
 }
 
 impl Summary {
@@ -226,9 +241,13 @@ impl Summary {
         if let (Some(g), Some(d)) = (self.lease_grants, self.lease_denials) {
             writeln!(out, "leases granted {}  denied {}", group(g), group(d))?;
         }
+        if let (Some(r), Some(w)) = (self.released, self.longest_wait_us) {
+            writeln!(out, "released {}  longest wait {}", group(r), seconds(w))?;
+        }
         writeln!(out)?;
         let width = self.keys.keys().map(|k| k.len()).max().unwrap_or(3).max(3);
         let leased = self.keys.values().any(|k| k.held_at_end.is_some());
+        let queued = self.keys.values().any(|k| k.longest_wait_us.is_some());
         write!(
             out,
             "{:<width$}  {:>12}  {:>12}  {:>12}  {:>8}  {:>9}  {:>12}",
@@ -236,6 +255,9 @@ impl Summary {
         )?;
         if leased {
             write!(out, "  {:>13}  {:>13}", "held at end", "bucket at end")?;
+        }
+        if queued {
+            write!(out, "  {:>12}", "longest wait")?;
         }
         writeln!(out)?;
         for (name, k) in &self.keys {
@@ -259,10 +281,18 @@ impl Summary {
                     k.bucket_at_end.map_or("-".into(), group)
                 )?;
             }
+            if queued {
+                write!(out, "  {:>12}", k.longest_wait_us.map_or("-".into(), seconds))?;
+            }
             writeln!(out)?;
         }
         Ok(())
     }
+}
+
+/// µs as seconds to the µs: `2000000` → `2.000000 s`.
+fn seconds(us: u64) -> String {
+    format!("{}.{:06} s", us / US_PER_S, us % US_PER_S)
 }
 
 /// `48615` → `48,615`.
@@ -280,25 +310,39 @@ pub(crate) fn group(n: u64) -> String {
 
 /// Writes `admitted,retry_after` rows: `1,0` when admitted, `0,N` when limited, `0,` when no
 /// wait can help. With several designs each row holds one such pair per design, under headers
-/// named after them (`central_admitted,central_retry_after,local_admitted,…`).
+/// named after them (`central_admitted,central_retry_after,local_admitted,…`). A design that
+/// runs the queue adds `wait_us` after its pair: the µs an admitted request waited for its
+/// release, empty for a refused one.
 pub(crate) struct DecisionWriter<W: Write> {
     out: W,
+    /// Whether each design, in column order, has a `wait_us` column.
+    waits: Vec<bool>,
 }
 
 impl<W: Write> DecisionWriter<W> {
-    /// `designs` names the column pairs; with one design the header is plain, as it always was.
-    pub fn new(mut out: W, designs: &[&str]) -> io::Result<DecisionWriter<W>> {
-        if designs.len() <= 1 {
-            out.write_all(b"admitted,retry_after\n")?;
+    /// `designs` names the columns, each with whether it has `wait_us`; with one design the
+    /// header is plain, as it always was.
+    pub fn new(mut out: W, designs: &[(&str, bool)]) -> io::Result<DecisionWriter<W>> {
+        let plain = designs.len() <= 1;
+        let header: Vec<String> = designs
+            .iter()
+            .map(|&(d, wait)| {
+                let p = if plain { String::new() } else { format!("{d}_") };
+                let pair = format!("{p}admitted,{p}retry_after");
+                if wait { format!("{pair},{p}wait_us") } else { pair }
+            })
+            .collect();
+        let header = if header.is_empty() {
+            "admitted,retry_after".to_string()
         } else {
-            let header: Vec<String> = designs
-                .iter()
-                .map(|d| format!("{d}_admitted,{d}_retry_after"))
-                .collect();
-            out.write_all(header.join(",").as_bytes())?;
-            out.write_all(b"\n")?;
-        }
-        Ok(DecisionWriter { out })
+            header.join(",")
+        };
+        out.write_all(header.as_bytes())?;
+        out.write_all(b"\n")?;
+        Ok(DecisionWriter {
+            out,
+            waits: designs.iter().map(|d| d.1).collect(),
+        })
     }
 
     /// One trace row: each design's verdict, in the header's order.
@@ -309,6 +353,12 @@ impl<W: Write> DecisionWriter<W> {
                 self.out.write_all(b",")?;
             }
             self.pair(v.admitted, v.retry_after)?;
+            if self.waits.get(i).copied().unwrap_or(false) {
+                self.out.write_all(b",")?;
+                if let Some(w) = v.wait_us {
+                    self.out.write_all(itoa::Buffer::new().format(w).as_bytes())?;
+                }
+            }
         }
         self.out.write_all(b"\n")
     }

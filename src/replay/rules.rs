@@ -171,8 +171,8 @@ impl RulesFleet {
         }
         if !outcome.admitted {
             let verdict = Verdict {
-                admitted: false,
                 retry_after: decide(&batch, &outcome).retry_after(),
+                ..Verdict::refuse(None)
             };
             return Ok(Paid { verdict, tokens: 0 });
         }
