@@ -20,11 +20,15 @@ use tollgate_store::{CheckItem, FailurePolicy};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Verdict {
     pub admitted: bool,
-    /// Whole seconds: 0 when admitted, at least 1 when limited, `None` when no wait helps.
+    /// Whole seconds: 0 when admitted, at least 1 when limited, `None` when no wait helps (or,
+    /// with `block` set, until the block's end is known).
     pub retry_after: Option<u64>,
     /// The queue: µs from arrival to release of an admitted request; `None` for every other
     /// limiter, and for a refused request.
     pub wait_us: Option<u64>,
+    /// The edge design: the block that refused the request. A block's end is known only once
+    /// it has lifted, later in the trace, and the Retry-After counts to it.
+    pub block: Option<u32>,
 }
 
 impl Verdict {
@@ -32,6 +36,7 @@ impl Verdict {
         admitted: true,
         retry_after: Some(0),
         wait_us: None,
+        block: None,
     };
 
     /// A limited request whose wait is `wait_us` microseconds (`None`: never).
@@ -40,6 +45,7 @@ impl Verdict {
             admitted: false,
             retry_after: wait_us.map(retry_after_secs),
             wait_us: None,
+            block: None,
         }
     }
 

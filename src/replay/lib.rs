@@ -7,6 +7,8 @@
 //! - [`leased`]: the `lease` design, every gateway running `limit::lease` with a modelled
 //!   store round trip.
 //! - [`rules`]: a real rules file: routes, costs, several limits, all-or-nothing per request.
+//! - [`edge`]: the `edge` design, a WAF's rate-based rule per source address in front of the
+//!   gateway.
 //! - [`report`]: per-key statistics, the table, `--json` and `--decisions`.
 //! - [`generate`]: the retry-storm and hot-key traces.
 //! - [`plot`]: `--plot`'s charts, SVG or PNG: admitted per second per design, a bucket's tokens.
@@ -15,10 +17,12 @@
 //! Nothing here reads a clock: each row's time is the only `now`. Designs: `central` is one
 //! bucket per key for the fleet (one store call per request); `local` gives every gateway its
 //! own full bucket; `shares` gives each gateway rate r/N and burst
-//! max(1, ⌊b/N⌋); `lease` leases whole blocks from one store bucket.
+//! max(1, ⌊b/N⌋); `lease` leases whole blocks from one store bucket; `edge` replaces the
+//! gateway's limit with a WAF's rule per address, for comparison.
 
 pub mod algorithms;
 pub mod args;
+pub mod edge;
 pub mod generate;
 pub mod leased;
 pub mod plot;
@@ -35,9 +39,10 @@ pub use args::ReplayArgs;
 use self::algorithms::{
     Buckets, FixedWindow, Gcra, Metered, Queue, SlidingCounter, SlidingLog, Verdict, share,
 };
+use self::edge::{EdgeConfig, EdgeRule};
 use self::leased::LeaseFleet;
 use self::plot::{TokenTrace, Window};
-use self::report::{KeyStats, KeySummary, Summary};
+use self::report::{EdgeSummary, KeyStats, KeySummary, Summary};
 use self::rules::RulesFleet;
 use self::trace::{TraceError, TraceReader, format_time_us, parse_whole};
 use tollgate_limit::bucket::{BucketParams, Rate};
@@ -56,6 +61,9 @@ pub enum Design {
     Shares,
     /// Gateways lease whole blocks of tokens from one store bucket (hot keys).
     Lease,
+    /// No gateway limit: a WAF's rate-based rule in front, per source address (--edge-rule;
+    /// needs an ip column).
+    Edge,
 }
 
 /// How a limit counts.
@@ -84,6 +92,7 @@ impl Design {
             Design::Local => "local",
             Design::Shares => "shares",
             Design::Lease => "lease",
+            Design::Edge => "edge",
         }
     }
 }
@@ -115,6 +124,8 @@ pub enum LimitSpec {
     Single { rate: Rate, burst: Option<u64> },
     /// A compiled rules file.
     Rules(Arc<Snapshot>),
+    /// The edge design's rule, which replaces the gateway's limit.
+    Edge(EdgeConfig),
 }
 
 /// Everything a replay needs besides the trace.
@@ -149,6 +160,15 @@ impl Settings {
             lease_block: None,
             excess_from_us: None,
             queue: None,
+        }
+    }
+
+    /// The edge design with this rule.
+    pub fn edge(cfg: EdgeConfig) -> Settings {
+        Settings {
+            limit: LimitSpec::Edge(cfg),
+            design: Design::Edge,
+            ..Settings::single(cfg.rule, None)
         }
     }
 }
@@ -221,6 +241,7 @@ enum Engine {
     // Boxed: one engine per replay, and the others stay small.
     Lease(Box<LeaseFleet>),
     Rules(Box<RulesFleet>),
+    Edge(Box<EdgeRule>),
 }
 
 struct KeyEntry {
@@ -282,6 +303,33 @@ impl Replay {
         }
         let per_gateway = matches!(s.design, Design::Local | Design::Shares);
         let (engine, rate, limit_text) = match &s.limit {
+            LimitSpec::Edge(cfg) => {
+                if s.design != Design::Edge {
+                    return Err(setting(
+                        "--edge-rule",
+                        format!(
+                            "is the edge design's limit; {} needs --rate or --rules",
+                            s.design.name()
+                        ),
+                    ));
+                }
+                if cfg.check_us == 0 {
+                    return Err(setting("--edge-check", "must be above zero, such as 10s"));
+                }
+                if cfg.delay_us == 0 {
+                    return Err(setting(
+                        "--edge-delay",
+                        "must be above zero: a check counts the requests of its own instant, so it can act only after them",
+                    ));
+                }
+                (Engine::Edge(Box::new(EdgeRule::new(*cfg))), None, cfg.describe())
+            }
+            _ if s.design == Design::Edge => {
+                return Err(setting(
+                    "--edge-rule",
+                    "required with --design edge: the rule's N requests per trailing window W from one address, such as 3000/60s",
+                ));
+            }
             LimitSpec::Rules(snap) => {
                 if s.algorithm != Algorithm::TokenBucket {
                     return Err(setting(
@@ -353,6 +401,7 @@ impl Replay {
                         "lease works with --algorithm token-bucket only",
                     ));
                 }
+                Design::Edge => unreachable!("the edge design runs its own rule"),
             };
             let period = rate.period_us;
             return Ok(match s.algorithm {
@@ -428,7 +477,9 @@ impl Replay {
     /// bucket per key whose tokens mean something alone.
     pub fn watch_tokens(&mut self, key: &str, gateway: u64, window: Window) -> Result<(), ReplayError> {
         let Engine::Buckets(b) = &self.engine else {
-            let why = if matches!(self.engine, Engine::Rules(_)) {
+            let why = if matches!(self.engine, Engine::Edge(_)) {
+                "draws a token bucket; the edge design counts requests per address".to_string()
+            } else if matches!(self.engine, Engine::Rules(_)) {
                 "draws one bucket of --rate and --burst; with --rules a request may take from several buckets"
                     .to_string()
             } else if self.design == Design::Lease {
@@ -479,9 +530,25 @@ impl Replay {
         matches!(self.engine, Engine::Rules(_))
     }
 
+    /// Whether rows need `ip` (the edge design).
+    pub(crate) fn needs_ip(&self) -> bool {
+        matches!(self.engine, Engine::Edge(_))
+    }
+
     /// Whether its verdicts say how long an admitted request waited (the queue).
     pub fn waits(&self) -> bool {
         matches!(self.engine, Engine::Queue(_))
+    }
+
+    /// The edge design: when the block that refused a request ends, once that is certain. At a
+    /// row's time `now` every row up to it has been checked; `None` once the trace is over.
+    /// `None` for a block still on with no lift in sight, and for other designs.
+    pub fn block_end(&mut self, block: u32, now: Option<u64>) -> Option<u64> {
+        let last = self.last_time.unwrap_or(0);
+        match &mut self.engine {
+            Engine::Edge(e) => e.block_end(block, now, last),
+            _ => None,
+        }
     }
 
     fn key_index(&mut self, key: &str) -> Result<u32, RowError> {
@@ -603,6 +670,13 @@ impl Replay {
             Engine::Log(m) => (m.check(instance, now, cost), cost),
             Engine::Counter(m) => (m.check(instance, now, cost), cost),
             Engine::Queue(m) => (m.check(instance, now, cost), cost),
+            Engine::Edge(e) => {
+                let ip = r.ip.filter(|ip| !ip.is_empty()).ok_or_else(|| {
+                    RowError::new("ip", "empty; the edge design counts requests per source address")
+                })?;
+                let ip = std::str::from_utf8(ip).map_err(|_| RowError::new("ip", "not UTF-8"))?;
+                (e.check(ip, now), cost)
+            }
             Engine::Lease(l) => (l.check(k, gw as u32, now, cost), cost),
             Engine::Rules(f) => {
                 let (Some(method), Some(path)) = (r.method, r.path) else {
@@ -672,6 +746,10 @@ impl Replay {
         let waits = self.waits();
         let longest_wait_us =
             waits.then(|| keys.values().filter_map(|k| k.longest_wait_us).max().unwrap_or(0));
+        let edge = match &self.engine {
+            Engine::Edge(e) => Some(self.edge_summary(e)),
+            _ => None,
+        };
         Summary {
             requests: self.rows,
             admitted,
@@ -679,7 +757,11 @@ impl Replay {
             store_calls,
             keys,
             design: self.design.name().into(),
-            algorithm: self.algorithm.name().into(),
+            algorithm: if edge.is_some() {
+                "rate-based".into()
+            } else {
+                self.algorithm.name().into()
+            },
             limit: self.limit_text.clone(),
             gateways: self.gateways,
             first_us: self.first_time,
@@ -688,7 +770,20 @@ impl Replay {
             lease_denials: denials,
             released: waits.then_some(admitted),
             longest_wait_us,
+            edge,
         }
+    }
+
+    fn edge_summary(&self, e: &EdgeRule) -> EdgeSummary {
+        let blocks = e.blocks_at_end(self.last_time.unwrap_or(0));
+        let blocked = self
+            .keys
+            .iter()
+            .filter(|k| k.stats.limited > 0)
+            .map(|k| (k.name.to_string(), k.stats.limited))
+            .collect();
+        let passed_total = self.keys.iter().map(|k| k.stats.admitted).sum();
+        EdgeSummary::new(e, &blocks, passed_total, blocked)
     }
 
     /// Lease design: the fleet, for tools and tests that look inside.
@@ -709,8 +804,9 @@ impl Replay {
     }
 }
 
-/// What `run_trace` calls with each row's time and the replays' verdicts, in order.
-pub(crate) type OnRow<'a> = dyn FnMut(u64, &[Verdict]) -> Result<(), ReplayError> + 'a;
+/// What `run_trace` calls with each row's time and the replays' verdicts, in order, and the
+/// replays themselves, for what a later row settles (when an edge block ends).
+pub(crate) type OnRow<'a> = dyn FnMut(u64, &[Verdict], &mut [Replay]) -> Result<(), ReplayError> + 'a;
 
 /// How often a long replay reports progress on stderr.
 pub(crate) const PROGRESS_EVERY: u64 = 1_000_000;
@@ -750,6 +846,14 @@ pub(crate) fn run_trace<R: BufRead>(
         return Err(TraceError::Header {
             file: reader.file().to_string(),
             reason: "the cost_after column needs --rules: the rules say which limits are post-paid and what they reserve".into(),
+        }
+        .into());
+    }
+    if cols.ip.is_none() && replays.iter().any(Replay::needs_ip) {
+        return Err(TraceError::Header {
+            file: reader.file().to_string(),
+            reason: "the edge design counts requests per source address: the trace needs an \"ip\" column"
+                .into(),
         }
         .into());
     }
@@ -801,7 +905,7 @@ pub(crate) fn run_trace<R: BufRead>(
             Ok(None) => break,
             Err(e) => return Err(reader.field_error(e).into()),
         };
-        on_row(time_us, &verdicts)?;
+        on_row(time_us, &verdicts, replays)?;
         rows += 1;
         if progress && rows.is_multiple_of(PROGRESS_EVERY) {
             match total_bytes {
@@ -820,7 +924,8 @@ pub(crate) fn run_trace<R: BufRead>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::generate::{self, GenRow, STORM_END_US, STORM_START_US};
+    use crate::edge::EdgeConfig;
+    use crate::generate::{self, GenRow, PARTNER_IP, STORM_END_US, STORM_START_US};
     use tollgate_limit::bucket::US_PER_S;
 
     const fn hms(h: u64, m: u64, s: u64) -> u64 {
@@ -840,6 +945,7 @@ mod tests {
                     time_us: row.time_us,
                     key: row.key,
                     gateway: Some(row.gateway),
+                    ip: Some(PARTNER_IP.as_bytes()),
                     ..Request::default()
                 };
                 (row.time_us, row.key, r.check(&req).unwrap())
@@ -904,5 +1010,74 @@ mod tests {
                 .filter(|(t, _, _)| *t < hms(8, 59, 30))
                 .all(|(_, _, v)| v.wait_us == Some(0))
         );
+    }
+
+    fn edge(delay_s: u64, count_blocked: bool) -> (Vec<(u64, &'static str, Verdict)>, Summary) {
+        let cfg = EdgeConfig {
+            rule: Rate::parse("3000/60s").unwrap(),
+            check_us: 10 * US_PER_S,
+            delay_us: delay_s * US_PER_S,
+            count_blocked,
+        };
+        let two_apps = generate::with_second_app(generate::storm(20), Rate::parse("20/1s").unwrap(), 20);
+        replay(Settings::edge(cfg), two_apps)
+    }
+
+    #[test]
+    fn the_edge_rule_blocks_the_partners_address_40_s_into_the_flood_and_k8_with_it() {
+        let (rows, summary) = edge(30, true);
+        let e = summary.edge.as_ref().unwrap();
+        let some = |s: &str| Some(s.to_string());
+        assert_eq!(e.ip, some(PARTNER_IP));
+        assert_eq!(e.first_over_check, some("09:00:10.000"));
+        assert_eq!(e.block_start, some("09:00:40.000"));
+        assert_eq!(e.first_under_check, some("09:03:00.000"));
+        assert_eq!(e.block_end, some("09:03:30.000"));
+        assert_eq!(e.flood_start, some("09:00:00.000"));
+        // 40 s at 400 + 20 a second.
+        assert_eq!(e.passed, Some(16_800));
+        // k-8: 20 a second for 170 s. k-7: the storm's last 80 s, then its 300 normal
+        // requests from 09:02:00 to 09:02:59.8, all before the lift.
+        assert_eq!(e.blocked["k-8"], 3_400);
+        assert_eq!(e.blocked["k-7"], 32_000 + 300);
+        assert_eq!(e.blocked_total, 35_700);
+        assert_eq!(e.passed_total, 48_615 + 7_200 - 35_700);
+        assert_eq!(e.blocks.len(), 1);
+        assert_eq!(summary.keys["k-8"].limited, 3_400);
+        let blocked =
+            |(t, _, v): &&(u64, &str, Verdict)| !v.admitted && (hms(9, 0, 40)..hms(9, 3, 30)).contains(t);
+        assert_eq!(rows.iter().filter(blocked).count(), 35_700);
+    }
+
+    #[test]
+    fn a_longer_delay_lets_more_of_the_flood_through() {
+        let (_, summary) = edge(50, true);
+        let e = summary.edge.unwrap();
+        assert_eq!(e.block_start.as_deref(), Some("09:01:00.000"));
+        assert_eq!(e.passed, Some(25_200));
+    }
+
+    #[test]
+    fn uncounted_blocked_requests_end_the_block_at_09_02_10() {
+        let (_, summary) = edge(30, false);
+        let e = summary.edge.unwrap();
+        assert_eq!(e.block_start.as_deref(), Some("09:00:40.000"));
+        // Blocked from 09:00:40, nothing counts: the 09:01:40 check is the first under.
+        assert_eq!(e.first_under_check.as_deref(), Some("09:01:40.000"));
+        assert_eq!(e.block_end.as_deref(), Some("09:02:10.000"));
+        assert_eq!(e.blocks.len(), 1);
+    }
+
+    #[test]
+    fn the_gateway_decides_k8_alike_with_or_without_k7s_storm() {
+        let limit = || Settings::single(Rate::parse("600/60s").unwrap(), Some(20));
+        let two_apps: Vec<GenRow> =
+            generate::with_second_app(generate::storm(20), Rate::parse("20/1s").unwrap(), 20).collect();
+        let (both, _) = replay(limit(), two_apps.iter().copied());
+        let (alone, summary) = replay(limit(), two_apps.iter().copied().filter(|r| r.key == "k-8"));
+        let k8: Vec<Verdict> = both.iter().filter(|r| r.1 == "k-8").map(|r| r.2).collect();
+        assert_eq!(k8, alone.iter().map(|r| r.2).collect::<Vec<_>>());
+        // 20 a second against 10: refused for its own excess only, from its burst's end on.
+        assert_eq!(summary.keys["k-8"].limited, 3_581);
     }
 }

@@ -213,7 +213,7 @@ impl RulesFleet {
                     }
                 }
             }
-            Design::Lease => unreachable!("rejected when the replay is set up"),
+            Design::Lease | Design::Edge => unreachable!("rejected when the replay is set up"),
         }
         Ok(())
     }
