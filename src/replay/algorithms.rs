@@ -1,6 +1,7 @@
 //! The limiters a replay can run, each deciding one request at a given microsecond: the
 //! gateway's own token bucket (through `MemoryStore::check_at`), and for comparison GCRA, the
-//! fixed window, the sliding log and the sliding window counter, all in exact integers.
+//! fixed window, the sliding log, the sliding window counter and the queue, all in exact
+//! integers.
 //!
 //! Window algorithms read `--rate N/P` as "N per window of P". Fixed windows (and the counter's
 //! windows) are aligned on multiples of P from time 0, so with times in seconds since midnight a
@@ -19,14 +20,23 @@ use tollgate_store::{CheckItem, FailurePolicy};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Verdict {
     pub admitted: bool,
-    /// Whole seconds: 0 when admitted, at least 1 when limited, `None` when no wait helps.
+    /// Whole seconds: 0 when admitted, at least 1 when limited, `None` when no wait helps (or,
+    /// with `block` set, until the block's end is known).
     pub retry_after: Option<u64>,
+    /// The queue: µs from arrival to release of an admitted request; `None` for every other
+    /// limiter, and for a refused request.
+    pub wait_us: Option<u64>,
+    /// The edge design: the block that refused the request. A block's end is known only once
+    /// it has lifted, later in the trace, and the Retry-After counts to it.
+    pub block: Option<u32>,
 }
 
 impl Verdict {
     pub(crate) const ALLOW: Verdict = Verdict {
         admitted: true,
         retry_after: Some(0),
+        wait_us: None,
+        block: None,
     };
 
     /// A limited request whose wait is `wait_us` microseconds (`None`: never).
@@ -34,6 +44,16 @@ impl Verdict {
         Verdict {
             admitted: false,
             retry_after: wait_us.map(retry_after_secs),
+            wait_us: None,
+            block: None,
+        }
+    }
+
+    /// A request admitted after waiting `wait_us` in a queue.
+    pub fn released_after(wait_us: u64) -> Verdict {
+        Verdict {
+            wait_us: Some(wait_us),
+            ..Verdict::ALLOW
         }
     }
 }
@@ -232,6 +252,54 @@ impl Meter for SlidingCounter {
     }
 }
 
+/// A leaky bucket used as a queue, as nginx's `limit_req` with a `burst` and no `nodelay`:
+/// requests leave at the rate, one every `I = P / N`, and up to `queue` wait behind the one
+/// being released; a request that would find more ahead of it is refused. Time is counted in
+/// units of `1 / N` µs, as GCRA does, so `I` is exactly `P` units.
+///
+/// A request of cost `c` takes `c` places: it is refused when its last place would wait more
+/// than `queue` intervals, so a cost above `queue + 1` never fits.
+#[derive(Clone, Copy, Debug)]
+pub struct Queue {
+    tokens: u128,
+    period: u128,
+    queue: u64,
+}
+
+impl Queue {
+    pub fn new(rate: Rate, queue: u64) -> Queue {
+        Queue {
+            tokens: rate.tokens as u128,
+            period: rate.period_us as u128,
+            queue,
+        }
+    }
+}
+
+impl Meter for Queue {
+    /// The earliest time the next request may be released, in units of `1 / N` µs; `None`
+    /// for a key that has been quiet ("release at once").
+    type State = Option<u128>;
+
+    fn check(&self, next: &mut Option<u128>, now: u64, cost: u64) -> Verdict {
+        if cost > self.queue.saturating_add(1) {
+            return Verdict::refuse(None);
+        }
+        let now_u = now as u128 * self.tokens;
+        let release = next.map_or(now_u, |n| n.max(now_u));
+        let wait = release - now_u;
+        let ahead = (self.queue + 1 - cost) as u128 * self.period;
+        if wait <= ahead {
+            *next = Some(release + cost as u128 * self.period);
+            // Rounded up, so arrival + wait is never before the release.
+            Verdict::released_after(wait.div_ceil(self.tokens).min(u64::MAX as u128) as u64)
+        } else {
+            let retry = (wait - ahead).div_ceil(self.tokens);
+            Verdict::refuse(Some(retry.min(u64::MAX as u128) as u64))
+        }
+    }
+}
+
 /// A meter's state per instance (a key, or a key on one gateway).
 pub(crate) struct Metered<M: Meter> {
     pub meter: M,
@@ -302,8 +370,8 @@ impl Buckets {
             Verdict::ALLOW
         } else {
             Verdict {
-                admitted: false,
                 retry_after: decide(batch, &outcome).retry_after(),
+                ..Verdict::refuse(None)
             }
         }
     }
@@ -405,5 +473,26 @@ mod tests {
             admitted += 1;
         }
         assert_eq!(admitted, 363);
+    }
+
+    #[test]
+    fn queue_releases_one_per_interval_and_refuses_past_its_length() {
+        let q = Queue::new(Rate::parse("10/1s").unwrap(), 2);
+        let mut s = None;
+        let waits: Vec<Verdict> = (0..4).map(|_| q.check(&mut s, 0, 1)).collect();
+        // One released at once, two behind it; the fourth would have three ahead.
+        assert_eq!(waits[0], Verdict::released_after(0));
+        assert_eq!(waits[1], Verdict::released_after(100_000));
+        assert_eq!(waits[2], Verdict::released_after(200_000));
+        assert_eq!(waits[3], Verdict::refuse(Some(100_000)));
+        assert_eq!(waits[3].retry_after, Some(1));
+        // At 100 ms the second is being released and a place is free again.
+        assert_eq!(q.check(&mut s, 100_000, 1), Verdict::released_after(200_000));
+        assert_eq!(q.check(&mut s, 100_000, 4), Verdict::refuse(None));
+        // 3 a second: an interval of 333,333.3 µs, counted exactly, waits rounded up.
+        let q = Queue::new(Rate::parse("3/1s").unwrap(), 5);
+        let mut s = None;
+        let w: Vec<Option<u64>> = (0..4).map(|_| q.check(&mut s, 0, 1).wait_us).collect();
+        assert_eq!(w, [Some(0), Some(333_334), Some(666_667), Some(1_000_000)]);
     }
 }

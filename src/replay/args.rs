@@ -7,20 +7,22 @@ use std::io::{self, BufReader, BufWriter, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use clap::{Args, ValueEnum};
+use clap::{ArgAction, Args, ValueEnum};
 
+use super::edge::EdgeConfig;
 use super::plot::{Admitted, Chart, Format, Window};
 use super::report::{DecisionWriter, Summary};
 use super::trace::{TraceReader, parse_time_us};
 use super::{Algorithm, Design, LimitSpec, Replay, ReplayError, Settings, generate, run_trace, setting};
-use tollgate_limit::bucket::Rate;
+use tollgate_limit::bucket::{Rate, US_PER_S};
 use tollgate_rules::CompileOptions;
 
 /// A trace the command can generate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Generated {
     /// A retry storm on k-7 (40 workers, 400 a second for two minutes, with normal traffic
-    /// before and after): 48,615 rows from 08:59:00 to 09:02:59.8.
+    /// before and after): 48,615 rows from 08:59:00 to 09:02:59.8. With --second-app, a second
+    /// app of the same partner beside it, behind one address.
     Storm,
     /// A hot key: k-big at 100,000 a second for one minute from 09:10:00 (6,000,000 rows).
     Hot,
@@ -30,7 +32,8 @@ pub enum Generated {
 #[command(after_help = "\
 Trace: CSV with a header row. Required columns: time (decimal seconds, up to 6 decimals), key.
 Optional: gateway (0-based; default round-robin over rows), cost (default 1), and method, path, ip
-for --rules (key is then the key id from the rules file, such as k-7, never the secret).
+for --rules (key is then the key id from the rules file, such as k-7, never the secret); ip for
+--design edge.
 
 Examples:
   tollgate replay --generate storm -o storm.csv
@@ -42,13 +45,25 @@ Examples:
   tollgate replay hot.csv --rate 10000/1s --burst 20000 --design lease --seed 1 --excess-from 33000.25
   tollgate replay storm.csv --rate 600/60s --burst 20 --design central,local --plot storm.svg
   tollgate replay storm.csv --rate 600/60s --burst 20 --plot-tokens k-7 --plot-window 32400..+300ms --plot first-300ms.png
+  tollgate replay storm.csv --algorithm queue --rate 10/1s --queue 20 --decisions waits.csv
+  tollgate replay --generate storm --second-app 20/1s -o two-apps.csv
+  tollgate replay two-apps.csv --design edge --edge-rule 3000/60s --json
+  tollgate replay two-apps.csv --design edge,central --edge-rule 3000/60s --rate 600/60s --burst 20
+
+The edge design replaces the gateway's limit with a WAF's rate-based rule, modelled on AWS WAF:
+it counts each address's requests over the trailing W of --edge-rule N/W, checks the count every
+--edge-check (on multiples of it from midnight), and blocks (or lifts a block) --edge-delay after
+the first check over the limit (or, while blocking, the first not over it). --rate, --burst and
+--rules apply to the other designs beside it.
 
 Several designs (--design central,local,shares) replay the trace once each: the table prints one
 block per design, --json an array of the one-design objects in --design order, and --decisions
 a pair of columns per design (central_admitted,central_retry_after,local_admitted,…).
 
 Decisions CSV: admitted,retry_after per trace row, in trace order: 1,0 when admitted; 0,N when
-limited with Retry-After N seconds; 0, (empty) when no wait can help (cost above the burst).")]
+limited with Retry-After N seconds; 0, (empty) when no wait can help (cost above the burst). The
+queue adds wait_us: microseconds from arrival to release, empty when refused. A request the edge
+rule blocked has N = the seconds until the block lifts.")]
 pub struct ReplayArgs {
     /// The trace CSV, or - for standard input.
     #[arg(required_unless_present = "generate")]
@@ -57,11 +72,15 @@ pub struct ReplayArgs {
     #[arg(long, conflicts_with_all = ["rate", "burst"])]
     pub rules: Option<PathBuf>,
     /// One limit per key: N tokens per period, such as 10/1s, 600/60s or 1/5s.
-    #[arg(long, value_parser = Rate::parse, required_unless_present_any = ["rules", "generate"])]
+    #[arg(long, value_parser = Rate::parse)]
     pub rate: Option<Rate>,
-    /// The bucket's burst in tokens (token-bucket and gcra; window algorithms have none).
+    /// The bucket's burst in tokens (token-bucket and gcra; window algorithms and the queue
+    /// have none).
     #[arg(long)]
     pub burst: Option<u64>,
+    /// With --algorithm queue: how many requests may wait behind the one being released.
+    #[arg(long, required_if_eq("algorithm", "queue"))]
+    pub queue: Option<u64>,
     /// How the fleet shares the limit; several, comma-separated, replay the trace under each.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "central")]
     pub design: Vec<Design>,
@@ -103,11 +122,31 @@ pub struct ReplayArgs {
     #[arg(long, value_name = "FROM..TO", value_parser = Window::parse, requires = "plot")]
     pub plot_window: Option<Window>,
     /// Write a generated trace instead of replaying one.
-    #[arg(long, value_enum, conflicts_with_all = ["trace", "rules", "rate", "burst", "json", "decisions", "plot"])]
+    #[arg(long, value_enum, conflicts_with_all = [
+        "trace", "rules", "rate", "burst", "queue", "json", "decisions", "plot",
+        "edge_rule", "edge_check", "edge_delay", "edge_count_blocked",
+    ])]
     pub generate: Option<Generated>,
     /// Where --generate writes (default: standard output).
     #[arg(short = 'o', long, requires = "generate")]
     pub output: Option<PathBuf>,
+    /// With --generate storm: a second app of the partner, k-8, at this rate (evenly) from
+    /// 08:59:00 until 09:05:00, and an ip column: both apps behind the one address 198.51.100.7.
+    #[arg(long, value_name = "N/P", value_parser = Rate::parse, requires = "generate")]
+    pub second_app: Option<Rate>,
+    /// The edge design's rule: at most N requests from one address in any trailing W, such as
+    /// 3000/60s.
+    #[arg(long, value_name = "N/W", value_parser = Rate::parse)]
+    pub edge_rule: Option<Rate>,
+    /// The edge design: how often the rule checks each address's count [default: 10s].
+    #[arg(long, value_name = "DURATION", value_parser = parse_micros)]
+    pub edge_check: Option<u64>,
+    /// The edge design: how long after a check its block, or lift, takes effect [default: 30s].
+    #[arg(long, value_name = "DURATION", value_parser = parse_micros)]
+    pub edge_delay: Option<u64>,
+    /// The edge design: whether blocked requests count toward the rate [default: true].
+    #[arg(long, value_name = "true|false", action = ArgAction::Set)]
+    pub edge_count_blocked: Option<bool>,
 }
 
 /// A lease block size.
@@ -187,12 +226,40 @@ fn designs(a: &ReplayArgs) -> Result<Vec<Design>, ReplayError> {
 /// The settings these arguments describe, one per design in `--design` order (the rules file
 /// is loaded and compiled here, once).
 pub fn settings(a: &ReplayArgs) -> Result<Vec<Settings>, ReplayError> {
+    let designs = designs(a)?;
+    let edge = designs.contains(&Design::Edge);
+    let others = designs.iter().any(|&d| d != Design::Edge);
+    let edge_flags = [
+        ("--edge-rule", a.edge_rule.is_some()),
+        ("--edge-check", a.edge_check.is_some()),
+        ("--edge-delay", a.edge_delay.is_some()),
+        ("--edge-count-blocked", a.edge_count_blocked.is_some()),
+    ];
+    if let Some((flag, _)) = edge_flags.iter().find(|f| f.1 && !edge) {
+        return Err(setting(flag, "only means something with --design edge"));
+    }
+    if !others {
+        let gateway_flags = [
+            ("--rate", a.rate.is_some()),
+            ("--burst", a.burst.is_some()),
+            ("--rules", a.rules.is_some()),
+            ("--queue", a.queue.is_some()),
+            ("--algorithm", a.algorithm != Algorithm::default()),
+        ];
+        if let Some((flag, _)) = gateway_flags.iter().find(|f| f.1) {
+            return Err(setting(
+                flag,
+                "the edge design replays its own rule, --edge-rule; add a design for the gateway's limit beside it, such as --design edge,central",
+            ));
+        }
+    }
     let limit = match (&a.rules, a.rate) {
+        _ if !others => None,
         (Some(path), _) => {
             let snap = tollgate_rules::load(path, CompileOptions::default())?;
-            LimitSpec::Rules(Arc::new(snap))
+            Some(LimitSpec::Rules(Arc::new(snap)))
         }
-        (None, Some(rate)) => LimitSpec::Single { rate, burst: a.burst },
+        (None, Some(rate)) => Some(LimitSpec::Single { rate, burst: a.burst }),
         (None, None) => {
             return Err(setting(
                 "--rate",
@@ -200,21 +267,42 @@ pub fn settings(a: &ReplayArgs) -> Result<Vec<Settings>, ReplayError> {
             ));
         }
     };
-    let designs = designs(a)?;
+    let edge_cfg = match a.edge_rule {
+        Some(rule) => Some(EdgeConfig {
+            rule,
+            check_us: a.edge_check.unwrap_or(10 * US_PER_S),
+            delay_us: a.edge_delay.unwrap_or(30 * US_PER_S),
+            count_blocked: a.edge_count_blocked.unwrap_or(true),
+        }),
+        None if edge => {
+            return Err(setting(
+                "--edge-rule",
+                "required with --design edge: the rule's N requests per trailing window W from one address, such as 3000/60s",
+            ));
+        }
+        None => None,
+    };
     Ok(designs
         .into_iter()
-        .map(|design| Settings {
-            limit: limit.clone(),
-            design,
-            algorithm: a.algorithm,
-            gateways: a.gateways,
-            seed: a.seed,
-            lease_rtt_us: a.lease_rtt,
-            lease_block: match a.lease_block {
-                Some(Block::Tokens(n)) if design == Design::Lease => Some(n),
-                _ => None,
-            },
-            excess_from_us: a.excess_from,
+        .filter_map(|design| {
+            let limit = match design {
+                Design::Edge => LimitSpec::Edge(edge_cfg?),
+                _ => limit.clone()?,
+            };
+            Some(Settings {
+                limit,
+                design,
+                algorithm: a.algorithm,
+                gateways: a.gateways,
+                seed: a.seed,
+                lease_rtt_us: a.lease_rtt,
+                lease_block: match a.lease_block {
+                    Some(Block::Tokens(n)) if design == Design::Lease => Some(n),
+                    _ => None,
+                },
+                excess_from_us: a.excess_from,
+                queue: a.queue.filter(|_| design != Design::Edge),
+            })
         })
         .collect())
 }
@@ -224,6 +312,9 @@ pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
     if let Some(which) = a.generate {
         if a.gateways == 0 {
             return Err(setting("--gateways", "must be at least 1"));
+        }
+        if a.second_app.is_some() && which != Generated::Storm {
+            return Err(setting("--second-app", "goes with --generate storm"));
         }
         let target = a
             .output
@@ -236,9 +327,16 @@ pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
             )),
             None => Box::new(BufWriter::with_capacity(1 << 20, io::stdout().lock())),
         };
-        let written = match which {
-            Generated::Storm => generate::write_csv(generate::storm(a.gateways).into_iter(), &mut out),
-            Generated::Hot => generate::write_csv(generate::hot(a.gateways), &mut out),
+        let written = match (which, a.second_app) {
+            (Generated::Storm, None) => {
+                generate::write_csv(generate::storm(a.gateways).into_iter(), None, &mut out)
+            }
+            (Generated::Storm, Some(rate)) => generate::write_csv(
+                generate::with_second_app(generate::storm(a.gateways), rate, a.gateways),
+                Some(generate::PARTNER_IP),
+                &mut out,
+            ),
+            (Generated::Hot, _) => generate::write_csv(generate::hot(a.gateways), None, &mut out),
         };
         written.map_err(io_err(format!("cannot write {target}")))?;
         return Ok(());
@@ -282,9 +380,13 @@ pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
     let mut decisions = match &a.decisions {
         Some(p) => {
             let f = File::create(p).map_err(io_err(format!("cannot create {}", p.display())))?;
-            let names: Vec<&str> = designs.iter().map(|d| d.name()).collect();
+            let columns: Vec<(&str, bool)> = designs
+                .iter()
+                .zip(&replays)
+                .map(|(d, r)| (d.name(), r.waits()))
+                .collect();
             Some(
-                DecisionWriter::new(BufWriter::with_capacity(1 << 20, f), &names)
+                DecisionWriter::new(BufWriter::with_capacity(1 << 20, f), &columns)
                     .map_err(io_err(format!("cannot write {}", p.display())))?,
             )
         }
@@ -296,9 +398,10 @@ pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
         .map(|p| p.display().to_string())
         .unwrap_or_default();
     let mut admitted = a.plot.as_ref().map(|_| Admitted::new(window, designs.len()));
-    run_trace(&mut replays, &mut reader, true, size, &mut |t, v| {
+    run_trace(&mut replays, &mut reader, true, size, &mut |t, v, replays| {
         if let Some(d) = decisions.as_mut() {
-            d.write(v).map_err(io_err(format!("cannot write {dname}")))?;
+            d.write(t, v, &mut |i, b| replays[i].block_end(b, Some(t)))
+                .map_err(io_err(format!("cannot write {dname}")))?;
         }
         if let Some(p) = admitted.as_mut() {
             p.row(t, v);
@@ -306,7 +409,8 @@ pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
         Ok(())
     })?;
     if let Some(d) = decisions {
-        d.finish().map_err(io_err(format!("cannot write {dname}")))?;
+        d.finish(&mut |i, b| replays[i].block_end(b, None))
+            .map_err(io_err(format!("cannot write {dname}")))?;
     }
     let summaries: Vec<Summary> = replays.iter().map(Replay::summary).collect();
     let mut out = io::stdout().lock();

@@ -14,7 +14,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::algorithms::Verdict;
-use tollgate_limit::bucket::{BucketState, retry_after_secs};
+use tollgate_limit::bucket::BucketState;
 use tollgate_limit::lease::{BLOCK_TTL_US, Grant, Holder, LeaseConfig, MAX_JITTER_US, give_back, lease};
 
 #[derive(Clone, Copy, Debug)]
@@ -167,10 +167,7 @@ impl LeaseFleet {
         if spend.admitted {
             Verdict::ALLOW
         } else {
-            Verdict {
-                admitted: false,
-                retry_after: spend.wait_us.map(retry_after_secs),
-            }
+            Verdict::refuse(spend.wait_us)
         }
     }
 

@@ -3,10 +3,12 @@
 //!
 //! - [`trace`]: the CSV reader (exact decimal seconds → integer µs, errors naming row/column).
 //! - [`algorithms`]: the token bucket through `MemoryStore::check_at`, and GCRA, fixed window,
-//!   sliding log and sliding counter for comparison.
+//!   sliding log, sliding counter and the queue for comparison.
 //! - [`leased`]: the `lease` design, every gateway running `limit::lease` with a modelled
 //!   store round trip.
 //! - [`rules`]: a real rules file: routes, costs, several limits, all-or-nothing per request.
+//! - [`edge`]: the `edge` design, a WAF's rate-based rule per source address in front of the
+//!   gateway.
 //! - [`report`]: per-key statistics, the table, `--json` and `--decisions`.
 //! - [`generate`]: the retry-storm and hot-key traces.
 //! - [`plot`]: `--plot`'s charts, SVG or PNG: admitted per second per design, a bucket's tokens.
@@ -15,10 +17,12 @@
 //! Nothing here reads a clock: each row's time is the only `now`. Designs: `central` is one
 //! bucket per key for the fleet (one store call per request); `local` gives every gateway its
 //! own full bucket; `shares` gives each gateway rate r/N and burst
-//! max(1, ⌊b/N⌋); `lease` leases whole blocks from one store bucket.
+//! max(1, ⌊b/N⌋); `lease` leases whole blocks from one store bucket; `edge` replaces the
+//! gateway's limit with a WAF's rule per address, for comparison.
 
 pub mod algorithms;
 pub mod args;
+pub mod edge;
 pub mod generate;
 pub mod leased;
 pub mod plot;
@@ -32,10 +36,13 @@ use std::sync::Arc;
 
 pub use args::ReplayArgs;
 
-use self::algorithms::{Buckets, FixedWindow, Gcra, Metered, SlidingCounter, SlidingLog, Verdict, share};
+use self::algorithms::{
+    Buckets, FixedWindow, Gcra, Metered, Queue, SlidingCounter, SlidingLog, Verdict, share,
+};
+use self::edge::{EdgeConfig, EdgeRule};
 use self::leased::LeaseFleet;
 use self::plot::{TokenTrace, Window};
-use self::report::{KeyStats, KeySummary, Summary};
+use self::report::{EdgeSummary, KeyStats, KeySummary, Summary};
 use self::rules::RulesFleet;
 use self::trace::{TraceError, TraceReader, format_time_us, parse_whole};
 use tollgate_limit::bucket::{BucketParams, Rate};
@@ -54,6 +61,9 @@ pub enum Design {
     Shares,
     /// Gateways lease whole blocks of tokens from one store bucket (hot keys).
     Lease,
+    /// No gateway limit: a WAF's rate-based rule in front, per source address (--edge-rule;
+    /// needs an ip column).
+    Edge,
 }
 
 /// How a limit counts.
@@ -70,6 +80,9 @@ pub enum Algorithm {
     SlidingLog,
     /// This window's count plus the previous window's, weighted.
     SlidingCounter,
+    /// Released at the rate, one every P/N, with up to --queue waiting (nginx's limit_req with
+    /// a burst and no nodelay).
+    Queue,
 }
 
 impl Design {
@@ -79,6 +92,7 @@ impl Design {
             Design::Local => "local",
             Design::Shares => "shares",
             Design::Lease => "lease",
+            Design::Edge => "edge",
         }
     }
 }
@@ -91,6 +105,7 @@ impl Algorithm {
             Algorithm::FixedWindow => "fixed-window",
             Algorithm::SlidingLog => "sliding-log",
             Algorithm::SlidingCounter => "sliding-counter",
+            Algorithm::Queue => "queue",
         }
     }
 
@@ -109,6 +124,8 @@ pub enum LimitSpec {
     Single { rate: Rate, burst: Option<u64> },
     /// A compiled rules file.
     Rules(Arc<Snapshot>),
+    /// The edge design's rule, which replaces the gateway's limit.
+    Edge(EdgeConfig),
 }
 
 /// Everything a replay needs besides the trace.
@@ -126,6 +143,8 @@ pub struct Settings {
     pub lease_block: Option<u64>,
     /// Only intervals starting at or after this time count for `worst_excess`.
     pub excess_from_us: Option<u64>,
+    /// `--algorithm queue`: how many may wait behind the request being released.
+    pub queue: Option<u64>,
 }
 
 impl Settings {
@@ -140,6 +159,16 @@ impl Settings {
             lease_rtt_us: 1_000,
             lease_block: None,
             excess_from_us: None,
+            queue: None,
+        }
+    }
+
+    /// The edge design with this rule.
+    pub fn edge(cfg: EdgeConfig) -> Settings {
+        Settings {
+            limit: LimitSpec::Edge(cfg),
+            design: Design::Edge,
+            ..Settings::single(cfg.rule, None)
         }
     }
 }
@@ -208,9 +237,11 @@ enum Engine {
     Fixed(Metered<FixedWindow>),
     Log(Metered<SlidingLog>),
     Counter(Metered<SlidingCounter>),
+    Queue(Metered<Queue>),
     // Boxed: one engine per replay, and the others stay small.
     Lease(Box<LeaseFleet>),
     Rules(Box<RulesFleet>),
+    Edge(Box<EdgeRule>),
 }
 
 struct KeyEntry {
@@ -267,8 +298,38 @@ impl Replay {
                 "only means something with --design lease",
             ));
         }
+        if s.queue.is_some() && s.algorithm != Algorithm::Queue {
+            return Err(setting("--queue", "only means something with --algorithm queue"));
+        }
         let per_gateway = matches!(s.design, Design::Local | Design::Shares);
         let (engine, rate, limit_text) = match &s.limit {
+            LimitSpec::Edge(cfg) => {
+                if s.design != Design::Edge {
+                    return Err(setting(
+                        "--edge-rule",
+                        format!(
+                            "is the edge design's limit; {} needs --rate or --rules",
+                            s.design.name()
+                        ),
+                    ));
+                }
+                if cfg.check_us == 0 {
+                    return Err(setting("--edge-check", "must be above zero, such as 10s"));
+                }
+                if cfg.delay_us == 0 {
+                    return Err(setting(
+                        "--edge-delay",
+                        "must be above zero: a check counts the requests of its own instant, so it can act only after them",
+                    ));
+                }
+                (Engine::Edge(Box::new(EdgeRule::new(*cfg))), None, cfg.describe())
+            }
+            _ if s.design == Design::Edge => {
+                return Err(setting(
+                    "--edge-rule",
+                    "required with --design edge: the rule's N requests per trailing window W from one address, such as 3000/60s",
+                ));
+            }
             LimitSpec::Rules(snap) => {
                 if s.algorithm != Algorithm::TokenBucket {
                     return Err(setting(
@@ -340,6 +401,7 @@ impl Replay {
                         "lease works with --algorithm token-bucket only",
                     ));
                 }
+                Design::Edge => unreachable!("the edge design runs its own rule"),
             };
             let period = rate.period_us;
             return Ok(match s.algorithm {
@@ -347,6 +409,28 @@ impl Replay {
                 Algorithm::SlidingLog => Engine::Log(Metered::new(SlidingLog { limit, period })),
                 _ => Engine::Counter(Metered::new(SlidingCounter { limit, period })),
             });
+        }
+        if s.algorithm == Algorithm::Queue {
+            if burst.is_some() {
+                return Err(setting(
+                    "--burst",
+                    "the queue has no burst: it releases one request every P/N and holds --queue more waiting",
+                ));
+            }
+            let Some(queue) = s.queue else {
+                return Err(setting("--queue", "required with --algorithm queue"));
+            };
+            let (rate, queue) = match s.design {
+                Design::Shares => (share(rate, 1, g).0, queue / g),
+                Design::Lease => {
+                    return Err(setting(
+                        "--design",
+                        "lease works with --algorithm token-bucket only",
+                    ));
+                }
+                _ => (rate, queue),
+            };
+            return Ok(Engine::Queue(Metered::new(Queue::new(rate, queue))));
         }
         let Some(burst) = burst else {
             return Err(setting(
@@ -393,7 +477,9 @@ impl Replay {
     /// bucket per key whose tokens mean something alone.
     pub fn watch_tokens(&mut self, key: &str, gateway: u64, window: Window) -> Result<(), ReplayError> {
         let Engine::Buckets(b) = &self.engine else {
-            let why = if matches!(self.engine, Engine::Rules(_)) {
+            let why = if matches!(self.engine, Engine::Edge(_)) {
+                "draws a token bucket; the edge design counts requests per address".to_string()
+            } else if matches!(self.engine, Engine::Rules(_)) {
                 "draws one bucket of --rate and --burst; with --rules a request may take from several buckets"
                     .to_string()
             } else if self.design == Design::Lease {
@@ -444,6 +530,27 @@ impl Replay {
         matches!(self.engine, Engine::Rules(_))
     }
 
+    /// Whether rows need `ip` (the edge design).
+    pub(crate) fn needs_ip(&self) -> bool {
+        matches!(self.engine, Engine::Edge(_))
+    }
+
+    /// Whether its verdicts say how long an admitted request waited (the queue).
+    pub fn waits(&self) -> bool {
+        matches!(self.engine, Engine::Queue(_))
+    }
+
+    /// The edge design: when the block that refused a request ends, once that is certain. At a
+    /// row's time `now` every row up to it has been checked; `None` once the trace is over.
+    /// `None` for a block still on with no lift in sight, and for other designs.
+    pub fn block_end(&mut self, block: u32, now: Option<u64>) -> Option<u64> {
+        let last = self.last_time.unwrap_or(0);
+        match &mut self.engine {
+            Engine::Edge(e) => e.block_end(block, now, last),
+            _ => None,
+        }
+    }
+
     fn key_index(&mut self, key: &str) -> Result<u32, RowError> {
         if let Some(&k) = self.key_ids.get(key) {
             return Ok(k);
@@ -465,9 +572,13 @@ impl Replay {
             None => self.rate,
         };
         let idx = self.keys.len() as u32;
+        let mut stats = KeyStats::new(rate, self.excess_from);
+        if matches!(self.engine, Engine::Queue(_)) {
+            stats.longest_wait = Some(0);
+        }
         self.keys.push(KeyEntry {
             name: key.into(),
-            stats: KeyStats::new(rate, self.excess_from),
+            stats,
             rules_key,
             excess_limit: excess.map(|e| e.0),
         });
@@ -558,6 +669,14 @@ impl Replay {
             Engine::Fixed(m) => (m.check(instance, now, cost), cost),
             Engine::Log(m) => (m.check(instance, now, cost), cost),
             Engine::Counter(m) => (m.check(instance, now, cost), cost),
+            Engine::Queue(m) => (m.check(instance, now, cost), cost),
+            Engine::Edge(e) => {
+                let ip = r.ip.filter(|ip| !ip.is_empty()).ok_or_else(|| {
+                    RowError::new("ip", "empty; the edge design counts requests per source address")
+                })?;
+                let ip = std::str::from_utf8(ip).map_err(|_| RowError::new("ip", "not UTF-8"))?;
+                (e.check(ip, now), cost)
+            }
             Engine::Lease(l) => (l.check(k, gw as u32, now, cost), cost),
             Engine::Rules(f) => {
                 let (Some(method), Some(path)) = (r.method, r.path) else {
@@ -581,7 +700,11 @@ impl Replay {
         self.rows += 1;
         self.first_time.get_or_insert(now);
         self.last_time = Some(now);
-        self.keys[k as usize].stats.record(now, verdict.admitted, tokens);
+        let stats = &mut self.keys[k as usize].stats;
+        stats.record(now, verdict.admitted, tokens);
+        if let (Some(w), Some(longest)) = (verdict.wait_us, &mut stats.longest_wait) {
+            *longest = (*longest).max(w);
+        }
         Ok(verdict)
     }
 
@@ -610,6 +733,8 @@ impl Replay {
                     worst_excess: e.stats.excess.as_ref().and_then(|x| x.value()),
                     held_at_end: held,
                     bucket_at_end: bucket,
+                    released: e.stats.longest_wait.map(|_| e.stats.admitted),
+                    longest_wait_us: e.stats.longest_wait,
                 },
             );
         }
@@ -618,6 +743,13 @@ impl Replay {
             Engine::Rules(r) => (r.store_calls, None, None),
             _ => (self.store_calls, None, None),
         };
+        let waits = self.waits();
+        let longest_wait_us =
+            waits.then(|| keys.values().filter_map(|k| k.longest_wait_us).max().unwrap_or(0));
+        let edge = match &self.engine {
+            Engine::Edge(e) => Some(self.edge_summary(e)),
+            _ => None,
+        };
         Summary {
             requests: self.rows,
             admitted,
@@ -625,14 +757,33 @@ impl Replay {
             store_calls,
             keys,
             design: self.design.name().into(),
-            algorithm: self.algorithm.name().into(),
+            algorithm: if edge.is_some() {
+                "rate-based".into()
+            } else {
+                self.algorithm.name().into()
+            },
             limit: self.limit_text.clone(),
             gateways: self.gateways,
             first_us: self.first_time,
             last_us: self.last_time,
             lease_grants: grants,
             lease_denials: denials,
+            released: waits.then_some(admitted),
+            longest_wait_us,
+            edge,
         }
+    }
+
+    fn edge_summary(&self, e: &EdgeRule) -> EdgeSummary {
+        let blocks = e.blocks_at_end(self.last_time.unwrap_or(0));
+        let blocked = self
+            .keys
+            .iter()
+            .filter(|k| k.stats.limited > 0)
+            .map(|k| (k.name.to_string(), k.stats.limited))
+            .collect();
+        let passed_total = self.keys.iter().map(|k| k.stats.admitted).sum();
+        EdgeSummary::new(e, &blocks, passed_total, blocked)
     }
 
     /// Lease design: the fleet, for tools and tests that look inside.
@@ -653,8 +804,9 @@ impl Replay {
     }
 }
 
-/// What `run_trace` calls with each row's time and the replays' verdicts, in order.
-pub(crate) type OnRow<'a> = dyn FnMut(u64, &[Verdict]) -> Result<(), ReplayError> + 'a;
+/// What `run_trace` calls with each row's time and the replays' verdicts, in order, and the
+/// replays themselves, for what a later row settles (when an edge block ends).
+pub(crate) type OnRow<'a> = dyn FnMut(u64, &[Verdict], &mut [Replay]) -> Result<(), ReplayError> + 'a;
 
 /// How often a long replay reports progress on stderr.
 pub(crate) const PROGRESS_EVERY: u64 = 1_000_000;
@@ -694,6 +846,14 @@ pub(crate) fn run_trace<R: BufRead>(
         return Err(TraceError::Header {
             file: reader.file().to_string(),
             reason: "the cost_after column needs --rules: the rules say which limits are post-paid and what they reserve".into(),
+        }
+        .into());
+    }
+    if cols.ip.is_none() && replays.iter().any(Replay::needs_ip) {
+        return Err(TraceError::Header {
+            file: reader.file().to_string(),
+            reason: "the edge design counts requests per source address: the trace needs an \"ip\" column"
+                .into(),
         }
         .into());
     }
@@ -745,7 +905,7 @@ pub(crate) fn run_trace<R: BufRead>(
             Ok(None) => break,
             Err(e) => return Err(reader.field_error(e).into()),
         };
-        on_row(time_us, &verdicts)?;
+        on_row(time_us, &verdicts, replays)?;
         rows += 1;
         if progress && rows.is_multiple_of(PROGRESS_EVERY) {
             match total_bytes {
@@ -759,4 +919,165 @@ pub(crate) fn run_trace<R: BufRead>(
         }
     }
     Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::edge::EdgeConfig;
+    use crate::generate::{self, GenRow, PARTNER_IP, STORM_END_US, STORM_START_US};
+    use tollgate_limit::bucket::US_PER_S;
+
+    const fn hms(h: u64, m: u64, s: u64) -> u64 {
+        (h * 3_600 + m * 60 + s) * US_PER_S
+    }
+
+    /// Every row's time, key and verdict, and the summary.
+    fn replay(
+        s: Settings,
+        rows: impl IntoIterator<Item = GenRow>,
+    ) -> (Vec<(u64, &'static str, Verdict)>, Summary) {
+        let mut r = Replay::new(s).unwrap();
+        let out = rows
+            .into_iter()
+            .map(|row| {
+                let req = Request {
+                    time_us: row.time_us,
+                    key: row.key,
+                    gateway: Some(row.gateway),
+                    ip: Some(PARTNER_IP.as_bytes()),
+                    ..Request::default()
+                };
+                (row.time_us, row.key, r.check(&req).unwrap())
+            })
+            .collect();
+        (out, r.summary())
+    }
+
+    fn queue_storm() -> (Vec<(u64, &'static str, Verdict)>, Summary) {
+        let mut s = Settings::single(Rate::parse("10/1s").unwrap(), None);
+        s.algorithm = Algorithm::Queue;
+        s.queue = Some(20);
+        replay(s, generate::storm(20))
+    }
+
+    #[test]
+    fn the_queue_releases_1200_in_the_storm_none_waiting_over_2_s() {
+        let (rows, summary) = queue_storm();
+        let storm = STORM_START_US..STORM_END_US;
+        // Released, by release time: one every 100 ms from 09:00:00.000 to 09:01:59.900.
+        let released = rows
+            .iter()
+            .filter_map(|(t, _, v)| v.wait_us.map(|w| t + w))
+            .filter(|r| storm.contains(r))
+            .count();
+        assert_eq!(released, 1_200);
+        // Admitted by arrival: 21 in the first 50 ms, then the one arriving every 100 ms that
+        // finds exactly 20 ahead of it, waiting 2 s.
+        let waits: Vec<u64> = rows
+            .iter()
+            .filter(|(t, _, _)| storm.contains(t))
+            .filter_map(|(_, _, v)| v.wait_us)
+            .collect();
+        assert_eq!(waits.len(), 1_220);
+        assert_eq!(waits.iter().max(), Some(&2_000_000));
+        assert_eq!(waits.iter().filter(|&&w| w == 2_000_000).count(), 1_199);
+        // A refused request waits at most 100 ms for a place: Retry-After 1.
+        assert!(
+            rows.iter()
+                .filter(|(_, _, v)| !v.admitted)
+                .all(|(_, _, v)| v.retry_after == Some(1) && v.wait_us.is_none())
+        );
+        assert_eq!(summary.released, Some(summary.admitted));
+        assert_eq!(summary.longest_wait_us, Some(2_000_000));
+        assert_eq!(summary.keys["k-7"].longest_wait_us, Some(2_000_000));
+    }
+
+    #[test]
+    fn the_page_loads_last_call_waits_1_4_s() {
+        let (rows, _) = queue_storm();
+        let page = hms(8, 59, 30) + 100_000;
+        let waits: Vec<Option<u64>> = rows
+            .iter()
+            .filter(|(t, _, _)| *t == page)
+            .map(|(_, _, v)| v.wait_us)
+            .collect();
+        let expected: Vec<Option<u64>> = (0..15).map(|i| Some(i * 100_000)).collect();
+        assert_eq!(waits, expected);
+        // The normal traffic before it never waits.
+        assert!(
+            rows.iter()
+                .filter(|(t, _, _)| *t < hms(8, 59, 30))
+                .all(|(_, _, v)| v.wait_us == Some(0))
+        );
+    }
+
+    fn edge(delay_s: u64, count_blocked: bool) -> (Vec<(u64, &'static str, Verdict)>, Summary) {
+        let cfg = EdgeConfig {
+            rule: Rate::parse("3000/60s").unwrap(),
+            check_us: 10 * US_PER_S,
+            delay_us: delay_s * US_PER_S,
+            count_blocked,
+        };
+        let two_apps = generate::with_second_app(generate::storm(20), Rate::parse("20/1s").unwrap(), 20);
+        replay(Settings::edge(cfg), two_apps)
+    }
+
+    #[test]
+    fn the_edge_rule_blocks_the_partners_address_40_s_into_the_flood_and_k8_with_it() {
+        let (rows, summary) = edge(30, true);
+        let e = summary.edge.as_ref().unwrap();
+        let some = |s: &str| Some(s.to_string());
+        assert_eq!(e.ip, some(PARTNER_IP));
+        assert_eq!(e.first_over_check, some("09:00:10.000"));
+        assert_eq!(e.block_start, some("09:00:40.000"));
+        assert_eq!(e.first_under_check, some("09:03:00.000"));
+        assert_eq!(e.block_end, some("09:03:30.000"));
+        assert_eq!(e.flood_start, some("09:00:00.000"));
+        // 40 s at 400 + 20 a second.
+        assert_eq!(e.passed, Some(16_800));
+        // k-8: 20 a second for 170 s. k-7: the storm's last 80 s, then its 300 normal
+        // requests from 09:02:00 to 09:02:59.8, all before the lift.
+        assert_eq!(e.blocked["k-8"], 3_400);
+        assert_eq!(e.blocked["k-7"], 32_000 + 300);
+        assert_eq!(e.blocked_total, 35_700);
+        assert_eq!(e.passed_total, 48_615 + 7_200 - 35_700);
+        assert_eq!(e.blocks.len(), 1);
+        assert_eq!(summary.keys["k-8"].limited, 3_400);
+        let blocked =
+            |(t, _, v): &&(u64, &str, Verdict)| !v.admitted && (hms(9, 0, 40)..hms(9, 3, 30)).contains(t);
+        assert_eq!(rows.iter().filter(blocked).count(), 35_700);
+    }
+
+    #[test]
+    fn a_longer_delay_lets_more_of_the_flood_through() {
+        let (_, summary) = edge(50, true);
+        let e = summary.edge.unwrap();
+        assert_eq!(e.block_start.as_deref(), Some("09:01:00.000"));
+        assert_eq!(e.passed, Some(25_200));
+    }
+
+    #[test]
+    fn uncounted_blocked_requests_end_the_block_at_09_02_10() {
+        let (_, summary) = edge(30, false);
+        let e = summary.edge.unwrap();
+        assert_eq!(e.block_start.as_deref(), Some("09:00:40.000"));
+        // Blocked from 09:00:40, nothing counts: the 09:01:40 check is the first under.
+        assert_eq!(e.first_under_check.as_deref(), Some("09:01:40.000"));
+        assert_eq!(e.block_end.as_deref(), Some("09:02:10.000"));
+        assert_eq!(e.blocks.len(), 1);
+    }
+
+    #[test]
+    fn the_gateway_decides_k8_alike_with_or_without_k7s_storm() {
+        let limit = || Settings::single(Rate::parse("600/60s").unwrap(), Some(20));
+        let two_apps: Vec<GenRow> =
+            generate::with_second_app(generate::storm(20), Rate::parse("20/1s").unwrap(), 20).collect();
+        let (both, _) = replay(limit(), two_apps.iter().copied());
+        let (alone, summary) = replay(limit(), two_apps.iter().copied().filter(|r| r.key == "k-8"));
+        let k8: Vec<Verdict> = both.iter().filter(|r| r.1 == "k-8").map(|r| r.2).collect();
+        assert_eq!(k8, alone.iter().map(|r| r.2).collect::<Vec<_>>());
+        // 20 a second against 10: refused for its own excess only, from its burst's end on.
+        assert_eq!(summary.keys["k-8"].limited, 3_581);
+    }
 }

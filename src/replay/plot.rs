@@ -300,6 +300,7 @@ pub fn colour(design: Design) -> RGBColor {
         Design::Local => RGBColor(0xD6, 0x27, 0x28),
         Design::Shares => RGBColor(0x2C, 0xA0, 0x2C),
         Design::Lease => RGBColor(0x94, 0x67, 0xBD),
+        Design::Edge => RGBColor(0xFF, 0x7F, 0x0E),
     }
 }
 

@@ -1,5 +1,6 @@
 //! What a replay reports: per-key counts, the busiest 1 s and 60 s, the worst excess over the
-//! rate, and the outputs built from them (the human table, `--json`, `--decisions` CSV).
+//! rate, the queue's longest wait, the edge rule's blocks, and the outputs built from them (the
+//! human table, `--json`, `--decisions` CSV).
 //!
 //! Busiest windows are sliding and half-open, `[s, s + w)`, over every start `s`; the worst
 //! excess is the supremum of `admitted − r·t` over every interval, computed exactly in units
@@ -11,8 +12,9 @@ use std::io::{self, Write};
 use serde::Serialize;
 
 use super::algorithms::Verdict;
+use super::edge::{Block, EdgeRule, span};
 
-use tollgate_limit::bucket::{Rate, US_PER_S};
+use tollgate_limit::bucket::{Rate, US_PER_S, retry_after_secs};
 
 /// The most requests admitted in any window `[s, s + w)`, kept online with the admission
 /// times of the last `w`.
@@ -108,6 +110,8 @@ pub(crate) struct KeyStats {
     pub one_s: BusiestWindow,
     pub sixty_s: BusiestWindow,
     pub excess: Option<Excess>,
+    /// The queue: the longest an admitted request waited, µs.
+    pub longest_wait: Option<u64>,
 }
 
 impl KeyStats {
@@ -119,6 +123,7 @@ impl KeyStats {
             one_s: BusiestWindow::new(US_PER_S),
             sixty_s: BusiestWindow::new(60 * US_PER_S),
             excess: rate.map(|r| Excess::new(r, excess_from)),
+            longest_wait: None,
         }
     }
 
@@ -154,6 +159,12 @@ pub struct KeySummary {
     /// Lease design: tokens in the store's bucket at the last row's time.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bucket_at_end: Option<u64>,
+    /// The queue: requests released (every admitted one is, after its wait).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub released: Option<u64>,
+    /// The queue: the longest an admitted request waited for its release, µs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub longest_wait_us: Option<u64>,
 }
 
 /// The whole replay, as `--json` prints it.
@@ -178,6 +189,164 @@ pub struct Summary {
     pub lease_grants: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lease_denials: Option<u64>,
+    /// The queue: requests released, and the longest wait of any, µs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub released: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub longest_wait_us: Option<u64>,
+    /// The edge design: what the rule blocked, and when.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub edge: Option<EdgeSummary>,
+}
+
+/// One block of the edge rule. Times are clock times of the trace (`09:00:40.000`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct EdgeBlock {
+    pub ip: String,
+    /// The check that first saw the address over the limit, and scheduled the block.
+    pub first_over_check: String,
+    pub block_start: String,
+    /// The check that scheduled the lift: the first not over the limit since the last one over
+    /// it. `null` (with `block_end`) when the address was still over the limit at the end.
+    pub first_under_check: Option<String>,
+    pub block_end: Option<String>,
+    /// The start of the first whole second whose arrivals from the address exceeded the rule's
+    /// average rate, N/W.
+    pub flood_start: Option<String>,
+    /// Requests from the address that passed from `flood_start` until the block started.
+    pub passed: Option<u64>,
+    pub blocked: u64,
+}
+
+impl EdgeBlock {
+    fn new(e: &EdgeRule, b: &Block) -> EdgeBlock {
+        EdgeBlock {
+            ip: e.address(b.addr).to_string(),
+            first_over_check: clock(b.first_over_check),
+            block_start: clock(b.start),
+            first_under_check: b.first_under_check.map(clock),
+            block_end: b.end.map(clock),
+            flood_start: b.flood_start.map(clock),
+            passed: b.passed,
+            blocked: b.blocked,
+        }
+    }
+}
+
+/// The edge design's report: the first block's figures at the top, every block in `blocks`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct EdgeSummary {
+    /// N/W, per address.
+    pub rule: String,
+    pub check: String,
+    pub delay: String,
+    pub count_blocked: bool,
+    pub ip: Option<String>,
+    pub first_over_check: Option<String>,
+    pub block_start: Option<String>,
+    pub first_under_check: Option<String>,
+    pub block_end: Option<String>,
+    pub flood_start: Option<String>,
+    pub passed: Option<u64>,
+    /// Requests the rule let through, from every address, over the whole trace.
+    pub passed_total: u64,
+    /// Requests blocked over the whole trace, by key (keys with none are left out).
+    pub blocked: BTreeMap<String, u64>,
+    pub blocked_total: u64,
+    pub blocks: Vec<EdgeBlock>,
+}
+
+impl EdgeSummary {
+    pub(crate) fn new(
+        e: &EdgeRule,
+        blocks: &[Block],
+        passed_total: u64,
+        blocked: BTreeMap<String, u64>,
+    ) -> EdgeSummary {
+        let cfg = e.config();
+        let blocks: Vec<EdgeBlock> = blocks.iter().map(|b| EdgeBlock::new(e, b)).collect();
+        let first = blocks.first();
+        EdgeSummary {
+            rule: cfg.rule.to_string(),
+            check: span(cfg.check_us),
+            delay: span(cfg.delay_us),
+            count_blocked: cfg.count_blocked,
+            ip: first.map(|b| b.ip.clone()),
+            first_over_check: first.map(|b| b.first_over_check.clone()),
+            block_start: first.map(|b| b.block_start.clone()),
+            first_under_check: first.and_then(|b| b.first_under_check.clone()),
+            block_end: first.and_then(|b| b.block_end.clone()),
+            flood_start: first.and_then(|b| b.flood_start.clone()),
+            passed: first.and_then(|b| b.passed),
+            passed_total,
+            blocked_total: blocked.values().sum(),
+            blocked,
+            blocks,
+        }
+    }
+
+    fn write(&self, out: &mut impl Write) -> io::Result<()> {
+        let Some(first) = self.blocks.first() else {
+            return writeln!(
+                out,
+                "the rule blocked nothing; {} passed",
+                group(self.passed_total)
+            );
+        };
+        writeln!(
+            out,
+            "first block: {} from {} to {} (over the limit at the {} check, {})",
+            first.ip,
+            first.block_start,
+            first
+                .block_end
+                .as_deref()
+                .unwrap_or("the end of the trace and on"),
+            first.first_over_check,
+            match &first.first_under_check {
+                Some(c) => format!("back under at the {c} check"),
+                None => "never back under".into(),
+            }
+        )?;
+        match (&first.flood_start, first.passed) {
+            (Some(f), Some(p)) => writeln!(
+                out,
+                "  the flood began at {f}: {} requests from the address passed before the block",
+                group(p)
+            )?,
+            _ => writeln!(
+                out,
+                "  no whole second before the block went over the rule's average rate"
+            )?,
+        }
+        let by_key: Vec<String> = self
+            .blocked
+            .iter()
+            .map(|(k, n)| format!("{k} {}", group(*n)))
+            .collect();
+        writeln!(
+            out,
+            "blocked {} ({}), passed {}, in {} block{}",
+            group(self.blocked_total),
+            by_key.join(", "),
+            group(self.passed_total),
+            self.blocks.len(),
+            if self.blocks.len() == 1 { "" } else { "s" }
+        )?;
+        if self.blocks.len() > 1 {
+            for b in &self.blocks {
+                writeln!(
+                    out,
+                    "  {}  {} to {}  blocked {}",
+                    b.ip,
+                    b.block_start,
+                    b.block_end.as_deref().unwrap_or("the end"),
+                    group(b.blocked)
+                )?;
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Summary {
@@ -226,9 +395,16 @@ impl Summary {
         if let (Some(g), Some(d)) = (self.lease_grants, self.lease_denials) {
             writeln!(out, "leases granted {}  denied {}", group(g), group(d))?;
         }
+        if let (Some(r), Some(w)) = (self.released, self.longest_wait_us) {
+            writeln!(out, "released {}  longest wait {}", group(r), seconds(w))?;
+        }
+        if let Some(e) = &self.edge {
+            e.write(out)?;
+        }
         writeln!(out)?;
         let width = self.keys.keys().map(|k| k.len()).max().unwrap_or(3).max(3);
         let leased = self.keys.values().any(|k| k.held_at_end.is_some());
+        let queued = self.keys.values().any(|k| k.longest_wait_us.is_some());
         write!(
             out,
             "{:<width$}  {:>12}  {:>12}  {:>12}  {:>8}  {:>9}  {:>12}",
@@ -236,6 +412,9 @@ impl Summary {
         )?;
         if leased {
             write!(out, "  {:>13}  {:>13}", "held at end", "bucket at end")?;
+        }
+        if queued {
+            write!(out, "  {:>12}", "longest wait")?;
         }
         writeln!(out)?;
         for (name, k) in &self.keys {
@@ -259,9 +438,29 @@ impl Summary {
                     k.bucket_at_end.map_or("-".into(), group)
                 )?;
             }
+            if queued {
+                write!(out, "  {:>12}", k.longest_wait_us.map_or("-".into(), seconds))?;
+            }
             writeln!(out)?;
         }
         Ok(())
+    }
+}
+
+/// µs as seconds to the µs: `2000000` → `2.000000 s`.
+fn seconds(us: u64) -> String {
+    format!("{}.{:06} s", us / US_PER_S, us % US_PER_S)
+}
+
+/// µs since midnight as a clock time, to the ms unless the µs say more: `09:00:40.000`.
+pub(crate) fn clock(us: u64) -> String {
+    let s = us / US_PER_S;
+    let (h, m, s) = (s / 3_600, s / 60 % 60, s % 60);
+    let frac = us % US_PER_S;
+    if frac.is_multiple_of(1_000) {
+        format!("{h:02}:{m:02}:{s:02}.{:03}", frac / 1_000)
+    } else {
+        format!("{h:02}:{m:02}:{s:02}.{frac:06}")
     }
 }
 
@@ -280,35 +479,85 @@ pub(crate) fn group(n: u64) -> String {
 
 /// Writes `admitted,retry_after` rows: `1,0` when admitted, `0,N` when limited, `0,` when no
 /// wait can help. With several designs each row holds one such pair per design, under headers
-/// named after them (`central_admitted,central_retry_after,local_admitted,…`).
+/// named after them (`central_admitted,central_retry_after,local_admitted,…`). A design that
+/// runs the queue adds `wait_us` after its pair: the µs an admitted request waited for its
+/// release, empty for a refused one.
+///
+/// A request the edge rule blocked waits for its Retry-After until the block has lifted, later
+/// in the trace: its row and every row after it are held until then, so rows stay in trace order.
 pub(crate) struct DecisionWriter<W: Write> {
     out: W,
+    /// Whether each design, in column order, has a `wait_us` column.
+    waits: Vec<bool>,
+    held: VecDeque<(u64, Vec<Verdict>)>,
 }
 
+/// When the block an edge design (by column index) refused a request with ends, once certain.
+pub(crate) type BlockEnds<'a> = dyn FnMut(usize, u32) -> Option<u64> + 'a;
+
 impl<W: Write> DecisionWriter<W> {
-    /// `designs` names the column pairs; with one design the header is plain, as it always was.
-    pub fn new(mut out: W, designs: &[&str]) -> io::Result<DecisionWriter<W>> {
-        if designs.len() <= 1 {
-            out.write_all(b"admitted,retry_after\n")?;
+    /// `designs` names the columns, each with whether it has `wait_us`; with one design the
+    /// header is plain, as it always was.
+    pub fn new(mut out: W, designs: &[(&str, bool)]) -> io::Result<DecisionWriter<W>> {
+        let plain = designs.len() <= 1;
+        let header: Vec<String> = designs
+            .iter()
+            .map(|&(d, wait)| {
+                let p = if plain { String::new() } else { format!("{d}_") };
+                let pair = format!("{p}admitted,{p}retry_after");
+                if wait { format!("{pair},{p}wait_us") } else { pair }
+            })
+            .collect();
+        let header = if header.is_empty() {
+            "admitted,retry_after".to_string()
         } else {
-            let header: Vec<String> = designs
-                .iter()
-                .map(|d| format!("{d}_admitted,{d}_retry_after"))
-                .collect();
-            out.write_all(header.join(",").as_bytes())?;
-            out.write_all(b"\n")?;
-        }
-        Ok(DecisionWriter { out })
+            header.join(",")
+        };
+        out.write_all(header.as_bytes())?;
+        out.write_all(b"\n")?;
+        Ok(DecisionWriter {
+            out,
+            waits: designs.iter().map(|d| d.1).collect(),
+            held: VecDeque::new(),
+        })
     }
 
-    /// One trace row: each design's verdict, in the header's order.
+    /// One trace row at `time_us`: each design's verdict, in the header's order.
     #[inline]
-    pub fn write(&mut self, verdicts: &[Verdict]) -> io::Result<()> {
+    pub fn write(&mut self, time_us: u64, verdicts: &[Verdict], ends: &mut BlockEnds<'_>) -> io::Result<()> {
+        if self.held.is_empty() && verdicts.iter().all(|v| v.block.is_none()) {
+            return self.row(verdicts);
+        }
+        self.held.push_back((time_us, verdicts.to_vec()));
+        while let Some((t, vs)) = self.held.front_mut() {
+            for (i, v) in vs.iter_mut().enumerate() {
+                if let Some(b) = v.block {
+                    let Some(end) = ends(i, b) else {
+                        return Ok(());
+                    };
+                    v.retry_after = Some(retry_after_secs(end.saturating_sub(*t)));
+                    v.block = None;
+                }
+            }
+            if let Some((_, vs)) = self.held.pop_front() {
+                self.row(&vs)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn row(&mut self, verdicts: &[Verdict]) -> io::Result<()> {
         for (i, v) in verdicts.iter().enumerate() {
             if i > 0 {
                 self.out.write_all(b",")?;
             }
             self.pair(v.admitted, v.retry_after)?;
+            if self.waits.get(i).copied().unwrap_or(false) {
+                self.out.write_all(b",")?;
+                if let Some(w) = v.wait_us {
+                    self.out.write_all(itoa::Buffer::new().format(w).as_bytes())?;
+                }
+            }
         }
         self.out.write_all(b"\n")
     }
@@ -328,7 +577,17 @@ impl<W: Write> DecisionWriter<W> {
         }
     }
 
-    pub fn finish(mut self) -> io::Result<W> {
+    /// Writes the rows still held, now that the trace is over: a block with no lift in sight
+    /// leaves its Retry-After empty.
+    pub fn finish(mut self, ends: &mut BlockEnds<'_>) -> io::Result<W> {
+        while let Some((t, mut vs)) = self.held.pop_front() {
+            for (i, v) in vs.iter_mut().enumerate() {
+                if let Some(b) = v.block.take() {
+                    v.retry_after = ends(i, b).map(|end| retry_after_secs(end.saturating_sub(t)));
+                }
+            }
+            self.row(&vs)?;
+        }
         self.out.flush()?;
         Ok(self.out)
     }
@@ -368,5 +627,39 @@ mod tests {
         assert_eq!(late.value(), Some(1.0));
         assert_eq!(group(1_234_567), "1,234,567");
         assert_eq!(group(12), "12");
+    }
+
+    #[test]
+    fn rows_wait_for_the_end_of_the_block_that_refused_them() {
+        let blocked = |b| Verdict {
+            block: Some(b),
+            ..Verdict::refuse(None)
+        };
+        let waited = Verdict::released_after(250);
+        let mut w = DecisionWriter::new(Vec::new(), &[("edge", false), ("central", true)]).unwrap();
+        let mut end: Option<u64> = None;
+        w.write(1_000_000, &[Verdict::ALLOW, waited], &mut |_, _| end)
+            .unwrap();
+        w.write(
+            2_000_000,
+            &[blocked(0), Verdict::refuse(Some(10))],
+            &mut |_, _| end,
+        )
+        .unwrap();
+        w.write(3_000_000, &[Verdict::ALLOW, waited], &mut |_, _| end)
+            .unwrap();
+        assert_eq!(w.held.len(), 2);
+        end = Some(4_500_000);
+        w.write(5_000_000, &[blocked(1), waited], &mut |_, b| {
+            end.filter(|_| b == 0)
+        })
+        .unwrap();
+        assert_eq!(w.held.len(), 1);
+        let out = w.finish(&mut |_, _| None).unwrap();
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "edge_admitted,edge_retry_after,central_admitted,central_retry_after,central_wait_us\n\
+             1,0,1,0,250\n0,3,0,1,\n1,0,1,0,250\n0,,1,0,250\n"
+        );
     }
 }

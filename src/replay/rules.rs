@@ -176,8 +176,8 @@ impl RulesFleet {
         }
         if !outcome.admitted {
             let verdict = Verdict {
-                admitted: false,
                 retry_after: decide(&batch, &outcome).retry_after(),
+                ..Verdict::refuse(None)
             };
             return Ok(Paid { verdict, tokens: 0 });
         }
@@ -218,7 +218,7 @@ impl RulesFleet {
                     }
                 }
             }
-            Design::Lease => unreachable!("rejected when the replay is set up"),
+            Design::Lease | Design::Edge => unreachable!("rejected when the replay is set up"),
         }
         Ok(())
     }
