@@ -60,6 +60,7 @@ fn bucket_math(c: &mut Criterion) {
             sufficient: false,
             tokens: 0,
             wait_us: None,
+            blocked: false,
         }];
         let mut now = 1_000_000u64;
         b.iter(|| {

@@ -171,6 +171,22 @@ local function save(key, page, t, ts, scale, ttl, now)
   end
 end
 
+-- A bucket's block (a `block_for` limit that refused it): a field of the bucket's page beside
+-- the bucket's own, named after it with '!b' appended, in the bucket's encoding with ts the
+-- microsecond the block ends and an expiry no earlier. Returns that microsecond, or 0 when the
+-- bucket has none.
+local function block_until(key, page)
+  local v = redis.call('HGET', page, key .. '!b')
+  if v and #v == 25 then
+    return (unpack('<I7', v, 8))
+  end
+  return 0
+end
+
+local function save_block(key, page, ends, now)
+  save(key .. '!b', page, 0, ends, 0, 0, now)
+end
+
 -- bucket.rs `owed_us` of a bucket held as numbers.
 local function owed_numbers(s_tokens, s_ts, debt, now)
   if debt > 0 and s_tokens == 0 and s_ts > now then

@@ -19,7 +19,7 @@
 --                   gateway's now in microseconds (`--clock gateway`, for stores that refuse TIME).
 -- ARGV[2]           G, the number of requests in this call.
 -- then for each request in turn: n, its number of buckets, and for each of its buckets either
---   a bucket met for the first time in this call, the next of KEYS, as 7 integers:
+--   a bucket met for the first time in this call, the next of KEYS, as 8 integers:
 --     scale         units per whole token (at least 1)
 --     refill        units added per microsecond
 --     capacity      burst x scale, the most units the bucket holds
@@ -30,11 +30,16 @@
 --                   2 if the call names it again: its state is then kept here between its checks
 --                   and written once, after the last, plus 4 if its limit queues (`"delay"`): a
 --                   request short of tokens is admitted to wait for them when they are due
---                   within debt / refill microseconds, and the bucket owes them meanwhile
+--                   within debt / refill microseconds, and the bucket owes them meanwhile, plus
+--                   8 if its limit blocks (`"block_for"`): see block below
 --     debt          units a post-paid limit's bucket may owe (max_debt x scale), or a queueing
 --                   limit's (its longest wait in microseconds x refill), else 0. A bucket
 --                   in debt is stored empty with its ts ahead, when refill has repaid it; it
 --                   admits nothing before then, and a check leaves the debt where it is
+--     block         microseconds a bucket of a limit that blocks stays blocked once it refuses
+--                   a request (0 for other limits). The block is a field of the bucket's page
+--                   beside it (see lua/bucket.lua `block_until`); while it lasts the bucket
+--                   refuses every request, whatever it holds
 --   or a bucket sent earlier in the call with flag 2, again with the same rule, as 2 integers:
 --     -e            minus its place in KEYS
 --     need          as above
@@ -51,7 +56,8 @@
 --     tokens, wait  per bucket: units left after the check (0 while in debt); microseconds until
 --                   the bucket could pay its need, 0 when it can now, -1 when it never can (need
 --                   above capacity). A queueing bucket pays a wait up to its longest: the request
---                   then waits that long, and the bucket is stored empty until then
+--                   then waits that long, and the bucket is stored empty until then. A blocked
+--                   bucket's wait is -2 - (microseconds until its block ends)
 -- With G = 0 (no KEYS) the script touches nothing and returns {now}: the start-up and /readyz
 -- probe that the store lets a script read TIME.
 --
@@ -107,7 +113,7 @@ elseif groups > 1 then
       else
         sent = sent + 1
         flags_at[sent] = p + 5
-        p = p + 7
+        p = p + 8
       end
     end
   end
@@ -132,10 +138,14 @@ local none = {}
 local kept, order = none, none
 local k_t, k_ts, k_scale, k_page, k_ttl = none, none, none, none, none
 local r_scale, r_refill, r_cap, r_flags, r_debt, r_at = none, none, none, none, none, none
--- The current request's buckets between the two passes, 9 values each: e, scale, flags, need,
--- tokens, wait, owed, where the rule is in ARGV and whether it pays. One table, made at its
--- first bucket's size: a call's tables are a good part of a one-check call's time.
-local cur = { 0, 0, 0, 0, 0, 0, 0, 0, false }
+local r_block = none
+-- The end of each block this call has read or started, by bucket name (0: none).
+local blocks = {}
+-- The current request's buckets between the two passes, 11 values each: e, scale, flags, need,
+-- tokens, wait, owed, where the rule is in ARGV, whether it pays, whether it is blocked and its
+-- block's length. One table, made at its first bucket's size: a call's tables are a good part
+-- of a one-check call's time.
+local cur = { 0, 0, 0, 0, 0, 0, 0, 0, false, false, 0 }
 local at = 3
 for _ = 1, groups do
   local n = tonumber(ARGV[at])
@@ -147,7 +157,7 @@ for _ = 1, groups do
   -- bucket.rs `check_all`, first pass: every bucket refilled to now and measured.
   local admitted, corrupt = true, false
   for j = 0, n - 1 do
-    local e, need, scale, refill, cap, flags, debt, a
+    local e, need, scale, refill, cap, flags, debt, block, a
     local first = tonumber(ARGV[at])
     if first == nil then
       return bad('a bucket is missing or not a number')
@@ -159,15 +169,17 @@ for _ = 1, groups do
         return bad('the need of bucket ' .. e .. ' is not a number')
       end
       scale, refill, cap, flags, debt, a = r_scale[e], r_refill[e], r_cap[e], r_flags[e], r_debt[e], r_at[e]
+      block = r_block[e]
       at = at + 2
     else
       sent = sent + 1
       e, a = sent, at
       scale, refill, cap = first, tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2])
       need, flags, debt = tonumber(ARGV[at + 3]), tonumber(ARGV[at + 5]), tonumber(ARGV[at + 6])
+      block = tonumber(ARGV[at + 7])
       if e > nkeys then
         return bad('the requests name more buckets than KEYS holds')
-      elseif refill == nil or cap == nil or need == nil or flags == nil or debt == nil then
+      elseif refill == nil or cap == nil or need == nil or flags == nil or debt == nil or block == nil then
         return bad('the rule of bucket ' .. e .. ' is not numbers')
       end
       if flags % 4 >= 2 then
@@ -175,10 +187,12 @@ for _ = 1, groups do
           kept, order = {}, {}
           k_t, k_ts, k_scale, k_page, k_ttl = {}, {}, {}, {}, {}
           r_scale, r_refill, r_cap, r_flags, r_debt, r_at = {}, {}, {}, {}, {}, {}
+          r_block = {}
         end
         r_scale[e], r_refill[e], r_cap[e], r_flags[e], r_debt[e], r_at[e] = scale, refill, cap, flags, debt, at
+        r_block[e] = block
       end
-      at = at + 7
+      at = at + 8
     end
 
     local key = KEYS[e]
@@ -207,19 +221,35 @@ for _ = 1, groups do
       end
     end
 
-    -- bucket.rs `wait_owing_us` and `BucketParams::pays`.
-    local w
-    if need > cap then
-      w = -1
-    elseif need == 0 or (o == 0 and t >= need) then
-      w = 0
-    else
-      w = o + div_ceil(need - t, refill)
+    -- bucket.rs `check_blocking`: a block in force refuses whatever the bucket holds; else
+    -- `wait_owing_us` and `BucketParams::pays`.
+    local w, pays, blocked = nil, false, false
+    if block > 0 then
+      local ends = blocks[key]
+      if ends == nil then
+        ends = block_until(key, KEYS[nkeys + e])
+        blocks[key] = ends
+      end
+      if ends > now then
+        w, blocked = ends - now, true
+      end
     end
-    local pays = w == 0 or (flags >= 4 and w > 0 and w * refill <= debt)
-    local c = 9 * j
+    if blocked then
+      pays = false
+    else
+      if need > cap then
+        w = -1
+      elseif need == 0 or (o == 0 and t >= need) then
+        w = 0
+      else
+        w = o + div_ceil(need - t, refill)
+      end
+      pays = w == 0 or (flags % 8 >= 4 and w > 0 and w * refill <= debt)
+    end
+    local c = 11 * j
     cur[c + 1], cur[c + 2], cur[c + 3], cur[c + 4] = e, scale, flags, need
     cur[c + 5], cur[c + 6], cur[c + 7], cur[c + 8], cur[c + 9] = t, w, o, a, pays
+    cur[c + 10], cur[c + 11] = blocked, block
     if not pays and flags % 2 == 0 then
       admitted = false
     end
@@ -236,10 +266,19 @@ for _ = 1, groups do
     end
   else
     -- Second pass: enforced buckets are charged only together, shadow ones on their own; every
-    -- bucket is written back either way.
+    -- bucket is written back either way. A bucket of a limit that blocks, refusing now and not
+    -- blocked already, starts its block.
     out[#out + 1] = admitted and 1 or 0
     for j = 0, n - 1 do
-      local c = 9 * j
+      local c = 11 * j
+      if cur[c + 11] > 0 and not cur[c + 9] and not cur[c + 10] then
+        local key = KEYS[cur[c + 1]]
+        blocks[key] = now + cur[c + 11]
+        save_block(key, KEYS[nkeys + cur[c + 1]], now + cur[c + 11], now)
+      end
+    end
+    for j = 0, n - 1 do
+      local c = 11 * j
       local e, scale, flags, need = cur[c + 1], cur[c + 2], cur[c + 3], cur[c + 4]
       local t, w, ts, a = cur[c + 5], cur[c + 6], now + cur[c + 7], cur[c + 8]
       if cur[c + 9] and (admitted or flags % 2 == 1) then
@@ -262,7 +301,11 @@ for _ = 1, groups do
         save(key, KEYS[nkeys + e], t, ts, scale, ARGV[a + 4], now)
       end
       out[#out + 1] = t
-      out[#out + 1] = w
+      if cur[c + 10] then
+        out[#out + 1] = -2 - w
+      else
+        out[#out + 1] = w
+      end
     end
   end
 end

@@ -28,6 +28,7 @@ fn verdict() -> BucketVerdict {
         sufficient: false,
         tokens: 0,
         wait_us: None,
+        blocked: false,
     }
 }
 

@@ -232,6 +232,7 @@ async fn run(
                     sufficient: false,
                     tokens: 0,
                     wait_us: None,
+                    blocked: false,
                 }];
                 let admitted = check_all(&[charge], &mut states_one, out.now_us, &mut v);
                 let state = states_one[0];

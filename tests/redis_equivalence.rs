@@ -1,7 +1,8 @@
 //! `lua/check.lua` and `limit/bucket.rs` are one algorithm in two homes: thousands of random
 //! checks (random rates and bursts, rule changes, costs up to far above the burst, batches of
 //! several buckets, shadow flags, post-paid buckets that may owe, queueing buckets that admit a
-//! request to wait for its tokens and owe them meanwhile, checks of cost 0 that only
+//! request to wait for its tokens and owe them meanwhile, buckets that block for a while once
+//! they refuse, checks of cost 0 that only
 //! read a bucket, several requests in one script call) give the same decision, the same units
 //! left and the same wait on every step. Now and then an admitted request is refunded, or
 //! charged what its answer cost (`lua/refund.lua` against `bucket::adjust`), sometimes after
@@ -20,7 +21,7 @@ use std::sync::Arc;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tollgate_limit::bucket::{
-    BucketParams, BucketState, BucketVerdict, Charge, MAX_EXACT, Rate, adjust, check_all,
+    BucketParams, BucketState, BucketVerdict, Charge, MAX_EXACT, Rate, adjust, check_blocking,
 };
 use tollgate_limit::clock::ManualClock;
 use tollgate_store::redis::{RedisStore, Target};
@@ -37,8 +38,16 @@ const USUAL_RATES: [&str; 14] = [
 ];
 
 /// A third of the buckets are post-paid: they may owe up to a random debt; a sixth queue, with
-/// a random longest wait.
+/// a random longest wait; and a fifth of any kind block for a while once they refuse.
 fn random_params(rng: &mut StdRng) -> BucketParams {
+    let mut p = random_owing_params(rng);
+    if rng.random_range(0..5) == 0 {
+        p.block_us = rng.random_range(1..=5_000_000);
+    }
+    p
+}
+
+fn random_owing_params(rng: &mut StdRng) -> BucketParams {
     let p = random_plain_params(rng);
     if rng.random_range(0..6) == 0 {
         let max_wait_us = match rng.random_range(0..3) {
@@ -150,7 +159,9 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u
     let mut rules: Vec<BucketParams> = (0..BUCKETS).map(|_| random_params(&mut rng)).collect();
     let mut states: HashMap<String, Stored> = HashMap::new();
     let (mut admitted, mut refused, mut changes, mut multi, mut refunds) = (0, 0, 0, 0, 0);
-    let (mut debts, mut peeks_refused, mut queued) = (0, 0, 0);
+    let (mut debts, mut peeks_refused, mut queued, mut blocked) = (0, 0, 0, 0);
+    // Each bucket's block end, as the script keeps it in the bucket's page.
+    let mut blocks: HashMap<String, u64> = HashMap::new();
     for step in 0..STEPS {
         // A rule changes under a live bucket now and then.
         if rng.random_range(0..5) == 0 {
@@ -212,10 +223,24 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u
                     sufficient: false,
                     tokens: 0,
                     wait_us: None,
+                    blocked: false,
                 };
                 batch.len()
             ];
-            let expected_allowed = check_all(&charges, &mut expected_states, outcome.now_us, &mut verdicts);
+            let mut ends: Vec<Option<u64>> = batch.iter().map(|i| blocks.get(&*i.key).copied()).collect();
+            let expected_allowed = check_blocking(
+                &charges,
+                &mut expected_states,
+                &mut ends,
+                outcome.now_us,
+                &mut verdicts,
+            );
+            for (item, end) in batch.iter().zip(&ends) {
+                if let Some(e) = end {
+                    blocks.insert(item.key.to_string(), *e);
+                }
+            }
+            blocked += usize::from(outcome.buckets.iter().any(|v| v.blocked));
             let context = || {
                 format!(
                     "seed {seed} step {step} request {r} of {requests} (replay with TOLLGATE_EQ_SEED={seed}), now {}:\n  charges {charges:#?}\n  states before {before:?}",
@@ -330,6 +355,10 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u
     assert!(
         debts > STEPS / 200,
         "seed {seed}: only {debts} changes left a bucket owing"
+    );
+    assert!(
+        blocked > STEPS / 100,
+        "seed {seed}: only {blocked} requests met a block"
     );
     assert!(
         queued > STEPS / 100,

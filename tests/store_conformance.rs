@@ -554,6 +554,7 @@ async fn peeks_take_nothing(s: &Subject<'_>) {
         sufficient: true,
         tokens: 3 * minute + (o.now_us - warm.now_us),
         wait_us: Some(0),
+        blocked: false,
     };
     let first = s.check(&batch).await;
     assert!(first.admitted, "{}", s.name);
@@ -601,6 +602,7 @@ async fn peeks_take_nothing(s: &Subject<'_>) {
             sufficient: true,
             tokens: 0,
             wait_us: Some(0),
+            blocked: false,
         },
         "{}: a bucket in debt holds nothing",
         s.name

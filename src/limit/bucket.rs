@@ -117,6 +117,9 @@ pub struct BucketParams {
     /// For a limit that queues rather than refuses (`"delay"`): the longest a request may wait
     /// for its tokens, in microseconds. 0: a request short of tokens is refused.
     pub max_wait_us: u64,
+    /// For a limit that blocks (`"block_for"`): how long a bucket that refused a request refuses
+    /// every request after it, whatever refills meanwhile, in microseconds. 0: no block.
+    pub block_us: u64,
 }
 
 /// Why a rate and burst can't be compiled.
@@ -171,6 +174,7 @@ impl BucketParams {
             rate,
             debt: 0,
             max_wait_us: 0,
+            block_us: 0,
         })
     }
 
@@ -381,8 +385,11 @@ pub struct BucketVerdict {
     pub tokens: u64,
     /// Microseconds until this bucket could pay its cost: 0 when it pays at once, `None` if
     /// never. A queueing limit's bucket that is sufficient with a wait above 0 admitted the
-    /// request to wait that long.
+    /// request to wait that long. A blocked bucket's wait is until its block ends.
     pub wait_us: Option<u64>,
+    /// The bucket is blocked (a `block_for` limit refused it earlier): it refused this request
+    /// whatever it holds.
+    pub blocked: bool,
 }
 
 impl BucketVerdict {
@@ -404,14 +411,41 @@ pub fn check_all(
     now: u64,
     out: &mut [BucketVerdict],
 ) -> bool {
+    check_blocking(charges, states, &mut [], now, out)
+}
+
+/// [`check_all`] with blocks: `blocks[i]`, when the bucket of `charges[i]` has a block, is the
+/// microsecond it ends (empty: no bucket has one). A bucket blocked at `now` refuses the
+/// request whatever it holds (a shadow one only counts it); a bucket of a limit with
+/// `block_us` that refuses a request, not blocked already, starts a block until `now +
+/// block_us`, written back into `blocks`.
+pub fn check_blocking(
+    charges: &[Charge],
+    states: &mut [Option<BucketState>],
+    blocks: &mut [Option<u64>],
+    now: u64,
+    out: &mut [BucketVerdict],
+) -> bool {
     debug_assert_eq!(charges.len(), states.len());
     debug_assert_eq!(charges.len(), out.len());
+    debug_assert!(blocks.is_empty() || blocks.len() == charges.len());
     let mut admitted = true;
-    for ((c, s), v) in charges.iter().zip(states.iter()).zip(out.iter_mut()) {
+    for (i, ((c, s), v)) in charges.iter().zip(states.iter()).zip(out.iter_mut()).enumerate() {
         let tokens = refill(&c.params, *s, now);
         let need = c.params.units(c.cost);
-        let wait = wait_owing_us(&c.params, tokens, owed_us(&c.params, *s, now), need);
-        let sufficient = c.params.pays(wait);
+        let until = blocks
+            .get(i)
+            .copied()
+            .flatten()
+            .filter(|&u| u > now && c.params.block_us > 0);
+        let (wait, blocked) = match until {
+            Some(u) => (Some(u - now), true),
+            None => (
+                wait_owing_us(&c.params, tokens, owed_us(&c.params, *s, now), need),
+                false,
+            ),
+        };
+        let sufficient = !blocked && c.params.pays(wait);
         if !sufficient && !c.shadow {
             admitted = false;
         }
@@ -419,7 +453,15 @@ pub fn check_all(
             sufficient,
             tokens,
             wait_us: wait,
+            blocked,
         };
+    }
+    if !blocks.is_empty() {
+        for (i, (c, v)) in charges.iter().zip(out.iter()).enumerate() {
+            if c.params.block_us > 0 && !v.sufficient && !v.blocked {
+                blocks[i] = Some(now + c.params.block_us);
+            }
+        }
     }
     for ((c, s), v) in charges.iter().zip(states.iter_mut()).zip(out.iter_mut()) {
         let charge = v.sufficient && (admitted || c.shadow);
@@ -556,6 +598,7 @@ mod tests {
                 sufficient: false,
                 tokens: 0,
                 wait_us: None,
+                blocked: false,
             }];
             if check_all(&c, &mut s, now, &mut v) {
                 admitted.push(i);
@@ -589,6 +632,7 @@ mod tests {
             sufficient: false,
             tokens: 0,
             wait_us: None,
+            blocked: false,
         }; 2];
         assert!(check_all(&charges, &mut states, 100_000, &mut v));
         assert_eq!(v[0].remaining(&plan), 10);
@@ -641,6 +685,7 @@ mod tests {
             sufficient: false,
             tokens: 0,
             wait_us: None,
+            blocked: false,
         };
         for q in [plain, owing, coarse] {
             for start in states(&q) {
@@ -664,6 +709,7 @@ mod tests {
                             sufficient: true,
                             tokens: refill(&q, start, peek_at),
                             wait_us: Some(0),
+                            blocked: false,
                         },
                         "{q:?} from {start:?}"
                     );
@@ -789,6 +835,7 @@ mod tests {
             sufficient: false,
             tokens: 0,
             wait_us: None,
+            blocked: false,
         }; 3];
         assert!(check_all(&charges, &mut states, 1_000, &mut v));
         assert!(!v[2].sufficient, "the empty shadow bucket was not charged");
@@ -827,6 +874,7 @@ mod tests {
             sufficient: false,
             tokens: 0,
             wait_us: None,
+            blocked: false,
         }];
         let now = 1_000_000;
         for _ in 0..4 {
@@ -888,6 +936,7 @@ mod tests {
             sufficient: false,
             tokens: 0,
             wait_us: None,
+            blocked: false,
         }];
         let ok = check_all(&[c], std::slice::from_mut(s), now, &mut v);
         (ok, v[0])
@@ -945,5 +994,52 @@ mod tests {
             p("10/1s", 1).with_delay(u64::MAX / 4),
             Err(ParamError::WaitTooLong { .. })
         ));
+    }
+
+    #[test]
+    fn a_block_refuses_whatever_refills_until_it_ends() {
+        let mut params = p("1/1s", 1);
+        params.block_us = 30_000_000;
+        let c = Charge {
+            params,
+            cost: 1,
+            shadow: false,
+        };
+        let run = |s: &mut Option<BucketState>, b: &mut Option<u64>, now: u64| {
+            let mut v = [BucketVerdict {
+                sufficient: false,
+                tokens: 0,
+                wait_us: None,
+                blocked: false,
+            }];
+            let ok = check_blocking(
+                &[c],
+                std::slice::from_mut(s),
+                std::slice::from_mut(b),
+                now,
+                &mut v,
+            );
+            (ok, v[0])
+        };
+        let (mut s, mut b) = (None, None);
+        assert!(run(&mut s, &mut b, 0).0);
+        // The refusal starts the block; it is not itself blocked.
+        let (ok, v) = run(&mut s, &mut b, 0);
+        assert!(!ok && !v.blocked && b == Some(30_000_000));
+        // 10 s on the bucket is full, and refused until the block ends.
+        let (ok, v) = run(&mut s, &mut b, 10_000_000);
+        assert!(!ok && v.blocked && v.wait_us == Some(20_000_000) && v.tokens == c.params.capacity);
+        assert_eq!(b, Some(30_000_000), "a block met is not started again");
+        assert!(run(&mut s, &mut b, 30_000_000).0);
+        // Without a block to read (`check_all`), the same bucket decides by its tokens alone.
+        let mut s = None;
+        let mut v = [BucketVerdict {
+            sufficient: false,
+            tokens: 0,
+            wait_us: None,
+            blocked: false,
+        }];
+        assert!(check_all(&[c], std::slice::from_mut(&mut s), 0, &mut v));
+        assert!(!check_all(&[c], std::slice::from_mut(&mut s), 0, &mut v) && !v[0].blocked);
     }
 }

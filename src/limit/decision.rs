@@ -3,7 +3,7 @@
 
 use smallvec::SmallVec;
 
-use super::bucket::{BucketParams, US_PER_S, retry_after_secs, secs_to_full};
+use super::bucket::{BucketParams, BucketVerdict, US_PER_S, retry_after_secs, secs_to_full};
 use crate::batch::{CheckItem, FailurePolicy, Outcome, Source};
 
 /// What the limiter decided for one request, in the words the gateway uses everywhere (code,
@@ -44,6 +44,9 @@ pub struct Report {
     /// How long an admitted request waits for its tokens before it goes on: the longest wait
     /// of its queueing limits' buckets (`"delay"`), 0 when every bucket paid at once.
     pub delay_us: u64,
+    /// The deciding bucket is blocked (`"block_for"`): it was already, or this refusal started
+    /// its block.
+    pub blocked: bool,
 }
 
 impl Decision {
@@ -77,7 +80,15 @@ pub fn decide(batch: &[CheckItem], outcome: &Outcome) -> Decision {
     let mut delay_us = 0;
     // What a refused bucket's wait means to its client: a queueing limit refuses a request
     // whose wait is longer than its longest, so it passes once the rest is waited out.
-    let wait = |item: &CheckItem, w: Option<u64>| w.map(|w| w.saturating_sub(item.charge.params.max_wait_us));
+    // A block's wait is the block's, and a blocking limit's refusal starts a whole one.
+    let wait = |item: &CheckItem, v: &BucketVerdict| {
+        let p = &item.charge.params;
+        match (v.blocked, p.block_us) {
+            (true, _) => v.wait_us,
+            (false, b) if b > 0 && !v.sufficient => Some(b),
+            _ => v.wait_us.map(|w| w.saturating_sub(p.max_wait_us)),
+        }
+    };
     for (i, (item, v)) in batch.iter().zip(&outcome.buckets).enumerate() {
         if item.charge.shadow {
             if !v.sufficient {
@@ -98,7 +109,7 @@ pub fn decide(batch: &[CheckItem], outcome: &Outcome) -> Decision {
                     false
                 } else {
                     // The longest wait decides; "never" is longest of all.
-                    match (wait(item, v.wait_us), wait(&batch[d], cur.wait_us)) {
+                    match (wait(item, v), wait(&batch[d], cur)) {
                         (None, Some(_)) => true,
                         (Some(a), Some(b)) => a > b,
                         _ => false,
@@ -125,7 +136,7 @@ pub fn decide(batch: &[CheckItem], outcome: &Outcome) -> Decision {
                 };
                 (v.remaining(p), None, reset)
             } else {
-                let retry = wait(&batch[d], v.wait_us).map(retry_after_secs);
+                let retry = wait(&batch[d], v).map(retry_after_secs);
                 (v.remaining(p), retry, retry.unwrap_or(0))
             }
         }
@@ -137,6 +148,8 @@ pub fn decide(batch: &[CheckItem], outcome: &Outcome) -> Decision {
         shadow_refusals,
         source: outcome.source,
         delay_us: if outcome.admitted { delay_us } else { 0 },
+        blocked: !outcome.admitted
+            && deciding.is_some_and(|d| outcome.buckets[d].blocked || batch[d].charge.params.block_us > 0),
     };
     match (outcome.admitted, outcome.source) {
         (true, _) => Decision::Admitted(report),

@@ -303,6 +303,7 @@ impl Guard {
                 sufficient: true,
                 tokens: i.charge.params.capacity,
                 wait_us: Some(0),
+                blocked: false,
             })
             .collect();
         let enforced = || batch.iter().enumerate().filter(|(_, i)| !i.charge.shadow);
@@ -343,6 +344,7 @@ impl Guard {
                             sufficient: false,
                             tokens: 0,
                             wait_us: None,
+                            blocked: false,
                         };
                     }
                 }
@@ -370,6 +372,7 @@ impl Guard {
                         sufficient: v.sufficient,
                         tokens: rescale(v.tokens, it.charge.params.scale, orig.scale),
                         wait_us: v.wait_us,
+                        blocked: false,
                     };
                 }
                 out.admitted
@@ -467,6 +470,14 @@ impl Guard {
 }
 
 impl Store for Guard {
+    fn blocks(&self) -> BoxFuture<'_, Result<crate::Blocks, StoreError>> {
+        self.inner.blocks()
+    }
+
+    fn lift<'a>(&'a self, bucket: &'a str) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.lift(bucket)
+    }
+
     fn check<'a>(&'a self, batch: &'a [CheckItem]) -> CheckFuture<'a> {
         let breaker = self.breaker(batch);
         if breaker.admit(self.now_us(), self.probe_every) == Admit::Skip {

@@ -146,6 +146,24 @@ pub trait Store: Send + Sync + 'static {
     fn remote(&self) -> bool {
         false
     }
+
+    /// The blocks of `block_for` limits in force now: each blocked bucket's name and the
+    /// microsecond its block ends, on the store's clock.
+    fn blocks(&self) -> BoxFuture<'_, Result<Blocks, StoreError>> {
+        Box::pin(std::future::ready(Ok(Blocks::default())))
+    }
+
+    /// Lifts the block of the bucket named `bucket`; false when it had none in force.
+    fn lift<'a>(&'a self, _bucket: &'a str) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(std::future::ready(Ok(false)))
+    }
+}
+
+/// What [`Store::blocks`] found: the store's now and each block in force, by bucket name.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Blocks {
+    pub now_us: u64,
+    pub list: Vec<(String, u64)>,
 }
 
 /// What [`Store::adjust`] left: each bucket's balance in units (below zero, the units it owes),

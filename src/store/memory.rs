@@ -9,9 +9,9 @@ use std::time::Duration;
 use smallvec::SmallVec;
 
 use super::{
-    Adjusted, BoxFuture, CheckFuture, CheckItem, Outcome, Source, Store, StoreError, units_mismatch,
+    Adjusted, Blocks, BoxFuture, CheckFuture, CheckItem, Outcome, Source, Store, StoreError, units_mismatch,
 };
-use tollgate_limit::bucket::{BucketState, BucketVerdict, Charge, adjust, check_all};
+use tollgate_limit::bucket::{BucketState, BucketVerdict, Charge, adjust, check_all, check_blocking};
 use tollgate_limit::clock::Clock;
 
 const SHARDS: usize = 64;
@@ -97,6 +97,10 @@ pub struct MemoryStore {
     /// The longest fill time (b / r) of any bucket checked so far. A bucket idle for longer
     /// is full, exactly as a missing one, so the sweeper may drop it.
     horizon_us: AtomicU64,
+    /// The blocks of `block_for` limits, by bucket name: the microsecond each ends. Kept by
+    /// name, not fingerprint, so they can be listed. A check of a blocking limit's bucket holds
+    /// this lock around its shards' locks.
+    blocks: Mutex<HashMap<Box<str>, u64>>,
 }
 
 /// Bits of the fingerprint that pick a shard through [`SHARD_OF`].
@@ -157,6 +161,7 @@ impl MemoryStore {
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
             clock,
             horizon_us: AtomicU64::new(0),
+            blocks: Mutex::new(HashMap::default()),
         }
     }
 
@@ -181,11 +186,14 @@ impl MemoryStore {
             BucketVerdict {
                 sufficient: false,
                 tokens: 0,
-                wait_us: None
+                wait_us: None,
+                blocked: false,
             };
             batch.len()
         ];
-        let admitted = if let [item] = batch {
+        let admitted = if batch.iter().any(|i| i.charge.params.block_us > 0) {
+            self.check_blocking_at(batch, now, &mut verdicts)
+        } else if let [item] = batch {
             // One bucket: one hash lookup, updated in place.
             let fp = Fp::new(item.fp);
             let charges = std::slice::from_ref(&item.charge);
@@ -222,6 +230,52 @@ impl MemoryStore {
             source: Source::Store,
             leased: 0,
         }
+    }
+
+    /// A check of a batch with a blocking limit's bucket: its blocks read and written under
+    /// the blocks' lock, around the shards'.
+    fn check_blocking_at(&self, batch: &[CheckItem], now: u64, verdicts: &mut [BucketVerdict]) -> bool {
+        let mut blocks = self.blocks.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut ends: SmallVec<[Option<u64>; 4]> = batch
+            .iter()
+            .map(|i| {
+                (i.charge.params.block_us > 0)
+                    .then(|| blocks.get(&*i.key).copied())
+                    .flatten()
+            })
+            .collect();
+        let admitted = self.with_states(
+            batch,
+            |charges, states| check_blocking(charges, states, &mut ends, now, verdicts),
+            |_| true,
+        );
+        for (item, end) in batch.iter().zip(&ends) {
+            match end {
+                Some(e) if *e > now => {
+                    blocks.insert(Box::from(&*item.key), *e);
+                }
+                Some(_) => {
+                    blocks.remove(&*item.key);
+                }
+                None => {}
+            }
+        }
+        admitted
+    }
+
+    /// The blocks in force at `now`; ended ones are dropped on the way.
+    pub fn blocks_at(&self, now: u64) -> Vec<(String, u64)> {
+        let mut blocks = self.blocks.lock().unwrap_or_else(PoisonError::into_inner);
+        blocks.retain(|_, end| *end > now);
+        let mut list: Vec<(String, u64)> = blocks.iter().map(|(k, e)| (k.to_string(), *e)).collect();
+        list.sort();
+        list
+    }
+
+    /// Lifts one bucket's block: whether it had one in force at `now`.
+    pub fn lift_at(&self, bucket: &str, now: u64) -> bool {
+        let mut blocks = self.blocks.lock().unwrap_or_else(PoisonError::into_inner);
+        blocks.remove(bucket).is_some_and(|end| end > now)
     }
 
     /// Changes `batch`'s buckets by `units` at the clock's now; see [`Store::adjust`].
@@ -371,6 +425,18 @@ impl Store for MemoryStore {
 
     fn kind(&self) -> &'static str {
         "memory"
+    }
+
+    fn blocks(&self) -> BoxFuture<'_, Result<Blocks, StoreError>> {
+        let now_us = self.clock.now_us();
+        Box::pin(std::future::ready(Ok(Blocks {
+            now_us,
+            list: self.blocks_at(now_us),
+        })))
+    }
+
+    fn lift<'a>(&'a self, bucket: &'a str) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(std::future::ready(Ok(self.lift_at(bucket, self.clock.now_us()))))
     }
 }
 

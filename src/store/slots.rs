@@ -166,6 +166,7 @@ fn merge(batch: &[CheckItem], parts: &[Part], outcomes: &[Outcome]) -> Outcome {
             sufficient: true,
             tokens: i.charge.params.capacity,
             wait_us: Some(0),
+            blocked: false,
         })
         .collect();
     let mut leased = 0u64;
@@ -203,6 +204,14 @@ fn merge(batch: &[CheckItem], parts: &[Part], outcomes: &[Outcome]) -> Outcome {
 }
 
 impl Store for Slots {
+    fn blocks(&self) -> BoxFuture<'_, Result<crate::Blocks, StoreError>> {
+        self.inner.blocks()
+    }
+
+    fn lift<'a>(&'a self, bucket: &'a str) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.lift(bucket)
+    }
+
     fn check<'a>(&'a self, batch: &'a [CheckItem]) -> CheckFuture<'a> {
         match self.split(batch) {
             None => self.inner.check(batch),

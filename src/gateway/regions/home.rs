@@ -159,6 +159,14 @@ impl Store for HomeRouted {
         self.local.ping()
     }
 
+    fn blocks(&self) -> tollgate_store::BoxFuture<'_, Result<tollgate_store::Blocks, StoreError>> {
+        self.local.blocks()
+    }
+
+    fn lift<'a>(&'a self, bucket: &'a str) -> tollgate_store::BoxFuture<'a, Result<bool, StoreError>> {
+        self.local.lift(bucket)
+    }
+
     fn adjust<'a>(
         &'a self,
         batch: &'a [CheckItem],

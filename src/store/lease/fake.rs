@@ -126,6 +126,7 @@ impl Store for Fake {
                     sufficient: admitted,
                     tokens: 0,
                     wait_us: Some(if admitted { 0 } else { 5_000_000 }),
+                    blocked: false,
                 })
                 .collect(),
             source: Source::Store,

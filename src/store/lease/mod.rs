@@ -258,6 +258,14 @@ impl Leases {
 }
 
 impl Store for Leases {
+    fn blocks(&self) -> BoxFuture<'_, Result<crate::Blocks, StoreError>> {
+        self.inner.blocks()
+    }
+
+    fn lift<'a>(&'a self, bucket: &'a str) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.lift(bucket)
+    }
+
     fn check<'a>(&'a self, batch: &'a [CheckItem]) -> CheckFuture<'a> {
         if batch.iter().all(|i| i.lease.is_none()) {
             return self.inner.check(batch);

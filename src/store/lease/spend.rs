@@ -47,6 +47,7 @@ fn verdict(p: &BucketParams, sufficient: bool, held: u64, wait_us: Option<u64>) 
         sufficient,
         tokens: held.saturating_mul(p.scale),
         wait_us,
+        blocked: false,
     }
 }
 
@@ -212,6 +213,7 @@ impl Leases {
                         sufficient: true,
                         tokens: p.capacity,
                         wait_us: Some(0),
+                        blocked: false,
                     },
                 }
             })
@@ -420,6 +422,7 @@ mod tests {
                 sufficient: true,
                 tokens: 99 * scale,
                 wait_us: Some(0),
+                blocked: false,
             }
         );
         // Beside a bucket the store refuses, it still takes nothing, and nothing goes back.

@@ -15,8 +15,8 @@ use crate::page::page_of;
 use crate::{CheckItem, Outcome, Source, StoreError};
 use tollgate_limit::bucket::BucketVerdict;
 
-/// ARGV of a bucket sent in full: scale, refill, capacity, need, ttl, flags, debt.
-const ARGS_PER_BUCKET: usize = 7;
+/// ARGV of a bucket sent in full: scale, refill, capacity, need, ttl, flags, debt, block.
+const ARGS_PER_BUCKET: usize = 8;
 /// Where the need and the flags are among a bucket's [`ARGS_PER_BUCKET`].
 const NEED: usize = 3;
 const FLAGS: usize = 5;
@@ -24,6 +24,8 @@ const FLAGS: usize = 5;
 const KEEP: i64 = 2;
 /// The flag of a queueing limit's bucket: its debt is its longest wait's worth of refill.
 const DELAY: i64 = 4;
+/// The flag of a blocking limit's bucket (`block_for`).
+const BLOCK: i64 = 8;
 
 /// The most requests and buckets in one call: a script blocks its node while it runs, so one
 /// call stays short (about 3 µs of script per bucket).
@@ -36,7 +38,7 @@ pub(super) struct Pending {
     /// The page of each bucket in `keys` (`page::page_of`), in the same order.
     pages: SmallVec<[Key; 4]>,
     /// [`ARGS_PER_BUCKET`] per bucket.
-    args: SmallVec<[i64; 28]>,
+    args: SmallVec<[i64; 32]>,
     /// Each bucket's longest wait (`BucketParams::max_wait_us`), to read the reply by.
     waits: SmallVec<[u64; 4]>,
     /// The hash slot of its keys in a cluster: only requests of one slot share a call.
@@ -61,8 +63,11 @@ impl Pending {
                 as_i64(p.capacity),
                 as_i64(need),
                 as_i64(p.ttl_ms()),
-                i64::from(i.charge.shadow) | if p.max_wait_us > 0 { DELAY } else { 0 },
+                i64::from(i.charge.shadow)
+                    | if p.max_wait_us > 0 { DELAY } else { 0 }
+                    | if p.block_us > 0 { BLOCK } else { 0 },
                 as_i64(p.debt),
+                as_i64(p.block_us),
             ]);
         }
         let waits = batch.iter().map(|i| i.charge.params.max_wait_us).collect();
@@ -304,15 +309,21 @@ fn parse_reply(sizes: &[&[u64]], reply: Value) -> Result<Vec<Result<Outcome, Sto
         let mut buckets = SmallVec::with_capacity(n);
         for &max_wait in waits {
             let tokens = u64::try_from(num(at)?).map_err(|_| bad("negative tokens".into()))?;
-            let wait_us = match num(at + 1)? {
-                -1 => None,
-                w => Some(u64::try_from(w).map_err(|_| bad(format!("wait {w}")))?),
+            // -1: never; -2 - w: blocked, for w more microseconds.
+            let (wait_us, blocked) = match num(at + 1)? {
+                -1 => (None, false),
+                w if w <= -2 => (Some((-2 - w) as u64), true),
+                w => (
+                    Some(u64::try_from(w).map_err(|_| bad(format!("wait {w}")))?),
+                    false,
+                ),
             };
             at += 2;
             buckets.push(BucketVerdict {
-                sufficient: matches!(wait_us, Some(w) if w <= max_wait),
+                sufficient: !blocked && matches!(wait_us, Some(w) if w <= max_wait),
                 tokens,
                 wait_us,
+                blocked,
             });
         }
         out.push(Ok(Outcome {
@@ -350,6 +361,10 @@ mod tests {
         let queued = parse_reply(&[&[100], &[100]], v(&[17, 1, 0, 100, 0, 0, 101])).unwrap();
         assert!(queued[0].as_ref().unwrap().buckets[0].sufficient);
         assert!(!queued[1].as_ref().unwrap().buckets[0].sufficient);
+        // A blocked bucket: -2 - the microseconds left.
+        let blocked = parse_reply(&[&[0]], v(&[17, 0, 9, -2 - 5_000])).unwrap();
+        let b = blocked[0].as_ref().unwrap().buckets[0];
+        assert!(b.blocked && !b.sufficient && b.wait_us == Some(5_000) && b.tokens == 9);
         assert!(parse_reply(&[], Value::Null).is_err());
     }
 
@@ -382,11 +397,11 @@ mod tests {
         let (keys, args) = encode_call(-1, &pending);
         let names: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
         let (a5, b5, a9) = (
-            &pending[0].args[..7],
-            &pending[0].args[7..],
-            &pending[3].args[..7],
+            &pending[0].args[..ARGS_PER_BUCKET],
+            &pending[0].args[ARGS_PER_BUCKET..],
+            &pending[3].args[..ARGS_PER_BUCKET],
         );
-        let b_shadow = &pending[3].args[7..];
+        let b_shadow = &pending[3].args[ARGS_PER_BUCKET..];
         let (page_a, page_b) = (page_of("rl:{k}:a"), page_of("rl:{k}:b"));
         let (page_a, page_b) = (page_a.as_bytes(), page_b.as_bytes());
         let want: [&[u8]; 8] = [

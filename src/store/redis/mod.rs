@@ -25,6 +25,7 @@
 //! - `lease`: LEASE and GIVE BACK for the gateway's leased blocks (`lua/lease.lua`).
 //! - `refund`: refunds and post-paid debits (`lua/refund.lua`).
 
+mod blocks;
 mod check;
 mod connect;
 mod lease;
@@ -304,6 +305,14 @@ impl Store for RedisStore {
     /// again), and can read its clock.
     fn ping(&self) -> CheckFuture<'_> {
         CheckFuture::Boxed(Box::pin(self.check_batch(&[])))
+    }
+
+    fn blocks(&self) -> BoxFuture<'_, Result<crate::Blocks, StoreError>> {
+        Box::pin(self.list_blocks())
+    }
+
+    fn lift<'a>(&'a self, bucket: &'a str) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(self.lift_block(bucket))
     }
 
     fn heartbeat<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<Option<u32>, StoreError>> {

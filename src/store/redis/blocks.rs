@@ -1,0 +1,122 @@
+//! The blocks of `block_for` limits in Redis: a field `<bucket>!b` of the bucket's page, beside
+//! the bucket (lua/bucket.lua `block_until`), whose ts is the microsecond the block ends. Listed
+//! by scanning the pages, lifted by deleting the field: both for the admin API only, never on
+//! a request's path.
+
+use fred::prelude::{Key, Value};
+
+use super::{RedisStore, int, store_error};
+use crate::nodes::Script;
+use crate::page::page_of;
+use crate::{Blocks, StoreError};
+
+/// Every page's block fields whose block has not ended: `{now, name, end, name, end, …}`. One
+/// script, so the list is one instant's; it runs as long as the pages take to scan, which only
+/// an operator's request asks for.
+const LIST: &str = r#"
+local now = tonumber(ARGV[1])
+if now < 0 then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local out = { now }
+local cursor = '0'
+repeat
+  local r = redis.call('SCAN', cursor, 'MATCH', 'rl:page:*', 'COUNT', 1000)
+  cursor = r[1]
+  for _, page in ipairs(r[2]) do
+    local at = '0'
+    repeat
+      local h = redis.call('HSCAN', page, at, 'MATCH', '*!b', 'COUNT', 1000)
+      at = h[1]
+      local kv = h[2]
+      for i = 1, #kv, 2 do
+        local v = kv[i + 1]
+        if #v == 25 then
+          local ends = struct.unpack('<I7', v, 8)
+          if ends > now then
+            out[#out + 1] = string.sub(kv[i], 1, -3)
+            out[#out + 1] = ends
+          end
+        end
+      end
+    until at == '0'
+  end
+until cursor == '0'
+return out
+"#;
+
+/// Deletes one bucket's block field: 1 when its block had not ended.
+const LIFT: &str = r#"
+local now = tonumber(ARGV[2])
+if now < 0 then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local v = redis.call('HGET', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[1], ARGV[1])
+if v and #v == 25 and struct.unpack('<I7', v, 8) > now then
+  return 1
+end
+return 0
+"#;
+
+impl RedisStore {
+    /// The blocks in force. A Redis Cluster's pages are spread over its primaries, and one
+    /// script sees one node's: there it is refused rather than half answered.
+    pub async fn list_blocks(&self) -> Result<Blocks, StoreError> {
+        if self.shared.cluster {
+            return Err(StoreError::Unavailable(
+                "listing blocks on a Redis Cluster is not supported; each block still lifts by its bucket"
+                    .into(),
+            ));
+        }
+        let v = self
+            .shared
+            .client
+            .run(
+                Script::Text(LIST),
+                Vec::new(),
+                vec![Value::Integer(self.shared.clock_arg())],
+            )
+            .await
+            .map_err(|e| store_error(&e))?;
+        let bad = |what: &str| StoreError::Protocol(format!("the block list answered {what}"));
+        let Value::Array(items) = v else {
+            return Err(bad("something else than an array"));
+        };
+        let now_us = items.first().and_then(int).ok_or_else(|| bad("no now"))? as u64;
+        let mut list = Vec::with_capacity(items.len() / 2);
+        for pair in items[1..].chunks(2) {
+            let [name, end] = pair else {
+                return Err(bad("a name without an end"));
+            };
+            let name = name
+                .as_str()
+                .ok_or_else(|| bad("a name that is not text"))?
+                .to_string();
+            let end = int(end).ok_or_else(|| bad("an end that is not a number"))? as u64;
+            list.push((name, end));
+        }
+        list.sort();
+        Ok(Blocks { now_us, list })
+    }
+
+    /// Lifts `bucket`'s block: whether it had one in force.
+    pub async fn lift_block(&self, bucket: &str) -> Result<bool, StoreError> {
+        let v = self
+            .shared
+            .client
+            .run(
+                Script::Text(LIFT),
+                vec![Key::from(page_of(bucket))],
+                vec![
+                    Value::from(format!("{bucket}!b")),
+                    Value::Integer(self.shared.clock_arg()),
+                ],
+            )
+            .await
+            .map_err(|e| store_error(&e))?;
+        Ok(int(&v) == Some(1))
+    }
+}
