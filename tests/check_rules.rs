@@ -154,6 +154,14 @@ fn each_broken_file_fails_with_its_own_message() {
             "limits.tokens.max_debt: a debt of 9007199254740000 tokens with this burst needs",
         ),
         (
+            "block-for-bad-duration.json",
+            "limits.exports.block_for: \"30 seconds\": unknown unit \" seconds\" (use ms, s, m or h)",
+        ),
+        (
+            "block-for-too-short.json",
+            "limits.exports.block_for: \"500ms\" is out of range: a block lasts 1s to 24h",
+        ),
+        (
             "delay-zero-wait.json",
             "limits.exports.delay.max_wait_ms: 0 is out of range: a request may wait 1 to 60000 ms for its tokens",
         ),

@@ -42,6 +42,14 @@ const SEMANTIC: &[(&str, &str)] = &[
     ("version-zero.json", "a value's range: version 1 or more"),
     ("delay-zero-wait.json", "a value's range: a wait of 1 to 60000 ms"),
     (
+        "block-for-bad-duration.json",
+        "a duration's syntax, parsed by the loader",
+    ),
+    (
+        "block-for-too-short.json",
+        "a value's range: a block of 1 s to 24 h",
+    ),
+    (
         "delay-leased.json",
         "two fields that don't go together: a queue and a lease",
     ),

@@ -72,6 +72,9 @@ impl Admin {
         if path == "/admin/keys" || path.starts_with("/admin/keys/") {
             return self.keys_api(req, peer).await;
         }
+        if path == "/admin/blocks" {
+            return self.blocks_api(req, peer).await;
+        }
         if req.method() != Method::GET {
             return json_response(
                 StatusCode::METHOD_NOT_ALLOWED,
@@ -201,25 +204,41 @@ impl Admin {
     /// `/admin/keys…`: only with the operator's token, and not at all without one configured
     /// (404, as if there were no such API).
     async fn keys_api(&self, req: Request<Incoming>, peer: std::net::SocketAddr) -> Response<Body> {
-        let (Some(token), Some(keys)) = (&self.token, &self.keys) else {
+        let (Some(_), Some(keys)) = (&self.token, &self.keys) else {
             return json_response(
                 StatusCode::NOT_FOUND,
                 json!({"error": "not_found", "detail": "the key API is on with --admin-token-file, on the embedded store or one Redis node"})
                     .to_string(),
             );
         };
-        if !token.allows(req.headers().get(http::header::AUTHORIZATION)) {
-            let mut r = json_response(
-                StatusCode::UNAUTHORIZED,
-                json!({"error": "unauthorized", "reason": "admin_token"}).to_string(),
-            );
-            r.headers_mut().insert(
-                http::header::WWW_AUTHENTICATE,
-                http::HeaderValue::from_static("Bearer"),
-            );
-            return r;
+        if let Some(refused) = self.token_refuses(&req, "the key API") {
+            return refused;
         }
         keys.serve(req, peer).await
+    }
+
+    /// A change through the admin API needs the operator's token: 404 without one configured
+    /// (as if there were no such API), 401 without it or with another.
+    pub(crate) fn token_refuses(&self, req: &Request<Incoming>, what: &str) -> Option<Response<Body>> {
+        let Some(token) = &self.token else {
+            return Some(json_response(
+                StatusCode::NOT_FOUND,
+                json!({"error": "not_found", "detail": format!("{what} is on with --admin-token-file")})
+                    .to_string(),
+            ));
+        };
+        if token.allows(req.headers().get(http::header::AUTHORIZATION)) {
+            return None;
+        }
+        let mut r = json_response(
+            StatusCode::UNAUTHORIZED,
+            json!({"error": "unauthorized", "reason": "admin_token"}).to_string(),
+        );
+        r.headers_mut().insert(
+            http::header::WWW_AUTHENTICATE,
+            http::HeaderValue::from_static("Bearer"),
+        );
+        Some(r)
     }
 
     /// `GET /admin/usage?key=ID`: what this gateway has admitted for the key since it started,

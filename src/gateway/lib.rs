@@ -28,6 +28,7 @@
 
 pub mod access;
 pub(crate) mod admin;
+pub(crate) mod admin_blocks;
 pub mod admin_guard;
 pub mod app;
 pub(crate) mod boxed;

@@ -47,8 +47,14 @@ pub enum Refusal {
     MethodNotAllowed(&'static str),
     #[error("body over {limit} bytes")]
     PayloadTooLarge { limit: u64 },
+    /// Refused by a limit's bucket: for want of tokens, or `blocked` for a while after one of
+    /// its limit's refusals (`"block_for"`).
     #[error("rate limited by {limit}")]
-    RateLimited { limit: String, retry_after: Option<u64> },
+    RateLimited {
+        limit: String,
+        retry_after: Option<u64>,
+        blocked: bool,
+    },
     #[error("{quota} quota exceeded")]
     QuotaExceeded {
         quota: &'static str,
@@ -144,8 +150,13 @@ impl Refusal {
             Refusal::PayloadTooLarge { limit } => {
                 json!({"error": "payload_too_large", "max_body_bytes": limit})
             }
-            Refusal::RateLimited { limit, retry_after } => {
-                json!({"error": "rate_limited", "limit": limit, "retry_after_seconds": retry_after})
+            Refusal::RateLimited {
+                limit,
+                retry_after,
+                blocked,
+            } => {
+                let error = if *blocked { "blocked" } else { "rate_limited" };
+                json!({"error": error, "limit": limit, "retry_after_seconds": retry_after})
             }
             Refusal::QuotaExceeded { quota, resets_at, .. } => {
                 json!({"error": "quota_exceeded", "quota": quota, "resets_at": resets_at})

@@ -97,6 +97,9 @@ pub struct Limit {
     /// For a limit that queues rather than refuses (`"delay"`): the longest a request waits
     /// for its tokens, in microseconds; 0 for every other limit.
     pub max_wait_us: u64,
+    /// For a limit that blocks (`"block_for"`): how long a bucket that refused a request
+    /// refuses every request after it, in microseconds; 0 for every other limit.
+    pub block_us: u64,
 }
 
 /// A limit charged after the fact: the reserve at the check, the rest of what the upstream's

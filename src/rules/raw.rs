@@ -404,6 +404,10 @@ pub(crate) struct RawLimit {
     /// `max_wait_ms`, and is then forwarded; one that would wait longer is refused.
     #[serde(default)]
     pub delay: Option<RawDelay>,
+    /// Once the limit refuses a request, refuse every request its bucket would pay for this
+    /// long (`"30s"`, `"10m"`), whatever refills meanwhile.
+    #[serde(default)]
+    pub block_for: Option<String>,
 }
 
 /// `{"max_wait_ms": 2000}`.

@@ -113,6 +113,10 @@ pub struct Metrics {
     /// Queued requests whose client left before their turn, counted once their tokens are
     /// given back.
     pub queue_left: Counter,
+    /// Blocks a `block_for` limit started (in shadow mode: would have started), per limit, and
+    /// those in force as this gateway knows them (started here, refused by, or listed).
+    pub blocks_started: Family<LimitLabel, Counter>,
+    pub blocks_in_force: Family<LimitLabel, Gauge>,
     /// Lease-script calls, `kind` = `lease` or `give_back`, answered or not.
     pub lease_calls: Family<Kind, Counter>,
     pub lease_grants: Counter,
@@ -184,6 +188,8 @@ impl Metrics {
             queued: Default::default(),
             queue_waiting: Default::default(),
             queue_left: Default::default(),
+            blocks_started: Default::default(),
+            blocks_in_force: Default::default(),
             lease_calls: Default::default(),
             lease_grants: Default::default(),
             lease_denials: Default::default(),
@@ -319,6 +325,16 @@ impl Metrics {
             "queue_left",
             "Queued requests whose client left before their turn; their tokens were given back",
             self.queue_left.clone(),
+        );
+        self.registry.register(
+            "blocks_started",
+            "Blocks a limit with \"block_for\" started after refusing a request (in shadow mode, would have started)",
+            self.blocks_started.clone(),
+        );
+        self.registry.register(
+            "blocks_in_force",
+            "Blocks in force, as this gateway has seen them: started here, refused by, or listed by GET /admin/blocks",
+            self.blocks_in_force.clone(),
         );
     }
 

@@ -291,9 +291,13 @@ fn check(snap: &Snapshot, batch: &[CheckItem], key: Option<usize>, head: &Head) 
         } else {
             let limit = snap.deciding_limit(batch, &d).unwrap_or_default().to_string();
             let retry_after = d.retry_after();
-            Refusal::RateLimited { limit, retry_after }
-                .into_response()
-                .map(drop)
+            Refusal::RateLimited {
+                limit,
+                retry_after,
+                blocked: d.blocked,
+            }
+            .into_response()
+            .map(drop)
         };
         let caller = key.map_or(
             tollgate_rules::plan::Caller::Anonymous,

@@ -102,6 +102,7 @@ pub(super) fn rate_limited(snap: &Snapshot, batch: &[tollgate_store::CheckItem],
     Refusal::RateLimited {
         limit,
         retry_after: d.retry_after(),
+        blocked: d.blocked,
     }
 }
 
@@ -208,6 +209,7 @@ impl Gateway {
         };
         let paid = &batch[..paying.min(batch.len())];
         let decision = decide(paid, &outcome);
+        self.note_blocks(snap, paid, &outcome);
         facts.check = Some(crate::otel::Checked::new(took, &decision));
         self.count(snap, h, paid, &decision);
         Ok((decision, outcome))

@@ -12,6 +12,7 @@
 
 mod admit;
 mod begin;
+mod blocks;
 mod drive;
 pub mod express;
 mod finish;
@@ -87,6 +88,7 @@ pub struct Gateway {
     shadow_log: Sampler,
     live: ArcSwap<Live>,
     building: std::sync::Mutex<()>,
+    blocks_seen: blocks::SeenBlocks,
 }
 
 /// What a gateway is built from: the four it cannot run without, and the rest with defaults
@@ -168,6 +170,7 @@ impl Gateway {
             shadow_log: Sampler::new(std::time::Duration::from_secs(1)),
             live: ArcSwap::from_pointee(Live::default()),
             building: std::sync::Mutex::new(()),
+            blocks_seen: blocks::SeenBlocks::default(),
         }
     }
 

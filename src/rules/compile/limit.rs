@@ -43,8 +43,10 @@ impl Compiler<'_> {
         let plans = self.plans(&field, name, l, &dimension)?;
         let post_paid = self.post_paid(&field, l, lease.is_some())?;
         let max_wait_us = self.delay(&field, l, lease.is_some())?;
+        let block_us = self.block_for(&field, l, lease.is_some())?;
         Ok(Limit {
             max_wait_us,
+            block_us,
             post_paid,
             plans,
             name: name.into(),
@@ -270,40 +272,68 @@ impl Compiler<'_> {
         Ok(d.max_wait_ms * 1_000)
     }
 
+    /// `block_for`: how long a bucket that refused a request stays blocked, in microseconds (0
+    /// for a limit that doesn't block). A leased block is spent in one gateway's memory, where
+    /// the store's block can't stop it, so a blocking limit is not leased.
+    fn block_for(&self, field: &str, l: &RawLimit, leased: bool) -> Result<u64, RulesError> {
+        let Some(text) = &l.block_for else { return Ok(0) };
+        if leased {
+            return Err(self.err(
+                format!("{field}.lease"),
+                "a limit that blocks (\"block_for\") is decided in the store; it takes no lease",
+            ));
+        }
+        let d = tollgate_limit::clock::parse_duration(text)
+            .map_err(|e| self.err(format!("{field}.block_for"), e))?;
+        let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        if !(1_000_000..=86_400_000_000).contains(&us) {
+            return Err(self.err(
+                format!("{field}.block_for"),
+                format!("{text:?} is out of range: a block lasts 1s to 24h"),
+            ));
+        }
+        Ok(us)
+    }
+
     /// Lets every bucket of each post-paid limit owe down to its debt, and of each queueing
-    /// limit its longest wait's worth of tokens: the limit's numbers, its plans' and each key's.
+    /// limit its longest wait's worth of tokens, and gives a blocking limit's buckets their
+    /// block: the limit's numbers, its plans' and each key's.
     pub(super) fn owing(&self, limits: &mut Limits, keys: &mut KeysBuilder) -> Result<(), RulesError> {
-        let owe = |field: String, n: &mut Numbers, post_paid: Option<&PostPaid>, max_wait_us: u64| {
+        let owe = |field: String, n: &mut Numbers, l: (Option<&PostPaid>, u64, u64)| {
+            let (post_paid, max_wait_us, block_us) = l;
             n.params = match post_paid {
                 Some(pp) => n
                     .params
                     .with_debt(pp.max_debt.unwrap_or(n.params.burst))
                     .map_err(|e| self.err(format!("{field}.max_debt"), e.to_string()))?,
-                None => n
+                None if max_wait_us > 0 => n
                     .params
                     .with_delay(max_wait_us)
                     .map_err(|e| self.err(format!("{field}.delay.max_wait_ms"), e.to_string()))?,
+                None => n.params,
             };
+            n.params.block_us = block_us;
             Ok::<(), RulesError>(())
         };
         for (li, l) in limits.list.iter_mut().enumerate() {
-            if l.post_paid.is_none() && l.max_wait_us == 0 {
+            if l.post_paid.is_none() && l.max_wait_us == 0 && l.block_us == 0 {
                 continue;
             }
-            let (pp, wait) = (l.post_paid.clone(), l.max_wait_us);
+            let (pp, wait, block) = (l.post_paid.clone(), l.max_wait_us, l.block_us);
+            let how = (pp.as_ref(), wait, block);
             let field = format!("limits.{}", l.name);
             if let Some(n) = &mut l.numbers {
-                owe(field.clone(), n, pp.as_ref(), wait)?;
+                owe(field.clone(), n, how)?;
             }
             if let Some(p) = &mut l.plans {
                 for (plan, n) in p.numbers.iter_mut() {
-                    owe(format!("{field}.plans.{plan}"), n, pp.as_ref(), wait)?;
+                    owe(format!("{field}.plans.{plan}"), n, how)?;
                 }
             }
             // Keys that write the same numbers share them: each is owed once, and an error
             // names the first key that wrote them.
             for (_, ki, n) in keys.numbers_mut().filter(|(l, _, _)| *l as usize == li) {
-                owe(format!("keys[{ki}].limits.{}", l.name), n, pp.as_ref(), wait)?;
+                owe(format!("keys[{ki}].limits.{}", l.name), n, how)?;
             }
         }
         Ok(())
@@ -366,6 +396,7 @@ impl Compiler<'_> {
             ("reserve", l.reserve.is_some()),
             ("max_debt", l.max_debt.is_some()),
             ("delay", l.delay.is_some()),
+            ("block_for", l.block_for.is_some()),
             ("quota", l.quota.is_some()),
             ("home_region", l.home_region.is_some()),
             ("scope", l.scope != Scope::Region),
@@ -395,6 +426,7 @@ impl Compiler<'_> {
             ip_prefixes: identity::IpPrefixes::default(),
             post_paid: None,
             max_wait_us: 0,
+            block_us: 0,
         })
     }
 
