@@ -281,6 +281,7 @@ fn config(rules: RulesSource, c: &CommonArgs, demo: bool) -> Result<GatewayConfi
         express: !c.no_express,
         max_connections: c.max_connections,
         max_connections_per_ip: c.max_connections_per_ip,
+        proxy_protocol: c.proxy_protocol.then(|| std::sync::Arc::new(cfg.trusted.clone())),
         ..ServerLimits::default()
     };
     cfg.demo = demo;

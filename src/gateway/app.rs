@@ -444,6 +444,7 @@ async fn start_demo_upstream(
     // The demo upstream outlives the gateway's drain, so it stops a little later.
     let rx = stop_rx.clone();
     let limits = cfg.limits.uncapped();
+    let drain = limits.drain_timeout;
     tokio::spawn(server::run(
         listener,
         None,
@@ -451,7 +452,7 @@ async fn start_demo_upstream(
         limits,
         async move {
             stopped(rx).await;
-            tokio::time::sleep(limits.drain_timeout + Duration::from_secs(1)).await;
+            tokio::time::sleep(drain + Duration::from_secs(1)).await;
         },
     ));
 
@@ -533,6 +534,7 @@ fn conn_counters(metrics: &Metrics) -> server::conns::ConnCounters {
         open: metrics.connections_open.clone(),
         idle: metrics.connections_idle.clone(),
         accepted: metrics.connections_accepted.clone(),
+        proxy_refused: metrics.proxy_protocol_refused.clone(),
     }
 }
 
@@ -622,7 +624,7 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         listeners,
         tls,
         gateway.clone(),
-        cfg.limits,
+        cfg.limits.clone(),
         conn_counters(&metrics),
         stop_rx.clone(),
     )
@@ -647,7 +649,7 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
                 token: cfg.admin_token.clone(),
                 keys,
             };
-            tasks.extend(serve_admin(l, handler, cfg.limits, &stop_rx));
+            tasks.extend(serve_admin(l, handler, cfg.limits.uncapped(), &stop_rx));
             Some(a)
         }
         None => None,

@@ -89,9 +89,16 @@ pub struct CommonArgs {
     /// PEM private key for --tls-cert.
     #[arg(long, env = "TOLLGATE_TLS_KEY", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
-    /// Proxies whose X-Forwarded-For is believed (addresses or CIDRs, comma-separated).
+    /// Proxies whose X-Forwarded-For is believed (addresses or CIDRs, comma-separated); with
+    /// --proxy-protocol, the peers that must start each connection with a PROXY header.
     #[arg(long, env = "TOLLGATE_TRUSTED_PROXY", value_delimiter = ',')]
     pub trusted_proxy: Vec<String>,
+    /// Take PROXY protocol v1 and v2 headers on the public listener, as an L4 load balancer
+    /// (AWS NLB, HAProxy in TCP mode) sends them: from a --trusted-proxy peer the header is
+    /// required and names the client; a connection from anyone else that sends one is closed,
+    /// one that doesn't is served as its peer.
+    #[arg(long, env = "TOLLGATE_PROXY_PROTOCOL", requires = "trusted_proxy")]
+    pub proxy_protocol: bool,
     /// Threads serving connections, each accepting on a listener of its own on the same port
     /// (SO_REUSEPORT) and serving what it accepts to the end (default: one per CPU).
     #[arg(long, env = "TOLLGATE_THREADS", value_parser = clap::value_parser!(u16).range(1..))]

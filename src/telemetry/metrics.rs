@@ -52,6 +52,12 @@ pub struct Kind {
     pub kind: &'static str,
 }
 
+/// Why something was refused, in a word.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    pub reason: &'static str,
+}
+
 /// Which serving shard (thread) accepted a connection.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ShardLabel {
@@ -134,6 +140,9 @@ pub struct Metrics {
     access_sync: std::sync::Mutex<()>,
     /// Client connections closed at accept: a cap was full with none idle.
     pub connections_refused: Family<CapLabel, Counter>,
+    /// Client connections closed for their PROXY protocol header (`--proxy-protocol`): one
+    /// that breaks the protocol, one from a peer not trusted to send it, one missing.
+    pub proxy_protocol_refused: Family<ReasonLabel, Counter>,
     /// Idle client connections closed to make room for a new one.
     pub connections_evicted: Family<CapLabel, Counter>,
     /// Client connections open, and of them idle, when a connection cap is set.
@@ -201,6 +210,7 @@ impl Metrics {
             access_lines_dropped: Default::default(),
             access_sync: std::sync::Mutex::new(()),
             connections_refused: Default::default(),
+            proxy_protocol_refused: Default::default(),
             connections_evicted: Default::default(),
             connections_open: Default::default(),
             connections_idle: Default::default(),
@@ -393,6 +403,11 @@ impl Metrics {
 
     /// Client connections: accepted per shard, and what the connection caps did.
     fn register_connection_families(&mut self) {
+        self.registry.register(
+            "proxy_protocol_refused",
+            "Client connections closed for their PROXY protocol header: malformed, sent by a peer not in --trusted-proxy, or missing from one that is",
+            self.proxy_protocol_refused.clone(),
+        );
         self.registry.register(
             "connections_refused",
             "Client connections closed at accept because a cap was full with none idle, by cap",

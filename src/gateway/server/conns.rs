@@ -33,6 +33,8 @@ pub(crate) struct ConnCounters {
     pub idle: Gauge,
     /// Connections accepted, by shard (counted whether or not a cap is set).
     pub accepted: Family<ShardLabel, Counter>,
+    /// Connections closed for their PROXY protocol header, by reason.
+    pub proxy_refused: Family<tollgate_telemetry::metrics::ReasonLabel, Counter>,
 }
 
 /// The open connections of one listener under its caps.

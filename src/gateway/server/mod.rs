@@ -2,6 +2,7 @@
 //! port, and a graceful drain on shutdown.
 
 pub mod conns;
+pub(crate) mod proxy_protocol;
 pub mod smuggling;
 pub mod tls;
 
@@ -28,6 +29,7 @@ use tokio_rustls::TlsAcceptor;
 use crate::respond::Body;
 use conns::{ConnCounters, ConnEntry, Conns};
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use smuggling::{FlaggedHeads, Watched};
 use tollgate_hello::Fingerprint;
 use tollgate_telemetry::metrics::ShardLabel;
@@ -105,8 +107,9 @@ impl LaneIo for tokio_rustls::server::TlsStream<TcpStream> {
     }
 }
 
-/// Connection limits that protect the server itself.
-#[derive(Debug, Clone, Copy)]
+/// Connection limits that protect the server itself, and how a connection's first bytes are
+/// read.
+#[derive(Debug, Clone)]
 pub struct ServerLimits {
     /// A client must finish sending its request headers within this time.
     pub header_read_timeout: Duration,
@@ -124,6 +127,9 @@ pub struct ServerLimits {
     pub max_connections: Option<u32>,
     /// Most client connections open at once from one IP (the TCP peer); `None`: no cap.
     pub max_connections_per_ip: Option<u32>,
+    /// `--proxy-protocol`: the peers whose connections start with a PROXY protocol header
+    /// naming the client (`server::proxy_protocol`); `None`: no connection may send one.
+    pub proxy_protocol: Option<Arc<tollgate_rules::identity::TrustedProxies>>,
 }
 
 impl Default for ServerLimits {
@@ -137,17 +143,20 @@ impl Default for ServerLimits {
             express: true,
             max_connections: None,
             max_connections_per_ip: None,
+            proxy_protocol: None,
         }
     }
 }
 
 impl ServerLimits {
-    /// These limits without the connection caps.
-    pub(crate) fn uncapped(self) -> ServerLimits {
+    /// These limits without the connection caps and the PROXY protocol, which are the public
+    /// listener's: for the admin listener and the demo upstream.
+    pub(crate) fn uncapped(&self) -> ServerLimits {
         ServerLimits {
             max_connections: None,
             max_connections_per_ip: None,
-            ..self
+            proxy_protocol: None,
+            ..self.clone()
         }
     }
 }
@@ -189,10 +198,12 @@ pub(crate) async fn run_counted<H: Handler>(
     shutdown: impl Future<Output = ()>,
 ) -> usize {
     let accepted = counters.accepted.get_or_create(&ShardLabel { shard: 0 }).clone();
+    let proxy_refused = counters.proxy_refused.clone();
     let conns = Conns::new(limits.max_connections, limits.max_connections_per_ip, counters);
     let tally = Tally {
         accepted,
         closing: Closing::new(1),
+        proxy_refused,
     };
     serve_listener(listener, tls, handler, limits, conns, tally, shutdown).await
 }
@@ -201,6 +212,7 @@ pub(crate) async fn run_counted<H: Handler>(
 struct Tally {
     accepted: Counter,
     closing: Arc<Closing>,
+    proxy_refused: Family<tollgate_telemetry::metrics::ReasonLabel, Counter>,
 }
 
 /// The listeners of one address, one per shard: the last to stop accepting logs that the
@@ -276,6 +288,7 @@ pub(crate) fn run_shards<H: Handler>(
             .get_or_create(&ShardLabel { shard: shard as u32 })
             .clone()
     };
+    let proxy_refused = counters.proxy_refused.clone();
     let conns = Conns::new(limits.max_connections, limits.max_connections_per_ip, counters);
     let closing = Closing::new(listeners.len());
     let mut listeners = listeners.into_iter();
@@ -290,7 +303,7 @@ pub(crate) fn run_shards<H: Handler>(
             .enable_all()
             .build()?;
         let (tls, handler, conns, stop) = (tls.clone(), handler.clone(), conns.clone(), stop.clone());
-        let closing = closing.clone();
+        let (closing, limits, proxy_refused) = (closing.clone(), limits.clone(), proxy_refused.clone());
         let accepted = on(shard);
         let (done, ended) = tokio::sync::oneshot::channel();
         std::thread::Builder::new()
@@ -303,7 +316,11 @@ pub(crate) fn run_shards<H: Handler>(
                 let open = rt.block_on(async move {
                     match TcpListener::from_std(l) {
                         Ok(l) => {
-                            let tally = Tally { accepted, closing };
+                            let tally = Tally {
+                                accepted,
+                                closing,
+                                proxy_refused,
+                            };
                             serve_listener(l, tls, handler, limits, conns, tally, stopped(stop)).await
                         }
                         Err(e) => {
@@ -321,6 +338,7 @@ pub(crate) fn run_shards<H: Handler>(
         let tally = Tally {
             accepted: on(0),
             closing,
+            proxy_refused,
         };
         let mut open = serve_listener(first, tls, handler, limits, conns, tally, stopped(stop)).await;
         for ended in others {
@@ -401,41 +419,37 @@ async fn serve_listener<H: Handler>(
         // watcher (issue 24).
         let listen = listen.clone();
         let watcher = graceful.watcher();
+        if let Some(trusted) = listen.limits.proxy_protocol.clone() {
+            // Its own task from here: the header is read before anything else, TLS included.
+            let (tls, stop, refused) = (tls.clone(), stop_rx.clone(), tally.proxy_refused.clone());
+            let serve = async move {
+                let mut tcp = tcp;
+                let within = listen.limits.header_read_timeout;
+                match proxy_protocol::take(&mut tcp, peer, &trusted, within).await {
+                    Ok(client) => info.peer = client,
+                    Err(reason) => {
+                        tracing::debug!(%peer, reason, "connection closed: its PROXY protocol header");
+                        refused
+                            .get_or_create(&tollgate_telemetry::metrics::ReasonLabel { reason })
+                            .inc();
+                        return;
+                    }
+                }
+                match tls {
+                    None => lane_first(listen, tcp, info, watcher, stop, true).await,
+                    Some(acceptor) => secure(listen, acceptor, tcp, info, watcher, stop).await,
+                }
+            };
+            tokio::spawn(Closable::new(entry, serve));
+            continue;
+        }
         match &tls {
             None => {
                 let serve = lane_first(listen, tcp, info, watcher, stop_rx.clone(), true);
                 tokio::spawn(Closable::new(entry, serve));
             }
             Some(acceptor) => {
-                let acceptor = acceptor.clone();
-                let stop = stop_rx.clone();
-                let serve = async move {
-                    // The peek and the handshake share the one timeout: a client can't hold a
-                    // connection longer by sending its hello slowly.
-                    let handshake_done = async {
-                        let fingerprint = tls::fingerprint(&tcp, peer).await;
-                        (fingerprint, acceptor.accept(tcp).await)
-                    };
-                    let stream =
-                        match tokio::time::timeout(listen.limits.handshake_timeout, handshake_done).await {
-                            Ok((fingerprint, Ok(s))) => {
-                                info.fingerprint = fingerprint;
-                                s
-                            }
-                            Ok((_, Err(e))) => {
-                                tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                                return;
-                            }
-                            Err(_) => {
-                                tracing::debug!(%peer, "TLS handshake timed out");
-                                return;
-                            }
-                        };
-                    // h2 is hyper's; HTTP/1.1 (by ALPN, or a client that offered none) takes
-                    // the lane as plain TCP does.
-                    let h1 = stream.get_ref().1.alpn_protocol() != Some(b"h2");
-                    lane_first(listen, stream, info, watcher, stop, h1).await;
-                };
+                let serve = secure(listen, acceptor.clone(), tcp, info, watcher, stop_rx.clone());
                 tokio::spawn(Closable::new(entry, serve));
             }
         }
@@ -452,6 +466,42 @@ async fn serve_listener<H: Handler>(
             1
         }
     }
+}
+
+/// A TLS connection's task: its ClientHello's fingerprint, the handshake, then HTTP.
+async fn secure<H: Handler>(
+    listen: Arc<Listening<H>>,
+    acceptor: TlsAcceptor,
+    tcp: TcpStream,
+    mut info: ConnInfo,
+    watcher: hyper_util::server::graceful::Watcher,
+    stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let peer = info.peer;
+    // The peek and the handshake share the one timeout: a client can't hold a connection
+    // longer by sending its hello slowly.
+    let handshake_done = async {
+        let fingerprint = tls::fingerprint(&tcp, peer).await;
+        (fingerprint, acceptor.accept(tcp).await)
+    };
+    let stream = match tokio::time::timeout(listen.limits.handshake_timeout, handshake_done).await {
+        Ok((fingerprint, Ok(s))) => {
+            info.fingerprint = fingerprint;
+            s
+        }
+        Ok((_, Err(e))) => {
+            tracing::debug!(%peer, error = %e, "TLS handshake failed");
+            return;
+        }
+        Err(_) => {
+            tracing::debug!(%peer, "TLS handshake timed out");
+            return;
+        }
+    };
+    // h2 is hyper's; HTTP/1.1 (by ALPN, or a client that offered none) takes the lane as
+    // plain TCP does.
+    let h1 = stream.get_ref().1.alpn_protocol() != Some(b"h2");
+    lane_first(listen, stream, info, watcher, stop, h1).await;
 }
 
 /// A connection's task once its bytes are HTTP (after TLS's handshake), less its cap's
