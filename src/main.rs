@@ -47,6 +47,16 @@ pub enum Command {
     },
     /// Print the JSON Schema of a rules file (rules/schema.json is its output).
     RulesSchema,
+    /// Ask a running gateway's admin listener whether it is alive (`GET /healthz`); exits 0
+    /// when it answers 200, 1 otherwise. For a container's HEALTHCHECK, where no curl is.
+    Healthcheck {
+        /// The admin listener; an unspecified address (0.0.0.0, ::) is asked on loopback.
+        #[arg(long, env = "TOLLGATE_ADMIN_LISTEN", default_value = "127.0.0.1:9090")]
+        admin_listen: SocketAddr,
+        /// The path to ask.
+        #[arg(long, default_value = "/healthz")]
+        path: String,
+    },
     /// Run only the built-in demo upstream ("orders").
     DemoUpstream {
         #[arg(long, env = "TOLLGATE_LISTEN", default_value = "127.0.0.1:8081")]
@@ -523,6 +533,9 @@ fn run_standalone(command: &Command) -> Result<bool> {
             exit_on_error("demo-token", token.map(|token| println!("{token}")));
         }
         Command::RulesSchema => print!("{}", tollgate_rules::raw::schema()),
+        Command::Healthcheck { admin_listen, path } => {
+            exit_on_error("healthcheck", healthcheck(*admin_listen, path));
+        }
         Command::CheckRules { file, cluster: _ } => {
             match tollgate_rules::load(file, tollgate_rules::CompileOptions::default()) {
                 Ok(snap) => print!("{}", tollgate_rules::summary::summary(&snap)),
@@ -535,6 +548,35 @@ fn run_standalone(command: &Command) -> Result<bool> {
         Command::Serve(_) | Command::Demo(_) | Command::DemoUpstream { .. } => return Ok(false),
     }
     Ok(true)
+}
+
+/// One `GET` of `path` on the admin listener at `addr`, over plain blocking TCP: a probe needs
+/// no runtime, and must finish well inside a HEALTHCHECK's timeout.
+fn healthcheck(mut addr: SocketAddr, path: &str) -> Result<(), String> {
+    use std::io::{Read, Write};
+    if addr.ip().is_unspecified() {
+        addr.set_ip(match addr {
+            SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+            SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+        });
+    }
+    let limit = std::time::Duration::from_secs(3);
+    let mut tcp = std::net::TcpStream::connect_timeout(&addr, limit).map_err(|e| format!("{addr}: {e}"))?;
+    tcp.set_read_timeout(Some(limit)).map_err(|e| e.to_string())?;
+    write!(
+        tcp,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .map_err(|e| format!("{addr}: {e}"))?;
+    let mut answer = Vec::new();
+    let _ = tcp.take(4096).read_to_end(&mut answer);
+    let text = String::from_utf8_lossy(&answer);
+    let status = text.lines().next().unwrap_or("");
+    if status.starts_with("HTTP/1.1 200") {
+        Ok(())
+    } else {
+        Err(format!("http://{addr}{path} answered {status:?}"))
+    }
 }
 
 /// Ends the process with status 1 and `tollgate <command>: <error>` on stderr when `r` failed.
@@ -567,6 +609,7 @@ fn run_server(cli: Cli) -> Result<()> {
         | Command::Fleet(_)
         | Command::Meter(_)
         | Command::DemoToken { .. }
+        | Command::Healthcheck { .. }
         | Command::Regions(_) => (LogFormat::Human, None, DEFAULT_ACCESS_BUFFER, None),
     };
     // Held to the end: dropping them writes the access lines still waiting.
@@ -656,6 +699,7 @@ fn run(cli: Cli, threads: Option<u16>, format: LogFormat, lines: Option<access::
             | Command::Fleet(_)
             | Command::Meter(_)
             | Command::DemoToken { .. }
+            | Command::Healthcheck { .. }
             | Command::Regions(_) => Ok(()),
             Command::DemoUpstream {
                 listen,
