@@ -295,6 +295,7 @@ fn config(rules: RulesSource, c: &CommonArgs, demo: bool) -> Result<GatewayConfi
         ..ServerLimits::default()
     };
     cfg.demo = demo;
+    cfg.shutdown_delay = c.shutdown_delay;
     cfg.shards = shards(c.threads);
     cfg.store_timeout = c.store_timeout;
     cfg.fleet_size = c.fleet_size;
@@ -458,7 +459,7 @@ async fn run_gateway(cfg: GatewayConfig, demo: bool, format: LogFormat) -> Resul
     }
     drop(snap);
     shutdown_signal().await;
-    let open = running.shutdown().await;
+    let open = running.drain(shutdown_signal()).await;
     if open > 0 {
         tracing::warn!(open, "exited with connections still open after the drain timeout");
     }

@@ -99,3 +99,60 @@ async fn the_healthcheck_answers_for_a_live_gateway_and_fails_for_none() {
     let err = fails(&tollgate(&["healthcheck", "--admin-listen", &free.to_string()]));
     assert!(err.contains("tollgate healthcheck"), "{err}");
 }
+
+/// What a SIGTERM does, in order: `/readyz` answers 503 at once while the public port still
+/// serves; after `--shutdown-delay` the listener stops (new connections are refused); the
+/// request in flight finishes; the process exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigterm_fails_readiness_then_stops_the_listener_then_finishes_what_is_in_flight() {
+    use std::time::{Duration, Instant};
+    let mut gw = Tollgate::spawn(&["demo", "--shutdown-delay", "4s", "--drain-timeout", "10s"]);
+    let http = common::Http::new();
+    let auth = format!("Bearer {}", common::K7);
+    let headers = [("authorization", auth.as_str())];
+    assert_eq!(http.get(&gw.admin_url("/readyz"), &[]).await.status, 200);
+
+    let slow = {
+        let (http, url, auth) = (http.clone(), gw.url("/v1/slow?ms=5500"), auth.clone());
+        tokio::spawn(async move { http.get(&url, &[("authorization", auth.as_str())]).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let signalled = Instant::now();
+    gw.signal("TERM");
+
+    // 1. Not ready, at once.
+    let mut ready = http.get(&gw.admin_url("/readyz"), &[]).await;
+    while ready.status == 200 && signalled.elapsed() < Duration::from_secs(1) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        ready = http.get(&gw.admin_url("/readyz"), &[]).await;
+    }
+    assert_eq!(ready.status, 503);
+    assert_eq!(ready.json()["status"], "draining");
+    // 2. Still serving new connections within the delay.
+    let fresh = common::Http::new();
+    assert_eq!(fresh.get(&gw.url("/v1/orders"), &headers).await.status, 200);
+    assert!(
+        signalled.elapsed() < Duration::from_secs(4),
+        "the check came too late to mean anything"
+    );
+    // 3. Then the listener stops: new connections are refused.
+    let addr = gw.addr;
+    let refused = loop {
+        match tokio::net::TcpStream::connect(addr).await {
+            Err(_) => break signalled.elapsed(),
+            Ok(_) if signalled.elapsed() > Duration::from_secs(10) => {
+                panic!("still accepting 10 s after SIGTERM")
+            }
+            Ok(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    };
+    assert!(
+        refused >= Duration::from_secs(4),
+        "stopped accepting after {refused:?}, before the delay"
+    );
+    // 4. The request in flight finishes, and the process exits cleanly.
+    let answer = slow.await.unwrap();
+    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    let status = gw.child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+}

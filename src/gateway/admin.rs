@@ -36,6 +36,8 @@ pub(crate) struct Admin {
     pub token: Option<crate::admin_guard::AdminToken>,
     /// Keys made through the admin API; `None` on a store that keeps none.
     pub keys: Option<Arc<crate::managed::ManagedKeys>>,
+    /// The stop signal came: `/readyz` answers 503 while the gateway serves on.
+    pub draining: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// A static asset of the dashboard, cached by nobody: it is served from the binary.
@@ -106,6 +108,10 @@ impl Admin {
                         .to_string(),
                 ),
             },
+            "/readyz" if self.draining.load(std::sync::atomic::Ordering::SeqCst) => json_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                json!({"status": "draining", "reason": "the gateway is shutting down"}).to_string(),
+            ),
             "/readyz" => {
                 let snap = self.rules.load();
                 match self.store.ping().await {

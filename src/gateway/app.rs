@@ -53,6 +53,9 @@ pub struct GatewayConfig {
     pub limits: ServerLimits,
     /// Start the demo upstream and point every upstream at it.
     pub demo: bool,
+    /// After the stop signal, how long `/readyz` answers 503 while everything still serves,
+    /// before the public listener stops.
+    pub shutdown_delay: Duration,
     /// The gateway's clock (the embedded store reads it; tests pass a manual one).
     pub clock: Arc<dyn Clock>,
     /// How long a check may wait for a remote store.
@@ -101,6 +104,7 @@ impl GatewayConfig {
             trusted: TrustedProxies::default(),
             limits: ServerLimits::default(),
             demo: false,
+            shutdown_delay: Duration::ZERO,
             clock: SystemClock::shared(),
             store_timeout: Duration::from_millis(3),
             fleet_size: None,
@@ -232,6 +236,9 @@ pub struct Running {
     seat_renewal: Option<JoinHandle<()>>,
     /// The span exporter; flushed once the listeners have finished.
     otel: Option<Arc<Otel>>,
+    /// Set when the drain begins: `/readyz` then answers 503.
+    draining: Arc<std::sync::atomic::AtomicBool>,
+    shutdown_delay: Duration,
 }
 
 impl Running {
@@ -240,6 +247,22 @@ impl Running {
     pub async fn shutdown(self) -> usize {
         let _ = self.stop.send(true);
         self.wait().await
+    }
+
+    /// What a stop signal starts, in order: `/readyz` answers 503 (so a load balancer or
+    /// Kubernetes takes the gateway out), everything still serves for `shutdown_delay`, then the
+    /// listeners stop and the requests in flight finish ([`Running::shutdown`]). `again`
+    /// resolving (a second signal) cuts the delay short.
+    pub async fn drain(self, again: impl std::future::Future<Output = ()>) -> usize {
+        self.draining.store(true, std::sync::atomic::Ordering::SeqCst);
+        if !self.shutdown_delay.is_zero() {
+            tracing::info!(delay = ?self.shutdown_delay, "not ready: serving on until the listener stops");
+            tokio::select! {
+                () = tokio::time::sleep(self.shutdown_delay) => {}
+                () = again => tracing::info!("a second signal: stopping now"),
+            }
+        }
+        self.shutdown().await
     }
 
     /// Resolves when every listener has finished, then gives leased tokens back.
@@ -620,6 +643,7 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         gateway.clone(),
         stopped(stop_rx.clone()),
     )));
+    let draining = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let serving = server::run_shards(
         listeners,
         tls,
@@ -648,6 +672,7 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
                 hosts: cfg.admin_hosts.clone(),
                 token: cfg.admin_token.clone(),
                 keys,
+                draining: draining.clone(),
             };
             tasks.extend(serve_admin(l, handler, cfg.limits.uncapped(), &stop_rx));
             Some(a)
@@ -675,6 +700,8 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         region_tasks,
         seat_renewal,
         otel,
+        draining,
+        shutdown_delay: cfg.shutdown_delay,
     })
 }
 

@@ -116,7 +116,12 @@ pub struct CommonArgs {
     /// formats").
     #[arg(long, env = "TOLLGATE_ACCESS_LOG_FORMAT", value_enum)]
     pub access_log_format: Option<crate::access::AccessLogFormat>,
-    /// How long to finish requests in flight after SIGTERM or SIGINT.
+    /// After SIGTERM or SIGINT, how long /readyz answers 503 while the gateway still serves,
+    /// before its listener stops: time for a load balancer or Kubernetes to stop sending it
+    /// new connections. A second signal cuts it short.
+    #[arg(long, env = "TOLLGATE_SHUTDOWN_DELAY", default_value = "0s", value_parser = parse_duration)]
+    pub shutdown_delay: Duration,
+    /// How long to finish requests in flight after SIGTERM or SIGINT (after --shutdown-delay).
     #[arg(long, env = "TOLLGATE_DRAIN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub drain_timeout: Duration,
     /// A client must send its whole request head within this time.
