@@ -1,8 +1,9 @@
-//! What the Dockerfile promises, checked without a Docker daemon: the file its
-//! `TOLLGATE_RULES` names is one the image copies and `rules/` holds (so mounting `rules/`
-//! over `/etc/tollgate` finds it), that file passes `check-rules`, every `TOLLGATE_*` it sets is
-//! a flag `tollgate serve --help` names, and its HEALTHCHECK command answers for a real
-//! gateway and fails for none.
+//! What the deployment files promise, checked without a Docker daemon or a cluster: the
+//! Dockerfile's `TOLLGATE_RULES` names a file the image copies and `rules/` holds (so mounting
+//! `rules/` over `/etc/tollgate` finds it) and that passes `check-rules`, every `TOLLGATE_*` it
+//! sets is a flag of `tollgate serve`, and its HEALTHCHECK answers for a real gateway and fails
+//! for none; README.md's Kubernetes manifests agree with the binary; and a real gateway's
+//! SIGTERM goes in the order the README gives.
 
 mod common;
 
@@ -155,4 +156,172 @@ async fn a_sigterm_fails_readiness_then_stops_the_listener_then_finishes_what_is
     assert_eq!(answer.status, 200, "{:?}", answer.body);
     let status = gw.child.wait().unwrap();
     assert!(status.success(), "{status:?}");
+}
+
+/// The manifests of README.md's "Running on Kubernetes", every document of every `yaml` block.
+fn manifests() -> Vec<serde_yaml_ng::Value> {
+    let readme = std::fs::read_to_string(common::repo().join("README.md")).unwrap();
+    let section = readme
+        .split("\n## Running on Kubernetes\n")
+        .nth(1)
+        .expect("README.md has a section \"Running on Kubernetes\"");
+    let section = section.split("\n## ").next().unwrap();
+    let mut docs = Vec::new();
+    for block in section.split("```yaml\n").skip(1) {
+        let yaml = block.split("\n```").next().unwrap();
+        for doc in yaml.split("\n---\n") {
+            docs.push(serde_yaml_ng::from_str(doc).unwrap_or_else(|e| panic!("{e}:\n{doc}")));
+        }
+    }
+    docs
+}
+
+fn named<'a>(docs: &'a [serde_yaml_ng::Value], kind: &str, name: &str) -> &'a serde_yaml_ng::Value {
+    docs.iter()
+        .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name} in the README's manifests"))
+}
+
+fn text(v: &serde_yaml_ng::Value) -> String {
+    match v {
+        serde_yaml_ng::Value::String(s) => s.clone(),
+        serde_yaml_ng::Value::Number(n) => n.to_string(),
+        other => panic!("{other:?} is not text"),
+    }
+}
+
+fn secs(v: &str) -> u64 {
+    let d = v
+        .strip_suffix('s')
+        .unwrap_or_else(|| panic!("{v:?} is not in seconds"));
+    d.parse().unwrap()
+}
+
+#[test]
+fn the_kubernetes_manifests_agree_with_the_binary() {
+    let docs = manifests();
+    let kinds: BTreeSet<String> = docs.iter().map(|d| text(&d["kind"])).collect();
+    for k in [
+        "ConfigMap",
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "HorizontalPodAutoscaler",
+    ] {
+        assert!(kinds.contains(k), "no {k}: {kinds:?}");
+    }
+    let gw = named(&docs, "Deployment", "tollgate");
+    let pod = &gw["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    let env: Vec<(String, Option<String>)> = c["env"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|e| (text(&e["name"]), e.get("value").map(text)))
+        .collect();
+    let value = |k: &str| {
+        env.iter()
+            .find(|(n, _)| n == k)
+            .and_then(|(_, v)| v.clone())
+            .unwrap_or_else(|| panic!("the Deployment sets no {k}"))
+    };
+
+    // Every variable is a flag of `tollgate serve`.
+    let help = ok(&tollgate(&["serve", "--help"]));
+    for (k, _) in &env {
+        assert!(
+            help.contains(&format!("[env: {k}=")),
+            "{k} is no flag of tollgate serve"
+        );
+    }
+
+    // The rules: the ConfigMap mounted as the directory TOLLGATE_RULES names a file in.
+    let rules_path = value("TOLLGATE_RULES");
+    let (dir, file) = rules_path.rsplit_once('/').unwrap();
+    let mount = c["volumeMounts"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|m| m["mountPath"] == dir)
+        .unwrap_or_else(|| panic!("nothing is mounted at {dir}"));
+    assert!(
+        mount.get("subPath").is_none(),
+        "a subPath mount never sees the ConfigMap change"
+    );
+    let volume = pod["volumes"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .unwrap();
+    let cm = named(&docs, "ConfigMap", &text(&volume["configMap"]["name"]));
+    let rules = text(&cm["data"][file]);
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join(file);
+    std::fs::write(&path, rules).unwrap();
+    ok(&tollgate(&["check-rules", path.to_str().unwrap()]));
+
+    // Ports: the listeners', by the names the probes and the Service use.
+    let port_of = |name: &str| {
+        let p = c["ports"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == name)
+            .unwrap_or_else(|| panic!("no container port {name}"));
+        p["containerPort"].as_u64().unwrap()
+    };
+    let listen_port = |k: &str| value(k).rsplit_once(':').unwrap().1.parse::<u64>().unwrap();
+    assert_eq!(port_of("http"), listen_port("TOLLGATE_LISTEN"));
+    assert_eq!(port_of("admin"), listen_port("TOLLGATE_ADMIN_LISTEN"));
+    for (probe, path) in [("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")] {
+        let get = &c[probe]["httpGet"];
+        assert_eq!(text(&get["path"]), path, "{probe}");
+        assert_eq!(
+            port_of(&text(&get["port"])),
+            listen_port("TOLLGATE_ADMIN_LISTEN"),
+            "{probe}"
+        );
+    }
+    let svc = named(&docs, "Service", "tollgate");
+    assert_eq!(
+        port_of(&text(&svc["spec"]["ports"][0]["targetPort"])),
+        port_of("http")
+    );
+
+    // The store is the Redis Service.
+    let store = value("TOLLGATE_STORE");
+    let host = store.trim_start_matches("redis://").split(':').next().unwrap();
+    named(&docs, "Service", host);
+
+    // The grace covers the preStop, the shutdown delay and the drain.
+    let pre_stop = &c["lifecycle"]["preStop"]["exec"]["command"];
+    assert_eq!(text(&pre_stop[0]), "sleep");
+    let grace = pod["terminationGracePeriodSeconds"].as_u64().unwrap();
+    let need = text(&pre_stop[1]).parse::<u64>().unwrap()
+        + secs(&value("TOLLGATE_SHUTDOWN_DELAY"))
+        + secs(&value("TOLLGATE_DRAIN_TIMEOUT"));
+    assert!(
+        grace > need,
+        "terminationGracePeriodSeconds {grace} does not cover {need} s"
+    );
+
+    // Non-root, read-only, with resources.
+    assert_eq!(pod["securityContext"]["runAsNonRoot"].as_bool(), Some(true));
+    assert_eq!(
+        c["securityContext"]["readOnlyRootFilesystem"].as_bool(),
+        Some(true)
+    );
+    assert!(c["resources"]["requests"]["cpu"].is_string() || c["resources"]["requests"]["cpu"].is_number());
+    assert!(c["resources"]["limits"]["memory"].is_string());
+
+    // The budget and the autoscaler are this Deployment's.
+    let labels = &gw["spec"]["template"]["metadata"]["labels"];
+    assert!(!labels.is_null(), "the pods have no labels");
+    let pdb = named(&docs, "PodDisruptionBudget", "tollgate");
+    assert_eq!(&pdb["spec"]["selector"]["matchLabels"], labels);
+    assert_eq!(&svc["spec"]["selector"], labels);
+    let hpa = named(&docs, "HorizontalPodAutoscaler", "tollgate");
+    assert_eq!(hpa["spec"]["scaleTargetRef"]["kind"], "Deployment");
+    assert_eq!(hpa["spec"]["scaleTargetRef"]["name"], "tollgate");
 }
