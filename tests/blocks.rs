@@ -8,13 +8,12 @@ mod common;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use common::{Answer, Http, KBIG, RedisServer};
 use http::{Method, StatusCode};
 use tollgate_gateway::admin_guard::AdminToken;
-use tollgate_gateway::app::{self, GatewayConfig, RulesSource, Running};
-use tollgate_gateway::config::{ClockSource, StoreUrl};
+use tollgate_gateway::app::{self, Running};
+use tollgate_gateway::config::StoreUrl;
 use tollgate_limit::clock::ManualClock;
 
 const TOKEN: &str = "an-operator-token-for-blocks";
@@ -48,13 +47,7 @@ async fn gateway(
     express: bool,
     clock: Arc<ManualClock>,
 ) -> (Running, tempfile::TempDir) {
-    let (dir, path) = common::rules_file(rules);
-    let mut cfg = GatewayConfig::new(RulesSource::File(path));
-    cfg.store = store;
-    cfg.clock = clock;
-    cfg.clock_source = ClockSource::Gateway;
-    cfg.store_timeout = Duration::from_secs(1);
-    cfg.limits.express = express;
+    let (mut cfg, dir) = common::manual_config(rules, store, express, clock);
     cfg.admin_listen = Some(SocketAddr::from(([127, 0, 0, 1], 0)));
     cfg.admin_token = Some(AdminToken::new(TOKEN));
     let running = app::start(cfg).await.expect("gateway starts");

@@ -8,12 +8,11 @@ mod common;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use common::{Answer, Http, K8, RedisServer};
 use http::{Method, StatusCode};
-use tollgate_gateway::app::{self, GatewayConfig, RulesSource, Running};
-use tollgate_gateway::config::{ClockSource, StoreUrl};
+use tollgate_gateway::app::{self, Running};
+use tollgate_gateway::config::StoreUrl;
 use tollgate_limit::clock::ManualClock;
 
 async fn gateway(
@@ -22,14 +21,7 @@ async fn gateway(
     express: bool,
     clock: Arc<ManualClock>,
 ) -> (Running, tempfile::TempDir) {
-    let (dir, path) = common::rules_file(rules);
-    let mut cfg = GatewayConfig::new(RulesSource::File(path));
-    cfg.store = store;
-    cfg.clock = clock;
-    cfg.clock_source = ClockSource::Gateway;
-    // About what the store decides: a loaded host must not let a failure policy decide.
-    cfg.store_timeout = Duration::from_secs(1);
-    cfg.limits.express = express;
+    let (cfg, dir) = common::manual_config(rules, store, express, clock);
     let running = app::start(cfg).await.expect("gateway starts");
     (running, dir)
 }

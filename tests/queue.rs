@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use common::{Http, KBIG, RedisServer};
 use http::StatusCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tollgate_gateway::app::{self, GatewayConfig, RulesSource, Running};
-use tollgate_gateway::config::{ClockSource, StoreUrl};
+use tollgate_gateway::app::{self, Running};
+use tollgate_gateway::config::StoreUrl;
 use tollgate_limit::clock::ManualClock;
 
 /// An upstream that answers every request 200 and counts them.
@@ -85,13 +85,7 @@ async fn gateway(
     express: bool,
     clock: Arc<ManualClock>,
 ) -> (Running, tempfile::TempDir) {
-    let (dir, path) = common::rules_file(rules);
-    let mut cfg = GatewayConfig::new(RulesSource::File(path));
-    cfg.store = store;
-    cfg.clock = clock;
-    cfg.clock_source = ClockSource::Gateway;
-    cfg.store_timeout = Duration::from_secs(1);
-    cfg.limits.express = express;
+    let (cfg, dir) = common::manual_config(rules, store, express, clock);
     let running = app::start(cfg).await.expect("gateway starts");
     (running, dir)
 }

@@ -84,6 +84,25 @@ pub async fn start_gateway(rules: &str, clock: Arc<dyn Clock>) -> (Running, temp
     (running, dir)
 }
 
+/// The configuration of a gateway in this process on `clock`, which its store reads too (a
+/// redis-server through `--clock gateway`), on the express lane or on hyper's path alone, with
+/// a store timeout a loaded machine keeps: these tests are about what the store decides.
+pub fn manual_config(
+    rules: &str,
+    store: tollgate_gateway::config::StoreUrl,
+    express: bool,
+    clock: Arc<ManualClock>,
+) -> (GatewayConfig, tempfile::TempDir) {
+    let (dir, path) = rules_file(rules);
+    let mut cfg = GatewayConfig::new(RulesSource::File(path));
+    cfg.store = store;
+    cfg.clock = clock;
+    cfg.clock_source = tollgate_gateway::config::ClockSource::Gateway;
+    cfg.store_timeout = Duration::from_secs(1);
+    cfg.limits.express = express;
+    (cfg, dir)
+}
+
 /// A gateway in this process on 127.0.0.1:0 with an admin listener, on the given store.
 pub async fn start_gateway_on(
     rules: &str,
