@@ -11,7 +11,8 @@
 #   same8      eight requests of one bucket (one client's burst sharing a call)
 #   distinct8  eight requests of one bucket each, eight buckets
 # A script from before 40becc7 takes the older layout (every bucket in full, the counts first);
-# the script decides which by its header.
+# the script decides which by its header. (Since 2c05d85 a blocking limit's bucket takes an 8th
+# number; the shapes here block nothing.)
 #
 # Usage: benches/check_script.sh [REV=HEAD]
 set -euo pipefail

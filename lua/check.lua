@@ -19,7 +19,8 @@
 --                   gateway's now in microseconds (`--clock gateway`, for stores that refuse TIME).
 -- ARGV[2]           G, the number of requests in this call.
 -- then for each request in turn: n, its number of buckets, and for each of its buckets either
---   a bucket met for the first time in this call, the next of KEYS, as 8 integers:
+--   a bucket met for the first time in this call, the next of KEYS, as 7 integers, or 8 for a
+--   bucket of a limit that blocks (flag 8):
 --     scale         units per whole token (at least 1)
 --     refill        units added per microsecond
 --     capacity      burst x scale, the most units the bucket holds
@@ -36,8 +37,10 @@
 --                   limit's (its longest wait in microseconds x refill), else 0. A bucket
 --                   in debt is stored empty with its ts ahead, when refill has repaid it; it
 --                   admits nothing before then, and a check leaves the debt where it is
---     block         microseconds a bucket of a limit that blocks stays blocked once it refuses
---                   a request (0 for other limits). The block is a field of the bucket's page
+--     block         (flag 8 only) microseconds the bucket stays blocked once it refuses a
+--                   request. Sent only for those buckets: each ARGV is a string Redis makes and
+--                   the script parses, about 1.5 % of a one-bucket call (benches/README.md). The
+--                   block is a field of the bucket's page
 --                   beside it (see lua/bucket.lua `block_until`); while it lasts the bucket
 --                   refuses every request, whatever it holds
 --   or a bucket sent earlier in the call with flag 2, again with the same rule, as 2 integers:
@@ -113,7 +116,11 @@ elseif groups > 1 then
       else
         sent = sent + 1
         flags_at[sent] = p + 5
-        p = p + 8
+        if (tonumber(ARGV[p + 5]) or 0) >= 8 then
+          p = p + 8
+        else
+          p = p + 7
+        end
       end
     end
   end
@@ -139,13 +146,15 @@ local kept, order = none, none
 local k_t, k_ts, k_scale, k_page, k_ttl = none, none, none, none, none
 local r_scale, r_refill, r_cap, r_flags, r_debt, r_at = none, none, none, none, none, none
 local r_block = none
--- The end of each block this call has read or started, by bucket name (0: none).
-local blocks = {}
--- The current request's buckets between the two passes, 11 values each: e, scale, flags, need,
--- tokens, wait, owed, where the rule is in ARGV, whether it pays, whether it is blocked and its
--- block's length. One table, made at its first bucket's size: a call's tables are a good part
--- of a one-check call's time.
-local cur = { 0, 0, 0, 0, 0, 0, 0, 0, false, false, 0 }
+-- The end of each block this call has read or started, by bucket name (0: none); made by the
+-- first blocking limit's bucket.
+local blocks = none
+-- The current request's buckets between the two passes, 9 values each: e, scale, flags, need,
+-- tokens, wait, owed, where the rule is in ARGV and whether it pays. One table, made at its
+-- first bucket's size: a call's tables are a good part of a one-check call's time. A request
+-- with a blocking limit's bucket also gets `blk`: by bucket, -1 when blocked, else its block's
+-- length, which a refusal now starts.
+local cur = { 0, 0, 0, 0, 0, 0, 0, 0, false }
 local at = 3
 for _ = 1, groups do
   local n = tonumber(ARGV[at])
@@ -155,7 +164,7 @@ for _ = 1, groups do
   at = at + 1
 
   -- bucket.rs `check_all`, first pass: every bucket refilled to now and measured.
-  local admitted, corrupt = true, false
+  local admitted, corrupt, blk = true, false, nil
   for j = 0, n - 1 do
     local e, need, scale, refill, cap, flags, debt, block, a
     local first = tonumber(ARGV[at])
@@ -176,7 +185,10 @@ for _ = 1, groups do
       e, a = sent, at
       scale, refill, cap = first, tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2])
       need, flags, debt = tonumber(ARGV[at + 3]), tonumber(ARGV[at + 5]), tonumber(ARGV[at + 6])
-      block = tonumber(ARGV[at + 7])
+      block = 0
+      if flags ~= nil and flags >= 8 then
+        block = tonumber(ARGV[at + 7])
+      end
       if e > nkeys then
         return bad('the requests name more buckets than KEYS holds')
       elseif refill == nil or cap == nil or need == nil or flags == nil or debt == nil or block == nil then
@@ -192,7 +204,11 @@ for _ = 1, groups do
         r_scale[e], r_refill[e], r_cap[e], r_flags[e], r_debt[e], r_at[e] = scale, refill, cap, flags, debt, at
         r_block[e] = block
       end
-      at = at + 8
+      if flags >= 8 then
+        at = at + 8
+      else
+        at = at + 7
+      end
     end
 
     local key = KEYS[e]
@@ -225,6 +241,9 @@ for _ = 1, groups do
     -- `wait_owing_us` and `BucketParams::pays`.
     local w, pays, blocked = nil, false, false
     if block > 0 then
+      if blocks == none then
+        blocks = {}
+      end
       local ends = blocks[key]
       if ends == nil then
         ends = block_until(key, KEYS[nkeys + e])
@@ -233,6 +252,10 @@ for _ = 1, groups do
       if ends > now then
         w, blocked = ends - now, true
       end
+      if blk == nil then
+        blk = {}
+      end
+      blk[j] = blocked and -1 or block
     end
     if blocked then
       pays = false
@@ -246,10 +269,9 @@ for _ = 1, groups do
       end
       pays = w == 0 or (flags % 8 >= 4 and w > 0 and w * refill <= debt)
     end
-    local c = 11 * j
+    local c = 9 * j
     cur[c + 1], cur[c + 2], cur[c + 3], cur[c + 4] = e, scale, flags, need
     cur[c + 5], cur[c + 6], cur[c + 7], cur[c + 8], cur[c + 9] = t, w, o, a, pays
-    cur[c + 10], cur[c + 11] = blocked, block
     if not pays and flags % 2 == 0 then
       admitted = false
     end
@@ -269,16 +291,18 @@ for _ = 1, groups do
     -- bucket is written back either way. A bucket of a limit that blocks, refusing now and not
     -- blocked already, starts its block.
     out[#out + 1] = admitted and 1 or 0
-    for j = 0, n - 1 do
-      local c = 11 * j
-      if cur[c + 11] > 0 and not cur[c + 9] and not cur[c + 10] then
-        local key = KEYS[cur[c + 1]]
-        blocks[key] = now + cur[c + 11]
-        save_block(key, KEYS[nkeys + cur[c + 1]], now + cur[c + 11], now)
+    if blk ~= nil then
+      for j, b in pairs(blk) do
+        local c = 9 * j
+        if b > 0 and not cur[c + 9] then
+          local key = KEYS[cur[c + 1]]
+          blocks[key] = now + b
+          save_block(key, KEYS[nkeys + cur[c + 1]], now + b, now)
+        end
       end
     end
     for j = 0, n - 1 do
-      local c = 11 * j
+      local c = 9 * j
       local e, scale, flags, need = cur[c + 1], cur[c + 2], cur[c + 3], cur[c + 4]
       local t, w, ts, a = cur[c + 5], cur[c + 6], now + cur[c + 7], cur[c + 8]
       if cur[c + 9] and (admitted or flags % 2 == 1) then
@@ -301,7 +325,7 @@ for _ = 1, groups do
         save(key, KEYS[nkeys + e], t, ts, scale, ARGV[a + 4], now)
       end
       out[#out + 1] = t
-      if cur[c + 10] then
+      if blk ~= nil and blk[j] == -1 then
         out[#out + 1] = -2 - w
       else
         out[#out + 1] = w

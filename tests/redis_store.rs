@@ -482,8 +482,8 @@ fn a_call_the_script_cannot_read_changes_nothing() {
         redis.cli(&cmd)
     };
     let one = ["rl:{bad}:a", page.as_str()];
-    // scale, refill, capacity (10 tokens), need (1 token), ttl, flags, debt, block.
-    let full = |flags: &'static str| ["1000", "1", "10000", "1000", "10000", flags, "0", "0"];
+    // scale, refill, capacity (10 tokens), need (1 token), ttl, flags, debt (no block: flag 8).
+    let full = |flags: &'static str| ["1000", "1", "10000", "1000", "10000", flags, "0"];
     let call = |requests: &[&[&str]]| {
         let g = requests.len().to_string();
         let mut argv = vec![g.as_str()];

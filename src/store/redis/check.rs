@@ -15,7 +15,8 @@ use crate::page::page_of;
 use crate::{CheckItem, Outcome, Source, StoreError};
 use tollgate_limit::bucket::BucketVerdict;
 
-/// ARGV of a bucket sent in full: scale, refill, capacity, need, ttl, flags, debt, block.
+/// A bucket's rule as kept here: scale, refill, capacity, need, ttl, flags, debt, block. Sent in
+/// full it is the first 7, and the block only for a bucket with the [`BLOCK`] flag.
 const ARGS_PER_BUCKET: usize = 8;
 /// Where the need and the flags are among a bucket's [`ARGS_PER_BUCKET`].
 const NEED: usize = 3;
@@ -220,7 +221,12 @@ fn encode_call(clock: i64, requests: &[Pending]) -> (Vec<Key>, Vec<Value>) {
                     sent.push((args.len() + FLAGS, rule));
                     keys.push(key.clone());
                     pages.push(page.clone());
-                    args.extend(rule.iter().map(|&v| Value::Integer(v)));
+                    let sent_args = if rule[FLAGS] & BLOCK != 0 {
+                        ARGS_PER_BUCKET
+                    } else {
+                        ARGS_PER_BUCKET - 1
+                    };
+                    args.extend(rule[..sent_args].iter().map(|&v| Value::Integer(v)));
                 }
             }
         }
@@ -415,9 +421,11 @@ mod tests {
             page_b,
         ];
         assert_eq!(names, want);
+        // None of these blocks: each is sent without its block length.
         let flagged = |rule: &[i64], flags: i64| {
             let mut r = rule.to_vec();
             r[FLAGS] = flags;
+            r.truncate(ARGS_PER_BUCKET - 1);
             r
         };
         let mut want = vec![-1, 4, 2];
