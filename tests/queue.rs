@@ -183,7 +183,14 @@ async fn a_client_that_leaves_its_queue_gets_its_tokens_back() {
         redis.cli(&["FLUSHALL"]);
         let up = Counting::start().await;
         let clock = ManualClock::new(1_700_000_000_000_000);
-        let (gw, _dir) = gateway(&rules(up.addr), store, express, clock.clone()).await;
+        let (mut cfg, _dir) = common::manual_config(&rules(up.addr), store, express, clock.clone());
+        let meter_dir = tempfile::tempdir().unwrap();
+        cfg.meter = Some(tollgate_gateway::app::MeterConfig {
+            instance: "queue".into(),
+            interval: Duration::from_secs(60),
+            file: meter_dir.path().join("usage.db"),
+        });
+        let gw = app::start(cfg).await.expect("gateway starts");
         let url = format!("http://{}/v1/queued", gw.addr);
 
         // The one token.
@@ -222,6 +229,10 @@ async fn a_client_that_leaves_its_queue_gets_its_tokens_back() {
         .await;
         assert_eq!(next.await.unwrap().status, StatusCode::OK, "{case}");
         assert_eq!(up.hits(), 2, "{case}: the client that left was never forwarded");
+        // Billed for what reached the upstream: two, not the one that left.
+        let totals = gw.meter.as_ref().expect("metering on").totals();
+        let big = totals.iter().find(|(k, _)| &**k == "k-big").map(|(_, n)| *n);
+        assert_eq!(big, Some(2), "{case}: {totals:?}");
         gw.shutdown().await;
     }
 }

@@ -162,7 +162,11 @@ impl Gateway {
             None
         };
         crate::proxy::retarget(upstream, parts).map_err(Answer::from)?;
-        facts.metered = c.key.map(|(k, _)| k);
+        // A queued request is billed once its wait is over: one whose client leaves the queue
+        // never reaches the upstream.
+        if delay_us == 0 {
+            facts.metered = c.key.map(|(k, _)| k);
+        }
         facts.admitted = true;
         Ok(Forward {
             upstream: up,

@@ -84,6 +84,7 @@ impl Gateway {
         {
             Ok(place) => {
                 f.place = Some(place);
+                b.facts.metered = f.classified.key.map(|(k, _)| k);
                 Ok(())
             }
             Err(a) => {
