@@ -240,7 +240,8 @@ for _ = 1, groups do
     -- bucket.rs `check_blocking`: a block in force refuses whatever the bucket holds; else
     -- `wait_owing_us` and `BucketParams::pays`.
     local w, pays, blocked = nil, false, false
-    if block > 0 then
+    -- A check of cost 0 charges nothing: no block refuses it.
+    if block > 0 and need > 0 then
       if blocks == none then
         blocks = {}
       end

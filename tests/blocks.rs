@@ -234,3 +234,28 @@ async fn a_refusal_blocks_the_bucket_on_every_gateway_until_it_ends_or_is_lifted
         }
     }
 }
+
+/// A key's usage route reads its buckets at cost 0: a block on the key's plan refuses the key's
+/// requests, never the question of what it has left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blocked_key_still_reads_its_usage() {
+    let upstream = common::start_demo_upstream().await;
+    let mut rules: serde_json::Value = serde_json::from_str(&common::demo_rules_for(upstream)).unwrap();
+    rules["limits"]["plan"]["block_for"] = "30s".into();
+    let clock = ManualClock::new(1_700_000_000_000_000);
+    let (gw, _dir) = gateway(&rules.to_string(), StoreUrl::Memory, true, clock).await;
+    let http = Http::new();
+    let k7 = [("x-api-key", common::K7)];
+    let orders = format!("http://{}/v1/orders", gw.addr);
+    // k-7's plan: burst 20, then the refusal that starts the block.
+    for _ in 0..20 {
+        assert_eq!(http.get(&orders, &k7).await.status, StatusCode::OK);
+    }
+    let refused = http.get(&orders, &k7).await;
+    assert_eq!(refused.json()["error"], "blocked", "{:?}", refused.body);
+    let usage = http.get(&format!("http://{}/v1/usage", gw.addr), &k7).await;
+    assert_eq!(usage.status, StatusCode::OK, "{:?}", usage.body);
+    assert_eq!(usage.json()["key"], "k-7");
+    assert_eq!(http.get(&orders, &k7).await.json()["error"], "blocked");
+    gw.shutdown().await;
+}

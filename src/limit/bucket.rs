@@ -415,8 +415,8 @@ pub fn check_all(
 }
 
 /// [`check_all`] with blocks: `blocks[i]`, when the bucket of `charges[i]` has a block, is the
-/// microsecond it ends (empty: no bucket has one). A bucket blocked at `now` refuses the
-/// request whatever it holds (a shadow one only counts it); a bucket of a limit with
+/// microsecond it ends (empty: no bucket has one). A bucket blocked at `now` refuses a request
+/// that would charge it, whatever it holds (a shadow one only counts it); a bucket of a limit with
 /// `block_us` that refuses a request, not blocked already, starts a block until `now +
 /// block_us`, written back into `blocks`.
 pub fn check_blocking(
@@ -433,11 +433,13 @@ pub fn check_blocking(
     for (i, ((c, s), v)) in charges.iter().zip(states.iter()).zip(out.iter_mut()).enumerate() {
         let tokens = refill(&c.params, *s, now);
         let need = c.params.units(c.cost);
+        // A check of cost 0 (the usage route reading a key's buckets) charges nothing, so no
+        // block refuses it.
         let until = blocks
             .get(i)
             .copied()
             .flatten()
-            .filter(|&u| u > now && c.params.block_us > 0);
+            .filter(|&u| u > now && c.params.block_us > 0 && need > 0);
         let (wait, blocked) = match until {
             Some(u) => (Some(u - now), true),
             None => (
@@ -1030,6 +1032,22 @@ mod tests {
         let (ok, v) = run(&mut s, &mut b, 10_000_000);
         assert!(!ok && v.blocked && v.wait_us == Some(20_000_000) && v.tokens == c.params.capacity);
         assert_eq!(b, Some(30_000_000), "a block met is not started again");
+        // A read of cost 0 (the usage route's) charges nothing, and no block refuses it.
+        let peek = Charge { cost: 0, ..c };
+        let mut v = [BucketVerdict {
+            sufficient: false,
+            tokens: 0,
+            wait_us: None,
+            blocked: false,
+        }];
+        let ok = check_blocking(
+            &[peek],
+            std::slice::from_mut(&mut s),
+            std::slice::from_mut(&mut b),
+            20_000_000,
+            &mut v,
+        );
+        assert!(ok && !v[0].blocked && v[0].wait_us == Some(0));
         assert!(run(&mut s, &mut b, 30_000_000).0);
         // Without a block to read (`check_all`), the same bucket decides by its tokens alone.
         let mut s = None;
