@@ -181,33 +181,30 @@ impl BucketParams {
     /// These numbers for a post-paid limit whose bucket may owe up to `max_debt` tokens: what
     /// the upstream reports after the answer is charged even when the bucket can't pay it, and
     /// refill pays the debt before the bucket admits again.
-    pub fn with_debt(mut self, max_debt: u64) -> Result<BucketParams, ParamError> {
-        let debt = max_debt as u128 * self.scale as u128;
-        let total = self.capacity as u128 + debt + self.refill as u128;
-        if total >= MAX_EXACT as u128 {
-            return Err(ParamError::DebtTooLarge {
-                max_debt,
-                units: total,
-            });
-        }
-        self.debt = debt as u64;
-        Ok(self)
+    pub fn with_debt(self, max_debt: u64) -> Result<BucketParams, ParamError> {
+        self.owing(max_debt as u128 * self.scale as u128)
+            .map_err(|units| ParamError::DebtTooLarge { max_debt, units })
     }
 
     /// These numbers for a limit that queues: a request short of tokens is admitted when they
     /// are due within `max_wait_us`, and waits for them; its bucket owes them meanwhile, up to
     /// `max_wait_us` of refill (the rate × the wait), so gateways sharing it queue as one.
-    pub fn with_delay(mut self, max_wait_us: u64) -> Result<BucketParams, ParamError> {
-        let debt = max_wait_us as u128 * self.refill as u128;
+    pub fn with_delay(self, max_wait_us: u64) -> Result<BucketParams, ParamError> {
+        let mut p = self
+            .owing(max_wait_us as u128 * self.refill as u128)
+            .map_err(|units| ParamError::WaitTooLong { max_wait_us, units })?;
+        p.max_wait_us = max_wait_us;
+        Ok(p)
+    }
+
+    /// These numbers owing up to `debt` units, when every balance between `-debt` and the
+    /// capacity, and one microsecond's refill more, stays exact; else the units that would not.
+    fn owing(mut self, debt: u128) -> Result<BucketParams, u128> {
         let total = self.capacity as u128 + debt + self.refill as u128;
         if total >= MAX_EXACT as u128 {
-            return Err(ParamError::WaitTooLong {
-                max_wait_us,
-                units: total,
-            });
+            return Err(total);
         }
         self.debt = debt as u64;
-        self.max_wait_us = max_wait_us;
         Ok(self)
     }
 

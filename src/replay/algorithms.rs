@@ -83,13 +83,14 @@ impl Gcra {
     }
 }
 
-impl Meter for Gcra {
-    /// The theoretical arrival time, in units of `1 / N` µs; `None` for a new key ("full").
-    type State = Option<u128>;
-
-    fn check(&self, tat: &mut Option<u128>, now: u64, cost: u64) -> Verdict {
+impl Gcra {
+    /// GCRA's one step, which the queue shares: `Ok(wait)`, the units of `1 / N` µs from now
+    /// until the request's emission time (0 for a bucket with room; for a queue, its release),
+    /// with `tat` moved on; `Err(Some(units))` to wait before it would be admitted; `Err(None)`
+    /// when no wait helps (a cost above the burst).
+    fn emit(&self, tat: &mut Option<u128>, now: u64, cost: u64) -> Result<u128, Option<u128>> {
         if cost > self.burst {
-            return Verdict::refuse(None);
+            return Err(None);
         }
         let now_u = now as u128 * self.tokens;
         let t = tat.map_or(now_u, |t| t.max(now_u));
@@ -97,10 +98,26 @@ impl Meter for Gcra {
         let limit = (self.burst - cost) as u128 * self.period;
         if t - now_u <= limit {
             *tat = Some(t + cost as u128 * self.period);
-            Verdict::ALLOW
+            Ok(t - now_u)
         } else {
-            let wait = (t - now_u - limit).div_ceil(self.tokens);
-            Verdict::refuse(Some(wait.min(u64::MAX as u128) as u64))
+            Err(Some(t - now_u - limit))
+        }
+    }
+
+    /// Units of `1 / N` µs as whole microseconds, rounded up.
+    fn micros(&self, units: u128) -> u64 {
+        units.div_ceil(self.tokens).min(u64::MAX as u128) as u64
+    }
+}
+
+impl Meter for Gcra {
+    /// The theoretical arrival time, in units of `1 / N` µs; `None` for a new key ("full").
+    type State = Option<u128>;
+
+    fn check(&self, tat: &mut Option<u128>, now: u64, cost: u64) -> Verdict {
+        match self.emit(tat, now, cost) {
+            Ok(_) => Verdict::ALLOW,
+            Err(wait) => Verdict::refuse(wait.map(|w| self.micros(w))),
         }
     }
 }
@@ -254,25 +271,18 @@ impl Meter for SlidingCounter {
 
 /// A leaky bucket used as a queue, as nginx's `limit_req` with a `burst` and no `nodelay`:
 /// requests leave at the rate, one every `I = P / N`, and up to `queue` wait behind the one
-/// being released; a request that would find more ahead of it is refused. Time is counted in
-/// units of `1 / N` µs, as GCRA does, so `I` is exactly `P` units.
+/// being released; a request that would find more ahead of it is refused. Its admissions are
+/// GCRA's with a burst of `queue + 1` (τ = `queue` intervals), and its release time is GCRA's
+/// emission time, so it is [`Gcra`] that also says how long each admitted request waits.
 ///
 /// A request of cost `c` takes `c` places: it is refused when its last place would wait more
 /// than `queue` intervals, so a cost above `queue + 1` never fits.
 #[derive(Clone, Copy, Debug)]
-pub struct Queue {
-    tokens: u128,
-    period: u128,
-    queue: u64,
-}
+pub struct Queue(Gcra);
 
 impl Queue {
     pub fn new(rate: Rate, queue: u64) -> Queue {
-        Queue {
-            tokens: rate.tokens as u128,
-            period: rate.period_us as u128,
-            queue,
-        }
+        Queue(Gcra::new(rate, queue.saturating_add(1)))
     }
 }
 
@@ -282,20 +292,10 @@ impl Meter for Queue {
     type State = Option<u128>;
 
     fn check(&self, next: &mut Option<u128>, now: u64, cost: u64) -> Verdict {
-        if cost > self.queue.saturating_add(1) {
-            return Verdict::refuse(None);
-        }
-        let now_u = now as u128 * self.tokens;
-        let release = next.map_or(now_u, |n| n.max(now_u));
-        let wait = release - now_u;
-        let ahead = (self.queue + 1 - cost) as u128 * self.period;
-        if wait <= ahead {
-            *next = Some(release + cost as u128 * self.period);
+        match self.0.emit(next, now, cost) {
             // Rounded up, so arrival + wait is never before the release.
-            Verdict::released_after(wait.div_ceil(self.tokens).min(u64::MAX as u128) as u64)
-        } else {
-            let retry = (wait - ahead).div_ceil(self.tokens);
-            Verdict::refuse(Some(retry.min(u64::MAX as u128) as u64))
+            Ok(wait) => Verdict::released_after(self.0.micros(wait)),
+            Err(retry) => Verdict::refuse(retry.map(|r| self.0.micros(r))),
         }
     }
 }

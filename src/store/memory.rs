@@ -249,15 +249,17 @@ impl MemoryStore {
             |charges, states| check_blocking(charges, states, &mut ends, now, verdicts),
             |_| true,
         );
-        for (item, end) in batch.iter().zip(&ends) {
+        // A block this check started is written, one over is dropped; one it met stays as it
+        // is, with no new name allocated for it.
+        for ((item, end), v) in batch.iter().zip(&ends).zip(verdicts.iter()) {
             match end {
-                Some(e) if *e > now => {
-                    blocks.insert(Box::from(&*item.key), *e);
-                }
-                Some(_) => {
+                Some(e) if *e <= now => {
                     blocks.remove(&*item.key);
                 }
-                None => {}
+                Some(e) if !v.blocked && !v.sufficient => {
+                    blocks.insert(Box::from(&*item.key), *e);
+                }
+                _ => {}
             }
         }
         admitted
@@ -387,6 +389,11 @@ impl MemoryStore {
                 s.shrink_to_fit();
             }
         }
+        // Blocks over whose buckets were never checked again.
+        self.blocks
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|_, end| *end > now);
         dropped
     }
 

@@ -122,14 +122,21 @@ impl Gateway {
             self.settle(snap, paid.as_deref(), None).await;
             return;
         }
-        // What never reached its upstream is not billed either.
+        self.give_back(facts, paid).await;
+    }
+
+    /// Gives back what a request that never reached its upstream paid, and bills it to nobody.
+    pub(super) async fn give_back(&self, facts: &mut Facts, paid: Option<Box<Paid>>) {
         facts.metered = None;
-        let Some(paid) = paid else {
-            return;
-        };
-        let Paid { batch, outcome } = *paid;
-        if let Err(e) = self.store.refund(&batch, &outcome).await {
-            tracing::debug!(error = %e, "refund of an undelivered request failed");
+        if let Some(p) = paid {
+            refund(&*self.store, &p).await;
         }
+    }
+}
+
+/// One refund, logged when it fails: the request's answer does not wait on a retry.
+pub(super) async fn refund(store: &dyn Store, p: &Paid) {
+    if let Err(e) = store.refund(&p.batch, &p.outcome).await {
+        tracing::debug!(error = %e, "refund of an undelivered request failed");
     }
 }

@@ -30,7 +30,7 @@ impl Drop for Owed<'_> {
         if let Some(p) = self.paid.take() {
             let (store, metrics) = (self.gw.store.clone(), self.gw.metrics.clone());
             tokio::spawn(async move {
-                refund(&*store, &p).await;
+                super::forward::refund(&*store, &p).await;
                 metrics.queue_left.inc();
             });
         }
@@ -92,19 +92,5 @@ impl Gateway {
                 Err(a.into())
             }
         }
-    }
-
-    /// Gives back what a request that never left the gateway paid, and bills it to nobody.
-    async fn give_back(&self, facts: &mut Facts, paid: Option<Box<Paid>>) {
-        facts.metered = None;
-        if let Some(p) = paid {
-            refund(&*self.store, &p).await;
-        }
-    }
-}
-
-async fn refund(store: &dyn Store, p: &Paid) {
-    if let Err(e) = store.refund(&p.batch, &p.outcome).await {
-        tracing::debug!(error = %e, "refund of a request that left its queue failed");
     }
 }

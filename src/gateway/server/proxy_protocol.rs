@@ -158,10 +158,14 @@ pub(crate) async fn take(
         .map_err(|_| "timeout")??;
     match (parsed, from_proxy) {
         (Parsed::Header { len, source }, true) => {
-            let mut header = vec![0u8; len];
-            tokio::io::AsyncReadExt::read_exact(tcp, &mut header)
+            // Consumed, TLVs and all, without keeping a copy: only its source was wanted.
+            let mut header = tokio::io::AsyncReadExt::take(&mut *tcp, len as u64);
+            let read = tokio::io::copy(&mut header, &mut tokio::io::sink())
                 .await
                 .map_err(|_| "truncated")?;
+            if read != len as u64 {
+                return Err("truncated");
+            }
             Ok(source.unwrap_or(peer))
         }
         (Parsed::NotProxy, true) => Err("missing"),
