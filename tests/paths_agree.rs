@@ -77,7 +77,9 @@ fn rules(up: SocketAddr, dead: u16) -> String {
             "tokens": {"dimension": "key", "rate": "1000/60s", "burst": 1000,
                        "cost_from_response": {"header": "X-Usage-Tokens"}},
             "unauth": {"dimension": "ip", "rate": "1/3600s", "burst": 3},
-            "asks": {"dimension": "key", "rate": "1/3600s", "burst": 2}
+            "asks": {"dimension": "key", "rate": "1/3600s", "burst": 2},
+            "queue": {"dimension": "ip", "rate": "1000/1s", "burst": 1, "delay": {"max_wait_ms": 2}},
+            "guard": {"dimension": "ip", "rate": "1/3600s", "burst": 1, "block_for": "30s"}
         },
         "keys": [
             {"id": "k-1", "sha256": sha256(KEY)},
@@ -94,6 +96,8 @@ fn rules(up: SocketAddr, dead: u16) -> String {
              "cost": {"tokens": 1}},
             {"name": "free", "method": "*", "path": "/v1/free", "upstream": "up"},
             {"name": "usage", "method": "GET", "path": "/v1/usage", "serve": "usage", "cost": {"asks": 1}},
+            {"name": "queued", "method": "*", "path": "/v1/queued", "upstream": "up", "cost": {"queue": 1}},
+            {"name": "guarded", "method": "*", "path": "/v1/guarded", "upstream": "up", "cost": {"guard": 1}},
             {"name": "shed", "method": "*", "path": "/shed", "upstream": "shed", "cost": {"plan": 1}},
             {"name": "slow", "method": "*", "path": "/slow", "upstream": "tight", "cost": {"plan": 1}},
             {"name": "down", "method": "*", "path": "/down", "upstream": "dead", "cost": {"plan": 1}}
@@ -458,6 +462,28 @@ impl Pair {
         holders.try_into().unwrap()
     }
 
+    /// Starts a queued request on a connection of its own to each gateway and returns once both
+    /// wait: on a clock that stands, they wait for good.
+    async fn hold_queued(&mut self) -> Vec<JoinHandle<()>> {
+        let mut holders = Vec::new();
+        for side in [&self.lane, &self.general] {
+            let mut conn = connect(side.gw.addr).await;
+            holders.push(tokio::spawn(async move {
+                let _ = exchange(&mut conn, &Method::GET, "/v1/queued", &[("x-api-key", KEY)]).await;
+            }));
+            let m = side.gw.metrics.clone();
+            let want = m.queue_waiting.get() + 1;
+            tokio::time::timeout(Duration::from_secs(10), async move {
+                while m.queue_waiting.get() < want {
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+            })
+            .await
+            .expect("the queued request waits");
+        }
+        holders
+    }
+
     /// Lets the held requests go and compares their answers.
     async fn release(&mut self, holders: [JoinHandle<Answer>; 2]) {
         self.up.release();
@@ -600,6 +626,71 @@ async fn a_spent_bucket_answers_alike() {
     assert_eq!(a.status, StatusCode::TOO_MANY_REQUESTS);
     let a = p.both(Method::GET, "/v1/orders", &key()).await;
     assert_eq!(a.status, StatusCode::OK);
+    p.assert_alike();
+}
+
+/// A queueing limit (1 a millisecond, burst 1, a wait of up to 2 ms): the second request waits
+/// its millisecond and is forwarded; with two waiting, the next would wait 3 ms and is refused.
+/// Each gateway's clock moves only while it has a request waiting, so each waits as long.
+#[tokio::test]
+async fn a_queued_request_answers_alike() {
+    let clocks = [ManualClock::new(at(NOW)), ManualClock::new(at(NOW))];
+    let started = std::sync::atomic::AtomicUsize::new(0);
+    let given = clocks.clone();
+    let mut p = Pair::start_with(move |cfg, _| {
+        // The lane's gateway starts first, then hyper's.
+        cfg.clock = given[started.fetch_add(1, std::sync::atomic::Ordering::SeqCst)].clone();
+    })
+    .await;
+    let sides = [p.lane.gw.metrics.clone(), p.general.gw.metrics.clone()];
+    let mover = tokio::spawn(async move {
+        loop {
+            for (m, c) in sides.iter().zip(&clocks) {
+                if m.queue_waiting.get() > 0 {
+                    c.advance_us(100);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    });
+    let a = p.both(Method::GET, "/v1/queued", &key()).await;
+    assert_eq!(a.status, StatusCode::OK);
+    let a = p.both(Method::GET, "/v1/queued", &key()).await;
+    assert_eq!(a.status, StatusCode::OK, "{:?}", a.body);
+    for side in [&p.lane, &p.general] {
+        assert_eq!(side.gw.metrics.queued.get(), 1);
+    }
+    mover.abort();
+    // The clocks stand: two more wait for good, and the next would wait 3 ms.
+    let holders = p.hold_queued().await;
+    let mut more = p.hold_queued().await;
+    let a = p.both(Method::GET, "/v1/queued", &key()).await;
+    assert_eq!(
+        (a.status, error_of(&a), a.header("retry-after")),
+        (StatusCode::TOO_MANY_REQUESTS, "rate_limited".into(), Some("1"))
+    );
+    more.extend(holders);
+    for h in more {
+        h.abort();
+    }
+    p.assert_alike();
+}
+
+/// A blocking limit: the refusal that starts the block and the ones during it answer alike.
+#[tokio::test]
+async fn a_blocked_bucket_answers_alike() {
+    let mut p = Pair::start().await;
+    let a = p.both(Method::GET, "/v1/guarded", &key()).await;
+    assert_eq!(a.status, StatusCode::OK);
+    for _ in 0..2 {
+        let a = p.both(Method::GET, "/v1/guarded", &key()).await;
+        assert_eq!(
+            (a.status, error_of(&a), a.header("retry-after")),
+            (StatusCode::TOO_MANY_REQUESTS, "blocked".into(), Some("30"))
+        );
+    }
+    let a = p.both(Method::HEAD, "/v1/guarded", &key()).await;
+    assert_eq!(a.status, StatusCode::TOO_MANY_REQUESTS);
     p.assert_alike();
 }
 
