@@ -287,6 +287,7 @@ fn config(rules: RulesSource, c: &CommonArgs, demo: bool) -> Result<GatewayConfi
         header_read_timeout: c.header_timeout,
         body_read_timeout: c.body_timeout,
         drain_timeout: c.drain_timeout,
+        upgrade_grace: c.upgrade_grace,
         max_header_bytes: c.max_header_bytes,
         express: !c.no_express,
         max_connections: c.max_connections,

@@ -58,6 +58,10 @@ fn the_summary_lists_rates_bursts_and_costs() {
         stdout.contains("usage        GET /v1/usage -> (the caller's usage); key Required; costs: usage 1"),
         "{stdout}"
     );
+    assert!(
+        stdout.contains("stream       GET /v1/stream -> orders; key Required; costs: plan 1, streams 1; upgrades to websocket, closed after 60000 ms idle"),
+        "{stdout}"
+    );
 }
 
 #[test]
@@ -96,6 +100,22 @@ fn each_broken_file_fails_with_its_own_message() {
         (
             "zero-rate.json",
             "limits.exports.rate: rate \"0/5s\": the rate must be above zero",
+        ),
+        (
+            "upgrade-h2c.json",
+            "routes[0].upgrade[1]: h2c is HTTP/2's own upgrade, which the gateway does not relay",
+        ),
+        (
+            "upgrade-websocket-on-post.json",
+            "routes[0].upgrade: a WebSocket opening handshake is a GET, so a route of POST never sees one",
+        ),
+        (
+            "upgrade-not-a-token.json",
+            "routes[0].upgrade[0]: \"web socket\" is not a protocol name",
+        ),
+        (
+            "idle-timeout-without-upgrade.json",
+            "routes[0].idle_timeout_ms: applies to upgraded connections only, and this route takes no upgrade",
         ),
         ("version-zero.json", "version: must be a positive integer"),
         ("version-negative.json", "version: must be a positive integer"),

@@ -294,13 +294,14 @@ fn the_kubernetes_manifests_agree_with_the_binary() {
     let host = store.trim_start_matches("redis://").split(':').next().unwrap();
     named(&docs, "Service", host);
 
-    // The grace covers the preStop, the shutdown delay and the drain.
+    // The grace covers the preStop, the shutdown delay, the drain and the upgrades' grace.
     let pre_stop = &c["lifecycle"]["preStop"]["exec"]["command"];
     assert_eq!(text(&pre_stop[0]), "sleep");
     let grace = pod["terminationGracePeriodSeconds"].as_u64().unwrap();
     let need = text(&pre_stop[1]).parse::<u64>().unwrap()
         + secs(&value("TOLLGATE_SHUTDOWN_DELAY"))
-        + secs(&value("TOLLGATE_DRAIN_TIMEOUT"));
+        + secs(&value("TOLLGATE_DRAIN_TIMEOUT"))
+        + secs(&value("TOLLGATE_UPGRADE_GRACE"));
     assert!(
         grace > need,
         "terminationGracePeriodSeconds {grace} does not cover {need} s"

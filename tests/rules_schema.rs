@@ -39,6 +39,16 @@ const STRUCTURAL: &[(&str, &str)] = &[
 /// after parsing. A range or a string's syntax could be copied into the schema, but a copy of
 /// a check can drift from it, and the loader's message says more than "does not match".
 const SEMANTIC: &[(&str, &str)] = &[
+    ("upgrade-h2c.json", "a protocol the gateway can't relay"),
+    (
+        "upgrade-websocket-on-post.json",
+        "a protocol against the route's method",
+    ),
+    ("upgrade-not-a-token.json", "a protocol name's syntax"),
+    (
+        "idle-timeout-without-upgrade.json",
+        "a field that needs another field",
+    ),
     ("version-zero.json", "a value's range: version 1 or more"),
     ("delay-zero-wait.json", "a value's range: a wait of 1 to 60000 ms"),
     (

@@ -251,8 +251,8 @@ impl Running {
 
     /// What a stop signal starts, in order: `/readyz` answers 503 (so a load balancer or
     /// Kubernetes takes the gateway out), everything still serves for `shutdown_delay`, then the
-    /// listeners stop and the requests in flight finish ([`Running::shutdown`]). `again`
-    /// resolving (a second signal) cuts the delay short.
+    /// listeners stop, the requests in flight finish, and upgraded connections get their
+    /// grace ([`Running::shutdown`]). `again` resolving (a second signal) cuts the delay short.
     pub async fn drain(self, again: impl std::future::Future<Output = ()>) -> usize {
         self.draining.store(true, std::sync::atomic::Ordering::SeqCst);
         if !self.shutdown_delay.is_zero() {
@@ -265,7 +265,8 @@ impl Running {
         self.shutdown().await
     }
 
-    /// Resolves when every listener has finished, then gives leased tokens back.
+    /// Resolves when every listener has finished (the public one's upgraded connections
+    /// closed last, after `--upgrade-grace`), then gives leased tokens back.
     pub async fn wait(self) -> usize {
         let mut open = 0;
         for t in self.tasks {

@@ -124,6 +124,11 @@ pub struct CommonArgs {
     /// How long to finish requests in flight after SIGTERM or SIGINT (after --shutdown-delay).
     #[arg(long, env = "TOLLGATE_DRAIN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub drain_timeout: Duration,
+    /// After the requests in flight have finished, how long connections upgraded to WebSocket
+    /// (a route's "upgrade") may stay open to end by themselves; those still open are then
+    /// closed.
+    #[arg(long, env = "TOLLGATE_UPGRADE_GRACE", default_value = "10s", value_parser = parse_duration)]
+    pub upgrade_grace: Duration,
     /// A client must send its whole request head within this time.
     #[arg(long, env = "TOLLGATE_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub header_timeout: Duration,

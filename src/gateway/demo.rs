@@ -1,7 +1,8 @@
 //! The built-in demo upstream ("orders"): answers any path with a small JSON echo, with the
 //! status `?status=NNN` asks for (to play a failed login, say), and `/v1/slow?ms=N` after N
 //! milliseconds; `/v1/completions?tokens=N` reports its cost as `X-Usage-Tokens: N`, as an LLM
-//! service reports the tokens an answer used. Bodies are read in full but never held. With workers ([`Workers`]) it plays an
+//! service reports the tokens an answer used; `/v1/stream` is a WebSocket that echoes every
+//! message. Bodies are read in full but never held. With workers ([`Workers`]) it plays an
 //! overloaded service: N requests served at a time, each for a service time, the rest queued
 //! without bound. Also the demo's bearer tokens (`tollgate demo-token`), signed with the demo's
 //! private key in `certs/`.
@@ -77,6 +78,9 @@ impl DemoUpstream {
     /// The answer; `workers` when a pool serves it, which then holds a worker for the service
     /// time instead of sleeping unbounded.
     async fn answer(&self, req: Request<Incoming>, workers: Option<&Workers>) -> Response<Body> {
+        if req.uri().path() == STREAM_PATH {
+            return echo_stream(req);
+        }
         let (parts, mut body) = req.into_parts();
         let mut bytes: u64 = 0;
         while let Some(frame) = body.frame().await {
@@ -173,6 +177,58 @@ impl DemoUpstream {
         }
         resp
     }
+}
+
+/// The demo's WebSocket.
+const STREAM_PATH: &str = "/v1/stream";
+
+/// `/v1/stream`: a WebSocket opening handshake is answered `101`, and every text or binary
+/// message then sent is sent back; anything else gets `426` saying what the path is.
+fn echo_stream(mut req: Request<Incoming>) -> Response<Body> {
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::{Message, handshake::derive_accept_key, protocol::Role};
+    let h = req.headers();
+    let websocket = tollgate_http1::upgrade_offered(h).any(|p| p.eq_ignore_ascii_case(b"websocket"));
+    let key = h.get("sec-websocket-key").filter(|_| {
+        req.method() == http::Method::GET
+            && websocket
+            && h.get("sec-websocket-version").is_some_and(|v| v == "13")
+    });
+    let Some(key) = key else {
+        let mut resp = json_response(
+            StatusCode::UPGRADE_REQUIRED,
+            json!({"error": "upgrade_required", "message": "/v1/stream is a WebSocket that echoes each message: connect with a WebSocket client (version 13)"})
+                .to_string(),
+        );
+        resp.headers_mut()
+            .insert(http::header::UPGRADE, http::HeaderValue::from_static("websocket"));
+        return resp;
+    };
+    let accept = derive_accept_key(key.as_bytes());
+    let on_upgrade = hyper::upgrade::on(&mut req);
+    tokio::spawn(async move {
+        let Ok(upgraded) = on_upgrade.await else { return };
+        let io = hyper_util::rt::TokioIo::new(upgraded);
+        let mut ws = tokio_tungstenite::WebSocketStream::from_raw_socket(io, Role::Server, None).await;
+        // Pings are answered and a close is returned by the stream itself.
+        while let Some(Ok(msg)) = ws.next().await {
+            if matches!(msg, Message::Text(_) | Message::Binary(_)) && ws.send(msg).await.is_err() {
+                break;
+            }
+        }
+    });
+    let mut resp = Response::new(http_body_util::Either::Right(http_body_util::Full::default()));
+    *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    let h = resp.headers_mut();
+    h.insert(http::header::UPGRADE, http::HeaderValue::from_static("websocket"));
+    h.insert(
+        http::header::CONNECTION,
+        http::HeaderValue::from_static("upgrade"),
+    );
+    if let Ok(v) = http::HeaderValue::from_str(&accept) {
+        h.insert(http::header::SEC_WEBSOCKET_ACCEPT, v);
+    }
+    resp
 }
 
 /// The demo upstream behind a pool of workers: each request waits (in arrival order, without

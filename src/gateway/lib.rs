@@ -19,6 +19,8 @@
 //!   lendings.
 //! - [`proxy`]: the one HTTP/1.1 client to upstreams, its kept connections, the upstream's
 //!   header edits (hop-by-hop stripping, `X-Forwarded-*`), 502/504.
+//! - [`upgrade`]: upgraded connections (WebSocket): the protocol a route allows, the relay
+//!   both ways after the upstream's `101`, its idle timeout and its grace in the drain.
 //! - [`reload`]: live rules: the file watch and SIGHUP, swapping in only higher versions.
 //! - [`admin`]: the admin listener (health, readiness, metrics, running rules).
 //! - [`access`]: the access log in a conventional format (`--access-log-format`), formatted
@@ -47,5 +49,6 @@ pub mod respond;
 pub mod server;
 pub(crate) mod shard;
 mod stack;
+pub(crate) mod upgrade;
 
 pub use request::Gateway;

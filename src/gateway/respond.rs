@@ -45,6 +45,9 @@ pub enum Refusal {
     BadToken(tollgate_rules::jwt::TokenError),
     #[error("{0}")]
     MethodNotAllowed(&'static str),
+    /// An upgrade (`Upgrade` with `Connection: upgrade`) to a protocol the route does not list.
+    #[error("{0}")]
+    UpgradeNotAllowed(String),
     #[error("body over {limit} bytes")]
     PayloadTooLarge { limit: u64 },
     /// Refused by a limit's bucket: for want of tokens, or `blocked` for a while after one of
@@ -119,6 +122,7 @@ impl Refusal {
             Refusal::BadRequest(_) => StatusCode::BAD_REQUEST,
             Refusal::Unauthorized { .. } | Refusal::BadToken(_) => StatusCode::UNAUTHORIZED,
             Refusal::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
+            Refusal::UpgradeNotAllowed(_) => StatusCode::FORBIDDEN,
             Refusal::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Refusal::RateLimited { .. } | Refusal::QuotaExceeded { .. } | Refusal::TooManyInFlight { .. } => {
                 StatusCode::TOO_MANY_REQUESTS
@@ -147,6 +151,7 @@ impl Refusal {
                 json!({"error": "unauthorized", "reason": e.reason(), "message": e.to_string()})
             }
             Refusal::MethodNotAllowed(m) => json!({"error": "method_not_allowed", "message": m}),
+            Refusal::UpgradeNotAllowed(m) => json!({"error": "upgrade_not_allowed", "message": m}),
             Refusal::PayloadTooLarge { limit } => {
                 json!({"error": "payload_too_large", "max_body_bytes": limit})
             }

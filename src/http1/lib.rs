@@ -42,6 +42,28 @@ pub fn connection_tokens(value: &[u8]) -> impl Iterator<Item = &[u8]> {
         .filter(|t| !t.is_empty())
 }
 
+/// Whether a byte may be part of a token (RFC 9110 §5.6.2): a header's name, a protocol's.
+pub fn is_tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+/// The protocols an HTTP/1.1 request offers to upgrade its connection to, in its order of
+/// preference: the `Upgrade` header's, when `Connection` names `upgrade` too (RFC 9110 §7.8;
+/// an `Upgrade` that `Connection` does not name was not meant for this hop). Empty for any
+/// other request.
+pub fn upgrade_offered(headers: &http::HeaderMap) -> impl Iterator<Item = &[u8]> {
+    let asked = headers.contains_key(header::UPGRADE)
+        && headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .any(|v| connection_tokens(v.as_bytes()).any(|t| t.eq_ignore_ascii_case(b"upgrade")));
+    headers
+        .get_all(header::UPGRADE)
+        .iter()
+        .filter(move |_| asked)
+        .flat_map(|v| connection_tokens(v.as_bytes()))
+}
+
 /// Whether a request with this method may be sent again when its first attempt may have
 /// reached the upstream (RFC 9110 §9.2.2).
 pub fn idempotent(m: &http::Method) -> bool {
@@ -74,5 +96,16 @@ mod tests {
         assert!(chunked_last(b"gzip, Chunked "));
         assert!(!chunked_last(b"chunked, gzip"));
         assert!(idempotent(&http::Method::PUT) && !idempotent(&http::Method::POST));
+    }
+
+    #[test]
+    fn an_upgrade_is_offered_only_with_connection_naming_it() {
+        let mut h = http::HeaderMap::new();
+        h.insert(header::UPGRADE, "websocket, foo/2".parse().unwrap());
+        assert_eq!(upgrade_offered(&h).count(), 0);
+        h.insert(header::CONNECTION, "keep-alive, Upgrade".parse().unwrap());
+        let offered: Vec<&[u8]> = upgrade_offered(&h).collect();
+        assert_eq!(offered, vec![&b"websocket"[..], b"foo/2"]);
+        assert!(is_tchar(b'~') && !is_tchar(b'/') && !is_tchar(b' '));
     }
 }

@@ -81,13 +81,25 @@ impl Head<'_> {
     }
 }
 
+/// What the request asked that decides how its answer is read.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Asked<'a> {
+    /// A HEAD: its answer has no body.
+    pub head: bool,
+    /// The protocol the request asked to upgrade to (lowercase, as the route lists it): a
+    /// `101` switching to it is the final answer, after which the connection is that
+    /// protocol's. Any other `101` is refused.
+    pub upgrade: Option<&'a str>,
+}
+
 /// Parses an upstream response head from the start of `buf` and, when it is a final one, hands
-/// it judged to `f`. `is_head` says whether the request was a HEAD (its response has no body).
+/// it judged to `f`.
 pub fn parse<R>(
     buf: &[u8],
-    is_head: bool,
+    asked: Asked<'_>,
     f: impl FnOnce(&Head<'_>) -> R,
 ) -> Result<Parsed<R>, Unforwardable> {
+    let is_head = asked.head;
     // Left uninitialised: zeroing 128 headers (4 KiB) cost every response more than parsing
     // its few headers did.
     let mut headers = [std::mem::MaybeUninit::<httparse::Header<'_>>::uninit(); MAX_HEADERS];
@@ -112,10 +124,23 @@ pub fn parse<R>(
     if !(100..=599).contains(&status) {
         return Err(Unforwardable("a status outside 100-599"));
     }
-    if status == 101 {
-        return Err(Unforwardable("an upgrade nobody asked for"));
+    let switched = status == 101;
+    if switched {
+        let Some(want) = asked.upgrade else {
+            return Err(Unforwardable("an upgrade nobody asked for"));
+        };
+        let to = resp
+            .headers
+            .iter()
+            .find(|h| h.name.eq_ignore_ascii_case("upgrade"))
+            .and_then(|h| connection_tokens(h.value).next());
+        if !to.is_some_and(|p| p.eq_ignore_ascii_case(want.as_bytes())) {
+            return Err(Unforwardable(
+                "a switch to a protocol other than the one asked for",
+            ));
+        }
     }
-    if status < 200 {
+    if status < 200 && !switched {
         return Ok(Parsed::Interim(n));
     }
     let http10 = resp.version == Some(0);
@@ -158,7 +183,7 @@ pub fn parse<R>(
             dated = true;
         }
     }
-    let bodiless_status = status == 204 || status == 304;
+    let bodiless_status = status == 204 || status == 304 || switched;
     let framing = if is_head || bodiless_status {
         Framing::Empty
     } else if encoded {
@@ -181,7 +206,8 @@ pub fn parse<R>(
         reason: resp.reason.unwrap_or(""),
         headers: resp.headers,
         framing,
-        reusable: !closes && !two_ways && framing != Framing::Close,
+        // After a switch the connection is the new protocol's, never a pooled one again.
+        reusable: !closes && !two_ways && framing != Framing::Close && !switched,
         dated,
         // No length where the body is chunked or can't exist (RFC 9110 §8.6); a HEAD's says
         // what a GET would carry.
@@ -229,7 +255,17 @@ mod tests {
     type Judged = (u16, Framing, bool, Vec<String>);
 
     fn judge(raw: &str, is_head: bool) -> Result<Parsed<Judged>, Unforwardable> {
-        parse(raw.as_bytes(), is_head, |h| {
+        judge_asked(
+            raw,
+            Asked {
+                head: is_head,
+                upgrade: None,
+            },
+        )
+    }
+
+    fn judge_asked(raw: &str, asked: Asked<'_>) -> Result<Parsed<Judged>, Unforwardable> {
+        parse(raw.as_bytes(), asked, |h| {
             let mut kept: Vec<String> = h
                 .headers
                 .iter()
@@ -332,12 +368,12 @@ mod tests {
             head.push_str(if end_crlf { "\r\n" } else { "\n" });
             let bytes = head.as_bytes();
             let naive_ok = bytes.iter().enumerate().all(|(i, &c)| c != b'\n' || (i > 0 && bytes[i - 1] == b'\r'));
-            match parse(bytes, false, |_| ()) {
+            match parse(bytes, Asked::default(), |_| ()) {
                 Ok(Parsed::Final(n, ())) => proptest::prop_assert!(naive_ok && n == bytes.len(), "{head:?}"),
                 Err(Unforwardable("a line ending in a bare LF")) => proptest::prop_assert!(!naive_ok, "{head:?}"),
                 _ => {}
             }
-            let _ = parse(&noise, false, |_| ());
+            let _ = parse(&noise, Asked::default(), |_| ());
         }
     }
 
@@ -361,5 +397,34 @@ mod tests {
         ] {
             assert!(judge(raw, false).is_err(), "{raw:?} was taken");
         }
+    }
+
+    #[test]
+    fn a_switch_is_final_only_to_the_protocol_asked_for() {
+        let ws = Asked {
+            head: false,
+            upgrade: Some("websocket"),
+        };
+        let raw = "HTTP/1.1 101 Switching Protocols\r\nUpgrade: WebSocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: x\r\nContent-Length: 5\r\n\r\nframe";
+        match judge_asked(raw, ws) {
+            Ok(Parsed::Final(n, (status, framing, reusable, kept))) => {
+                // The bytes after the head are the new protocol's, not a body.
+                assert_eq!(&raw[n..], "frame");
+                assert_eq!((status, framing, reusable), (101, Framing::Empty, false));
+                assert_eq!(kept, ["sec-websocket-accept"]);
+            }
+            _ => panic!("a switch to the protocol asked for is the answer"),
+        }
+        for other in [
+            "HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\n\r\n",
+            "HTTP/1.1 101 Switching Protocols\r\n\r\n",
+        ] {
+            assert!(judge_asked(other, ws).is_err(), "{other:?} was taken");
+        }
+        // An interim answer before the switch is still skipped.
+        assert!(matches!(
+            judge_asked("HTTP/1.1 100 Continue\r\n\r\n", ws),
+            Ok(Parsed::Interim(_))
+        ));
     }
 }

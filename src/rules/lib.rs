@@ -75,3 +75,7 @@ pub(crate) const MAX_CONCURRENCY: u32 = 1_000_000;
 /// A route's largest request body when its rules don't say: an upstream behind a gateway should
 /// not have to guard its own memory against one client's body.
 pub(crate) const DEFAULT_MAX_BODY_BYTES: u64 = 1 << 20;
+/// How long an upgraded connection may stay silent both ways when its route doesn't say:
+/// longer than the ping interval of common WebSocket stacks (30–60 s), short enough that a
+/// peer gone without a word frees its seat within minutes.
+pub(crate) const DEFAULT_IDLE_TIMEOUT_MS: u64 = 300_000;

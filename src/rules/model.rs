@@ -195,6 +195,10 @@ pub struct Route {
     /// Whether a POST may be served as this route's method by asking with a method override
     /// header (`tollgate_http1::method_override`).
     pub method_override: bool,
+    /// The protocols a request may upgrade to here, lowercase; empty: none.
+    pub upgrade: Box<[Box<str>]>,
+    /// How long an upgraded connection may stay silent both ways.
+    pub idle_timeout: std::time::Duration,
 }
 
 /// What a route does with a request once it is admitted.

@@ -555,6 +555,15 @@ pub(crate) struct RawRoute {
     /// names a method this route takes is routed, limited and forwarded as that method.
     #[serde(default)]
     pub method_override: bool,
+    /// The protocols an HTTP/1.1 request may upgrade its connection to on this route
+    /// (`["websocket"]`): the upgrade is checked and charged like any request, then the
+    /// connection is relayed both ways until either side closes.
+    #[serde(default)]
+    pub upgrade: Vec<String>,
+    /// How long an upgraded connection may carry no byte either way before the gateway closes
+    /// it, in milliseconds; 300000 (5 minutes) when not set.
+    #[serde(default)]
+    pub idle_timeout_ms: Option<u64>,
 }
 
 /// The bucket of requests without a valid key.

@@ -150,9 +150,18 @@ fn write_routes(out: &mut String, snap: &Snapshot) {
             .iter()
             .map(|&(li, c)| format!("{} {c}", snap.limits[li as usize].name))
             .collect();
+        let upgrade = if r.upgrade.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; upgrades to {}, closed after {} ms idle",
+                r.upgrade.join(", "),
+                r.idle_timeout.as_millis()
+            )
+        };
         let _ = writeln!(
             out,
-            "  {:<12} {} {} -> {}; {}; costs: {}",
+            "  {:<12} {} {} -> {}; {}; costs: {}{}",
             &*r.name,
             r.method.as_ref().map_or("*", |m| m.as_str()),
             r.prefix,
@@ -168,7 +177,8 @@ fn write_routes(out: &mut String, snap: &Snapshot) {
                 "none".to_string()
             } else {
                 costs.join(", ")
-            }
+            },
+            upgrade
         );
     }
 }

@@ -119,6 +119,10 @@ pub struct Metrics {
     /// Queued requests whose client left before their turn, counted once their tokens are
     /// given back.
     pub queue_left: Counter,
+    /// Connections upgraded on a route's `"upgrade"` (WebSocket) open now, and those ended,
+    /// by reason: `closed` (by either side), `idle`, `drain`, `not_switched`.
+    pub upgraded_open: Gauge,
+    pub upgraded_closed: Family<ReasonLabel, Counter>,
     /// Blocks a `block_for` limit started (in shadow mode: would have started), per limit, and
     /// those in force as this gateway knows them (started here, refused by, or listed).
     pub blocks_started: Family<LimitLabel, Counter>,
@@ -197,6 +201,8 @@ impl Metrics {
             queued: Default::default(),
             queue_waiting: Default::default(),
             queue_left: Default::default(),
+            upgraded_open: Default::default(),
+            upgraded_closed: Default::default(),
             blocks_started: Default::default(),
             blocks_in_force: Default::default(),
             lease_calls: Default::default(),
@@ -335,6 +341,16 @@ impl Metrics {
             "queue_left",
             "Queued requests whose client left before their turn; their tokens were given back",
             self.queue_left.clone(),
+        );
+        self.registry.register(
+            "upgraded_connections",
+            "Client connections upgraded on a route's \"upgrade\" (WebSocket) and relayed to their upstream now",
+            self.upgraded_open.clone(),
+        );
+        self.registry.register(
+            "upgraded_closed",
+            "Upgraded connections ended, by reason: closed by either side, idle for the route's idle_timeout_ms, cut after the drain's grace, or never handed over",
+            self.upgraded_closed.clone(),
         );
         self.registry.register(
             "blocks_started",

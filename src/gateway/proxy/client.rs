@@ -136,7 +136,7 @@ pub(crate) async fn exchange<B, R>(
     head: &[u8],
     mut body: Option<Outgoing<'_, B>>,
     idempotent: bool,
-    is_head: bool,
+    asked: response::Asked<'_>,
     timeout: Option<Duration>,
     mut on_head: impl FnMut(&Head<'_>) -> R,
 ) -> Result<(RawConn, R), Failure>
@@ -179,7 +179,7 @@ where
             }
             return Err(e);
         }
-        match bounded(timeout, read_head(&mut conn, is_head, &mut on_head)).await? {
+        match bounded(timeout, read_head(&mut conn, asked, &mut on_head)).await? {
             Ok(r) => return Ok((conn, r)),
             Err(HeadFailure::ClosedBeforeAnswer(why)) => {
                 if !fresh && !retried && replayable && idempotent {
@@ -270,13 +270,13 @@ enum HeadFailure {
 
 async fn read_head<R>(
     conn: &mut RawConn,
-    is_head: bool,
+    asked: response::Asked<'_>,
     on_head: &mut impl FnMut(&Head<'_>) -> R,
 ) -> Result<R, HeadFailure> {
     let mut got_any = !conn.buf.is_empty();
     loop {
         if !conn.buf.is_empty() {
-            match response::parse(&conn.buf, is_head, &mut *on_head) {
+            match response::parse(&conn.buf, asked, &mut *on_head) {
                 Ok(Parsed::Final(n, r)) => {
                     conn.buf.advance(n);
                     return Ok(r);

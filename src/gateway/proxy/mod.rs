@@ -99,12 +99,16 @@ impl Proxy {
             chunked,
             timeout: self.body_timeout,
         });
+        let asked = tollgate_http1::response::Asked {
+            head: is_head,
+            upgrade: ask.upgrade,
+        };
         let (conn, (resp, shape, reported)) = client::exchange(
             ask.pool,
             head,
             outgoing,
             tollgate_http1::idempotent(&parts.method),
-            is_head,
+            asked,
             Some(ask.upstream.timeout),
             |h| (response_parts(h, is_head, ask.ours), h.shape(), ask.capture(h)),
         )
@@ -137,6 +141,8 @@ pub(crate) struct Ask<'a> {
     /// Whether the request holds a limited place or a seat, which a client that hangs up
     /// should give back without waiting for the upstream.
     pub holds: bool,
+    /// The protocol the request upgrades to, which the route allows: its `101` is the answer.
+    pub upgrade: Option<&'a str>,
 }
 
 impl Ask<'_> {

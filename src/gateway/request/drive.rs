@@ -28,6 +28,9 @@ pub(crate) trait Wire {
     type Out;
     /// Whether a request on this wire can have a body: the lane takes only requests without.
     const BODIES: bool;
+    /// Whether a request on this wire may upgrade its connection: the lane hands upgrades to
+    /// hyper.
+    const UPGRADES: bool;
 
     /// The request's whole body, up to `cap` bytes, for a limit keyed on a field of it: more
     /// is a 413, a broken body a 400.
@@ -116,6 +119,12 @@ pub(crate) async fn drive<W: Wire>(
         let route = &b.snap.routes[c.route];
         let (max, post_paid) = (route.max_body_bytes, route.post_paid);
         let usage = route.serves == tollgate_rules::Serves::Usage;
+        // Chosen before anything is charged: an upgrade the route does not list is refused.
+        let upgrade = if W::UPGRADES && parts.headers.contains_key(http::header::UPGRADE) {
+            step!(crate::upgrade::chosen(route, parts.version, &parts.headers).map_err(Answer::from))
+        } else {
+            None
+        };
         if W::BODIES && declared_length(&parts.headers).is_some_and(|len| len > max) {
             // Declared too large: nothing of it will be read, so it is answered at once and
             // the connection closed, rather than waited for.
@@ -147,7 +156,15 @@ pub(crate) async fn drive<W: Wire>(
             // Boxed, like every rare path here: the usual request never builds it.
             step!(Box::pin(gw.wait_turn(b, &mut f, wire)).await);
         }
-        wire.write_request(parts, &gw.edits(b, &f, parts, conn));
+        let protocol = upgrade.map(|i| &*b.snap.routes[f.classified.route].upgrade[i]);
+        {
+            // In a block of its own, so the edits are gone before anything waits.
+            let mut edits = gw.edits(b, &f, parts, conn);
+            if let Some(p) = protocol {
+                crate::upgrade::ask_upstream(&mut edits, p);
+            }
+            wire.write_request(parts, &edits);
+        }
         let upstream = &b.snap.upstreams[f.upstream];
         let ask = Ask {
             upstream,
@@ -157,6 +174,7 @@ pub(crate) async fn drive<W: Wire>(
             ours: f.fields.any(),
             post_paid,
             holds: f.place.as_ref().is_some_and(crate::concurrency::Place::limited) || !f.seats.is_empty(),
+            upgrade: protocol,
         };
         let started = Instant::now();
         let exchanged = wire.exchange(ask).await;

@@ -237,6 +237,7 @@ impl<S: LaneIo> Wire for Lane<'_, S> {
     type Ready = Ready;
     type Out = Flow;
     const BODIES: bool = false;
+    const UPGRADES: bool = false;
 
     async fn read_body(&mut self, _cap: u64) -> Result<Bytes, Refusal> {
         // The lane takes only requests without a body.
@@ -266,7 +267,11 @@ impl<S: LaneIo> Wire for Lane<'_, S> {
             head_out,
             None,
             tollgate_http1::idempotent(&ask.parts.method),
-            *is_head,
+            // The lane hands every upgrade to hyper.
+            tollgate_http1::response::Asked {
+                head: *is_head,
+                upgrade: None,
+            },
             None,
             |h| (head_start(h, ask.ours, out), h.shape(), ask.capture(h)),
         );

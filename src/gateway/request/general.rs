@@ -20,13 +20,22 @@ use crate::server::ConnInfo;
 impl Gateway {
     /// Serves one request that hyper read.
     pub(crate) async fn serve(&self, req: Request<Incoming>, conn: ConnInfo) -> Response<Body> {
-        let (parts, body) = req.into_parts();
+        let (mut parts, body) = req.into_parts();
+        // hyper hands the connection over here once it has sent a `101`.
+        let on_upgrade = if parts.headers.contains_key(http::header::UPGRADE) {
+            parts.extensions.remove::<hyper::upgrade::OnUpgrade>()
+        } else {
+            None
+        };
         let mut wire = General {
             gw: self,
             version: parts.version,
             body: Either::Left(LimitedBody::new(body, None)),
             head: bytes::BytesMut::new(),
             answer: None,
+            conn: &conn,
+            on_upgrade,
+            switch_to: None,
         };
         // Boxed so the future hyper keeps for every request stays small.
         crate::boxed::boxed(|| drive(self, parts, &conn, &mut wire)).await;
@@ -54,6 +63,11 @@ struct General<'g> {
     /// few hundred bytes, and each `async` level it was returned through copied it (about
     /// 400 instructions a request, callgrind).
     answer: Option<Response<Body>>,
+    conn: &'g ConnInfo,
+    /// The client's connection, once hyper has sent the `101` of an upgrade.
+    on_upgrade: Option<hyper::upgrade::OnUpgrade>,
+    /// The protocol the upstream was asked to switch to.
+    switch_to: Option<HeaderValue>,
 }
 
 impl Wire for General<'_> {
@@ -61,6 +75,7 @@ impl Wire for General<'_> {
     type Ready = ();
     type Out = ();
     const BODIES: bool = true;
+    const UPGRADES: bool = true;
 
     async fn read_body(&mut self, cap: u64) -> Result<Bytes, Refusal> {
         let Either::Left(body) = &mut self.body else {
@@ -89,6 +104,9 @@ impl Wire for General<'_> {
         if let Either::Left(b) = &mut self.body {
             b.cap(ask.max_body);
         }
+        if let Some(p) = ask.upgrade {
+            self.switch_to = HeaderValue::from_str(p).ok();
+        }
         let proxy: &Proxy = &self.gw.proxy;
         // Boxed: this future is the largest part of a request's, and boxing it once is cheaper
         // than copying it through every enclosing future.
@@ -106,6 +124,9 @@ impl Wire for General<'_> {
     }
 
     async fn relay(&mut self, b: &mut Begun<'_>, up: Exchanged<Response<()>>, f: &mut Forward) {
+        if up.shape.status == 101 {
+            return self.switch(b, up, f);
+        }
         let pool = b.live.upstreams[f.upstream].pool.clone();
         let timeout = b.snap.upstreams[f.upstream].timeout;
         let mut body = UpstreamBody::new(up.conn, up.shape, pool, timeout, f.place.take());
@@ -140,6 +161,37 @@ impl Wire for General<'_> {
 }
 
 impl General<'_> {
+    /// The upstream switched protocols: the client gets the `101` (with the switch's own
+    /// hop-by-hop fields, which the judged head dropped), and once hyper has sent it, the two
+    /// connections are relayed to each other in a task of their own, holding the request's
+    /// seats.
+    fn switch(&mut self, b: &mut Begun<'_>, up: Exchanged<Response<()>>, f: &mut Forward) {
+        let (Some(on_upgrade), Some(protocol)) = (self.on_upgrade.take(), self.switch_to.take()) else {
+            // An upstream's 101 is taken only for an upgrade asked on HTTP/1.1, which hyper
+            // can hand over.
+            let a = Answer::from(Refusal::BadGateway("the connection can't be switched".into()));
+            return self.ready(b, a.into_response());
+        };
+        let route = &b.snap.routes[f.classified.route];
+        let mut resp = up.head.map(|()| Either::Right(Full::new(Bytes::new())));
+        let h = resp.headers_mut();
+        h.insert(http::header::UPGRADE, protocol);
+        h.insert(http::header::CONNECTION, HeaderValue::from_static("upgrade"));
+        std::mem::take(&mut f.fields).apply(h);
+        // What the client sends from here is the new protocol's, not request heads.
+        if let Some(heads) = &self.conn.flagged_heads {
+            heads.switched();
+        }
+        let held = crate::upgrade::Held {
+            seats: std::mem::take(&mut f.seats),
+            entry: self.conn.entry.clone(),
+        };
+        self.gw
+            .upgrades
+            .relay(on_upgrade, up.conn, held, route.idle_timeout, route.name.clone());
+        self.ready(b, resp)
+    }
+
     /// An answer made before the client's body was read to its end. hyper's HTTP/1
     /// connection can't find the next request's start past an unread body, so it closes after
     /// an answer that did not say so, and a kept-alive client's next request fails on it. The

@@ -89,6 +89,8 @@ pub struct Gateway {
     live: ArcSwap<Live>,
     building: std::sync::Mutex<()>,
     blocks_seen: blocks::SeenBlocks,
+    /// Connections upgraded on a route's `"upgrade"`, relayed in tasks of their own.
+    upgrades: Arc<crate::upgrade::Upgrades>,
 }
 
 /// What a gateway is built from: the four it cannot run without, and the rest with defaults
@@ -151,6 +153,10 @@ impl Gateway {
     pub(crate) fn new(p: Parts) -> Gateway {
         let mut proxy = Proxy::new();
         proxy.body_timeout = p.body_timeout;
+        let upgrades = Arc::new(crate::upgrade::Upgrades::new(
+            p.metrics.upgraded_open.clone(),
+            p.metrics.upgraded_closed.clone(),
+        ));
         Gateway {
             rules: p.rules,
             store: p.store,
@@ -171,6 +177,7 @@ impl Gateway {
             live: ArcSwap::from_pointee(Live::default()),
             building: std::sync::Mutex::new(()),
             blocks_seen: blocks::SeenBlocks::default(),
+            upgrades,
         }
     }
 
@@ -197,6 +204,10 @@ impl Handler for Gateway {
         stop: &'a mut tokio::sync::watch::Receiver<bool>,
     ) -> impl Future<Output = crate::server::Ended<S>> + Send + 'a {
         express::serve(self, io, info, limits, stop)
+    }
+
+    fn close_upgraded(&self, grace: std::time::Duration) -> impl Future<Output = usize> + Send {
+        self.upgrades.close(grace)
     }
 }
 

@@ -85,6 +85,14 @@ pub trait Handler: Send + Sync + 'static {
     ) -> impl Future<Output = Ended<S>> + Send + 'a {
         std::future::ready(Ended::HandOff(Prefixed::new(bytes::Bytes::new(), io)))
     }
+
+    /// The drain's last step, once every shard's requests in flight have finished: the
+    /// connections this handler took over after an upgrade get `grace` to end, then are
+    /// closed. Resolves to how many were closed. Each relay runs on the runtime of the shard
+    /// that accepted its connection, so the shards keep running until this resolves.
+    fn close_upgraded(&self, _grace: Duration) -> impl Future<Output = usize> + Send {
+        std::future::ready(0)
+    }
 }
 
 /// A client connection the lane can serve: its bytes, and the TCP socket under them, whose
@@ -119,6 +127,8 @@ pub struct ServerLimits {
     pub handshake_timeout: Duration,
     /// How long to wait for requests in flight after the shutdown signal.
     pub drain_timeout: Duration,
+    /// After that, how long upgraded connections may stay open before they are closed.
+    pub upgrade_grace: Duration,
     /// Largest request head accepted; larger gets 431.
     pub max_header_bytes: usize,
     /// Whether plain HTTP/1.1 connections start on the express lane (when the handler has one).
@@ -139,6 +149,7 @@ impl Default for ServerLimits {
             body_read_timeout: Duration::from_secs(10),
             handshake_timeout: Duration::from_secs(10),
             drain_timeout: Duration::from_secs(30),
+            upgrade_grace: Duration::from_secs(10),
             max_header_bytes: 32 * 1024,
             express: true,
             max_connections: None,
@@ -291,6 +302,7 @@ pub(crate) fn run_shards<H: Handler>(
     let proxy_refused = counters.proxy_refused.clone();
     let conns = Conns::new(limits.max_connections, limits.max_connections_per_ip, counters);
     let closing = Closing::new(listeners.len());
+    let (finish, finish_rx) = tokio::sync::watch::channel(false);
     let mut listeners = listeners.into_iter();
     let first = listeners
         .next()
@@ -306,6 +318,7 @@ pub(crate) fn run_shards<H: Handler>(
         let (closing, limits, proxy_refused) = (closing.clone(), limits.clone(), proxy_refused.clone());
         let accepted = on(shard);
         let (done, ended) = tokio::sync::oneshot::channel();
+        let mut finish = finish_rx.clone();
         std::thread::Builder::new()
             .name(format!("shard-{shard}"))
             .spawn(move || {
@@ -331,6 +344,11 @@ pub(crate) fn run_shards<H: Handler>(
                     }
                 });
                 let _ = done.send(open);
+                // The runtime goes on driving this shard's upgraded connections until the
+                // drain's last step is over.
+                rt.block_on(async move {
+                    let _ = finish.wait_for(|f| *f).await;
+                });
             })?;
         others.push(ended);
     }
@@ -340,10 +358,13 @@ pub(crate) fn run_shards<H: Handler>(
             closing,
             proxy_refused,
         };
-        let mut open = serve_listener(first, tls, handler, limits, conns, tally, stopped(stop)).await;
+        let grace = limits.upgrade_grace;
+        let mut open = serve_listener(first, tls, handler.clone(), limits, conns, tally, stopped(stop)).await;
         for ended in others {
             open += ended.await.unwrap_or(0);
         }
+        handler.close_upgraded(grace).await;
+        let _ = finish.send(true);
         open
     })
 }
@@ -540,7 +561,9 @@ fn lane_first<H: Handler, S: LaneIo>(
         info.flagged_heads = Some(flagged.clone());
         // Not captured: the task of every idle connection would carry it.
         let peer = info.peer;
-        let conn = listen.builder.serve_connection(
+        // With upgrades: a route may switch a connection to WebSocket (`upgrade`); hyper
+        // hands such a connection over after its `101` and this task ends.
+        let conn = listen.builder.serve_connection_with_upgrades(
             TokioIo::new(Watched::new(io, flagged, listen.limits.header_read_timeout)),
             service(listen.handler.clone(), info),
         );

@@ -34,6 +34,9 @@ pub(crate) struct FlaggedHeads {
     served: AtomicU64,
     /// (request index, why) for every head the watcher flagged.
     flagged: Mutex<Vec<(u64, HeadError)>>,
+    /// Set when the connection switched protocols (a `101`): its bytes are no longer HTTP/1
+    /// and the watcher, and its head timeout, step aside.
+    switched: std::sync::atomic::AtomicBool,
 }
 
 impl FlaggedHeads {
@@ -43,6 +46,11 @@ impl FlaggedHeads {
         let mut flagged = self.flagged.lock().unwrap_or_else(PoisonError::into_inner);
         let at = flagged.iter().position(|(i, _)| *i == index)?;
         Some(flagged.swap_remove(at).1)
+    }
+
+    /// The connection switched protocols: stop watching it.
+    pub(crate) fn switched(&self) {
+        self.switched.store(true, Ordering::Release);
     }
 
     fn flag(&self, index: u64, why: HeadError) {
@@ -257,6 +265,14 @@ impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncRead for Watched<IO> {
             let _ = Pin::new(&mut this.io).poll_flush(cx);
             // End of stream: hyper gives up on the unfinished head and closes.
             return Poll::Ready(Ok(()));
+        }
+        if matches!(this.watcher.state, State::Off) && this.deadline.is_none() {
+            return Pin::new(&mut this.io).poll_read(cx, buf);
+        }
+        if this.watcher.flagged.switched.load(Ordering::Acquire) {
+            this.watcher.state = State::Off;
+            this.deadline = None;
+            return Pin::new(&mut this.io).poll_read(cx, buf);
         }
         let before = buf.filled().len();
         let r = Pin::new(&mut this.io).poll_read(cx, buf);

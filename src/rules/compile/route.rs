@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// The protocols a route may upgrade to, lowercase.
+type Protocols = Box<[Box<str>]>;
+
 impl Compiler<'_> {
     pub(super) fn routes(
         &self,
@@ -63,6 +66,7 @@ impl Compiler<'_> {
             if !names.insert(name.clone()) {
                 return Err(self.err(format!("{field}.name"), format!("duplicate route name {name:?}")));
             }
+            let (upgrade, idle_timeout) = self.upgrades(&field, r, serves, method.as_ref())?;
             let costs = self.costs(&field, r, &name, limits, keys)?;
             let body_field = self.body_field(&field, &costs, &limits.list)?;
             let post_paid = costs
@@ -91,9 +95,83 @@ impl Compiler<'_> {
                 encoded_slashes: slashes(r.encoded_slashes).unwrap_or(up_slashes),
                 case_insensitive,
                 method_override: r.method_override,
+                upgrade,
+                idle_timeout,
             });
         }
         Ok(routes)
+    }
+
+    /// The protocols a route's requests may upgrade to, and how long an upgraded connection may
+    /// stay silent.
+    fn upgrades(
+        &self,
+        field: &str,
+        r: &RawRoute,
+        serves: Serves,
+        method: Option<&Method>,
+    ) -> Result<(Protocols, std::time::Duration), RulesError> {
+        let mut protocols: Vec<Box<str>> = Vec::with_capacity(r.upgrade.len());
+        for (j, p) in r.upgrade.iter().enumerate() {
+            let at = format!("{field}.upgrade[{j}]");
+            // A protocol is a token, with an optional `/version` (RFC 9110 §7.8).
+            let token = |t: &str| !t.is_empty() && t.bytes().all(tollgate_http1::is_tchar);
+            let valid = match p.split_once('/') {
+                Some((name, version)) => token(name) && token(version),
+                None => token(p),
+            };
+            if !valid {
+                return Err(self.err(
+                    at,
+                    format!("{p:?} is not a protocol name (letters, digits and !#$%&'*+-.^_`|~, with an optional /version)"),
+                ));
+            }
+            let lower = p.to_ascii_lowercase();
+            if lower == "h2c" {
+                return Err(self.err(
+                    at,
+                    "h2c is HTTP/2's own upgrade, which the gateway does not relay: clients reach it over HTTP/2 directly (with prior knowledge, or TLS and ALPN)",
+                ));
+            }
+            if protocols.iter().any(|q| **q == *lower) {
+                return Err(self.err(at, format!("{p:?} is listed twice")));
+            }
+            protocols.push(lower.into());
+        }
+        if !protocols.is_empty() {
+            if serves == Serves::Usage {
+                return Err(self.err(
+                    format!("{field}.upgrade"),
+                    "a usage route answers itself and has no upstream to relay an upgraded connection to",
+                ));
+            }
+            if protocols.iter().any(|p| &**p == "websocket") && method.is_some_and(|m| *m != Method::GET) {
+                return Err(self.err(
+                    format!("{field}.upgrade"),
+                    format!(
+                        "a WebSocket opening handshake is a GET, so a route of {} never sees one: use \"method\": \"GET\"",
+                        method.map_or("*", |m| m.as_str())
+                    ),
+                ));
+            }
+        }
+        let idle = match r.idle_timeout_ms {
+            None => DEFAULT_IDLE_TIMEOUT_MS,
+            Some(_) if protocols.is_empty() => {
+                return Err(self.err(
+                    format!("{field}.idle_timeout_ms"),
+                    "applies to upgraded connections only, and this route takes no upgrade: add \"upgrade\": [\"websocket\"] or remove it",
+                ));
+            }
+            Some(0) => {
+                return Err(self.err(
+                    format!("{field}.idle_timeout_ms"),
+                    "must be at least 1: an upgraded connection can't be closed before it may speak",
+                ));
+            }
+            Some(ms) => ms,
+        };
+        Ok((protocols.into(), std::time::Duration::from_millis(idle)))
     }
 
     /// Where a route's requests go: its upstream, or, for `"serve": "usage"`, the gateway's own
