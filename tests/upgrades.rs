@@ -453,3 +453,15 @@ async fn messages_echo_over_tls() {
         .unwrap();
     assert_eq!(back, Message::text("over tls"));
 }
+
+/// After the switch the client's bytes are WebSocket frames, not request heads: the head
+/// timeout (which answers 408 to a head left unfinished) must not read them as one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_head_timeout_leaves_an_upgraded_connection_alone() {
+    let gw = Tollgate::spawn(&["demo", "--header-timeout", "1s"]);
+    let (mut ws, _) = opened(gw.addr, "/v1/stream", K7).await;
+    assert_eq!(echo(&mut ws, Message::text("one")).await, Message::text("one"));
+    // Silent for more than the head timeout.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(echo(&mut ws, Message::text("two")).await, Message::text("two"));
+}

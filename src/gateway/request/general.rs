@@ -178,10 +178,6 @@ impl General<'_> {
         h.insert(http::header::UPGRADE, protocol);
         h.insert(http::header::CONNECTION, HeaderValue::from_static("upgrade"));
         std::mem::take(&mut f.fields).apply(h);
-        // What the client sends from here is the new protocol's, not request heads.
-        if let Some(heads) = &self.conn.flagged_heads {
-            heads.switched();
-        }
         let held = crate::upgrade::Held {
             seats: std::mem::take(&mut f.seats),
             entry: self.conn.entry.clone(),

@@ -633,12 +633,24 @@ fn service<H: Handler>(
         let info = info.clone();
         async move {
             let busy = Busy::enter(info.entry.clone());
+            // A handler that answers `101` has switched the connection to another protocol,
+            // whose bytes the smuggling watcher and its head timeout must leave alone.
+            let switching = req
+                .headers()
+                .contains_key(http::header::UPGRADE)
+                .then(|| info.flagged_heads.clone())
+                .flatten();
             // Boxed: hyper moves the service's future into each h2 stream's task and the task
             // into tokio's cell, and inline the general path's future (over a KiB) rode along
             // in every move (a profile of h2: memcpy 5.5% of the CPU, most of it here). A box
             // is one allocation. `Box::pin`, not `crate::boxed`: built in place here, h2 cost
             // 8% more CPU a response (`benches/h2_builds.sh`, six rounds side by side).
             let resp = Box::pin(handler.handle(req, info)).await;
+            if let Some(heads) = switching
+                && resp.status() == http::StatusCode::SWITCHING_PROTOCOLS
+            {
+                heads.switched();
+            }
             Ok::<_, Infallible>(resp.map(|body| Tracked { body, _busy: busy }))
         }
     })
