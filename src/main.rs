@@ -235,10 +235,15 @@ fn init_logging(
 
 /// The writer of `--access-log-format` lines: stderr through the same 64 KiB buffer, each line
 /// one write, and its dropped lines counted in `tollgate_access_lines_dropped_total`.
-fn start_access_log(format: AccessLogFormat, buffer: usize) -> Result<(access::AccessLog, access::Flush)> {
+fn start_access_log(
+    format: AccessLogFormat,
+    buffer: usize,
+    instance: String,
+) -> Result<(access::AccessLog, access::Flush)> {
     let (log, flush) = access::start(
         format,
         buffer,
+        instance,
         std::io::BufWriter::with_capacity(64 * 1024, WholeWrites),
     )
     .context("cannot start the access log's writer thread")?;
@@ -591,18 +596,20 @@ fn exit_on_error<E: std::fmt::Display>(command: &str, r: Result<(), E>) {
 
 /// Sets up logging and, when asked for, the access log, then runs the server `cli` names.
 fn run_server(cli: Cli) -> Result<()> {
-    let (format, threads, access_buffer, access_format) = match &cli.command {
+    let (format, threads, access_buffer, access_format, instance) = match &cli.command {
         Command::Serve(a) => (
             a.common.log_format,
             a.common.threads,
             a.common.access_log_buffer,
             a.common.access_log_format,
+            a.common.instance.clone(),
         ),
         Command::Demo(a) => (
             a.common.log_format,
             a.common.threads,
             a.common.access_log_buffer,
             a.common.access_log_format,
+            a.common.instance.clone(),
         ),
         Command::DemoUpstream { .. }
         | Command::CheckRules { .. }
@@ -612,12 +619,12 @@ fn run_server(cli: Cli) -> Result<()> {
         | Command::Meter(_)
         | Command::DemoToken { .. }
         | Command::Healthcheck { .. }
-        | Command::Regions(_) => (LogFormat::Human, None, DEFAULT_ACCESS_BUFFER, None),
+        | Command::Regions(_) => (LogFormat::Human, None, DEFAULT_ACCESS_BUFFER, None, None),
     };
     // Held to the end: dropping them writes the access lines still waiting.
     let access_log = init_logging(format, access_buffer, access_format.is_none());
     let (lines, formatted) = match access_format
-        .map(|f| start_access_log(f, access_buffer))
+        .map(|f| start_access_log(f, access_buffer, instance.unwrap_or_else(host_name)))
         .transpose()?
     {
         Some((log, flush)) => (Some(log), Some(flush)),

@@ -250,7 +250,7 @@ fn combined_fields(line: &str) -> (Vec<String>, Vec<(String, String)>) {
         rest = after.strip_prefix(' ').unwrap_or(after);
         assert!(!after.starts_with("  "), "two spaces: {line}");
     }
-    assert!(fields.len() == 15, "{} fields: {line}", fields.len());
+    assert!(fields.len() == 20, "{} fields: {line}", fields.len());
     let extras = fields.split_off(9);
     let extras = extras
         .iter()
@@ -295,6 +295,11 @@ struct Line {
     client_ip: Option<String>,
     fingerprint: String,
     latency_us: u64,
+    check_us: Option<u64>,
+    path: Option<String>,
+    instance: String,
+    rules_version: u64,
+    cost_reported: Option<u64>,
 }
 
 fn parse_combined(line: &str) -> Line {
@@ -309,7 +314,12 @@ fn parse_combined(line: &str) -> Line {
             "limit",
             "client_ip",
             "fingerprint",
-            "latency_us"
+            "latency_us",
+            "check_us",
+            "path",
+            "instance",
+            "rules_version",
+            "cost_reported"
         ],
         "{line}"
     );
@@ -338,13 +348,18 @@ fn parse_combined(line: &str) -> Line {
         client_ip: dash(&extras[3].1),
         fingerprint: extras[4].1.clone(),
         latency_us: extras[5].1.parse().unwrap(),
+        check_us: dash(&extras[6].1).map(|t| t.parse().unwrap()),
+        path: unquote(&extras[7].1),
+        instance: unescape(&extras[8].1),
+        rules_version: extras[9].1.parse().unwrap(),
+        cost_reported: dash(&extras[10].1).map(|n| n.parse().unwrap()),
     }
 }
 
 fn parse_json(v: &serde_json::Value) -> Line {
     let s = |k: &str| v[k].as_str().map(String::from);
     let names: Vec<&String> = v.as_object().unwrap().keys().collect();
-    assert_eq!(names.len(), 16, "{v}");
+    assert_eq!(names.len(), 21, "{v}");
     Line {
         remote_addr: s("remote_addr").unwrap(),
         remote_user: s("remote_user"),
@@ -363,6 +378,11 @@ fn parse_json(v: &serde_json::Value) -> Line {
         client_ip: s("client_ip"),
         fingerprint: s("fingerprint").unwrap(),
         latency_us: v["latency_us"].as_u64().unwrap(),
+        check_us: v["check_us"].as_u64(),
+        path: s("path"),
+        instance: s("instance").unwrap(),
+        rules_version: v["rules_version"].as_u64().unwrap(),
+        cost_reported: v["cost_reported"].as_u64(),
     }
 }
 
@@ -394,6 +414,8 @@ async fn check(format: &str, extra: &[&str], h2: bool, protocol: &str) {
         "json",
         "--trusted-proxy",
         "127.0.0.1/32",
+        "--instance",
+        "access-test-gw",
     ];
     args.extend_from_slice(extra);
     let mut gw = Tollgate::spawn_with_env(&args, &[("TZ", ZONE)]);
@@ -442,10 +464,26 @@ async fn check(format: &str, extra: &[&str], h2: bool, protocol: &str) {
             client_ip: s.client_ip.map(String::from),
             fingerprint: l.fingerprint.clone(),
             latency_us: l.latency_us,
+            check_us: l.check_us,
+            // The path it was routed on: these targets are canonical already.
+            path: s.route.map(|_| s.target.clone()),
+            instance: "access-test-gw".into(),
+            rules_version: 1,
+            cost_reported: None,
         };
         assert_eq!(**l, want, "{id}");
         if let Some(limit) = s.limit {
             assert_eq!(l.limit.as_deref(), Some(limit), "{id}");
+        }
+        // Every routed request met the limiter, at a time of this run (µs since the epoch);
+        // one with no route did not.
+        match (s.route, l.check_us) {
+            (Some(_), Some(t)) => {
+                let off = (now.as_microsecond() - t as i64).abs();
+                assert!(off < 600_000_000, "{id}: check_us {t} is not now ({now})");
+            }
+            (None, None) => {}
+            (route, check) => panic!("{id}: route {route:?} but check_us {check:?}"),
         }
         // In the zone the process was given, and about now (the run takes seconds).
         assert_eq!(l.time.offset().seconds(), 5 * 3600 + 1800, "{id}: {}", l.time);

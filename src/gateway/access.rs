@@ -55,6 +55,15 @@ pub(crate) struct AccessEntry {
     pub(crate) key_id: Option<Arc<str>>,
     pub(crate) fingerprint: Fingerprint,
     pub(crate) latency_us: u64,
+    /// The time the limiter's check used (the store's clock), µs since the Unix epoch; `None`
+    /// when no check was made. What `tollgate replay` replays the line at.
+    pub(crate) check_us: Option<u64>,
+    /// The canonical path and query the request was routed on, in [`AccessEntry::text`].
+    path: Option<Part>,
+    /// The version of the rules that served it.
+    pub(crate) rules_version: u64,
+    /// What the upstream's answer reported for a post-paid limit.
+    pub(crate) cost_reported: Option<u64>,
 }
 
 /// A range of [`AccessEntry::text`].
@@ -107,11 +116,24 @@ impl AccessEntry {
             key_id: None,
             fingerprint,
             latency_us: 0,
+            check_us: None,
+            path: None,
+            rules_version: 0,
+            cost_reported: None,
         })
     }
 
     pub(crate) fn set_request_id(&mut self, id: &HeaderValue) {
         self.request_id = Some(push(&mut self.text, id.as_bytes()));
+    }
+
+    /// The canonical path and query the request was routed on.
+    pub(crate) fn set_path(&mut self, path_and_query: &[u8]) {
+        self.path = Some(push(&mut self.text, path_and_query));
+    }
+
+    fn path(&self) -> Option<&[u8]> {
+        self.path.map(|p| self.part(p))
     }
 
     fn part(&self, p: Part) -> &[u8] {
@@ -231,13 +253,14 @@ impl Drop for Flush {
 pub fn start(
     format: AccessLogFormat,
     buffer: usize,
+    instance: String,
     out: impl Write + Send + 'static,
 ) -> std::io::Result<(AccessLog, Flush)> {
     let (tx, rx) = crossbeam_channel::bounded(buffer);
     let (done_tx, done) = crossbeam_channel::bounded(1);
     std::thread::Builder::new()
         .name("tollgate-access-log".into())
-        .spawn(move || write_lines(format, &rx, out, &done_tx))?;
+        .spawn(move || write_lines(format, &instance, &rx, out, &done_tx))?;
     let log = AccessLog {
         tx: tx.clone(),
         dropped: Arc::new(AtomicU64::new(0)),
@@ -253,12 +276,18 @@ pub fn start(
 /// waits up to its `flush=`.
 const GATHER: Duration = Duration::from_millis(10);
 
-fn write_lines(format: AccessLogFormat, rx: &Receiver<Msg>, mut out: impl Write, done: &Sender<()>) {
+fn write_lines(
+    format: AccessLogFormat,
+    instance: &str,
+    rx: &Receiver<Msg>,
+    mut out: impl Write,
+    done: &Sender<()>,
+) {
     let mut clock = LocalClock::new();
     let mut line = Vec::with_capacity(1024);
     let mut write = |r: &AccessEntry, out: &mut dyn Write| {
         line.clear();
-        render(format, r, &mut clock, &mut line);
+        render(format, r, instance, &mut clock, &mut line);
         // A log that cannot be written has nowhere to say so.
         let _ = out.write_all(&line);
     };
@@ -331,11 +360,17 @@ impl LocalClock {
     }
 }
 
-/// One line, newline included.
-pub(crate) fn render(format: AccessLogFormat, r: &AccessEntry, clock: &mut LocalClock, out: &mut Vec<u8>) {
+/// One line, newline included; `instance` names the gateway that wrote it.
+pub(crate) fn render(
+    format: AccessLogFormat,
+    r: &AccessEntry,
+    instance: &str,
+    clock: &mut LocalClock,
+    out: &mut Vec<u8>,
+) {
     match format {
-        AccessLogFormat::Combined => combined(r, clock, out),
-        AccessLogFormat::Json => json(r, clock, out),
+        AccessLogFormat::Combined => combined(r, instance, clock, out),
+        AccessLogFormat::Json => json(r, instance, clock, out),
     }
 }
 
@@ -391,8 +426,8 @@ fn quoted(out: &mut Vec<u8>, v: Option<&[u8]>) {
 
 /// `$remote_addr - $remote_user [$time_local] "$request" $status $body_bytes_sent
 /// "$http_referer" "$http_user_agent"`, then `request_id=… route="…" limit="…" client_ip=…
-/// fingerprint=… latency_us=…`.
-fn combined(r: &AccessEntry, clock: &mut LocalClock, out: &mut Vec<u8>) {
+/// fingerprint=… latency_us=… check_us=… path="…" instance=… rules_version=… cost_reported=…`.
+fn combined(r: &AccessEntry, instance: &str, clock: &mut LocalClock, out: &mut Vec<u8>) {
     let mut num = itoa::Buffer::new();
     let _ = write!(out, "{} - ", r.peer);
     field(out, r.key_id.as_deref().map(str::as_bytes), true);
@@ -431,6 +466,22 @@ fn combined(r: &AccessEntry, clock: &mut LocalClock, out: &mut Vec<u8>) {
     let _ = write!(out, " fingerprint={}", r.fingerprint);
     out.extend_from_slice(b" latency_us=");
     out.extend_from_slice(num.format(r.latency_us).as_bytes());
+    out.extend_from_slice(b" check_us=");
+    match r.check_us {
+        Some(t) => out.extend_from_slice(num.format(t).as_bytes()),
+        None => out.push(b'-'),
+    }
+    out.extend_from_slice(b" path=");
+    quoted(out, r.path());
+    out.extend_from_slice(b" instance=");
+    escape(out, instance.as_bytes(), true);
+    out.extend_from_slice(b" rules_version=");
+    out.extend_from_slice(num.format(r.rules_version).as_bytes());
+    out.extend_from_slice(b" cost_reported=");
+    match r.cost_reported {
+        Some(n) => out.extend_from_slice(num.format(n).as_bytes()),
+        None => out.push(b'-'),
+    }
     out.push(b'\n');
 }
 
@@ -457,9 +508,14 @@ struct JsonLine<'a> {
     client_ip: Option<IpAddr>,
     fingerprint: String,
     latency_us: u64,
+    check_us: Option<u64>,
+    path: Option<Cow<'a, str>>,
+    instance: &'a str,
+    rules_version: u64,
+    cost_reported: Option<u64>,
 }
 
-fn json(r: &AccessEntry, clock: &mut LocalClock, out: &mut Vec<u8>) {
+fn json(r: &AccessEntry, instance: &str, clock: &mut LocalClock, out: &mut Vec<u8>) {
     let line = JsonLine {
         time: clock.iso(r.time),
         remote_addr: r.peer,
@@ -477,6 +533,11 @@ fn json(r: &AccessEntry, clock: &mut LocalClock, out: &mut Vec<u8>) {
         client_ip: r.client_ip.filter(|ip| *ip != r.peer),
         fingerprint: r.fingerprint.to_string(),
         latency_us: r.latency_us,
+        check_us: r.check_us,
+        path: r.path().map(text),
+        instance,
+        rules_version: r.rules_version,
+        cost_reported: r.cost_reported,
     };
     // Every field serializes: strings, numbers and addresses.
     if serde_json::to_writer(&mut *out, &line).is_ok() {
@@ -514,6 +575,10 @@ mod tests {
         r.key_id = Some(Arc::from("k 7"));
         r.client_ip = Some("203.0.113.9".parse().unwrap());
         r.latency_us = 250;
+        r.check_us = Some(1_764_680_709_119_875);
+        r.set_path(b"/v1/orders?id=7&q=%22");
+        r.rules_version = 3;
+        r.cost_reported = Some(1200);
         r
     }
 
@@ -524,12 +589,20 @@ mod tests {
     #[test]
     fn combined_escapes_as_nginx_and_appends_the_gateway_fields() {
         let mut out = Vec::new();
-        render(AccessLogFormat::Combined, &record(), &mut zone(), &mut out);
+        render(
+            AccessLogFormat::Combined,
+            &record(),
+            "gw 1",
+            &mut zone(),
+            &mut out,
+        );
         assert_eq!(
             String::from_utf8(out).unwrap(),
             "10.0.0.1 - k\\x207 [02/Dec/2025:18:35:09 +0530] \"GET /v1/orders?id=7&q=%22 HTTP/1.1\" \
              429 112 \"-\" \"curl \\x228\\x22\\x5Cx\\xFF\\x09\" request_id=abc-1 route=\"GET /v1/orders\" \
-             limit=\"per-key\" client_ip=203.0.113.9 fingerprint=none latency_us=250\n"
+             limit=\"per-key\" client_ip=203.0.113.9 fingerprint=none latency_us=250 \
+             check_us=1764680709119875 path=\"/v1/orders?id=7&q=%22\" instance=gw\\x201 rules_version=3 \
+             cost_reported=1200\n"
         );
     }
 
@@ -543,14 +616,21 @@ mod tests {
         r.client_ip = Some(r.peer);
         r.user_agent = None;
         r.referer = None;
+        r.check_us = None;
+        r.path = None;
+        r.cost_reported = None;
         let mut out = Vec::new();
-        render(AccessLogFormat::Combined, &r, &mut zone(), &mut out);
+        render(AccessLogFormat::Combined, &r, "gw", &mut zone(), &mut out);
         let line = String::from_utf8(out).unwrap();
         assert!(
             line.starts_with("10.0.0.1 - - [") && line.contains("\" 429 - \"-\" \"-\" request_id="),
             "{line}"
         );
         assert!(line.contains("route=\"-\" limit=\"-\" client_ip=- "), "{line}");
+        assert!(
+            line.ends_with(" check_us=- path=\"-\" instance=gw rules_version=3 cost_reported=-\n"),
+            "{line}"
+        );
     }
 
     #[test]
@@ -579,8 +659,11 @@ mod tests {
         r.key_id = full.key_id.clone();
         r.client_ip = full.client_ip;
         r.latency_us = 250;
+        r.check_us = full.check_us;
+        r.set_path(b"/v1/x?y=1");
+        r.rules_version = 3;
         let mut out = Vec::new();
-        render(AccessLogFormat::Json, &r, &mut zone(), &mut out);
+        render(AccessLogFormat::Json, &r, "gw-1", &mut zone(), &mut out);
         assert_eq!(out.last(), Some(&b'\n'));
         let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(v["time"], "2025-12-02T18:35:09.120+05:30");
@@ -599,7 +682,12 @@ mod tests {
         assert_eq!(v["client_ip"], "203.0.113.9");
         assert_eq!(v["fingerprint"], "none");
         assert_eq!(v["latency_us"], 250);
-        assert_eq!(v.as_object().unwrap().len(), 16);
+        assert_eq!(v["check_us"], 1_764_680_709_119_875u64);
+        assert_eq!(v["path"], "/v1/x?y=1");
+        assert_eq!(v["instance"], "gw-1");
+        assert_eq!(v["rules_version"], 3);
+        assert_eq!(v["cost_reported"], serde_json::Value::Null);
+        assert_eq!(v.as_object().unwrap().len(), 21);
     }
 
     #[test]
@@ -629,7 +717,13 @@ mod tests {
         }
         let written = Shared::default();
         let held = gate.lock().unwrap();
-        let (log, flush) = start(AccessLogFormat::Combined, 2, Gated(written.clone(), gate.clone())).unwrap();
+        let (log, flush) = start(
+            AccessLogFormat::Combined,
+            2,
+            "gw".into(),
+            Gated(written.clone(), gate.clone()),
+        )
+        .unwrap();
         for _ in 0..10 {
             log.send(record());
         }

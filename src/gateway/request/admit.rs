@@ -211,6 +211,7 @@ impl Gateway {
                 return Err(e);
             }
         };
+        facts.checked_at = Some(outcome.now_us);
         let paid = &batch[..paying.min(batch.len())];
         let decision = decide(paid, &outcome);
         self.note_blocks(snap, paid, &outcome);

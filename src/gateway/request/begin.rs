@@ -21,6 +21,10 @@ pub(super) struct Facts {
     pub(super) admitted: bool,
     /// Its line for `--access-log-format`, filled in as it goes.
     pub(super) access: Option<Box<crate::access::AccessEntry>>,
+    /// The time the limiter's check used (the store's clock), when one was made.
+    pub(super) checked_at: Option<u64>,
+    /// What the upstream's answer reported for a post-paid limit.
+    pub(super) reported: Option<u64>,
 }
 
 impl Facts {
@@ -104,6 +108,9 @@ pub(super) fn access_line(b: &mut Begun<'_>, status: u16) -> Option<Box<crate::a
     r.limit = b.facts.limit.clone();
     r.key_id = b.facts.key_id.clone();
     r.latency_us = b.started.elapsed().as_micros() as u64;
+    r.check_us = b.facts.checked_at;
+    r.rules_version = b.snap.version;
+    r.cost_reported = b.facts.reported;
     Some(r)
 }
 

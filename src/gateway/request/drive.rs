@@ -183,7 +183,7 @@ pub(crate) async fn drive<W: Wire>(
             Ok(up) => {
                 gw.settle(&b.snap, f.paid.as_deref(), Some(up.shape.status)).await;
                 if let Some(headers) = &up.reported {
-                    gw.debit(&b.snap, &mut f, headers).await;
+                    b.facts.reported = gw.debit(&b.snap, &mut f, headers).await;
                 }
                 // Handed to the wire here, not carried out of the block: a request's
                 // connection is a hundred bytes, and a move is a copy. What it paid is lent:

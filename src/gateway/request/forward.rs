@@ -66,18 +66,29 @@ impl Gateway {
     /// bucket after the debit, and the next request sees any debt. An answer that does not
     /// say costs the reserve; one that says something else than a count is logged and costs
     /// the reserve too: the client is not refused for its upstream's fault.
-    pub(crate) async fn debit(&self, snap: &Snapshot, f: &mut Forward, headers: &http::HeaderMap) {
-        let Some(p) = f.paid.as_deref() else { return };
+    ///
+    /// Returns the cost the answer reported, for the access line.
+    pub(crate) async fn debit(
+        &self,
+        snap: &Snapshot,
+        f: &mut Forward,
+        headers: &http::HeaderMap,
+    ) -> Option<u64> {
+        let p = f.paid.as_deref()?;
         if !p.outcome.admitted {
-            return;
+            return None;
         }
+        let mut reported_first = None;
         let mut units: smallvec::SmallVec<[i64; 4]> = smallvec::SmallVec::new();
         for (item, v) in p.batch.iter().zip(&p.outcome.buckets) {
             let limit = &snap.limits[item.limit as usize];
             let owed = match &limit.post_paid {
                 Some(pp) if tollgate_limit::bucket::charged(&item.charge, v, true) => {
                     match pp.reported(headers) {
-                        Ok(Some(n)) => pp.units(&item.charge.params, n),
+                        Ok(Some(n)) => {
+                            reported_first = reported_first.or(Some(n));
+                            pp.units(&item.charge.params, n)
+                        }
                         Ok(None) => 0,
                         Err(why) => {
                             tracing::warn!(limit = %limit.name, "upstream's cost ignored: {why}");
@@ -90,7 +101,7 @@ impl Gateway {
             units.push(owed);
         }
         if units.iter().all(|u| *u == 0) {
-            return;
+            return reported_first;
         }
         match self.store.adjust(&p.batch, &p.outcome, &units).await {
             Ok(adjusted) => {
@@ -105,6 +116,7 @@ impl Gateway {
                 tracing::warn!(error = %e, "post-paid debit failed; the reserve stays the whole charge")
             }
         }
+        reported_first
     }
 
     /// Gives an admitted request's charge back when it never reached its upstream, in the same

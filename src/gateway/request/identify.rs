@@ -274,6 +274,13 @@ impl Gateway {
             Err(Early::Refuse(r)) => return Err(r.into()),
             Err(Early::Unauthorized { route, ip, why }) => {
                 facts.route = route;
+                if let Some(r) = &mut facts.access {
+                    // The path it was routed on, as the usual request's is after `set_path`.
+                    let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+                    let (path, query) = pq.split_at(pq.find('?').unwrap_or(pq.len()));
+                    let routed = canonical(path, EncodedSlashes::Keep).unwrap_or(Cow::Borrowed(path));
+                    r.set_path(format!("{routed}{query}").as_bytes());
+                }
                 // Boxed, like every rare path here: an async fn's future is as large as its
                 // largest state, and the common path should not carry (and copy) that size.
                 return Err(Box::pin(self.unauthorized(snap, ip, why, &live.handles, facts)).await);
@@ -281,6 +288,9 @@ impl Gateway {
         };
         if let Some(p) = path {
             set_path(&mut parts.uri, p).map_err(Answer::from)?;
+        }
+        if let Some(r) = &mut facts.access {
+            r.set_path(parts.uri.path_and_query().map_or("/", |p| p.as_str()).as_bytes());
         }
         if let Some(m) = &c.method {
             parts.method = m.clone();
