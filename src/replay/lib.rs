@@ -2,6 +2,7 @@
 //! code on a virtual clock, and answers "what would this limit have done?" in exact numbers.
 //!
 //! - [`trace`]: the CSV reader (exact decimal seconds → integer µs, errors naming row/column).
+//! - [`access`]: the gateway's own access lines read back, JSON or combined.
 //! - [`algorithms`]: the token bucket through `MemoryStore::check_at`, and GCRA, fixed window,
 //!   sliding log, sliding counter and the queue for comparison.
 //! - [`leased`]: the `lease` design, every gateway running `limit::lease` with a modelled
@@ -20,6 +21,7 @@
 //! max(1, ⌊b/N⌋); `lease` leases whole blocks from one store bucket; `edge` replaces the
 //! gateway's limit with a WAF's rule per address, for comparison.
 
+pub mod access;
 pub mod algorithms;
 pub mod args;
 pub mod edge;
