@@ -502,7 +502,13 @@ fn run_standalone(command: &Command) -> Result<bool> {
     match command {
         // Offline and single-threaded: no logging, no async runtime. The error names the
         // file, row and column already; a backtrace would only bury it.
-        Command::Replay(a) => exit_on_error("replay", tollgate_replay::args::main(a)),
+        Command::Replay(a) => {
+            // Exit status 3 holds a proposal back (`--max-newly-refused`); 1 is a failure.
+            if let Err(e) = tollgate_replay::args::main(a) {
+                eprintln!("tollgate replay: {e}");
+                std::process::exit(e.exit_code());
+            }
+        }
         // Runs its own runtime and child processes, and reports on stdout.
         Command::Fleet(a) => exit_on_error("fleet", tollgate_fleet::main(a)),
         Command::Regions(a) => {

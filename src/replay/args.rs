@@ -1,15 +1,16 @@
 //! The `tollgate replay` command line, and the command itself: read a trace (or generate one),
 //! replay it under each `--design`, print the table or `--json`, write `--decisions` and draw
-//! `--plot`.
+//! `--plot`; or hand the gateway's access logs to [`super::logs`].
 
 use std::fs::File;
-use std::io::{self, BufReader, BufWriter, Write};
+use std::io::{self, BufWriter, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use clap::{ArgAction, Args, ValueEnum};
 
 use super::edge::EdgeConfig;
+use super::logs::{self, Inputs};
 use super::plot::{Admitted, Chart, Format, Window};
 use super::report::{DecisionWriter, Summary};
 use super::trace::{TraceReader, parse_time_us};
@@ -30,6 +31,9 @@ pub enum Generated {
 
 #[derive(Debug, Args)]
 #[command(after_help = "\
+FILE: a CSV trace, or the gateway's access logs (JSON or combined); .gz files are read as they
+are. The content tells which, not the name.
+
 Trace: CSV with a header row. Required columns: time (decimal seconds, up to 6 decimals), key.
 Optional: gateway (0-based; default round-robin over rows), cost (default 1), and method, path, ip
 for --rules (key is then the key id from the rules file, such as k-7, never the secret); ip for
@@ -50,6 +54,20 @@ Examples:
   tollgate replay two-apps.csv --design edge --edge-rule 3000/60s --json
   tollgate replay two-apps.csv --design edge,central --edge-rule 3000/60s --rate 600/60s --burst 20
 
+Access logs: one or more files, several gateways' merged in the order of their limit checks
+(check_us), replayed under --rules as one fleet with a central store; per key, how many the
+replay decides as the gateway logged (agree) and how many not. --against proposed.json replays
+the same lines under a second rules file: per key, the requests it would newly refuse or admit.
+Lines that are not access lines are skipped and counted, and so are requests no limit checked
+and those the log can't replay (limits on headers, body fields or JWT claims).
+
+  tollgate replay gw-1.log gw-2.log.gz --rules running.json
+  tollgate replay gw-*.log --rules running.json --against proposed.json --json
+  tollgate replay gw-1.log --rules running.json --against proposed.json --max-newly-refused 0.5
+
+With --max-newly-refused PCT the exit status is 3 when some key's newly refused requests are
+more than PCT % of those the running rules admit, 1 when the replay cannot run, 0 otherwise.
+
 The edge design replaces the gateway's limit with a WAF's rate-based rule, modelled on AWS WAF:
 it counts each address's requests over the trailing W of --edge-rule N/W, checks the count every
 --edge-check (on multiples of it from midnight), and blocks (or lifts a block) --edge-delay after
@@ -65,12 +83,21 @@ limited with Retry-After N seconds; 0, (empty) when no wait can help (cost above
 queue adds wait_us: microseconds from arrival to release, empty when refused. A request the edge
 rule blocked has N = the seconds until the block lifts.")]
 pub struct ReplayArgs {
-    /// The trace CSV, or - for standard input.
-    #[arg(required_unless_present = "generate")]
-    pub trace: Option<PathBuf>,
-    /// Replay against this rules file: routes, costs, several limits per request.
+    /// The trace CSV, or the gateway's access logs (JSON or combined, .gz too); - for
+    /// standard input.
+    #[arg(value_name = "FILE", required_unless_present = "generate")]
+    pub trace: Vec<PathBuf>,
+    /// Replay against this rules file: routes, costs, several limits per request. For access
+    /// logs: the rules the gateway ran.
     #[arg(long, conflicts_with_all = ["rate", "burst"])]
     pub rules: Option<PathBuf>,
+    /// Access logs: replay the same lines under this proposed rules file too, and compare.
+    #[arg(long, value_name = "PROPOSED")]
+    pub against: Option<PathBuf>,
+    /// With --against: exit with status 3 when a key's newly refused requests are more than
+    /// PCT % of those the running rules admit.
+    #[arg(long, value_name = "PCT", value_parser = logs::parse_pct, requires = "against")]
+    pub max_newly_refused: Option<f64>,
     /// One limit per key: N tokens per period, such as 10/1s, 600/60s or 1/5s.
     #[arg(long, value_parser = Rate::parse)]
     pub rate: Option<Rate>,
@@ -124,7 +151,8 @@ pub struct ReplayArgs {
     /// Write a generated trace instead of replaying one.
     #[arg(long, value_enum, conflicts_with_all = [
         "trace", "rules", "rate", "burst", "queue", "json", "decisions", "plot",
-        "edge_rule", "edge_check", "edge_delay", "edge_count_blocked",
+        "edge_rule", "edge_check", "edge_delay", "edge_count_blocked", "against",
+        "max_newly_refused",
     ])]
     pub generate: Option<Generated>,
     /// Where --generate writes (default: standard output).
@@ -341,6 +369,34 @@ pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
         written.map_err(io_err(format!("cannot write {target}")))?;
         return Ok(());
     }
+    if a.trace.is_empty() {
+        return Err(setting(
+            "FILE",
+            "give a trace file, access logs, - for standard input, or --generate",
+        ));
+    }
+    let inputs = a
+        .trace
+        .iter()
+        .map(|p| logs::open(p))
+        .collect::<Result<Vec<_>, _>>()?;
+    match logs::classify(inputs)? {
+        Inputs::Trace(input) => {
+            logs::refuse_log_flags(a)?;
+            let (name, size) = (input.name.clone(), input.size);
+            replay_trace(a, input.into_reader(), &name, size)
+        }
+        Inputs::Logs(inputs) => logs::main(a, inputs),
+    }
+}
+
+/// Replays one CSV trace under each design.
+fn replay_trace(
+    a: &ReplayArgs,
+    input: Box<dyn io::BufRead>,
+    name: &str,
+    size: Option<u64>,
+) -> Result<(), ReplayError> {
     let settings = settings(a)?;
     let designs: Vec<Design> = settings.iter().map(|s| s.design).collect();
     // Refuse a bad --plot before a long replay, not after it.
@@ -357,26 +413,7 @@ pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
             r.watch_tokens(key, a.plot_gateway, window)?;
         }
     }
-    let path = a
-        .trace
-        .as_ref()
-        .ok_or_else(|| setting("TRACE", "give a trace file, - for standard input, or --generate"))?;
-    let (input, name, size): (Box<dyn io::BufRead>, String, Option<u64>) = if path.as_os_str() == "-" {
-        (
-            Box::new(BufReader::with_capacity(1 << 20, io::stdin().lock())),
-            "standard input".into(),
-            None,
-        )
-    } else {
-        let f = File::open(path).map_err(io_err(format!("cannot open the trace {}", path.display())))?;
-        let size = f.metadata().ok().map(|m| m.len());
-        (
-            Box::new(BufReader::with_capacity(1 << 20, f)),
-            path.display().to_string(),
-            size,
-        )
-    };
-    let mut reader = TraceReader::new(input, &name)?;
+    let mut reader = TraceReader::new(input, name)?;
     let mut decisions = match &a.decisions {
         Some(p) => {
             let f = File::create(p).map_err(io_err(format!("cannot create {}", p.display())))?;

@@ -2,6 +2,8 @@
 //! code on a virtual clock, and answers "what would this limit have done?" in exact numbers.
 //!
 //! - [`trace`]: the CSV reader (exact decimal seconds → integer µs, errors naming row/column).
+//! - [`access`] and [`logs`]: the gateway's own access logs, JSON or combined, replayed under
+//!   a rules file and compared with a proposed one.
 //! - [`algorithms`]: the token bucket through `MemoryStore::check_at`, and GCRA, fixed window,
 //!   sliding log, sliding counter and the queue for comparison.
 //! - [`leased`]: the `lease` design, every gateway running `limit::lease` with a modelled
@@ -20,11 +22,13 @@
 //! max(1, ⌊b/N⌋); `lease` leases whole blocks from one store bucket; `edge` replaces the
 //! gateway's limit with a WAF's rule per address, for comparison.
 
+pub mod access;
 pub mod algorithms;
 pub mod args;
 pub mod edge;
 pub mod generate;
 pub mod leased;
+pub mod logs;
 pub mod plot;
 pub mod report;
 pub mod rules;
@@ -201,6 +205,22 @@ pub enum ReplayError {
     Rules(#[from] RulesError),
     #[error("{what}: {reason}")]
     Io { what: String, reason: String },
+    #[error("{file}: {reason}")]
+    Input { file: String, reason: String },
+    /// `--max-newly-refused` was passed: the proposal is held back. Not a failure to run.
+    #[error("{0}")]
+    Held(String),
+}
+
+impl ReplayError {
+    /// The process's exit status for it: 3 when a proposal is held back, so a script can tell
+    /// it from a replay that could not run (1).
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            ReplayError::Held(_) => 3,
+            _ => 1,
+        }
+    }
 }
 
 fn setting(flag: &'static str, reason: impl Into<String>) -> ReplayError {
@@ -685,7 +705,7 @@ impl Replay {
                         "a --rules replay needs method and path on every row",
                     ));
                 };
-                let key = entry.rules_key.unwrap_or(0);
+                let key = Some(entry.rules_key.unwrap_or(0));
                 let who = rules::Who {
                     ip: r.ip,
                     fingerprint: r.fingerprint,

@@ -19,7 +19,7 @@ use tollgate_limit::bucket::{BucketParams, Rate};
 use tollgate_limit::clock::ManualClock;
 use tollgate_limit::decision::decide;
 use tollgate_rules::plan;
-use tollgate_rules::{Dimension, Fingerprint, Limit, Route, Snapshot};
+use tollgate_rules::{Dimension, Fingerprint, Identity, KeyRequirement, Limit, Route, Snapshot};
 use tollgate_store::fingerprint;
 use tollgate_store::memory::MemoryStore;
 
@@ -126,11 +126,12 @@ impl RulesFleet {
         Ok(s)
     }
 
-    /// Checks one row. `excess_limit` is the limit whose tokens are reported back.
+    /// Checks one row. `excess_limit` is the limit whose tokens are reported back. Without a
+    /// `key` the row is an unauthenticated caller's, as [`RulesFleet::check_route`] says.
     #[allow(clippy::too_many_arguments)]
     pub fn check(
         &mut self,
-        key: usize,
+        key: Option<usize>,
         method: &[u8],
         path: &[u8],
         who: Who<'_>,
@@ -140,26 +141,48 @@ impl RulesFleet {
         cost_after: Option<u64>,
     ) -> Result<Paid, RowError> {
         let (method, path) = request_line(method, path)?;
-        let snap = self.snap.clone();
-        let Some(ri) = snap.route(&method, path) else {
+        let Some(ri) = self.snap.route(&method, path) else {
             return Err(RowError::new(
                 "path",
                 format!(
                     "no route of {} matches {method} {path}; the gateway would answer 404 without a limit check, so drop such rows",
-                    snap.source
+                    self.snap.source
                 ),
             ));
         };
+        let route = &self.snap.routes[ri];
+        let ip = client_ip(&self.snap, route, who.ip)?;
+        let client = client_fingerprint(&self.snap, route, who.fingerprint)?;
+        self.check_route(ri, key, ip, client, gw, now, excess_limit, cost_after)
+    }
+
+    /// Checks a request already matched to route `ri`. A caller without a key pays what the
+    /// gateway makes it pay: the unauthenticated bucket alone where the route needs a key or a
+    /// token (the gateway answers 401 after it), else the route's limits as an anonymous caller.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn check_route(
+        &mut self,
+        ri: usize,
+        key: Option<usize>,
+        ip: IpAddr,
+        client: Fingerprint,
+        gw: u64,
+        now: u64,
+        excess_limit: Option<u16>,
+        cost_after: Option<u64>,
+    ) -> Result<Paid, RowError> {
+        let snap = self.snap.clone();
         let route = &snap.routes[ri];
-        let ip = client_ip(&snap, route, who.ip)?;
-        let client = client_fingerprint(&snap, route, who.fingerprint)?;
-        let mut batch =
-            plan::build(&snap, route, Some(key), ip, client, &self.headers, None).map_err(|e| {
+        let mut batch = if key.is_none() && needs_caller(route) {
+            plan::unauthenticated_only(&snap, ip)
+        } else {
+            plan::build(&snap, route, key, ip, client, &self.headers, None).map_err(|e| {
                 RowError::new(
                     "path",
                     format!("route {:?}: {e} (traces carry no headers)", route.name),
                 )
-            })?;
+            })?
+        };
         if batch.is_empty() {
             return Ok(Paid {
                 verdict: Verdict::ALLOW,
@@ -241,6 +264,13 @@ impl RulesFleet {
             self.store.adjust_at(batch, &units, now);
         }
     }
+}
+
+/// Whether a caller without a key is refused on `route` (401) once the unauthenticated bucket
+/// has admitted it: a route that needs a key, or a JWT route (whose callers the log names by a
+/// token's claim, never by a key of the rules).
+pub(crate) fn needs_caller(route: &Route) -> bool {
+    route.key == KeyRequirement::Required || route.identity == Identity::Jwt
 }
 
 /// The row's method and path, as the gateway would accept them.

@@ -1,0 +1,1666 @@
+//! Replays the gateway's own access logs under a rules file, and beside it under a proposed
+//! one: whether the rules decide each logged request as the gateway did, and which keys a
+//! proposal would refuse that the running rules admit.
+//!
+//! Files are told apart by what they hold, not by their names: gzip by its magic bytes, then a
+//! JSON or combined access log, or a CSV trace (which [`super::args`] replays as before).
+//! Several files are several gateways: their lines are merged by the instant each limit check
+//! used (`check_us`). A gateway writes a line when its request ends, so each file is only nearly
+//! in that order, and all lines are read (compactly: key ids, requests and clients interned)
+//! and sorted before any is replayed.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use flate2::read::MultiGzDecoder;
+use http::Method;
+use serde::Serialize;
+use serde::ser::SerializeStruct;
+
+use super::access::{self, AccessLine, Logged};
+use super::args::ReplayArgs;
+use super::report::group;
+use super::rules::{RulesFleet, needs_caller};
+use super::{Algorithm, Design, PROGRESS_EVERY, ReplayError, setting};
+use tollgate_rules::{CompileOptions, Dimension, Fingerprint, Identity, Snapshot};
+
+/// What a file holds, as its first lines tell.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// JSON access lines (`--access-log-format json`).
+    Json,
+    /// Combined access lines (`--access-log-format combined`).
+    Combined,
+    /// A CSV trace: its first line is a header naming `time` and `key`.
+    Csv,
+    /// Nothing but blank lines.
+    Empty,
+    /// None of these.
+    Unknown,
+}
+
+impl Format {
+    fn name(self) -> &'static str {
+        match self {
+            Format::Json => "JSON",
+            Format::Combined => "combined",
+            Format::Csv => "CSV",
+            Format::Empty => "empty",
+            Format::Unknown => "unknown",
+        }
+    }
+}
+
+/// An opened file, its format known, read from its start.
+pub struct Input {
+    pub name: String,
+    pub format: Format,
+    pub gzip: bool,
+    /// Its size on disk, when it is a file.
+    pub size: Option<u64>,
+    reader: Box<dyn BufRead>,
+    /// The first line that is not blank, and its number, for an error about the file.
+    first: Option<(u64, String)>,
+}
+
+impl Input {
+    /// The whole content, first lines included.
+    pub(crate) fn into_reader(self) -> Box<dyn BufRead> {
+        self.reader
+    }
+}
+
+/// How many lines a log may begin with that are not access lines (the gateway's own start-up
+/// lines, when both go to one stream) before its format is given up on.
+const LOOK_AHEAD: usize = 1_000;
+
+const BUFFER: usize = 1 << 20;
+
+fn read_err(name: &str) -> impl FnOnce(io::Error) -> ReplayError + '_ {
+    move |e| ReplayError::Io {
+        what: format!("cannot read {name}"),
+        reason: e.to_string(),
+    }
+}
+
+/// Opens `path` (`-`: standard input), decompressing gzip, and tells its format.
+pub fn open(path: &Path) -> Result<Input, ReplayError> {
+    if path.as_os_str() == "-" {
+        return Input::new("standard input".into(), None, Box::new(io::stdin()));
+    }
+    let f = File::open(path).map_err(|e| ReplayError::Io {
+        what: format!("cannot open the trace or log {}", path.display()),
+        reason: e.to_string(),
+    })?;
+    let size = f.metadata().ok().map(|m| m.len());
+    Input::new(path.display().to_string(), size, Box::new(f))
+}
+
+impl Input {
+    /// `raw` read as [`open`] reads a file; `name` names it in errors and the summary.
+    pub fn new(name: String, size: Option<u64>, raw: Box<dyn Read>) -> Result<Input, ReplayError> {
+        let mut raw = BufReader::with_capacity(BUFFER, raw);
+        let gzip = raw
+            .fill_buf()
+            .map_err(read_err(&name))?
+            .starts_with(&[0x1f, 0x8b]);
+        let mut reader: Box<dyn BufRead> = if gzip {
+            Box::new(BufReader::with_capacity(BUFFER, MultiGzDecoder::new(raw)))
+        } else {
+            Box::new(raw)
+        };
+        let mut head = Vec::new();
+        let (format, first) = detect(&mut reader, &mut head).map_err(read_err(&name))?;
+        Ok(Input {
+            name,
+            format,
+            gzip,
+            size,
+            reader: Box::new(io::Cursor::new(head).chain(reader)),
+            first,
+        })
+    }
+}
+
+/// Reads lines into `head` until one tells the format: a first line that is a CSV header, or
+/// a JSON or combined access line among the first [`LOOK_AHEAD`].
+fn detect(r: &mut dyn BufRead, head: &mut Vec<u8>) -> io::Result<(Format, Option<(u64, String)>)> {
+    let mut first = None;
+    let mut line_no = 0;
+    while line_no < LOOK_AHEAD as u64 {
+        let start = head.len();
+        if r.read_until(b'\n', head)? == 0 {
+            let format = if first.is_none() {
+                Format::Empty
+            } else {
+                Format::Unknown
+            };
+            return Ok((format, first));
+        }
+        line_no += 1;
+        let line = trim_eol(&head[start..]);
+        if is_blank(line) {
+            continue;
+        }
+        let is_first = first.is_none();
+        if is_first {
+            let shown = String::from_utf8_lossy(&line[..line.len().min(120)]).into_owned();
+            first = Some((line_no, shown));
+        }
+        if line.first() == Some(&b'{') {
+            return Ok((Format::Json, first));
+        }
+        if is_first && csv_header(line) {
+            return Ok((Format::Csv, first));
+        }
+        if access::parse_combined(line).is_some() {
+            return Ok((Format::Combined, first));
+        }
+    }
+    Ok((Format::Unknown, first))
+}
+
+fn trim_eol(line: &[u8]) -> &[u8] {
+    let line = line.strip_suffix(b"\n").unwrap_or(line);
+    line.strip_suffix(b"\r").unwrap_or(line)
+}
+
+fn is_blank(line: &[u8]) -> bool {
+    line.iter().all(u8::is_ascii_whitespace)
+}
+
+/// A CSV header naming `time` and `key` columns.
+fn csv_header(line: &[u8]) -> bool {
+    let names: Vec<Vec<u8>> = line
+        .split(|&b| b == b',')
+        .map(|n| {
+            let n = n.trim_ascii();
+            let n = n
+                .strip_prefix(b"\"")
+                .and_then(|n| n.strip_suffix(b"\""))
+                .unwrap_or(n);
+            n.trim_ascii().to_ascii_lowercase()
+        })
+        .collect();
+    names.iter().any(|n| n == b"time") && names.iter().any(|n| n == b"key")
+}
+
+/// What the files on the command line are: one CSV trace, or access logs.
+pub(crate) enum Inputs {
+    Trace(Input),
+    Logs(Vec<Input>),
+}
+
+fn input_err(file: &str, reason: impl Into<String>) -> ReplayError {
+    ReplayError::Input {
+        file: file.to_string(),
+        reason: reason.into(),
+    }
+}
+
+const EXPECTED: &str = "expected the gateway's access log (--access-log-format json or combined, one request a line), or a CSV trace whose header names time and key columns";
+
+/// Sorts the opened files into one CSV trace or several access logs, or says why neither.
+pub(crate) fn classify(inputs: Vec<Input>) -> Result<Inputs, ReplayError> {
+    if let [one] = inputs.as_slice() {
+        // A trace as the CSV reader takes it, whose own errors say what its header lacks.
+        let csv_like = match one.format {
+            Format::Csv | Format::Empty => true,
+            Format::Unknown => one.first.as_ref().is_some_and(|(_, l)| l.contains(',')),
+            Format::Json | Format::Combined => false,
+        };
+        if csv_like {
+            return Ok(Inputs::Trace(inputs.into_iter().next().expect("one input")));
+        }
+    }
+    for i in &inputs {
+        match (i.format, &i.first) {
+            (Format::Csv, _) => {
+                return Err(input_err(
+                    &i.name,
+                    "is a CSV trace; only access logs can be merged: give one CSV trace, or access logs only",
+                ));
+            }
+            (Format::Unknown, Some((n, line))) => {
+                return Err(input_err(
+                    &i.name,
+                    format!("line {n} is neither an access line nor a CSV header ({line:?}); {EXPECTED}"),
+                ));
+            }
+            (Format::Unknown, None) => {
+                return Err(input_err(
+                    &i.name,
+                    format!("nothing but blank lines at its start; {EXPECTED}"),
+                ));
+            }
+            _ => {}
+        }
+    }
+    if inputs.iter().all(|i| i.format == Format::Empty) {
+        return Err(input_err(&inputs[0].name, format!("is empty; {EXPECTED}")));
+    }
+    Ok(Inputs::Logs(inputs))
+}
+
+/// The interned line a replay reads: 32 bytes whatever the line's length.
+#[derive(Clone, Copy, Debug)]
+struct Rec {
+    check_us: u64,
+    /// [`NO_COST`]: none reported.
+    cost: u64,
+    /// Method and path without the query, interned.
+    shape: u32,
+    /// The logged key id, interned; [`NO_KEY`]: none.
+    key: u32,
+    /// Address and fingerprint, interned.
+    client: u32,
+    /// What the gateway decided: any status but 429.
+    logged_admitted: bool,
+}
+
+const NO_KEY: u32 = u32::MAX;
+const NO_COST: u64 = u64::MAX;
+
+/// Why lines were not replayed, each with how many and the first line's request, when the
+/// reason depends on it.
+#[derive(Debug, Default)]
+struct Reasons {
+    list: Vec<Reason>,
+}
+
+/// Lines left out of the replay for one reason.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Reason {
+    pub reason: String,
+    pub lines: u64,
+    /// The first such line's method and path, where the reason is about the request.
+    pub example: Option<String>,
+}
+
+impl Reasons {
+    fn id(&mut self, reason: String) -> usize {
+        if let Some(i) = self.list.iter().position(|r| r.reason == reason) {
+            return i;
+        }
+        self.list.push(Reason {
+            reason,
+            lines: 0,
+            example: None,
+        });
+        self.list.len() - 1
+    }
+
+    fn count(&mut self, id: usize, example: Option<&dyn Fn() -> String>) {
+        let r = &mut self.list[id];
+        if r.lines == 0 {
+            r.example = example.map(|e| e());
+        }
+        r.lines += 1;
+    }
+}
+
+/// One file as it was read.
+#[derive(Clone, Debug, Serialize)]
+pub struct InputReport {
+    pub file: String,
+    pub format: &'static str,
+    pub gzip: bool,
+    /// Lines that are not blank.
+    pub lines: u64,
+    pub access: u64,
+    /// Not access lines: the gateway's own log lines, anything else, a truncated last line.
+    pub skipped: u64,
+    /// A last line without its end (the writer was cut off, or the file is still written).
+    pub truncated: u64,
+    /// Whether its gzip stream ended before its end.
+    pub cut: bool,
+}
+
+/// What became of the lines read, over all files.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct LineCounts {
+    /// Lines that are not blank: `access` + `skipped`.
+    pub read: u64,
+    pub json: u64,
+    pub combined: u64,
+    pub access: u64,
+    pub skipped: u64,
+    pub truncated: u64,
+    /// Access lines of a gateway that did not log `check_us` yet.
+    pub without_check_us: u64,
+    /// No limit check was made: no route, or refused before it (a seat, a quota, a bad request).
+    pub not_checked: u64,
+    pub not_replayable: u64,
+    pub replayed: u64,
+}
+
+/// The lines of all files, interned, before they are sorted and replayed.
+#[derive(Default)]
+struct Collector {
+    recs: Vec<Rec>,
+    key_ids: HashMap<Box<str>, u32>,
+    keys: Vec<Box<str>>,
+    shape_ids: HashMap<Box<[u8]>, u32>,
+    shapes: Vec<(Method, Box<str>)>,
+    client_ids: HashMap<(IpAddr, Fingerprint), u32>,
+    clients: Vec<(IpAddr, Fingerprint)>,
+    versions: BTreeMap<u64, u64>,
+    instances: Vec<(Box<str>, u64)>,
+    last_instance: usize,
+    counts: LineCounts,
+    reasons: Reasons,
+    shape_buf: Vec<u8>,
+}
+
+impl Collector {
+    /// Takes one access line; `false` when it is not one after all (an address or fingerprint
+    /// the gateway would never write).
+    fn add(&mut self, l: &AccessLine<'_>) -> bool {
+        let Ok(ip) = l.client_ip.as_deref().unwrap_or(&l.remote_addr).parse::<IpAddr>() else {
+            return false;
+        };
+        let fingerprint = match l.fingerprint.as_deref() {
+            None => Fingerprint::None,
+            Some(f) => match f.parse() {
+                Ok(f) => f,
+                Err(_) => return false,
+            },
+        };
+        let Ok(method) = Method::from_bytes(l.request_method.as_bytes()) else {
+            return false;
+        };
+        self.counts.access += 1;
+        if let Some(v) = l.rules_version {
+            *self.versions.entry(v).or_default() += 1;
+        }
+        if let Some(i) = l.instance.as_deref() {
+            self.count_instance(i);
+        }
+        let check_us = match l.check_us {
+            Logged::Absent => {
+                self.counts.without_check_us += 1;
+                return true;
+            }
+            Logged::Null => {
+                self.counts.not_checked += 1;
+                return true;
+            }
+            Logged::Value(t) => t,
+        };
+        let Some(path) = l.path.as_deref() else {
+            let id = self.reasons.id("the line names no path".into());
+            self.reasons.count(id, None);
+            self.counts.not_replayable += 1;
+            return true;
+        };
+        let path = path.split_once('?').map_or(path, |(p, _)| p);
+        self.shape_buf.clear();
+        self.shape_buf.extend_from_slice(method.as_str().as_bytes());
+        self.shape_buf.push(b' ');
+        self.shape_buf.extend_from_slice(path.as_bytes());
+        let shape = match self.shape_ids.get(self.shape_buf.as_slice()) {
+            Some(&s) => s,
+            None => {
+                let s = self.shapes.len() as u32;
+                self.shapes.push((method, path.into()));
+                self.shape_ids.insert(self.shape_buf.as_slice().into(), s);
+                s
+            }
+        };
+        let key = match l.remote_user.as_deref() {
+            None => NO_KEY,
+            Some(id) => match self.key_ids.get(id) {
+                Some(&k) => k,
+                None => {
+                    let k = self.keys.len() as u32;
+                    self.keys.push(id.into());
+                    self.key_ids.insert(id.into(), k);
+                    k
+                }
+            },
+        };
+        let client = *self.client_ids.entry((ip, fingerprint)).or_insert_with(|| {
+            self.clients.push((ip, fingerprint));
+            self.clients.len() as u32 - 1
+        });
+        self.recs.push(Rec {
+            check_us,
+            cost: l.cost_reported.unwrap_or(NO_COST),
+            shape,
+            key,
+            client,
+            logged_admitted: l.status != 429,
+        });
+        true
+    }
+
+    fn count_instance(&mut self, name: &str) {
+        // A file is one gateway's, so the last line's instance is nearly always this one's.
+        if let Some(e) = self.instances.get_mut(self.last_instance)
+            && *e.0 == *name
+        {
+            e.1 += 1;
+            return;
+        }
+        match self.instances.iter().position(|e| *e.0 == *name) {
+            Some(i) => {
+                self.instances[i].1 += 1;
+                self.last_instance = i;
+            }
+            None => {
+                self.instances.push((name.into(), 1));
+                self.last_instance = self.instances.len() - 1;
+            }
+        }
+    }
+
+    /// Reads every line of `input`.
+    fn read(&mut self, input: Input, progress: bool) -> Result<InputReport, ReplayError> {
+        let mut report = InputReport {
+            file: input.name.clone(),
+            format: input.format.name(),
+            gzip: input.gzip,
+            lines: 0,
+            access: 0,
+            skipped: 0,
+            truncated: 0,
+            cut: false,
+        };
+        let Input {
+            name,
+            format,
+            mut reader,
+            ..
+        } = input;
+        let mut buf = Vec::with_capacity(4096);
+        loop {
+            buf.clear();
+            let ended = match reader.read_until(b'\n', &mut buf) {
+                Ok(0) => break,
+                Ok(_) => buf.last() == Some(&b'\n'),
+                // A gzip stream cut short (a rotation still compressing it): what came is kept.
+                Err(e) if input_is_cut(&e) && buf.is_empty() => {
+                    report.cut = true;
+                    break;
+                }
+                Err(e) if input_is_cut(&e) => {
+                    report.cut = true;
+                    false
+                }
+                Err(e) => return Err(read_err(&name)(e)),
+            };
+            let line = trim_eol(&buf);
+            if is_blank(line) {
+                if report.cut {
+                    break;
+                }
+                continue;
+            }
+            report.lines += 1;
+            if progress && (self.counts.read + report.lines).is_multiple_of(PROGRESS_EVERY) {
+                eprintln!("replay: {} lines read", group(self.counts.read + report.lines));
+            }
+            // The gateway ends every line it writes: one without its end was cut off.
+            let parsed = if ended {
+                match format {
+                    Format::Json => access::parse_json(line),
+                    _ => access::parse_combined(line),
+                }
+            } else {
+                report.truncated += 1;
+                None
+            };
+            if parsed.is_some_and(|l| self.add(&l)) {
+                report.access += 1;
+            } else {
+                report.skipped += 1;
+            }
+            if report.cut {
+                break;
+            }
+        }
+        let c = &mut self.counts;
+        c.read += report.lines;
+        match format {
+            Format::Json => c.json += report.lines,
+            _ => c.combined += report.lines,
+        }
+        c.skipped += report.skipped;
+        c.truncated += report.truncated;
+        Ok(report)
+    }
+}
+
+fn input_is_cut(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::UnexpectedEof
+}
+
+/// A rules file, as named on the command line, and its compiled snapshot.
+#[derive(Clone)]
+pub struct RulesFile {
+    pub name: String,
+    pub snap: Arc<Snapshot>,
+}
+
+impl RulesFile {
+    pub fn load(path: &Path) -> Result<RulesFile, ReplayError> {
+        let snap = tollgate_rules::load(path, CompileOptions::default())?;
+        Ok(RulesFile {
+            name: path.display().to_string(),
+            snap: Arc::new(snap),
+        })
+    }
+}
+
+const UNRESOLVED: u32 = u32::MAX;
+const NO_ROUTE: u32 = u32::MAX - 1;
+
+/// One rules file replaying the lines: a central store for the fleet, and what each interned
+/// request and key id is under these rules, found once.
+struct Side {
+    file: RulesFile,
+    fleet: RulesFleet,
+    /// Per shape: its route, [`NO_ROUTE`], or [`UNRESOLVED`] until first seen.
+    routes: Vec<u32>,
+    /// Per logged key id: the key of these rules.
+    keys: Vec<Option<usize>>,
+    /// Per route: why a caller with a key id can't be replayed on it, as a reason id.
+    blocked: Vec<Option<usize>>,
+    no_route: usize,
+}
+
+impl Side {
+    fn new(file: RulesFile, c: &mut Collector) -> Side {
+        let snap = file.snap.clone();
+        let blocked = snap
+            .routes
+            .iter()
+            .map(|route| {
+                let why = if route.identity == Identity::Jwt {
+                    Some("names its callers by JWT claims, which the log does not carry".to_string())
+                } else {
+                    route.costs.iter().find_map(|&(li, _)| {
+                        let l = &snap.limits[li as usize];
+                        matches!(
+                            l.dimension,
+                            Dimension::Header(_) | Dimension::BodyField(_) | Dimension::Claim(_)
+                        )
+                        .then(|| {
+                            format!(
+                                "charges limit {:?}, keyed on {}, which the log does not carry",
+                                l.name,
+                                l.dimension.describe()
+                            )
+                        })
+                    })
+                };
+                why.map(|w| c.reasons.id(format!("{}: route {:?} {w}", file.name, route.name)))
+            })
+            .collect();
+        let no_route = c.reasons.id(format!("{}: no route matches", file.name));
+        Side {
+            fleet: RulesFleet::new(snap.clone(), Design::Central, 1),
+            routes: vec![UNRESOLVED; c.shapes.len()],
+            keys: c.keys.iter().map(|k| snap.key_by_id(k)).collect(),
+            blocked,
+            no_route,
+            file,
+        }
+    }
+
+    /// The line's route and key under these rules, or the reason it can't be replayed.
+    fn resolve(&mut self, r: &Rec, shapes: &[(Method, Box<str>)]) -> Result<(usize, Option<usize>), usize> {
+        let s = r.shape as usize;
+        if self.routes[s] == UNRESOLVED {
+            let (method, path) = &shapes[s];
+            self.routes[s] = self
+                .file
+                .snap
+                .route(method, path)
+                .map_or(NO_ROUTE, |ri| ri as u32);
+        }
+        if self.routes[s] == NO_ROUTE {
+            return Err(self.no_route);
+        }
+        let ri = self.routes[s] as usize;
+        let route = &self.file.snap.routes[ri];
+        let logged = r.key != NO_KEY;
+        // A token's caller is logged by its claim's id, which no key of the rules has; without
+        // a valid token, the gateway charged only the address's bucket.
+        if route.identity == Identity::Jwt {
+            return match (logged, self.blocked[ri]) {
+                (true, Some(why)) => Err(why),
+                _ => Ok((ri, None)),
+            };
+        }
+        let key = if logged { self.keys[r.key as usize] } else { None };
+        if key.is_none() && needs_caller(route) {
+            return Ok((ri, None));
+        }
+        match self.blocked[ri] {
+            Some(why) => Err(why),
+            None => Ok((ri, key)),
+        }
+    }
+}
+
+/// Per logged key id: the replay's figures.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KeyReport {
+    /// The key id as logged; `-` for callers without one.
+    pub key: String,
+    pub requests: u64,
+    pub logged_admitted: u64,
+    pub logged_refused: u64,
+    /// Under the running rules (`--rules`).
+    pub replayed_admitted: u64,
+    pub replayed_refused: u64,
+    /// The replayed decision is the logged one.
+    pub agree: u64,
+    pub disagree: u64,
+    /// With a proposal (`--against`), the rest; `None` without.
+    pub admitted_proposed: Option<u64>,
+    /// Admitted under the running rules, refused under the proposal.
+    pub newly_refused: u64,
+    pub newly_admitted: u64,
+    /// The longest Retry-After the proposal gives a newly refused request, whole seconds.
+    pub longest_retry_after_s: Option<u64>,
+}
+
+impl Serialize for KeyReport {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self.admitted_proposed {
+            None => {
+                let mut m = s.serialize_struct("KeyReport", 7)?;
+                m.serialize_field("key", &self.key)?;
+                m.serialize_field("requests", &self.requests)?;
+                m.serialize_field("logged_admitted", &self.logged_admitted)?;
+                m.serialize_field("logged_refused", &self.logged_refused)?;
+                m.serialize_field("replayed_admitted", &self.replayed_admitted)?;
+                m.serialize_field("agree", &self.agree)?;
+                m.serialize_field("disagree", &self.disagree)?;
+                m.end()
+            }
+            Some(proposed) => {
+                let mut m = s.serialize_struct("KeyReport", 9)?;
+                m.serialize_field("key", &self.key)?;
+                m.serialize_field("requests", &self.requests)?;
+                m.serialize_field("admitted_running", &self.replayed_admitted)?;
+                m.serialize_field("admitted_proposed", &proposed)?;
+                m.serialize_field("newly_refused", &self.newly_refused)?;
+                m.serialize_field("newly_admitted", &self.newly_admitted)?;
+                m.serialize_field("longest_retry_after_s", &self.longest_retry_after_s)?;
+                m.serialize_field("agree", &self.agree)?;
+                m.serialize_field("disagree", &self.disagree)?;
+                m.end()
+            }
+        }
+    }
+}
+
+/// A rules file a replay ran under, and the logged key ids it does not know, which it replayed
+/// as callers without a key, with their lines.
+#[derive(Clone, Debug, Serialize)]
+pub struct RulesReport {
+    pub file: String,
+    pub version: u64,
+    pub unknown_keys: BTreeMap<String, u64>,
+}
+
+/// `--max-newly-refused`: the threshold, and the keys over it.
+#[derive(Clone, Debug, Serialize)]
+pub struct HeldReport {
+    pub pct: f64,
+    pub over: Vec<String>,
+}
+
+/// What a replay of access logs found.
+#[derive(Clone, Debug, Serialize)]
+pub struct LogsReport {
+    pub files: usize,
+    pub inputs: Vec<InputReport>,
+    pub lines: LineCounts,
+    /// The most lines first.
+    pub not_replayable: Vec<Reason>,
+    /// Access lines per rules version the gateways logged.
+    pub rules_versions: BTreeMap<u64, u64>,
+    /// Set when the log ran other versions than the `--rules` file's.
+    pub versions_note: Option<String>,
+    /// Access lines per gateway instance.
+    pub instances: BTreeMap<String, u64>,
+    pub rules: RulesReport,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub against: Option<RulesReport>,
+    /// The first and last check replayed, µs since the Unix epoch.
+    pub first_check_us: Option<u64>,
+    pub last_check_us: Option<u64>,
+    /// Sorted worst first: by newly refused with a proposal, by disagreements without; then
+    /// by key.
+    pub keys: Vec<KeyReport>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_newly_refused: Option<HeldReport>,
+}
+
+/// Replays access logs (JSON or combined, gzip or not, any mix) under `rules`, and under
+/// `against` beside it when given. Files that are CSV traces are refused.
+pub fn replay_logs(
+    files: &[PathBuf],
+    rules: &Path,
+    against: Option<&Path>,
+) -> Result<LogsReport, ReplayError> {
+    let inputs = files.iter().map(|f| open(f)).collect::<Result<Vec<_>, _>>()?;
+    if let Some(csv) = inputs.iter().find(|i| i.format == Format::Csv) {
+        return Err(input_err(
+            &csv.name,
+            "is a CSV trace; replay it alone, without --against",
+        ));
+    }
+    let inputs = match classify(inputs)? {
+        Inputs::Logs(l) => l,
+        Inputs::Trace(i) => return Err(input_err(&i.name, EXPECTED)),
+    };
+    let running = RulesFile::load(rules)?;
+    let proposed = against.map(RulesFile::load).transpose()?;
+    replay(inputs, running, proposed, false)
+}
+
+/// Reads, merges and replays `inputs`.
+pub(crate) fn replay(
+    inputs: Vec<Input>,
+    running: RulesFile,
+    proposed: Option<RulesFile>,
+    progress: bool,
+) -> Result<LogsReport, ReplayError> {
+    let mut c = Collector::default();
+    let mut reports = Vec::with_capacity(inputs.len());
+    for input in inputs {
+        if input.format == Format::Empty {
+            reports.push(InputReport {
+                file: input.name,
+                format: Format::Empty.name(),
+                gzip: input.gzip,
+                lines: 0,
+                access: 0,
+                skipped: 0,
+                truncated: 0,
+                cut: false,
+            });
+            continue;
+        }
+        reports.push(c.read(input, progress)?);
+    }
+    // Stable: lines of one instant keep their file's order, and files theirs.
+    c.recs.sort_by_key(|r| r.check_us);
+    let recs = std::mem::take(&mut c.recs);
+    let mut run = Side::new(running, &mut c);
+    let mut alt = proposed.map(|p| Side::new(p, &mut c));
+    let mut tallies = vec![KeyReport::default(); c.keys.len() + 1];
+    let (mut first, mut last) = (None, None);
+    for r in &recs {
+        let shapes = &c.shapes;
+        let example = || {
+            let (m, p) = &shapes[r.shape as usize];
+            format!("{m} {p}")
+        };
+        let resolved = run.resolve(r, shapes).and_then(|a| match alt.as_mut() {
+            Some(alt) => alt.resolve(r, shapes).map(|b| (a, Some(b))),
+            None => Ok((a, None)),
+        });
+        let ((ri, key), alt_at) = match resolved {
+            Ok(x) => x,
+            Err(why) => {
+                let by_request = why == run.no_route || alt.as_ref().is_some_and(|a| why == a.no_route);
+                c.reasons
+                    .count(why, by_request.then_some(&example as &dyn Fn() -> String));
+                c.counts.not_replayable += 1;
+                continue;
+            }
+        };
+        let (ip, fp) = c.clients[r.client as usize];
+        let cost = (r.cost != NO_COST).then_some(r.cost);
+        let check = |side: &mut Side, ri: usize, key: Option<usize>| {
+            side.fleet
+                .check_route(ri, key, ip, fp, 0, r.check_us, None, cost)
+                .map(|p| p.verdict)
+                .map_err(|e| format!("{}: {}", side.file.name, e.reason))
+        };
+        let verdicts = check(&mut run, ri, key).and_then(|a| match (alt.as_mut(), alt_at) {
+            (Some(side), Some((ri, key))) => check(side, ri, key).map(|b| (a, Some(b))),
+            _ => Ok((a, None)),
+        });
+        let (v, p) = match verdicts {
+            Ok(x) => x,
+            Err(why) => {
+                let id = c.reasons.id(why);
+                c.reasons.count(id, Some(&example));
+                c.counts.not_replayable += 1;
+                continue;
+            }
+        };
+        c.counts.replayed += 1;
+        first.get_or_insert(r.check_us);
+        last = Some(r.check_us);
+        let slot = if r.key == NO_KEY {
+            c.keys.len()
+        } else {
+            r.key as usize
+        };
+        let t = &mut tallies[slot];
+        t.requests += 1;
+        if r.logged_admitted {
+            t.logged_admitted += 1;
+        } else {
+            t.logged_refused += 1;
+        }
+        if v.admitted {
+            t.replayed_admitted += 1;
+        } else {
+            t.replayed_refused += 1;
+        }
+        if v.admitted == r.logged_admitted {
+            t.agree += 1;
+        } else {
+            t.disagree += 1;
+        }
+        if let Some(p) = p {
+            *t.admitted_proposed.get_or_insert(0) += u64::from(p.admitted);
+            match (v.admitted, p.admitted) {
+                (true, false) => {
+                    t.newly_refused += 1;
+                    if let Some(s) = p.retry_after {
+                        t.longest_retry_after_s = Some(t.longest_retry_after_s.map_or(s, |l| l.max(s)));
+                    }
+                }
+                (false, true) => t.newly_admitted += 1,
+                _ => {}
+            }
+        }
+    }
+    let against = alt.is_some();
+    let unknown = |side: &Side| -> BTreeMap<String, u64> {
+        side.keys
+            .iter()
+            .enumerate()
+            .filter(|(k, known)| known.is_none() && tallies[*k].requests > 0)
+            .map(|(k, _)| (c.keys[k].to_string(), tallies[k].requests))
+            .collect()
+    };
+    let rules_report = |side: &Side| RulesReport {
+        file: side.file.name.clone(),
+        version: side.file.snap.version,
+        unknown_keys: unknown(side),
+    };
+    let rules = rules_report(&run);
+    let against_report = alt.as_ref().map(rules_report);
+    let mut keys: Vec<KeyReport> = tallies
+        .into_iter()
+        .enumerate()
+        .filter(|(_, t)| t.requests > 0)
+        .map(|(i, mut t)| {
+            t.key = c.keys.get(i).map_or("-".to_string(), |k| k.to_string());
+            if against {
+                t.admitted_proposed.get_or_insert(0);
+            }
+            t
+        })
+        .collect();
+    if against {
+        keys.sort_by(|a, b| {
+            b.newly_refused
+                .cmp(&a.newly_refused)
+                .then_with(|| a.key.cmp(&b.key))
+        });
+    } else {
+        keys.sort_by(|a, b| b.disagree.cmp(&a.disagree).then_with(|| a.key.cmp(&b.key)));
+    }
+    let versions_note = versions_note(&c.versions, &run.file);
+    let mut reasons: Vec<Reason> = c.reasons.list.into_iter().filter(|r| r.lines > 0).collect();
+    reasons.sort_by(|a, b| b.lines.cmp(&a.lines).then_with(|| a.reason.cmp(&b.reason)));
+    Ok(LogsReport {
+        files: reports.len(),
+        inputs: reports,
+        lines: c.counts,
+        not_replayable: reasons,
+        rules_versions: c.versions,
+        versions_note,
+        instances: c.instances.into_iter().map(|(n, l)| (n.into(), l)).collect(),
+        rules,
+        against: against_report,
+        first_check_us: first,
+        last_check_us: last,
+        keys,
+        max_newly_refused: None,
+    })
+}
+
+/// Said when the log ran other rules than the file it is replayed under.
+fn versions_note(versions: &BTreeMap<u64, u64>, rules: &RulesFile) -> Option<String> {
+    let version = rules.snap.version;
+    if versions.is_empty() || (versions.len() == 1 && versions.contains_key(&version)) {
+        return None;
+    }
+    let list: Vec<String> = versions.keys().map(u64::to_string).collect();
+    let noun = if list.len() == 1 { "version" } else { "versions" };
+    Some(format!(
+        "the log ran rules {noun} {}; replayed under version {version} of {}",
+        list.join(", "),
+        rules.name
+    ))
+}
+
+impl LogsReport {
+    /// The keys whose newly refused requests are more than `pct` % of those the running rules
+    /// admit.
+    pub fn over(&self, pct: f64) -> Vec<&KeyReport> {
+        self.keys
+            .iter()
+            .filter(|k| {
+                k.newly_refused > 0 && k.newly_refused as f64 * 100.0 > pct * k.replayed_admitted as f64
+            })
+            .collect()
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
+    }
+
+    /// The summary for a person.
+    pub fn write_text(&self, out: &mut impl Write) -> io::Result<()> {
+        let l = &self.lines;
+        write!(
+            out,
+            "replay: access logs under {} (version {})",
+            self.rules.file, self.rules.version
+        )?;
+        if let Some(a) = &self.against {
+            write!(out, ", against {} (version {})", a.file, a.version)?;
+        }
+        writeln!(out)?;
+        let plural =
+            |n: u64, one: &str, many: &str| format!("{} {}", group(n), if n == 1 { one } else { many });
+        writeln!(
+            out,
+            "{}: {} ({} JSON, {} combined)",
+            plural(self.files as u64, "file", "files"),
+            plural(l.read, "line", "lines"),
+            group(l.json),
+            group(l.combined)
+        )?;
+        let width = self.inputs.iter().map(|i| i.file.len()).max().unwrap_or(0);
+        for i in &self.inputs {
+            let format = if i.gzip {
+                format!("{}, gzip", i.format)
+            } else {
+                i.format.to_string()
+            };
+            write!(
+                out,
+                "  {:<width$}  {format}: {}",
+                i.file,
+                plural(i.lines, "line", "lines")
+            )?;
+            if i.skipped > 0 {
+                write!(out, ", {} skipped", group(i.skipped))?;
+            }
+            if i.truncated > 0 {
+                write!(out, " (a truncated last line)")?;
+            }
+            if i.cut {
+                write!(out, "; its gzip stream ends early")?;
+            }
+            writeln!(out)?;
+        }
+        write!(out, "skipped: {} that are not access lines", group(l.skipped))?;
+        if l.truncated > 0 {
+            write!(out, ", {} of them truncated", group(l.truncated))?;
+        }
+        writeln!(out)?;
+        writeln!(
+            out,
+            "replayed: {} of {} access lines",
+            group(l.replayed),
+            group(l.access)
+        )?;
+        writeln!(
+            out,
+            "not checked: {} (the gateway made no limit check: no route, or refused before it)",
+            group(l.not_checked)
+        )?;
+        if l.without_check_us > 0 {
+            writeln!(
+                out,
+                "without check_us: {} (written by a gateway that did not log it yet)",
+                group(l.without_check_us)
+            )?;
+        }
+        writeln!(out, "not replayable: {}", group(l.not_replayable))?;
+        for r in &self.not_replayable {
+            write!(out, "  {:>12}  {}", group(r.lines), r.reason)?;
+            if let Some(e) = &r.example {
+                write!(out, " (first: {e})")?;
+            }
+            writeln!(out)?;
+        }
+        for rules in std::iter::once(&self.rules).chain(&self.against) {
+            if !rules.unknown_keys.is_empty() {
+                let list: Vec<String> = rules
+                    .unknown_keys
+                    .iter()
+                    .map(|(k, n)| format!("{k} ({})", group(*n)))
+                    .collect();
+                writeln!(
+                    out,
+                    "key ids not in {}, replayed as callers without a key: {}",
+                    rules.file,
+                    list.join(", ")
+                )?;
+            }
+        }
+        if !self.rules_versions.is_empty() {
+            let list: Vec<String> = self
+                .rules_versions
+                .iter()
+                .map(|(v, n)| format!("{v} ({})", group(*n)))
+                .collect();
+            writeln!(out, "rules versions logged: {}", list.join(", "))?;
+        }
+        if let Some(note) = &self.versions_note {
+            writeln!(out, "note: {note}")?;
+        }
+        if !self.instances.is_empty() {
+            let list: Vec<String> = self
+                .instances
+                .iter()
+                .map(|(i, n)| format!("{i} ({})", group(*n)))
+                .collect();
+            writeln!(out, "instances: {}", list.join(", "))?;
+        }
+        writeln!(out)?;
+        self.write_keys(out)
+    }
+
+    fn write_keys(&self, out: &mut impl Write) -> io::Result<()> {
+        let w = self.keys.iter().map(|k| k.key.len()).max().unwrap_or(3).max(3);
+        let against = self.against.is_some();
+        let heads: &[&str] = if against {
+            &[
+                "requests",
+                "admitted running",
+                "admitted proposed",
+                "newly refused",
+                "newly admitted",
+                "longest Retry-After",
+                "agree",
+                "disagree",
+            ]
+        } else {
+            &[
+                "requests",
+                "logged admitted",
+                "logged refused",
+                "replayed admitted",
+                "replayed refused",
+                "agree",
+                "disagree",
+            ]
+        };
+        write!(out, "{:<w$}", "key")?;
+        for h in heads {
+            write!(out, "  {h:>12}")?;
+        }
+        writeln!(out)?;
+        for k in &self.keys {
+            let cells: Vec<String> = if against {
+                vec![
+                    group(k.requests),
+                    group(k.replayed_admitted),
+                    group(k.admitted_proposed.unwrap_or(0)),
+                    group(k.newly_refused),
+                    group(k.newly_admitted),
+                    k.longest_retry_after_s
+                        .map_or("-".into(), |s| format!("{} s", group(s))),
+                    group(k.agree),
+                    group(k.disagree),
+                ]
+            } else {
+                vec![
+                    group(k.requests),
+                    group(k.logged_admitted),
+                    group(k.logged_refused),
+                    group(k.replayed_admitted),
+                    group(k.replayed_refused),
+                    group(k.agree),
+                    group(k.disagree),
+                ]
+            };
+            write!(out, "{:<w$}", k.key)?;
+            for (h, c) in heads.iter().zip(cells) {
+                let cw = h.len().max(12);
+                write!(out, "  {c:>cw$}")?;
+            }
+            writeln!(out)?;
+        }
+        if let Some(h) = &self.max_newly_refused {
+            writeln!(out)?;
+            if h.over.is_empty() {
+                writeln!(
+                    out,
+                    "newly refused: no key above {}% of its admitted requests",
+                    h.pct
+                )?;
+            } else {
+                writeln!(
+                    out,
+                    "newly refused: above {}% of their admitted requests: {}",
+                    h.pct,
+                    h.over.join(", ")
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `--max-newly-refused`: a percentage, 0 or more.
+pub(crate) fn parse_pct(text: &str) -> Result<f64, String> {
+    let t = text.trim().trim_end_matches('%');
+    match t.parse::<f64>() {
+        Ok(p) if p.is_finite() && p >= 0.0 => Ok(p),
+        _ => Err(format!(
+            "{text:?}: a percentage of each key's admitted requests, 0 or more, such as 0.5"
+        )),
+    }
+}
+
+/// The flags that mean something for a CSV trace only.
+fn refuse_trace_flags(a: &ReplayArgs) -> Result<(), ReplayError> {
+    let why_rules = "access logs are replayed under --rules, the limits the gateway enforces";
+    let flags: [(&'static str, bool, &str); 13] = [
+        ("--rate", a.rate.is_some(), why_rules),
+        ("--burst", a.burst.is_some(), why_rules),
+        ("--queue", a.queue.is_some(), why_rules),
+        (
+            "--algorithm",
+            a.algorithm != Algorithm::default(),
+            "access logs replay the gateway's own token buckets",
+        ),
+        (
+            "--design",
+            a.design.iter().any(|d| *d != Design::Central),
+            "access logs are replayed as the fleet ran: one central store for all its gateways",
+        ),
+        (
+            "--decisions",
+            a.decisions.is_some(),
+            "writes one row per CSV trace row; access logs have --json",
+        ),
+        (
+            "--plot",
+            a.plot.is_some(),
+            "draws a CSV trace's replay, not access logs'",
+        ),
+        (
+            "--lease-block",
+            a.lease_block.is_some(),
+            "goes with --design lease, for a CSV trace",
+        ),
+        (
+            "--excess-from",
+            a.excess_from.is_some(),
+            "goes with a CSV trace's worst excess",
+        ),
+        (
+            "--edge-rule",
+            a.edge_rule.is_some(),
+            "goes with --design edge, for a CSV trace",
+        ),
+        (
+            "--edge-check",
+            a.edge_check.is_some(),
+            "goes with --design edge, for a CSV trace",
+        ),
+        (
+            "--edge-delay",
+            a.edge_delay.is_some(),
+            "goes with --design edge, for a CSV trace",
+        ),
+        (
+            "--edge-count-blocked",
+            a.edge_count_blocked.is_some(),
+            "goes with --design edge, for a CSV trace",
+        ),
+    ];
+    match flags.iter().find(|f| f.1) {
+        Some((flag, _, why)) => Err(setting(flag, *why)),
+        None => Ok(()),
+    }
+}
+
+/// `--against` and `--max-newly-refused`, refused for a CSV trace.
+pub(crate) fn refuse_log_flags(a: &ReplayArgs) -> Result<(), ReplayError> {
+    if a.against.is_some() {
+        return Err(setting(
+            "--against",
+            "compares two rules files over the gateway's access logs; a CSV trace is replayed under one, --rules",
+        ));
+    }
+    if a.max_newly_refused.is_some() {
+        return Err(setting(
+            "--max-newly-refused",
+            "goes with access logs and --against",
+        ));
+    }
+    Ok(())
+}
+
+/// Runs `tollgate replay LOG...`: prints the summary, then holds (exit status 3) when a key's
+/// newly refused requests pass `--max-newly-refused`.
+pub(crate) fn main(a: &ReplayArgs, inputs: Vec<Input>) -> Result<(), ReplayError> {
+    refuse_trace_flags(a)?;
+    let Some(rules) = &a.rules else {
+        return Err(setting(
+            "--rules",
+            "required with access logs: the rules file the gateway ran (and --against a proposed one to compare)",
+        ));
+    };
+    let running = RulesFile::load(rules)?;
+    let proposed = a.against.as_deref().map(RulesFile::load).transpose()?;
+    let mut report = replay(inputs, running, proposed, true)?;
+    let held = a.max_newly_refused.map(|pct| HeldReport {
+        pct,
+        over: report.over(pct).into_iter().map(|k| k.key.clone()).collect(),
+    });
+    report.max_newly_refused = held.clone();
+    let mut out = io::stdout().lock();
+    let written = if a.json {
+        writeln!(out, "{}", report.to_json())
+    } else {
+        report.write_text(&mut out)
+    };
+    written.map_err(|e| ReplayError::Io {
+        what: "cannot write to standard output".into(),
+        reason: e.to_string(),
+    })?;
+    match held {
+        Some(h) if !h.over.is_empty() => {
+            let keys: Vec<String> = report
+                .over(h.pct)
+                .iter()
+                .map(|k| {
+                    format!(
+                        "{} ({} of {} admitted, {:.2}%)",
+                        k.key,
+                        group(k.newly_refused),
+                        group(k.replayed_admitted),
+                        k.newly_refused as f64 * 100.0 / k.replayed_admitted as f64
+                    )
+                })
+                .collect();
+            Err(ReplayError::Held(format!(
+                "{} would newly refuse more than {}% of the requests {} admits for {}",
+                report
+                    .against
+                    .as_ref()
+                    .map_or("the proposal", |r| r.file.as_str()),
+                h.pct,
+                report.rules.file,
+                keys.join(", ")
+            )))
+        }
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Dec 6 2026, 22:40:00 UTC, in µs.
+    const T: u64 = 1_765_060_800_000_000;
+    const S: u64 = 1_000_000;
+
+    fn rules(version: u64, k7_burst: u64) -> RulesFile {
+        let text = format!(
+            r#"{{"version": {version}, "upstreams": {{"u": {{"url": "http://127.0.0.1:9"}}}},
+            "limits": {{"plan": {{"dimension": "key"}},
+                       "exports": {{"dimension": "route", "rate": "1/5s", "burst": 1}},
+                       "login": {{"dimension": {{"header": "X-Account"}}, "rate": "5/60s", "burst": 5}},
+                       "unauth": {{"dimension": "ip", "rate": "1/1s", "burst": 2}}}},
+            "keys": [{{"id": "k-7", "tenant": "k7",
+                      "sha256": "80eb978e9718fd80febfebcc532e51df464a198ba85d15a9b9b6fb31acc1b3bc",
+                      "limits": {{"plan": {{"rate": "600/60s", "burst": {k7_burst}}}}}}}],
+            "routes": [{{"name": "orders", "method": "GET", "path": "/v1/orders", "upstream": "u", "cost": {{"plan": 1}}}},
+                       {{"name": "exports", "method": "POST", "path": "/v1/exports", "upstream": "u", "cost": {{"plan": 10, "exports": 1}}}},
+                       {{"name": "login", "method": "POST", "path": "/login", "upstream": "u", "key": "optional", "cost": {{"login": 1}}}}],
+            "unauthenticated": {{"limit": "unauth"}}}}"#
+        );
+        RulesFile {
+            name: "rules.json".into(),
+            snap: Arc::new(
+                tollgate_rules::compile(text.as_bytes(), "rules.json", CompileOptions::default()).unwrap(),
+            ),
+        }
+    }
+
+    /// A JSON access line; `check_us` `None` is a request no limit checked.
+    fn json(
+        key: Option<&str>,
+        method: &str,
+        path: &str,
+        status: u16,
+        check_us: Option<u64>,
+        version: u64,
+    ) -> String {
+        serde_json::json!({
+            "time": "2026-12-06T22:40:01.123+00:00", "remote_addr": "127.0.0.1", "remote_user": key,
+            "request_method": method, "request_uri": path, "server_protocol": "HTTP/1.1",
+            "status": status, "body_bytes_sent": 2, "http_referer": null, "http_user_agent": "t",
+            "request_id": "r", "route": null, "limit": null, "client_ip": null, "fingerprint": "none",
+            "latency_us": 5, "check_us": check_us, "path": path, "instance": "gw-1",
+            "rules_version": version, "cost_reported": null
+        })
+        .to_string()
+    }
+
+    fn combined(key: &str, method: &str, path: &str, status: u16, check_us: u64, client: &str) -> String {
+        format!(
+            "127.0.0.1 - {key} [06/Dec/2026:22:40:01 +0000] \"{method} {path} HTTP/1.1\" {status} 2 \"-\" \"t\" \
+             request_id=r route=\"-\" limit=\"-\" client_ip={client} fingerprint=none latency_us=5 \
+             check_us={check_us} path=\"{path}\" instance=gw-2 rules_version=4 cost_reported=-"
+        )
+    }
+
+    fn input(name: &str, text: impl AsRef<[u8]>) -> Input {
+        Input::new(
+            name.into(),
+            None,
+            Box::new(io::Cursor::new(text.as_ref().to_vec())),
+        )
+        .unwrap()
+    }
+
+    fn lines(l: &[String]) -> String {
+        l.iter().map(|l| format!("{l}\n")).collect()
+    }
+
+    fn gz(text: &str) -> Vec<u8> {
+        let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        io::Write::write_all(&mut e, text.as_bytes()).unwrap();
+        e.finish().unwrap()
+    }
+
+    fn key<'a>(r: &'a LogsReport, k: &str) -> &'a KeyReport {
+        r.keys
+            .iter()
+            .find(|x| x.key == k)
+            .unwrap_or_else(|| panic!("{k}: {:?}", r.keys))
+    }
+
+    #[test]
+    fn the_format_comes_from_the_content() {
+        let j = json(Some("k-7"), "GET", "/v1/orders", 200, Some(T), 4);
+        let c = combined("k-7", "GET", "/v1/orders", 200, T, "-");
+        assert_eq!(input("a", format!("\n{j}\n")).format, Format::Json);
+        assert_eq!(input("a", format!("{c}\n")).format, Format::Combined);
+        assert_eq!(input("a", "time,key,method\n1,k-7,GET\n").format, Format::Csv);
+        assert_eq!(input("a", "\"Time\", KEY\n").format, Format::Csv);
+        assert_eq!(input("a", "\n \n").format, Format::Empty);
+        assert_eq!(input("a", "hello\nworld\n").format, Format::Unknown);
+        // The gateway's own lines before its first access line.
+        let mixed = format!("2026-12-06T22:40:00.000Z  INFO tollgate: listening, admin on :9\n{c}\n");
+        assert_eq!(input("a", mixed).format, Format::Combined);
+        let packed = input("a.log", gz(&format!("{j}\n")));
+        assert!(packed.gzip);
+        assert_eq!(packed.format, Format::Json);
+        assert!(!input("a", format!("{j}\n")).gzip);
+        let mut back = String::new();
+        packed.into_reader().read_to_string(&mut back).unwrap();
+        assert_eq!(
+            back,
+            format!("{j}\n"),
+            "the lines that told the format are read again"
+        );
+    }
+
+    #[test]
+    fn one_csv_is_a_trace_and_several_files_must_be_logs() {
+        let j = json(Some("k-7"), "GET", "/v1/orders", 200, Some(T), 4);
+        let csv = || input("t.csv", "time,key\n1,k-7\n");
+        assert!(matches!(classify(vec![csv()]), Ok(Inputs::Trace(_))));
+        // A header the CSV reader explains better.
+        assert!(matches!(
+            classify(vec![input("t.csv", "time,gateway\n")]),
+            Ok(Inputs::Trace(_))
+        ));
+        let err = classify(vec![input("a.log", format!("{j}\n")), csv()])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("t.csv") && err.contains("only access logs can be merged"),
+            "{err}"
+        );
+        let err = classify(vec![input("x.log", "hello\n")])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.starts_with("x.log: line 1 is neither an access line nor a CSV header"),
+            "{err}"
+        );
+        assert!(err.contains("json or combined"), "{err}");
+        let two = classify(vec![input("a.log", format!("{j}\n")), input("b.log", "")]);
+        assert!(matches!(two, Ok(Inputs::Logs(l)) if l.len() == 2));
+    }
+
+    #[test]
+    fn files_merge_in_the_order_of_their_checks() {
+        // One export every 5 s for k-7. gw-1 wrote its later request first (requests end out of
+        // order); gw-2's came before both. Replayed in file order, the first would pass and
+        // the last (logged admitted) be refused.
+        let a = lines(&[
+            json(Some("k-7"), "POST", "/v1/exports", 200, Some(T + 6_500_000), 4),
+            json(Some("k-7"), "POST", "/v1/exports", 429, Some(T + 2 * S), 4),
+        ]);
+        let b = format!("{}\n", combined("k-7", "POST", "/v1/exports", 200, T + S, "-"));
+        let r = replay(
+            vec![input("a.log", a), input("b.log", b)],
+            rules(4, 20),
+            None,
+            false,
+        )
+        .unwrap();
+        let k7 = key(&r, "k-7");
+        assert_eq!((k7.requests, k7.agree, k7.disagree), (3, 3, 0), "{k7:?}");
+        assert_eq!((k7.logged_admitted, k7.replayed_admitted), (2, 2));
+        assert_eq!(
+            (r.first_check_us, r.last_check_us),
+            (Some(T + S), Some(T + 6_500_000))
+        );
+        assert_eq!((r.lines.json, r.lines.combined), (2, 1));
+        assert_eq!(r.instances.get("gw-1"), Some(&2));
+        assert_eq!(r.instances.get("gw-2"), Some(&1));
+    }
+
+    #[test]
+    fn lines_that_are_not_access_lines_are_skipped_and_counted() {
+        let ok = json(Some("k-7"), "GET", "/v1/orders", 200, Some(T), 4);
+        let mut text = lines(&[
+            "2026-12-06T22:40:01.000Z  INFO tollgate: started".into(),
+            ok.clone(),
+            r#"{"level":"WARN","fields":{"message":"slow upstream"}}"#.into(),
+            "%%% garbage".into(),
+            json(None, "GET", "/nowhere", 404, None, 4),
+            ok.replace("\"remote_addr\":\"127.0.0.1\"", "\"remote_addr\":\"not-an-ip\""),
+        ]);
+        text.push_str(&ok[..ok.len() - 1]);
+        let r = replay(vec![input("a.log", text)], rules(4, 20), None, false).unwrap();
+        let l = &r.lines;
+        assert_eq!((l.read, l.access, l.skipped, l.truncated), (7, 2, 5, 1), "{l:?}");
+        assert_eq!((l.not_checked, l.replayed, l.not_replayable), (1, 1, 0));
+        assert_eq!((r.inputs[0].skipped, r.inputs[0].truncated), (5, 1));
+        // Gzip cut short in its trailer: every line came whole. Cut inside its data: the last
+        // line is truncated.
+        let packed = gz(&lines(&[ok.clone(), ok.clone(), ok.clone()]));
+        let r = replay(
+            vec![input("a.log.gz", &packed[..packed.len() - 4])],
+            rules(4, 20),
+            None,
+            false,
+        )
+        .unwrap();
+        assert!(r.inputs[0].cut);
+        assert_eq!((r.lines.replayed, r.lines.truncated), (3, 0), "{:?}", r.lines);
+        let r = replay(
+            vec![input("a.log.gz", &packed[..packed.len() - 12])],
+            rules(4, 20),
+            None,
+            false,
+        )
+        .unwrap();
+        assert!(r.inputs[0].cut);
+        assert_eq!((r.lines.replayed, r.lines.truncated), (2, 1), "{:?}", r.lines);
+    }
+
+    #[test]
+    fn callers_without_a_key_pay_their_address_bucket() {
+        // /v1/orders needs a key: without one the gateway charges the address's bucket (burst
+        // 2) and answers 401 or 429. Another address has a bucket of its own.
+        let text = lines(&[
+            combined("-", "GET", "/v1/orders", 401, T, "-"),
+            combined("-", "GET", "/v1/orders", 401, T, "-"),
+            combined("-", "GET", "/v1/orders", 429, T, "-"),
+            combined("-", "GET", "/v1/orders", 401, T, "10.0.0.2"),
+            // A key id these rules don't know is a caller without a key.
+            combined("k-99", "GET", "/v1/orders", 200, T, "10.0.0.3"),
+        ]);
+        let r = replay(vec![input("a.log", text)], rules(4, 20), None, false).unwrap();
+        let anon = key(&r, "-");
+        assert_eq!(
+            (anon.requests, anon.agree, anon.replayed_refused),
+            (4, 4, 1),
+            "{anon:?}"
+        );
+        assert_eq!(key(&r, "k-99").agree, 1);
+        assert_eq!(r.rules.unknown_keys.get("k-99"), Some(&1));
+    }
+
+    #[test]
+    fn requests_the_log_cannot_replay_are_counted_by_reason() {
+        let text = lines(&[
+            json(None, "POST", "/login", 200, Some(T), 4),
+            json(None, "POST", "/login", 200, Some(T + 1), 4),
+            json(Some("k-7"), "GET", "/v9/nothing?x=1", 200, Some(T + 2), 4),
+            json(Some("k-7"), "GET", "/v1/orders", 200, Some(T + 3), 3),
+        ]);
+        let r = replay(vec![input("a.log", text)], rules(4, 20), None, false).unwrap();
+        assert_eq!((r.lines.not_replayable, r.lines.replayed), (3, 1));
+        let reasons: Vec<(&str, u64, Option<&str>)> = r
+            .not_replayable
+            .iter()
+            .map(|x| (x.reason.as_str(), x.lines, x.example.as_deref()))
+            .collect();
+        assert_eq!(
+            reasons,
+            [
+                (
+                    "rules.json: route \"login\" charges limit \"login\", keyed on header x-account, which the log does not carry",
+                    2,
+                    None
+                ),
+                ("rules.json: no route matches", 1, Some("GET /v9/nothing")),
+            ]
+        );
+        assert_eq!(r.rules_versions, BTreeMap::from([(3, 1), (4, 3)]));
+        assert_eq!(
+            r.versions_note.as_deref(),
+            Some("the log ran rules versions 3, 4; replayed under version 4 of rules.json")
+        );
+        let one = replay(
+            vec![input(
+                "a.log",
+                lines(&[json(None, "GET", "/v1/orders", 401, Some(T), 4)]),
+            )],
+            rules(4, 20),
+            None,
+            false,
+        )
+        .unwrap();
+        assert_eq!(one.versions_note, None);
+        let other = replay(
+            vec![input(
+                "a.log",
+                lines(&[json(None, "GET", "/v1/orders", 401, Some(T), 3)]),
+            )],
+            rules(4, 20),
+            None,
+            false,
+        )
+        .unwrap();
+        assert_eq!(
+            other.versions_note.as_deref(),
+            Some("the log ran rules version 3; replayed under version 4 of rules.json")
+        );
+    }
+
+    #[test]
+    fn a_proposal_shows_what_it_would_newly_refuse() {
+        // 25 reads of k-7, 10 ms apart, against a plan of 10 a second: before read i the
+        // bucket holds B − 0.9·i tokens while all pass. Burst 20 admits reads 0–21; burst 10
+        // admits 0–10, then 20, when the 0.1 a read has refilled one token.
+        let text = lines(
+            &(0..25)
+                .map(|i| json(Some("k-7"), "GET", "/v1/orders", 200, Some(T + i * 10_000), 4))
+                .chain(std::iter::once(json(None, "GET", "/v1/orders", 401, Some(T), 4)))
+                .collect::<Vec<_>>(),
+        );
+        let mut tight = rules(5, 10);
+        tight.name = "tight.json".into();
+        let r = replay(vec![input("a.log", text)], rules(4, 20), Some(tight), false).unwrap();
+        let k7 = key(&r, "k-7");
+        assert_eq!(k7.replayed_admitted, 22);
+        assert_eq!(k7.admitted_proposed, Some(12));
+        assert_eq!((k7.newly_refused, k7.newly_admitted), (10, 0));
+        assert_eq!(k7.longest_retry_after_s, Some(1));
+        assert_eq!(r.keys[0].key, "k-7", "the most newly refused first");
+        assert_eq!(key(&r, "-").newly_refused, 0);
+        assert_eq!(r.over(45.4).len(), 1);
+        assert!(r.over(45.5).is_empty(), "10 of 22 is 45.45%");
+        let v: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
+        let fields: Vec<&str> = v["keys"][0]
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
+        let mut want = [
+            "key",
+            "requests",
+            "admitted_running",
+            "admitted_proposed",
+            "newly_refused",
+            "newly_admitted",
+            "longest_retry_after_s",
+            "agree",
+            "disagree",
+        ];
+        want.sort_unstable();
+        let mut fields = fields;
+        fields.sort_unstable();
+        assert_eq!(fields, want);
+        assert_eq!(v["against"]["file"], "tight.json");
+    }
+
+    #[test]
+    fn percentages_are_zero_or_more() {
+        assert_eq!(parse_pct("0"), Ok(0.0));
+        assert_eq!(parse_pct("2.5%"), Ok(2.5));
+        assert!(parse_pct("-1").is_err());
+        assert!(parse_pct("lots").is_err());
+        assert!(parse_pct("NaN").is_err());
+    }
+}
