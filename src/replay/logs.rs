@@ -60,7 +60,8 @@ pub struct Input {
     pub name: String,
     pub format: Format,
     pub gzip: bool,
-    /// Its size on disk, when it is a file.
+    /// Its size on disk, when it is a file not compressed: what a CSV replay's progress
+    /// counts its bytes against.
     pub size: Option<u64>,
     reader: Box<dyn BufRead>,
     /// The first line that is not blank, and its number, for an error about the file.
@@ -119,7 +120,7 @@ impl Input {
             name,
             format,
             gzip,
-            size,
+            size: size.filter(|_| !gzip),
             reader: Box::new(io::Cursor::new(head).chain(reader)),
             first,
         })
