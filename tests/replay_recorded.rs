@@ -234,6 +234,31 @@ async fn a_tightened_rule_shows_who_it_would_refuse() {
     lenient.extend(["--max-newly-refused", "100"]);
     let (code, _, err) = replay(&lenient);
     assert_eq!(code, Some(0), "{err}");
+
+    // A proposal that drops k-big: its requests would get 401, every one it was admitted.
+    let mut dropped: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&rules).unwrap()).unwrap();
+    dropped["keys"]
+        .as_array_mut()
+        .unwrap()
+        .retain(|k| k["id"] != "k-big");
+    let proposed = dir.path().join("without-k-big.json");
+    std::fs::write(&proposed, dropped.to_string()).unwrap();
+    let (code, out, err) = replay(&[
+        log.to_str().unwrap(),
+        "--rules",
+        rules.to_str().unwrap(),
+        "--against",
+        proposed.to_str().unwrap(),
+        "--json",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    let summary: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let big = key(&summary, "k-big");
+    assert_eq!(big["admitted_running"], 25, "{big}");
+    assert_eq!(big["admitted_proposed"], 0, "{big}");
+    assert_eq!(big["newly_refused"], 25, "{big}");
+    assert_eq!(summary["keys"][0]["key"], "k-big", "{summary}");
 }
 
 /// Three gateway processes on one redis-server, their logs merged: every check reads the

@@ -22,6 +22,7 @@ use serde::Serialize;
 use serde::ser::SerializeStruct;
 
 use super::access::{self, AccessLine, Logged};
+use super::algorithms::Verdict;
 use super::args::ReplayArgs;
 use super::report::group;
 use super::rules::{RulesFleet, needs_caller};
@@ -833,7 +834,7 @@ pub(crate) fn replay(
             (Some(side), Some((ri, key))) => check(side, ri, key).map(|b| (a, Some(b))),
             _ => Ok((a, None)),
         });
-        let (v, p) = match verdicts {
+        let (v, mut p) = match verdicts {
             Ok(x) => x,
             Err(why) => {
                 let id = c.reasons.id(why);
@@ -842,6 +843,14 @@ pub(crate) fn replay(
                 continue;
             }
         };
+        // A key the proposal drops is a caller without a key there: where the route needs
+        // one, its request would get 401 however its address's bucket stands, and the
+        // partner loses it as surely as to a limit.
+        if let (Some(_), Some(side), Some((ari, None))) = (key, alt.as_ref(), alt_at)
+            && needs_caller(&side.file.snap.routes[ari])
+        {
+            p = Some(Verdict::refuse(None));
+        }
         c.counts.replayed += 1;
         first.get_or_insert(r.check_us);
         last = Some(r.check_us);
