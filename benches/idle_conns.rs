@@ -19,9 +19,10 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
+use common::bench::{Nginx, arg};
+
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{Tollgate, repo};
@@ -29,58 +30,6 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 const KEY: &str = "bench-demo-key";
-
-fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
-    let args: Vec<String> = std::env::args().collect();
-    match args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)) {
-        Some(v) => v.parse().unwrap_or_else(|_| panic!("{name}: can't read {v:?}")),
-        None => default,
-    }
-}
-
-/// An nginx started from one of benches/nginx/*.conf with its blanks filled; killed on drop.
-struct Nginx {
-    child: Child,
-    port: u16,
-}
-
-impl Nginx {
-    fn start(conf: &str, dir: &Path, fill: &[(&str, String)]) -> Nginx {
-        let port = common::free_port();
-        let mut text = std::fs::read_to_string(repo().join("benches/nginx").join(conf)).expect(conf);
-        text = text
-            .replace("__PORT__", &port.to_string())
-            .replace("__DIR__", dir.to_str().unwrap());
-        for (k, v) in fill {
-            text = text.replace(k, v);
-        }
-        let path = dir.join(conf);
-        std::fs::write(&path, text).unwrap();
-        let child = Command::new(common::require_binary("nginx"))
-            .args(["-c", path.to_str().unwrap(), "-p", dir.to_str().unwrap()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn nginx");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "nginx ({conf}) did not listen");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Nginx { child, port }
-    }
-
-    fn addr(&self) -> SocketAddr {
-        SocketAddr::from(([127, 0, 0, 1], self.port))
-    }
-}
-
-impl Drop for Nginx {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// Resident memory of a process and its children (nginx's workers), in KiB.
 fn tree_rss_kib(pid: u32) -> u64 {

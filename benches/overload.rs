@@ -14,6 +14,8 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
+use common::bench::arg;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -24,14 +26,6 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
 use common::{DemoUpstreamProc, Tollgate};
-
-fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
-    let args: Vec<String> = std::env::args().collect();
-    match args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)) {
-        Some(v) => v.parse().unwrap_or_else(|_| panic!("{name}: can't read {v:?}")),
-        None => default,
-    }
-}
 
 /// One request as the driver saw it, in µs from the run's start.
 #[derive(Debug, Clone, Copy)]

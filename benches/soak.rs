@@ -26,6 +26,8 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
+use common::bench::arg;
+
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
@@ -36,14 +38,6 @@ use common::{DemoUpstreamProc, RedisServer, Tollgate};
 use sha2::{Digest, Sha256};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
-
-fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
-    let args: Vec<String> = std::env::args().collect();
-    match args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)) {
-        Some(v) => v.parse().unwrap_or_else(|_| panic!("{name}: can't read {v:?}")),
-        None => default,
-    }
-}
 
 fn secret(i: usize) -> String {
     format!("soak-key-{i}")

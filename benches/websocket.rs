@@ -16,60 +16,14 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
+use common::bench::{Nginx, arg};
+
 use std::net::SocketAddr;
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use futures_util::{SinkExt, StreamExt};
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
-
-fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
-    let args: Vec<String> = std::env::args().collect();
-    match args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)) {
-        Some(v) => v.parse().unwrap_or_else(|_| panic!("{name}: can't read {v:?}")),
-        None => default,
-    }
-}
-
-/// nginx from benches/nginx/websocket.conf in front of `upstream`; killed on drop.
-struct Nginx {
-    child: Child,
-    port: u16,
-}
-
-impl Nginx {
-    fn start(dir: &Path, upstream: SocketAddr) -> Nginx {
-        let port = common::free_port();
-        let text = std::fs::read_to_string(common::repo().join("benches/nginx/websocket.conf"))
-            .expect("benches/nginx/websocket.conf")
-            .replace("__PORT__", &port.to_string())
-            .replace("__UPSTREAM__", &upstream.to_string())
-            .replace("__DIR__", dir.to_str().unwrap());
-        let path = dir.join("websocket.conf");
-        std::fs::write(&path, text).unwrap();
-        let child = Command::new(common::require_binary("nginx"))
-            .args(["-c", path.to_str().unwrap(), "-p", dir.to_str().unwrap()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start nginx");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "nginx did not listen on {port}");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Nginx { child, port }
-    }
-}
-
-impl Drop for Nginx {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 type Ws = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
 
@@ -155,11 +109,15 @@ async fn main() {
         "1",
         "--no-meter",
     ]);
-    let nginx = Nginx::start(dir.path(), upstream.addr);
+    let nginx = Nginx::start(
+        "websocket.conf",
+        dir.path(),
+        &[("__UPSTREAM__", upstream.addr.to_string())],
+    );
     let targets: [(&str, SocketAddr); 3] = [
         ("direct", upstream.addr),
         ("tollgate", gw.addr),
-        ("nginx", SocketAddr::from(([127, 0, 0, 1], nginx.port))),
+        ("nginx", nginx.addr()),
     ];
     println!(
         "{clients} clients, {size}-byte messages, {seconds} s a round, {rounds} rounds; {n_handshakes} handshakes a round"
