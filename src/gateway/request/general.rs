@@ -21,12 +21,9 @@ impl Gateway {
     /// Serves one request that hyper read.
     pub(crate) async fn serve(&self, req: Request<Incoming>, conn: ConnInfo) -> Response<Body> {
         let (mut parts, body) = req.into_parts();
-        // hyper hands the connection over here once it has sent a `101`.
-        let on_upgrade = if parts.headers.contains_key(http::header::UPGRADE) {
-            parts.extensions.remove::<hyper::upgrade::OnUpgrade>()
-        } else {
-            None
-        };
+        // hyper hands the connection over here once it has sent a `101`; only a request with
+        // `Upgrade` has one, and most requests' extensions are an empty map, one branch.
+        let on_upgrade = parts.extensions.remove::<hyper::upgrade::OnUpgrade>();
         let mut wire = General {
             gw: self,
             version: parts.version,
