@@ -551,6 +551,36 @@ async fn refusals_before_any_limit_answer_alike() {
     p.assert_alike();
 }
 
+/// An upgrade is not a request the lane takes: one the route does not list is refused alike,
+/// uncharged, and `h2c` is ignored alike (the upstream is asked no upgrade); the connection
+/// then goes on.
+#[tokio::test]
+async fn an_unlisted_upgrade_answers_alike() {
+    let mut p = Pair::start().await;
+    let ws = [
+        ("x-api-key", KEY),
+        ("upgrade", "websocket"),
+        ("connection", "upgrade"),
+    ];
+    let a = p.both(Method::GET, "/v1/orders", &ws).await;
+    assert_eq!(
+        (a.status, error_of(&a)),
+        (StatusCode::FORBIDDEN, "upgrade_not_allowed".into())
+    );
+    assert!(a.header("ratelimit").is_none(), "{:?}", a.headers);
+    let h2c = [
+        ("x-api-key", KEY),
+        ("upgrade", "h2c"),
+        ("connection", "upgrade, http2-settings"),
+        ("http2-settings", "AAMAAABkAAQAoAAAAAIAAAAA"),
+    ];
+    let a = p.both(Method::GET, "/v1/orders", &h2c).await;
+    assert_eq!(a.status, StatusCode::OK);
+    let a = p.both(Method::GET, "/v1/orders", &key()).await;
+    assert_eq!(a.status, StatusCode::OK);
+    p.assert_alike();
+}
+
 /// TRACE is not a method the lane takes: the express gateway's connection goes to hyper with
 /// it, and must answer as `--no-express` does, then go on.
 #[tokio::test]
