@@ -7,6 +7,10 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 mod common;
+// A real gateway's logs, in this binary rather than one of its own: each test binary links
+// the whole stack, most of a CI run.
+#[path = "replay_logs/recorded.rs"]
+mod recorded;
 
 use common::cli::{fails, ok, p, tollgate};
 

@@ -5,12 +5,11 @@
 //! with every decision the gateway made. A tightened copy of the rules refuses more of exactly
 //! the key it tightened, and `--max-newly-refused` holds such a change back with exit status 3.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{K7, K8, KBIG, Tollgate};
+use crate::common;
+use crate::common::{K7, K8, KBIG, Tollgate};
 
 /// The demo rules at `version`, pointed at `upstream`.
 fn rules_at(upstream: std::net::SocketAddr, version: u64) -> serde_json::Value {
