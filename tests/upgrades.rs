@@ -465,3 +465,53 @@ async fn the_head_timeout_leaves_an_upgraded_connection_alone() {
     tokio::time::sleep(Duration::from_millis(2500)).await;
     assert_eq!(echo(&mut ws, Message::text("two")).await, Message::text("two"));
 }
+
+/// An upstream over TLS (`https://`, its CA in the rules): the switch and the relay run over
+/// the upstream's TLS session as over plain TCP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_echo_to_an_upstream_over_tls() {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = l.local_addr().unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(common::tls::server_config());
+    tokio::spawn(async move {
+        loop {
+            let (tcp, _) = l.accept().await.unwrap();
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let Ok(mut ws) = tokio_tungstenite::accept_async(tls).await else {
+                    return;
+                };
+                while let Some(Ok(msg)) = ws.next().await {
+                    if msg.is_text() && ws.send(msg).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    let rules = serde_json::json!({
+        "version": 1,
+        "upstreams": {"secure": {"url": format!("https://{up}"), "tls": common::tls::demo_ca()}},
+        "routes": [{"method": "GET", "path": "/v1/stream", "upstream": "secure", "key": "optional",
+                    "upgrade": ["websocket"]}]
+    });
+    let (_dir, path) = common::rules_file(&rules.to_string());
+    for lane in [true, false] {
+        let p = path.to_str().unwrap();
+        let args: Vec<&str> = if lane {
+            vec!["serve", "--rules", p]
+        } else {
+            vec!["serve", "--rules", p, "--no-express"]
+        };
+        let gw = Tollgate::spawn(&args);
+        let (mut ws, _) = opened(gw.addr, "/v1/stream", "").await;
+        assert_eq!(
+            echo(&mut ws, Message::text("through tls")).await,
+            Message::text("through tls"),
+            "lane {lane}"
+        );
+    }
+}
