@@ -106,6 +106,16 @@ fn demo_on(lane: bool) -> Tollgate {
     })
 }
 
+/// A gateway on the rules file at `path`, on the express lane first or on hyper's path alone.
+fn serve_on(path: &std::path::Path, lane: bool) -> Tollgate {
+    let p = path.to_str().unwrap();
+    Tollgate::spawn(&if lane {
+        vec!["serve", "--rules", p]
+    } else {
+        vec!["serve", "--rules", p, "--no-express"]
+    })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_echo_through_the_demo_on_both_paths() {
     for lane in [true, false] {
@@ -384,13 +394,7 @@ async fn bytes_right_behind_the_switch_are_relayed() {
     });
     let (_dir, path) = common::rules_file(&stream_rules(up_addr, 60_000));
     for lane in [true, false] {
-        let p = path.to_str().unwrap();
-        let args: Vec<&str> = if lane {
-            vec!["serve", "--rules", p]
-        } else {
-            vec!["serve", "--rules", p, "--no-express"]
-        };
-        let gw = Tollgate::spawn(&args);
+        let gw = serve_on(&path, lane);
         let mut tcp = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
         tcp.write_all(
             b"GET /v1/stream HTTP/1.1\r\nHost: t\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
@@ -500,13 +504,7 @@ async fn messages_echo_to_an_upstream_over_tls() {
     });
     let (_dir, path) = common::rules_file(&rules.to_string());
     for lane in [true, false] {
-        let p = path.to_str().unwrap();
-        let args: Vec<&str> = if lane {
-            vec!["serve", "--rules", p]
-        } else {
-            vec!["serve", "--rules", p, "--no-express"]
-        };
-        let gw = Tollgate::spawn(&args);
+        let gw = serve_on(&path, lane);
         let (mut ws, _) = opened(gw.addr, "/v1/stream", "").await;
         assert_eq!(
             echo(&mut ws, Message::text("through tls")).await,

@@ -410,6 +410,14 @@ fn escape(out: &mut Vec<u8>, v: &[u8], space: bool) {
     }
 }
 
+/// A number, or `-` when there is none.
+fn number(out: &mut Vec<u8>, num: &mut itoa::Buffer, v: Option<u64>) {
+    match v {
+        Some(n) => out.extend_from_slice(num.format(n).as_bytes()),
+        None => out.push(b'-'),
+    }
+}
+
 /// A value, or `-` when there is none, as nginx logs an unset variable.
 fn field(out: &mut Vec<u8>, v: Option<&[u8]>, space: bool) {
     match v {
@@ -442,10 +450,7 @@ fn combined(r: &AccessEntry, instance: &str, clock: &mut LocalClock, out: &mut V
     out.extend_from_slice(b"\" ");
     out.extend_from_slice(num.format(r.status).as_bytes());
     out.push(b' ');
-    match r.body_bytes {
-        Some(n) => out.extend_from_slice(num.format(n).as_bytes()),
-        None => out.push(b'-'),
-    }
+    number(out, &mut num, r.body_bytes);
     out.push(b' ');
     quoted(out, r.referer());
     out.push(b' ');
@@ -467,10 +472,7 @@ fn combined(r: &AccessEntry, instance: &str, clock: &mut LocalClock, out: &mut V
     out.extend_from_slice(b" latency_us=");
     out.extend_from_slice(num.format(r.latency_us).as_bytes());
     out.extend_from_slice(b" check_us=");
-    match r.check_us {
-        Some(t) => out.extend_from_slice(num.format(t).as_bytes()),
-        None => out.push(b'-'),
-    }
+    number(out, &mut num, r.check_us);
     out.extend_from_slice(b" path=");
     quoted(out, r.path());
     out.extend_from_slice(b" instance=");
@@ -478,10 +480,7 @@ fn combined(r: &AccessEntry, instance: &str, clock: &mut LocalClock, out: &mut V
     out.extend_from_slice(b" rules_version=");
     out.extend_from_slice(num.format(r.rules_version).as_bytes());
     out.extend_from_slice(b" cost_reported=");
-    match r.cost_reported {
-        Some(n) => out.extend_from_slice(num.format(n).as_bytes()),
-        None => out.push(b'-'),
-    }
+    number(out, &mut num, r.cost_reported);
     out.push(b'\n');
 }
 
