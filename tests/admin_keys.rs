@@ -507,3 +507,122 @@ async fn gateways_on_one_redis_follow_each_others_keys() {
     assert_ne!(orders(&http, &pc, &later).await.0, StatusCode::UNAUTHORIZED);
     refused_as_revoked(orders(&http, &pc, &secret).await);
 }
+
+/// Every id the API accepts is reachable through its paths: read, rotated, patched, revoked.
+/// Ids that break the alphabet are refused naming the field, and a key stored before ids kept
+/// to it (`a/b`, `../x`, `q?x`) is still reached, and revoked, through a percent-encoded path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_key_id_the_api_accepts_can_be_reached_and_revoked() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = token_file(dir.path());
+    let keys_file = dir.path().join("keys.db");
+    // Keys stored by an older gateway, whose API let any printable id through.
+    let now = jiff::Timestamp::now();
+    let mut old_secrets = Vec::new();
+    {
+        let store = tollgate_keys::sqlite::SqliteKeys::open(&keys_file).unwrap();
+        for id in ["a/b", "../x", "q?x", "p%41"] {
+            let body = r#"{"tenant": "old", "limits": {"plan": {"rate": "600/60s", "burst": 20}}}"#;
+            let c = tollgate_keys::change::Create::parse(body.as_bytes(), now).unwrap();
+            let (mut rec, secret) = tollgate_keys::change::create(c, now);
+            rec.id = id.to_string();
+            assert!(store.insert_new(&rec).await.unwrap());
+            old_secrets.push((id, secret));
+        }
+    }
+    let args = [
+        "demo",
+        "--admin-token-file",
+        &token,
+        "--keys-file",
+        keys_file.to_str().unwrap(),
+    ];
+    let gw = Tollgate::spawn(&args);
+    let admin = Admin::new(gw.admin.unwrap());
+    let http = Http::new();
+    let public = format!("http://{}", gw.addr);
+
+    for (id, why) in [
+        ("a/b", "only letters"),
+        ("../x", "only letters"),
+        ("q?x", "only letters"),
+        ("k 7", "only letters"),
+        ("..", "dot segment"),
+        ("", "1 to 128"),
+    ] {
+        let a = admin
+            .call(
+                Method::POST,
+                "/admin/keys",
+                leak(json!({"tenant": "acme", "id": id})),
+            )
+            .await;
+        assert_eq!(a.status, StatusCode::BAD_REQUEST, "{id:?}: {:?}", a.body);
+        assert_eq!(a.json()["field"], "id", "{id:?}");
+        assert!(
+            a.json()["reason"].as_str().unwrap().contains(why),
+            "{id:?}: {:?}",
+            a.json()
+        );
+    }
+
+    let plan = json!({"plan": {"rate": "600/60s", "burst": 20}});
+    let longest = "z".repeat(128);
+    for id in ["k-7.v_2", "...a", "A", longest.as_str()] {
+        let a = admin
+            .call(
+                Method::POST,
+                "/admin/keys",
+                leak(json!({"tenant": "acme", "id": id, "limits": plan})),
+            )
+            .await;
+        assert_eq!(a.status, StatusCode::CREATED, "{id:?}: {:?}", a.body);
+        let shown = admin.call(Method::GET, &format!("/admin/keys/{id}"), "").await;
+        assert_eq!(shown.status, StatusCode::OK, "{id:?}");
+        assert_eq!(shown.json()["id"], id);
+        let rotated = admin
+            .call(
+                Method::POST,
+                &format!("/admin/keys/{id}/rotate"),
+                r#"{"grace_s": 0}"#,
+            )
+            .await;
+        assert_eq!(rotated.status, StatusCode::OK, "{id:?}: {:?}", rotated.body);
+        let secret = rotated.json()["secret"].as_str().unwrap().to_string();
+        let patched = admin
+            .call(
+                Method::PATCH,
+                &format!("/admin/keys/{id}"),
+                r#"{"name": "renamed"}"#,
+            )
+            .await;
+        assert_eq!(patched.status, StatusCode::OK, "{id:?}: {:?}", patched.body);
+        let revoked = admin
+            .call(Method::POST, &format!("/admin/keys/{id}/revoke"), "")
+            .await;
+        assert_eq!(revoked.status, StatusCode::OK, "{id:?}");
+        let _ = until("a revoked key is refused", async || {
+            orders(&http, &public, &secret).await == (StatusCode::UNAUTHORIZED, json!("key_revoked"))
+        })
+        .await;
+    }
+
+    for (id, secret) in &old_secrets {
+        assert_eq!(orders(&http, &public, secret).await.0, StatusCode::OK, "{id}");
+        let path: String = id.bytes().map(|b| format!("%{b:02X}")).collect();
+        let shown = admin.call(Method::GET, &format!("/admin/keys/{path}"), "").await;
+        assert_eq!(shown.status, StatusCode::OK, "{id}: {:?}", shown.body);
+        assert_eq!(shown.json()["id"], *id);
+        let revoked = admin
+            .call(Method::POST, &format!("/admin/keys/{path}/revoke"), "")
+            .await;
+        assert_eq!(revoked.status, StatusCode::OK, "{id}");
+        let _ = until("an old key revoked by its encoded path is refused", async || {
+            orders(&http, &public, secret).await == (StatusCode::UNAUTHORIZED, json!("key_revoked"))
+        })
+        .await;
+    }
+    let broken = admin.call(Method::GET, "/admin/keys/a%2", "").await;
+    assert_eq!(broken.status, StatusCode::BAD_REQUEST);
+    assert_eq!(broken.json()["field"], "path");
+}

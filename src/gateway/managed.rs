@@ -195,7 +195,11 @@ impl ManagedKeys {
         let query = req.uri().query().map(str::to_string);
         let method = req.method().clone();
         let rest = path.strip_prefix("/admin/keys").unwrap_or("");
-        let parts: Vec<&str> = rest.split('/').filter(|s| !s.is_empty()).collect();
+        let parts = match segments(rest) {
+            Ok(p) => p,
+            Err(f) => return f.into_response(),
+        };
+        let parts: Vec<&str> = parts.iter().map(String::as_str).collect();
         let body = match read_body(req).await {
             Ok(b) => b,
             Err(f) => return f.into_response(),
@@ -440,6 +444,40 @@ async fn read_body(req: Request<Incoming>) -> Result<Vec<u8>, Fail> {
     Ok(kept)
 }
 
+/// The segments of a path under `/admin/keys`, each percent-decoded: ids keep to letters,
+/// digits, `-`, `_` and `.`, but a key stored before they did may hold `/`, `?` or `%`, and is
+/// reached as `/admin/keys/a%2Fb/revoke`.
+fn segments(rest: &str) -> Result<Vec<String>, Fail> {
+    rest.split('/')
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            percent_decode(s).ok_or_else(|| {
+                fail(
+                    StatusCode::BAD_REQUEST,
+                    json!({"error": "bad_request", "field": "path",
+                           "reason": format!("{s:?} is not a percent-encoded UTF-8 path segment")}),
+                )
+            })
+        })
+        .collect()
+}
+
+/// `%XX` escapes decoded; `None` for a broken escape or bytes that are not UTF-8.
+fn percent_decode(s: &str) -> Option<String> {
+    let mut out = Vec::with_capacity(s.len());
+    let mut bytes = s.bytes();
+    while let Some(b) = bytes.next() {
+        if b != b'%' {
+            out.push(b);
+            continue;
+        }
+        let digit = |d: u8| (d as char).to_digit(16);
+        let (hi, lo) = (digit(bytes.next()?)?, digit(bytes.next()?)?);
+        out.push((hi * 16 + lo) as u8);
+    }
+    String::from_utf8(out).ok()
+}
+
 /// An answer other than success: its status and JSON body, made into a response at the end.
 struct Fail(StatusCode, Value);
 
@@ -481,4 +519,21 @@ fn unavailable(reason: &str) -> Fail {
         StatusCode::SERVICE_UNAVAILABLE,
         json!({"error": "keys_unavailable", "reason": reason}),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn path_segments_are_percent_decoded() {
+        let parts = segments("/a%2Fb/revoke").ok().unwrap();
+        assert_eq!(parts, ["a/b", "revoke"]);
+        assert_eq!(segments("/q%3Fx").ok().unwrap(), ["q?x"]);
+        assert_eq!(segments("/%2E%2E%2Fx").ok().unwrap(), ["../x"]);
+        assert_eq!(segments("/k-7").ok().unwrap(), ["k-7"]);
+        for broken in ["/a%2", "/a%zz", "/a%+1", "/%FF"] {
+            assert!(segments(broken).is_err(), "{broken}");
+        }
+    }
 }

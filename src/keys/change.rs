@@ -63,8 +63,9 @@ pub const MAX_GRACE_S: u64 = 30 * 24 * 3_600;
 /// record without end.
 pub const MAX_SECRETS: usize = 10;
 
-/// The longest key id or tenant, in characters.
-pub const MAX_ID_LEN: usize = 64;
+/// The longest tenant, in characters. Ids keep to the rules file's own bound,
+/// [`tollgate_rules::keys::MAX_ID_LEN`].
+pub const MAX_TENANT_LEN: usize = 64;
 
 /// The longest name, in characters.
 pub const MAX_NAME_LEN: usize = 200;
@@ -87,7 +88,7 @@ impl Create {
         only(&obj, "", &["id", "tenant", "name", "limits", "expires_at"])?;
         let id = match obj.get("id") {
             None | Some(Value::Null) => None,
-            Some(v) => Some(ident("id", v, false)?),
+            Some(v) => Some(key_id(v)?),
         };
         let tenant = match obj.get("tenant") {
             None => {
@@ -96,7 +97,7 @@ impl Create {
                     "missing: every key belongs to a tenant",
                 ));
             }
-            Some(v) => ident("tenant", v, true)?,
+            Some(v) => tenant(v)?,
         };
         let name = match obj.get("name") {
             None | Some(Value::Null) => None,
@@ -302,31 +303,41 @@ fn only(obj: &Map<String, Value>, at: &str, allowed: &[&str]) -> Result<(), Fiel
     }
 }
 
-/// A key id or tenant, held to what the rules file accepts for its keys (a header value,
-/// since both are sent upstream; a tenant without braces, since it is the hash tag of its
-/// buckets' names in Redis) and, tighter, to 1–64 characters without spaces, so every id the
-/// admin API hands out could also be written into a rules file and reads as one word in a log
-/// line. Ids may hold `/`, `?` or `%`: the admin API's paths carry them percent-encoded.
-fn ident(field: &str, v: &Value, tenant: bool) -> Result<String, FieldError> {
+/// A key id: what the rules file accepts for its keys' ids (`tollgate_rules::keys::id_problem`),
+/// so every id the admin API hands out is one segment of its own paths and can be read, rotated
+/// and revoked through them.
+fn key_id(v: &Value) -> Result<String, FieldError> {
     let Some(text) = v.as_str() else {
-        return Err(FieldError::new(field, "must be a string"));
+        return Err(FieldError::new("id", "must be a string"));
+    };
+    match tollgate_rules::keys::id_problem(text) {
+        Some(why) => Err(FieldError::new("id", why)),
+        None => Ok(text.to_string()),
+    }
+}
+
+/// A tenant: 1–64 printable ASCII characters without spaces (it is sent upstream and reads as
+/// one word in a log line), and no braces, kept out though bucket names escape them.
+fn tenant(v: &Value) -> Result<String, FieldError> {
+    let Some(text) = v.as_str() else {
+        return Err(FieldError::new("tenant", "must be a string"));
     };
     let n = text.chars().count();
-    if n == 0 || n > MAX_ID_LEN {
+    if n == 0 || n > MAX_TENANT_LEN {
         return Err(FieldError::new(
-            field,
-            format!("must be 1 to {MAX_ID_LEN} characters, not {n}"),
+            "tenant",
+            format!("must be 1 to {MAX_TENANT_LEN} characters, not {n}"),
         ));
     }
     if let Some(c) = text.chars().find(|c| !c.is_ascii_graphic()) {
         return Err(FieldError::new(
-            field,
+            "tenant",
             format!("must be printable ASCII without spaces, not {c:?}"),
         ));
     }
-    if tenant && text.contains(['{', '}']) {
+    if text.contains(['{', '}']) {
         return Err(FieldError::new(
-            field,
+            "tenant",
             "must not contain braces: the tenant is the hash tag of its buckets' names",
         ));
     }
@@ -486,8 +497,15 @@ mod tests {
             (r#"{"tenant": "a b"}"#, "tenant", "without spaces"),
             (r#"{"tenant": "é"}"#, "tenant", "printable ASCII"),
             (r#"{"tenant": "a{b}"}"#, "tenant", "braces"),
-            (r#"{"tenant": "a", "id": ""}"#, "id", "1 to 64"),
-            (r#"{"tenant": "a", "id": "k\t7"}"#, "id", "printable ASCII"),
+            (r#"{"tenant": "a", "id": ""}"#, "id", "1 to 128"),
+            (r#"{"tenant": "a", "id": "k\t7"}"#, "id", "only letters"),
+            (r#"{"tenant": "a", "id": "a/b"}"#, "id", "only letters"),
+            (r#"{"tenant": "a", "id": "../x"}"#, "id", "only letters"),
+            (r#"{"tenant": "a", "id": "q?x"}"#, "id", "only letters"),
+            (r#"{"tenant": "a", "id": "a%2Fb"}"#, "id", "only letters"),
+            (r#"{"tenant": "a", "id": "k 7"}"#, "id", "only letters"),
+            (r#"{"tenant": "a", "id": ".."}"#, "id", "dot segment"),
+            (r#"{"tenant": "a", "id": 7}"#, "id", "must be a string"),
             (r#"{"tenant": "a", "name": 3}"#, "name", "string or null"),
             (r#"{"tenant": "a", "name": "x\ny"}"#, "name", "control characters"),
             (r#"{"tenant": "a", "limits": []}"#, "limits", "must be an object"),
@@ -576,13 +594,15 @@ mod tests {
             assert_eq!(e.field, field, "{body}: {e}");
             assert!(e.reason.contains(says), "{body}: {e}");
         }
-        let long = "k".repeat(65);
+        let long = "k".repeat(129);
         let e = field_of(&format!(r#"{{"tenant": "a", "id": "{long}"}}"#));
         assert_eq!(
-            (e.field.as_str(), e.reason.contains("not 65")),
+            (e.field.as_str(), e.reason.contains("not 129")),
             ("id", true),
             "{e}"
         );
+        let longest = format!(r#"{{"tenant": "a", "id": "{}"}}"#, "k.-_9".repeat(25) + "abc");
+        assert!(Create::parse(longest.as_bytes(), at(NOW)).is_ok());
         assert!(
             Create::parse(
                 format!(r#"{{"tenant": "{}"}}"#, "t".repeat(64)).as_bytes(),
@@ -614,7 +634,7 @@ mod tests {
         .unwrap();
         let (rec, secret) = create(c, now);
         assert!(rec.id.starts_with("k_") && rec.id.len() == 14, "{}", rec.id);
-        assert!(ident("id", &Value::from(rec.id.as_str()), false).is_ok());
+        assert!(key_id(&Value::from(rec.id.as_str())).is_ok());
         assert_eq!(
             crate::secret::looks_generated(&secret),
             crate::secret::Verdict::Good

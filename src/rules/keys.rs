@@ -10,6 +10,32 @@ use http::HeaderValue;
 use crate::quota::Quota;
 use crate::{Limit, Numbers};
 
+/// The longest key id, in characters.
+pub const MAX_ID_LEN: usize = 128;
+
+/// Why `id` can't be a key id, or `None` when it can. An id is 1 to [`MAX_ID_LEN`] letters,
+/// digits, `-`, `_` and `.`, and not dots alone: it must be one segment of an admin API path
+/// as written (`/admin/keys/ID/revoke`), so that every key made can be read, rotated and
+/// revoked, and it goes into log lines and upstream headers without escaping.
+pub fn id_problem(id: &str) -> Option<String> {
+    let n = id.chars().count();
+    if n == 0 || n > MAX_ID_LEN {
+        return Some(format!("must be 1 to {MAX_ID_LEN} characters, not {n}"));
+    }
+    if let Some(c) = id
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')))
+    {
+        return Some(format!(
+            "may hold only letters, digits, '-', '_' and '.', not {c:?}: it is a segment of the admin API's paths"
+        ));
+    }
+    if id.bytes().all(|b| b == b'.') {
+        return Some(format!("{id:?} is a path's dot segment, which clients rewrite"));
+    }
+    None
+}
+
 /// One API key of the rules.
 #[derive(Debug)]
 pub struct ApiKey {

@@ -453,7 +453,8 @@ pub(crate) struct RawNumbers {
 #[serde(deny_unknown_fields)]
 #[schemars(rename = "Key")]
 pub(crate) struct RawKey {
-    /// The key's public id, as in access logs and replay traces (`k-7`). Never the secret.
+    /// The key's public id, as in access logs and replay traces (`k-7`). Never the secret. 1 to
+    /// 128 letters, digits, `-`, `_` and `.`, and not dots alone.
     pub id: String,
     /// Buckets of `key` and `route` limits are per tenant; defaults to the id.
     #[serde(default)]

@@ -125,8 +125,14 @@ impl Compiler<'_> {
     /// The hash of a key's secret, once its id and its hash are known to be new: a request
     /// finds its key by the hash, and logs and replay name it by the id.
     fn key_hash(&self, field: KeyAt, k: &RawKey, keys: &KeysBuilder) -> Result<[u8; 32], RulesError> {
-        if k.id.is_empty() {
-            return Err(self.err(format!("{field}.id"), "must not be empty"));
+        // A key made through the admin API before ids kept to the alphabet still compiles, so
+        // it keeps working until its owner revokes it through a percent-encoded path.
+        let problem = match field {
+            KeyAt::File(_) => crate::keys::id_problem(&k.id),
+            KeyAt::Managed(_) => k.id.is_empty().then(|| "must not be empty".to_string()),
+        };
+        if let Some(why) = problem {
+            return Err(self.err(format!("{field}.id"), format!("key {:?}: {why}", k.id)));
         }
         if keys.id_of(&k.id).is_some() {
             return Err(self.err(format!("{field}.id"), format!("duplicate key id {:?}", k.id)));
@@ -395,6 +401,33 @@ mod tests {
         rules["keys"] = serde_json::json!([{"id": "k-1", "sha256": "not-a-hash"}]);
         let e = err(&rules);
         assert_eq!(e.field, "keys[0].sha256", "{e}");
+    }
+
+    #[test]
+    fn a_file_key_id_keeps_to_the_path_alphabet() {
+        for (id, says) in [
+            ("", "1 to 128"),
+            ("a/b", "only letters"),
+            ("../x", "only letters"),
+            ("q?x", "only letters"),
+            ("a:b", "only letters"),
+            ("..", "dot segment"),
+        ] {
+            let mut rules = base();
+            rules["keys"] = serde_json::json!([{"id": id, "sha256": ABC}]);
+            let e = err(&rules);
+            assert_eq!(e.field, "keys[0].id", "{id}: {e}");
+            assert!(e.reason.contains(says), "{id}: {e}");
+        }
+        let mut rules = base();
+        rules["keys"] = serde_json::json!([{"id": "K_7.v-2", "sha256": ABC}]);
+        ok(&rules);
+    }
+
+    #[test]
+    fn a_managed_key_stored_with_an_old_id_still_compiles() {
+        let snap = with_managed(&base(), &[managed("a/b?c", &[("s1", None)])]).unwrap();
+        assert!(snap.keys.by_id("a/b?c").is_some());
     }
 
     fn managed(id: &str, secrets: &[(&str, Option<u64>)]) -> ManagedKey {
