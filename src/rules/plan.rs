@@ -40,35 +40,52 @@ pub enum Caller<'a> {
 /// Header values longer than this are named by their hash in bucket keys.
 const MAX_VALUE_IN_KEY: usize = 64;
 
-/// Appends a header value to a bucket name so it can't break out of its hash tag or its
-/// segment: `{`, `}`, `:` and `%` and any byte outside printable ASCII are %-escaped, and a
-/// long value is replaced by a hash.
-pub(crate) fn push_value(out: &mut String, value: &[u8]) {
-    if value.len() > MAX_VALUE_IN_KEY {
-        out.push_str("sha256=");
-        let h = crate::hash_secret(value);
-        out.push_str(&hex::encode(&h[..16]));
+/// Whether a byte goes into a bucket name as it is: printable ASCII but the hash tag's braces,
+/// the segments' `:` and the escape's own `%`.
+#[inline]
+fn plain(b: u8) -> bool {
+    matches!(b, 0x21..=0x7e) && !matches!(b, b'{' | b'}' | b':' | b'%')
+}
+
+/// Appends `value` %-escaped: every byte but the [`plain`] ones as `%XX` (upper-case hex).
+fn push_escaped(out: &mut String, value: &[u8]) {
+    if value.iter().all(|&b| plain(b)) {
+        // Only printable ASCII, so this is UTF-8.
+        out.push_str(std::str::from_utf8(value).unwrap_or_default());
         return;
     }
     for &b in value {
-        match b {
-            b'{' | b'}' | b':' | b'%' => {
-                let _ = write!(out, "%{b:02X}");
-            }
-            0x21..=0x7e => out.push(b as char),
-            _ => {
-                let _ = write!(out, "%{b:02X}");
-            }
+        if plain(b) {
+            out.push(b as char);
+        } else {
+            let _ = write!(out, "%{b:02X}");
         }
     }
 }
 
+/// Appends a caller's value (a header, a body field, a claim) to a bucket name so it can't
+/// break out of its hash tag or its segment, nor spell another value: escaped as
+/// [`push_escaped`], and a long value replaced by `%sha256=` and its hash, which no escaped
+/// value can spell (an escape is `%` and two hex digits).
+pub(crate) fn push_value(out: &mut String, value: &[u8]) {
+    if value.len() > MAX_VALUE_IN_KEY {
+        out.push_str("%sha256=");
+        let h = crate::hash_secret(value);
+        out.push_str(&hex::encode(&h[..16]));
+        return;
+    }
+    push_escaped(out, value);
+}
+
 /// `rl:{TENANT}:LIMIT`, pushed piece by piece: `write!` costs a request hundreds of
-/// instructions in the formatting machinery for what is three copies.
+/// instructions in the formatting machinery for what is three copies. The tenant is escaped:
+/// every other tag starts with a kind and a `:` (`ip:`, `h:`, `fp:`), which an escaped tenant
+/// can't hold, so a tenant named `ip:203.0.113.9` never spells that address's buckets. A
+/// tenant of plain characters, nearly every one, keeps the name it always had.
 fn tenant_prefix(name: &mut String, tenant: &str, limit: &str) {
     name.reserve(6 + tenant.len() + limit.len());
     name.push_str("rl:{");
-    name.push_str(tenant);
+    push_escaped(name, tenant.as_bytes());
     name.push_str("}:");
     name.push_str(limit);
 }
@@ -224,7 +241,7 @@ impl<'s> Id<'s> {
     fn tenant(self) -> &'s str {
         match self {
             Id::Key(keys, k) => &keys[k].tenant,
-            Id::Jwt(j) => &j.tenant_tag,
+            Id::Jwt(j) => &j.tenant,
         }
     }
 }
@@ -312,7 +329,8 @@ fn item_for(
         }
         // Its text form needs no escaping: `none`, `unparsed` or hex digits.
         (Dimension::Fingerprint, Some(k)) => {
-            let _ = write!(name, "rl:{{{}}}:{}:{}", k.tenant(), limit.name, who.fingerprint);
+            tenant_prefix(&mut name, k.tenant(), &limit.name);
+            let _ = write!(name, ":{}", who.fingerprint);
         }
         (Dimension::Fingerprint, None) => {
             let _ = write!(name, "rl:{{fp:{}}}:{}", who.fingerprint, limit.name);
@@ -365,7 +383,7 @@ mod tests {
         assert_eq!(s, "a%7Db%7Bc%3Ad%25e%20f");
         let mut long = String::new();
         push_value(&mut long, &[b'x'; 200]);
-        assert!(long.starts_with("sha256=") && long.len() == 7 + 32);
+        assert!(long.starts_with("%sha256=") && long.len() == 8 + 32);
     }
 
     fn fingerprint_rules(opts: crate::CompileOptions) -> Result<Snapshot, crate::RulesError> {
