@@ -200,8 +200,7 @@ async fn a_refusal_blocks_the_bucket_on_every_gateway_until_it_ends_or_is_lifted
                 StatusCode::NOT_FOUND,
                 "{case}: nothing left to lift"
             );
-            // Lifted, the bucket decides by its tokens: 1 s brings one back.
-            clock.advance_us(1_000_000);
+            // Lifted, the bucket is full again: the next request passes at once.
             assert_eq!(
                 get(&http, &one, "/v1/guarded").await.status,
                 StatusCode::OK,
@@ -258,4 +257,47 @@ async fn a_blocked_key_still_reads_its_usage() {
     assert_eq!(usage.json()["key"], "k-7");
     assert_eq!(http.get(&orders, &k7).await.json()["error"], "blocked");
     gw.shutdown().await;
+}
+
+/// A block lifted at once, before anything refilled: the bucket the refusal left empty is full
+/// again, so the next requests pass (its whole burst) rather than start a new block, on the
+/// embedded store and on Redis alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lifted_block_refills_its_bucket_so_the_next_request_passes() {
+    let redis = RedisServer::start();
+    let upstream = common::start_demo_upstream().await;
+    let http = Http::new();
+    let q = format!(
+        "/admin/blocks?limit=guard&bucket={}",
+        BUCKET.replace('{', "%7B").replace('}', "%7D")
+    );
+    for store in ["redis", "memory"] {
+        redis.cli(&["FLUSHALL"]);
+        let url = match store {
+            "redis" => StoreUrl::parse(&redis.url()).unwrap(),
+            _ => StoreUrl::Memory,
+        };
+        // The clock never moves: nothing refills but the lift.
+        let clock = ManualClock::new(1_700_000_000_000_000);
+        let (gw, _dir) = gateway(&rules(upstream), url, true, clock).await;
+        for round in 0..3 {
+            let case = format!("{store}, round {round}");
+            for _ in 0..2 {
+                let a = get(&http, &gw, "/v1/guarded").await;
+                assert_eq!(a.status, StatusCode::OK, "{case}: {:?}", a.body);
+            }
+            let refused = get(&http, &gw, "/v1/guarded").await;
+            assert_eq!(refused.json()["error"], "blocked", "{case}: {:?}", refused.body);
+            let lifted = admin(&http, &gw, Method::DELETE, &q, Some(TOKEN)).await;
+            assert_eq!(lifted.status, StatusCode::OK, "{case}: {:?}", lifted.body);
+        }
+        let blocks = admin(&http, &gw, Method::GET, "/admin/blocks", None).await;
+        assert_eq!(blocks.json()["blocks"], serde_json::json!([]), "{store}");
+        assert_eq!(
+            metric(&gw, "tollgate_blocks_started_total{limit=\"guard\"}"),
+            "tollgate_blocks_started_total{limit=\"guard\"} 3",
+            "{store}: one block a round, none after a lift"
+        );
+        gw.shutdown().await;
+    }
 }

@@ -122,6 +122,10 @@ fn each_broken_file_fails_with_its_own_message() {
         ("version-fraction.json", "version: must be a positive integer"),
         ("version-string.json", "version: must be a positive integer"),
         (
+            "version-too-large.json",
+            "version: must be at most 2^53 (9007199254740992), the largest integer JSON tools keep exact",
+        ),
+        (
             "missing-upstream.json",
             "routes[0].upstream: no upstream named \"billing\"",
         ),

@@ -453,3 +453,46 @@ async fn a_configmap_mount_reloads_on_a_swap_a_rename_and_a_write_in_place() {
     let a = http.get(&gw.url("/v1/orders"), &[("x-api-key", K7)]).await;
     assert_eq!(a.status, StatusCode::OK);
 }
+
+/// A version past 2^53 would leave every later file "not above" it, ignored until a restart,
+/// and past what JSON tools keep exact: the reload is refused and the running rules stay.
+#[tokio::test]
+async fn a_version_above_2_53_is_refused_and_the_running_rules_stay() {
+    let (_d, path) = common::rules_file(&demo_at(1));
+    let gw = common::Tollgate::spawn(&["demo", "--rules", path.to_str().unwrap()]);
+    let http = Http::new();
+    wait_for_version(&http, &gw, 1, "at start").await;
+
+    let failed = reloads_of(&http, &gw, "failed").await;
+    let mut rules: Value = serde_json::from_str(&demo_at(1)).unwrap();
+    rules["version"] = json!(1u64 << 63);
+    write_atomically(&path, &rules.to_string());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while reloads_of(&http, &gw, "failed").await == failed {
+        assert!(
+            Instant::now() < deadline,
+            "the version 2^63 file was not refused: {}",
+            http.get(&gw.admin_url("/admin/rules"), &[]).await.json()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let v = http.get(&gw.admin_url("/admin/rules"), &[]).await.json();
+    assert_eq!(
+        v["version"], 1,
+        "a refused file must leave the running rules in place"
+    );
+    let log = gw.stderr();
+    assert!(
+        log.contains(
+            "field=version reason=must be at most 2^53 (9007199254740992), the largest integer JSON tools keep exact"
+        ),
+        "{log}"
+    );
+    assert!(log.contains(path.to_str().unwrap()), "{log}");
+
+    // 2^53 itself is taken, and still leaves room for nothing above: it is the ceiling.
+    write_atomically(&path, &demo_at(2));
+    wait_for_version(&http, &gw, 2, "the next file").await;
+    write_atomically(&path, &demo_at(1 << 53));
+    wait_for_version(&http, &gw, 1 << 53, "version 2^53").await;
+}

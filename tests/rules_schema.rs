@@ -50,6 +50,7 @@ const SEMANTIC: &[(&str, &str)] = &[
         "a field that needs another field",
     ),
     ("version-zero.json", "a value's range: version 1 or more"),
+    ("version-too-large.json", "a value's range: version at most 2^53"),
     ("delay-zero-wait.json", "a value's range: a wait of 1 to 60000 ms"),
     (
         "block-for-bad-duration.json",

@@ -321,3 +321,98 @@ fn an_open_security_limit_fails_validation() {
     assert_eq!(err.field, "limits.login.on_store_failure");
     assert!(err.reason.contains("may not fail open"), "{err}");
 }
+
+/// A moment of slowness times out every check in flight at once; on a busy gateway that is
+/// many more than the five failures in a row that open the breaker, and an open breaker would
+/// refuse (here, `closed`: 503) a second of requests the store then answers. Only the checks
+/// that timed out get the failure policy's answer, and the breaker stays closed. A store that
+/// stays hung still opens it within a few timeouts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_moment_leaves_the_breaker_closed_and_a_hung_store_opens_it() {
+    let redis = RedisServer::start();
+    let f = fleet(1, &redis, "closed", "100ms").await;
+    let g = &f.gateways[0];
+    let http = Http::new();
+    let orders = g.url("/v1/orders");
+    let big = [("x-api-key", common::KBIG)];
+    assert_eq!(http.get(&orders, &big).await.status, StatusCode::OK);
+
+    // The store stops answering for half a second; twenty requests wait on it together.
+    redis.cli(&["CLIENT", "PAUSE", "500", "ALL"]);
+    let together: Vec<_> = (0..20)
+        .map(|_| {
+            let (http, orders) = (http.clone(), orders.clone());
+            tokio::spawn(async move { http.get(&orders, &[("x-api-key", common::KBIG)]).await.status })
+        })
+        .collect();
+    let mut unavailable = 0.0;
+    for t in together {
+        match t.await.unwrap() {
+            StatusCode::OK => {}
+            StatusCode::SERVICE_UNAVAILABLE => unavailable += 1.0,
+            other => panic!("{other} during the pause"),
+        }
+    }
+    // PING waits out the pause like any other command.
+    assert_eq!(redis.cli(&["PING"]).trim(), "PONG");
+    let m = scrape(&http, g).await;
+    let timeouts = metric(&m, r#"tollgate_store_errors_total{kind="timeout"}"#);
+    assert!(
+        timeouts >= 5.0,
+        "too few checks timed out together to have opened the old breaker: {timeouts}"
+    );
+    assert_eq!(
+        unavailable, timeouts,
+        "only the checks that timed out get the failure policy's answer"
+    );
+    assert_eq!(metric(&m, "tollgate_store_breaker_open"), 0.0, "{m}");
+    for i in 0..20 {
+        let a = http.get(&orders, &big).await;
+        assert_eq!(
+            a.status,
+            StatusCode::OK,
+            "request {i} after the pause: {:?}",
+            a.body
+        );
+    }
+    assert_eq!(
+        metric(&scrape(&http, g).await, "tollgate_store_breaker_open"),
+        0.0
+    );
+    assert!(!g.stderr().contains("breaker open"), "{}", g.stderr());
+
+    // Hung for good: each request waits its timeout until five in a row open the breaker;
+    // then none waits.
+    let stopped = std::process::Command::new("kill")
+        .args(["-STOP", &redis.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(stopped.success());
+    let mut opened_after = None;
+    for i in 0..10 {
+        let a = http.get(&orders, &big).await;
+        assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "request {i}");
+        if metric(&scrape(&http, g).await, "tollgate_store_breaker_open") == 1.0 {
+            opened_after = Some(i + 1);
+            break;
+        }
+    }
+    let _ = std::process::Command::new("kill")
+        .args(["-CONT", &redis.pid().to_string()])
+        .status();
+    assert_eq!(
+        opened_after,
+        Some(5),
+        "the breaker opens on the fifth timeout in a row"
+    );
+    // Back: the next request that is a probe (one a second) closes it.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while http.get(&orders, &big).await.status != StatusCode::OK {
+        assert!(Instant::now() < deadline, "the breaker never closed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        metric(&scrape(&http, g).await, "tollgate_store_breaker_open"),
+        0.0
+    );
+}

@@ -67,6 +67,9 @@ fn asset(content_type: &'static str, body: &'static str) -> Response<Body> {
 
 impl Admin {
     pub async fn serve(&self, req: Request<Incoming>, peer: std::net::SocketAddr) -> Response<Body> {
+        if let Some(refused) = duplicated(&req) {
+            return refused;
+        }
         if let Some(refused) = self.foreign_host(&req) {
             return refused;
         }
@@ -181,6 +184,24 @@ impl Admin {
     }
 }
 
+/// 400 for a request with two `Host` or two `Authorization` headers, as the public port refuses
+/// a second `Host`: taking the first of two would let whatever added the other decide which
+/// name or token the listener judges.
+fn duplicated(req: &Request<Incoming>) -> Option<Response<Body>> {
+    [
+        (http::header::HOST, "Host"),
+        (http::header::AUTHORIZATION, "Authorization"),
+    ]
+    .into_iter()
+    .find(|(name, _)| req.headers().get_all(name).iter().nth(1).is_some())
+    .map(|(_, shown)| {
+        json_response(
+            StatusCode::BAD_REQUEST,
+            json!({"error": "bad_request", "message": format!("more than one {shown} header")}).to_string(),
+        )
+    })
+}
+
 impl Admin {
     /// 421 for an `/admin` request naming a host the pages don't answer to. Probes and
     /// scrapers name the gateway however they reach it; the pages and the API are what a page
@@ -217,15 +238,21 @@ impl Admin {
                     .to_string(),
             );
         };
-        if let Some(refused) = self.token_refuses(&req, "the key API") {
+        if let Some(refused) = self.token_refuses(&req, peer, "the key API") {
             return refused;
         }
         keys.serve(req, peer).await
     }
 
     /// A change through the admin API needs the operator's token: 404 without one configured
-    /// (as if there were no such API), 401 without it or with another.
-    pub(crate) fn token_refuses(&self, req: &Request<Incoming>, what: &str) -> Option<Response<Body>> {
+    /// (as if there were no such API), 401 without it or with another, logged and counted so
+    /// someone guessing the token shows up.
+    pub(crate) fn token_refuses(
+        &self,
+        req: &Request<Incoming>,
+        peer: std::net::SocketAddr,
+        what: &str,
+    ) -> Option<Response<Body>> {
         let Some(token) = &self.token else {
             return Some(json_response(
                 StatusCode::NOT_FOUND,
@@ -236,6 +263,14 @@ impl Admin {
         if token.allows(req.headers().get(http::header::AUTHORIZATION)) {
             return None;
         }
+        self.metrics.admin_auth_failures.inc();
+        let given = if req.headers().contains_key(http::header::AUTHORIZATION) {
+            "a wrong token"
+        } else {
+            "no token"
+        };
+        tracing::warn!(peer = %peer, path = req.uri().path(), method = %req.method(),
+            "admin request refused: {given}");
         let mut r = json_response(
             StatusCode::UNAUTHORIZED,
             json!({"error": "unauthorized", "reason": "admin_token"}).to_string(),

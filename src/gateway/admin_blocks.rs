@@ -37,7 +37,7 @@ impl Admin {
         match *req.method() {
             Method::GET => self.list_blocks().await,
             Method::DELETE => {
-                if let Some(refused) = self.token_refuses(&req, "lifting a block") {
+                if let Some(refused) = self.token_refuses(&req, peer, "lifting a block") {
                     return refused;
                 }
                 self.lift_block(req.uri().query(), peer).await

@@ -7,6 +7,12 @@
 //! the limit (rate r/N, burst max(1, b/N), full at the first failure); `open` limits admit. After
 //! five failures in a row the breaker opens: no request waits on the store, and one probe a
 //! second finds out when it is back; the first success closes it and forgets the local shares.
+//! "In a row" counts moments, not checks: a failure counts only when its check began after the
+//! last counted failure came. On a busy gateway dozens of checks are in flight together, and one
+//! slow moment of the store times them all out at once; counted one by one they would open the
+//! breaker and refuse a second of requests the store would have answered. A store that is down
+//! fails check after check, each begun after the last failed, and still opens it within five
+//! timeouts (or five immediate errors).
 //!
 //! On a cluster ([`Guard::per_slot`]) every hash slot has a breaker of its own, since one master
 //! failing says nothing about the others: its slots open theirs while the rest keep deciding on
@@ -59,12 +65,14 @@ enum Admit {
     Skip,
 }
 
-/// Lock-free so the hot path never waits on a mutex: a failure count, an open flag, and the
-/// time the next probe may go (microseconds since the guard started).
+/// Lock-free so the hot path never waits on a mutex: a failure count, an open flag, the time
+/// the next probe may go, and when the last counted failure came (microseconds since the guard
+/// started).
 struct Breaker {
     failures: AtomicU32,
     open: AtomicBool,
     next_probe_us: AtomicU64,
+    last_failure_us: AtomicU64,
 }
 
 /// Hash slots of a Redis Cluster, each with a breaker under [`Guard::per_slot`].
@@ -76,6 +84,7 @@ impl Breaker {
             failures: AtomicU32::new(0),
             open: AtomicBool::new(false),
             next_probe_us: AtomicU64::new(0),
+            last_failure_us: AtomicU64::new(0),
         }
     }
 
@@ -111,8 +120,25 @@ impl Breaker {
         self.open.swap(false, Ordering::AcqRel)
     }
 
-    /// Returns true when this failure opened the breaker.
-    fn failure(&self, now: u64, every: Duration) -> bool {
+    /// Returns true when this failure, of a check begun at `started`, opened the breaker. A check
+    /// already in flight when the last counted failure came fails in the same moment of the
+    /// store, and does not count again.
+    fn failure(&self, started: u64, now: u64, every: Duration) -> bool {
+        let mut last = self.last_failure_us.load(Ordering::Acquire);
+        loop {
+            if started < last {
+                return false;
+            }
+            match self.last_failure_us.compare_exchange_weak(
+                last,
+                now.max(last),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => break,
+                Err(seen) => last = seen,
+            }
+        }
         let n = self.failures.fetch_add(1, Ordering::AcqRel) + 1;
         if n >= FAILURES_TO_OPEN && !self.open.load(Ordering::Acquire) {
             self.next_probe_us
@@ -265,7 +291,7 @@ impl Guard {
         }
     }
 
-    fn on_failure(&self, breaker: &Breaker, e: &StoreError) {
+    fn on_failure(&self, breaker: &Breaker, started: u64, e: &StoreError) {
         let kind = if *e == StoreError::Timeout {
             "timeout"
         } else {
@@ -279,7 +305,7 @@ impl Guard {
         if self.slot_of.is_some() && *e != StoreError::Timeout {
             return;
         }
-        if breaker.failure(self.now_us(), self.probe_every) {
+        if breaker.failure(started, self.now_us(), self.probe_every) {
             let open = self.open.fetch_add(1, Ordering::AcqRel) + 1;
             self.metrics.breaker_open.set(i64::from(open));
             if let Some(suppressed) = self.breaker_warn.allow(0) {
@@ -484,17 +510,18 @@ impl Store for Guard {
             return CheckFuture::ready(Ok(self.fallback(batch)));
         }
         CheckFuture::Boxed(Box::pin(async move {
+            let started = self.now_us();
             match tokio::time::timeout(self.timeout, self.inner.check(batch)).await {
                 Ok(Ok(outcome)) => {
                     self.on_success(breaker);
                     Ok(outcome)
                 }
                 Ok(Err(e)) => {
-                    self.on_failure(breaker, &e);
+                    self.on_failure(breaker, started, &e);
                     Ok(self.fallback(batch))
                 }
                 Err(_) => {
-                    self.on_failure(breaker, &StoreError::Timeout);
+                    self.on_failure(breaker, started, &StoreError::Timeout);
                     Ok(self.fallback(batch))
                 }
             }
@@ -735,6 +762,38 @@ mod tests {
                 .render()
                 .contains(r#"tollgate_store_errors_total{kind="timeout"} 1"#)
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn checks_that_time_out_together_count_as_one_failure() {
+        let (g, faulty, _metrics) = guard(HANG, 1);
+        let batch = [plan()];
+        // Twenty checks in flight when the store stalls: one slow moment.
+        let together: Vec<_> = (0..20).map(|_| g.check(&batch)).collect();
+        for out in futures_util::future::join_all(together).await {
+            assert_eq!(out.unwrap().source, Source::Bypass(FailurePolicy::Local));
+        }
+        assert!(!g.breaker_open(), "one slow moment opened the breaker");
+        // A store that stays hung fails check after check: five in a row open it.
+        for _ in 1..FAILURES_TO_OPEN {
+            assert!(!g.breaker_open());
+            g.check(&batch).await.unwrap();
+        }
+        assert!(g.breaker_open());
+        assert_eq!(
+            faulty.calls.load(Ordering::SeqCst),
+            20 + u64::from(FAILURES_TO_OPEN) - 1
+        );
+        // A success between two slow moments starts the count again.
+        tokio::time::advance(PROBE_EVERY).await;
+        faulty.mode.store(OK, Ordering::SeqCst);
+        g.check(&batch).await.unwrap();
+        assert!(!g.breaker_open());
+        faulty.mode.store(HANG, Ordering::SeqCst);
+        for _ in 1..FAILURES_TO_OPEN {
+            g.check(&batch).await.unwrap();
+        }
+        assert!(!g.breaker_open(), "four failures after a success opened it");
     }
 
     #[tokio::test(start_paused = true)]

@@ -274,10 +274,17 @@ impl MemoryStore {
         list
     }
 
-    /// Lifts one bucket's block: whether it had one in force at `now`.
+    /// Lifts one bucket's block: whether it had one in force at `now`. A lifted bucket is full
+    /// again (a missing one is): still empty from the refusal that blocked it, its next request
+    /// would start a new block.
     pub fn lift_at(&self, bucket: &str, now: u64) -> bool {
         let mut blocks = self.blocks.lock().unwrap_or_else(PoisonError::into_inner);
-        blocks.remove(bucket).is_some_and(|end| end > now)
+        let lifted = blocks.remove(bucket).is_some_and(|end| end > now);
+        if lifted {
+            let fp = tollgate_limit::batch::fingerprint(bucket);
+            lock(&self.shards[shard_of(fp)]).remove(&Fp::new(fp));
+        }
+        lifted
     }
 
     /// Changes `batch`'s buckets by `units` at the clock's now; see [`Store::adjust`].

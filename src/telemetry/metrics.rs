@@ -104,6 +104,8 @@ pub struct Metrics {
     pub rules_reloads: Family<ResultLabel, Counter>,
     /// Changes made through the admin API's key endpoints, by action.
     pub admin_changes: Family<ActionLabel, Counter>,
+    /// Admin requests refused for a missing or wrong token.
+    pub admin_auth_failures: Counter,
     pub upstream_seconds: Family<UpstreamLabel, Histogram>,
     pub in_flight: Gauge,
     /// Per upstream: the limit on requests in flight (adaptive, under the static cap; the cap
@@ -192,6 +194,7 @@ impl Metrics {
             rules_version: Default::default(),
             rules_reloads: Default::default(),
             admin_changes: Default::default(),
+            admin_auth_failures: Default::default(),
             upstream_seconds: Family::new_with_constructor(latency_histogram as fn() -> Histogram),
             in_flight: Default::default(),
             upstream_concurrency_limit: Default::default(),
@@ -297,6 +300,11 @@ impl Metrics {
             "admin_changes",
             "Changes through the admin API's key endpoints, by action (create, rotate, revoke, patch)",
             self.admin_changes.clone(),
+        );
+        self.registry.register(
+            "admin_auth_failures",
+            "Admin API requests refused 401 for a missing or wrong token",
+            self.admin_auth_failures.clone(),
         );
     }
 

@@ -63,6 +63,9 @@ fn parse_error(file: &str, path: String, inner: serde_json::Error) -> RulesError
     }
 }
 
+/// The largest rules `version`: 2^53, past which a float64 no longer counts by one.
+const MAX_VERSION: u64 = 1 << 53;
+
 /// Numbers each snapshot this process compiles, in order: a key made through the admin API
 /// changes the snapshot without changing the file's version.
 static SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -108,6 +111,15 @@ impl Compiler<'_> {
     fn run(&self, raw: RawRules, digest: String) -> Result<Snapshot, RulesError> {
         if raw.version == 0 {
             return Err(self.err("version", "must be a positive integer (1 or more)"));
+        }
+        // A version only goes up, so one past what a JSON tool reads exactly (a float64
+        // rounds it, and `jq .version + 1` writes it back unchanged) would leave every later
+        // file ignored until a restart.
+        if raw.version > MAX_VERSION {
+            return Err(self.err(
+                "version",
+                format!("must be at most 2^53 ({MAX_VERSION}), the largest integer JSON tools keep exact"),
+            ));
         }
         // Each step looks names up in what the steps before it compiled: keys name limits;
         // routes name upstreams and limits, and are checked against every key's numbers.

@@ -1,7 +1,7 @@
 //! The blocks of `block_for` limits in Redis: a field `<bucket>!b` of the bucket's page, beside
 //! the bucket (lua/bucket.lua `block_until`), whose ts is the microsecond the block ends. Listed
-//! by scanning the pages, lifted by deleting the field: both for the admin API only, never on
-//! a request's path.
+//! by scanning the pages, lifted by deleting the field and the bucket (so it is full again):
+//! both for the admin API only, never on a request's path.
 
 use fred::prelude::{Key, Value};
 
@@ -46,7 +46,9 @@ until cursor == '0'
 return out
 "#;
 
-/// Deletes one bucket's block field: 1 when its block had not ended.
+/// Deletes one bucket's block field: 1 when its block had not ended. A block lifted in force
+/// takes the bucket with it (its field, and its key from before pages), in the same step: a
+/// missing bucket reads as full, where the one the refusal left empty would block again.
 const LIFT: &str = r#"
 local now = tonumber(ARGV[2])
 if now < 0 then
@@ -56,6 +58,8 @@ end
 local v = redis.call('HGET', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[1], ARGV[1])
 if v and #v == 25 and struct.unpack('<I7', v, 8) > now then
+  redis.call('HDEL', KEYS[1], KEYS[2])
+  redis.call('DEL', KEYS[2])
   return 1
 end
 return 0
@@ -102,14 +106,14 @@ impl RedisStore {
         Ok(Blocks { now_us, list })
     }
 
-    /// Lifts `bucket`'s block: whether it had one in force.
+    /// Lifts `bucket`'s block and refills the bucket: whether it had a block in force.
     pub async fn lift_block(&self, bucket: &str) -> Result<bool, StoreError> {
         let v = self
             .shared
             .client
             .run(
                 Script::Text(LIFT),
-                vec![Key::from(page_of(bucket))],
+                vec![Key::from(page_of(bucket)), Key::from(bucket)],
                 vec![
                     Value::from(format!("{bucket}!b")),
                     Value::Integer(self.shared.clock_arg()),
