@@ -13,13 +13,16 @@
 --                   order. In a cluster they share one hash slot (the tenant).
 -- ARGV[1]           the clock: -1 reads the store's TIME (the default); any other value is the
 --                   gateway's now in microseconds (`--clock gateway`).
--- ARGV[2 + 6(i-1) ... 7 + 6(i-1)], the rule of bucket i (KEYS[i]), in integers:
+-- ARGV[2 + 7(i-1) ... 8 + 7(i-1)], the rule of bucket i (KEYS[i]), in integers:
 --   scale           units per whole token
 --   refill          units added per microsecond
 --   capacity        burst x scale, the most units the bucket holds
 --   units           what to add: a refund's cost x scale (above 0), a debit's (below 0)
 --   ttl             key expiry in milliseconds, at least b / r
 --   debt            units the bucket may owe (max_debt x scale), 0 for a limit that can't
+--   queue           1 for a limit that queues (`delay`), whose debt is turns handed out: while
+--                   it owes, a refund gives nothing back (a newcomer would get a turn on top
+--                   of one still waiting); 0 for every other limit
 --
 -- Returns an array of integers: [1] now, the microseconds this call used, then the balance of
 -- each bucket after the change, in KEYS order: units held, or below 0 the units owed.
@@ -33,8 +36,8 @@
 -- The bucket encoding and arithmetic come from lua/bucket.lua, loaded in front of this script.
 
 local nkeys = #KEYS / 2
-if nkeys % 1 ~= 0 or #ARGV ~= 1 + 6 * nkeys then
-  return redis.error_reply('refund.lua: KEYS must be buckets then their pages, ARGV clock and 6 numbers per bucket; got '
+if nkeys % 1 ~= 0 or #ARGV ~= 1 + 7 * nkeys then
+  return redis.error_reply('refund.lua: KEYS must be buckets then their pages, ARGV clock and 7 numbers per bucket; got '
     .. #ARGV .. ' ARGV for ' .. #KEYS .. ' keys')
 end
 
@@ -46,18 +49,22 @@ end
 -- First pass: read every bucket, so a bad one stops the call before any write.
 local balances = {}
 for i = 1, nkeys do
-  local a = 1 + 6 * (i - 1)
+  local a = 1 + 7 * (i - 1)
   local scale = tonumber(ARGV[a + 1])
   local refill = tonumber(ARGV[a + 2])
   local cap = tonumber(ARGV[a + 3])
   local units = tonumber(ARGV[a + 4])
   local debt = tonumber(ARGV[a + 6])
-  if scale == nil or refill == nil or cap == nil or units == nil or debt == nil or refill <= 0 then
+  local queue = tonumber(ARGV[a + 7])
+  if scale == nil or refill == nil or cap == nil or units == nil or debt == nil or queue == nil or refill <= 0 then
     return redis.error_reply('refund.lua: the numbers of ' .. KEYS[i] .. ' must be integers, refill above 0')
   end
   local b = balance(load(KEYS[i], KEYS[nkeys + i], now), scale, cap, refill, debt, now)
   if b == nil then
     return redis.error_reply('refund.lua: ' .. KEYS[i] .. ' does not hold a bucket these scripts wrote')
+  end
+  if units > 0 and queue == 1 and b < 0 then
+    units = 0
   end
   b = b + units
   if b > cap then
@@ -70,7 +77,7 @@ end
 
 local out = { now }
 for i = 1, nkeys do
-  local a = 1 + 6 * (i - 1)
+  local a = 1 + 7 * (i - 1)
   local t, ts = at_balance(balances[i], tonumber(ARGV[a + 2]), now)
   save(KEYS[i], KEYS[nkeys + i], t, ts, tonumber(ARGV[a + 1]), ARGV[a + 5], now)
   out[#out + 1] = balances[i]

@@ -3,7 +3,8 @@
 //! the gateway's clock, on the express lane and on hyper's path, in front of an upstream that
 //! counts what reaches it. A request short of tokens waits until they are due and is then
 //! forwarded; one that would wait longer than N is refused at once; one whose client leaves
-//! gives its tokens back.
+//! is neither forwarded nor billed, and its turn passes unused: the upstream never gets more
+//! than the limit's bound, b + r·t, in any window, however many leave.
 
 mod common;
 
@@ -19,27 +20,34 @@ use tollgate_gateway::app::{self, Running};
 use tollgate_gateway::config::StoreUrl;
 use tollgate_limit::clock::ManualClock;
 
-/// An upstream that answers every request 200 and counts them.
+/// An upstream that answers every request 200 and counts them, and with a clock, notes the
+/// time of each.
 struct Counting {
     addr: SocketAddr,
     hits: Arc<AtomicU64>,
+    arrivals: Arc<std::sync::Mutex<Vec<u64>>>,
 }
 
 impl Counting {
-    async fn start() -> Counting {
+    async fn start(clock: Option<Arc<ManualClock>>) -> Counting {
+        use tollgate_limit::clock::Clock;
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
         let hits = Arc::new(AtomicU64::new(0));
-        let h = hits.clone();
+        let arrivals = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (h, times) = (hits.clone(), arrivals.clone());
         tokio::spawn(async move {
             while let Ok((mut tcp, _)) = l.accept().await {
-                let h = h.clone();
+                let (h, times, clock) = (h.clone(), times.clone(), clock.clone());
                 tokio::spawn(async move {
                     let mut buf = Vec::new();
                     let mut chunk = [0u8; 4096];
                     loop {
                         while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
                             buf.drain(..end + 4);
+                            if let Some(c) = &clock {
+                                times.lock().unwrap().push(c.now_us());
+                            }
                             h.fetch_add(1, Ordering::SeqCst);
                             let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
                             if tcp.write_all(ok).await.is_err() {
@@ -54,11 +62,16 @@ impl Counting {
                 });
             }
         });
-        Counting { addr, hits }
+        Counting { addr, hits, arrivals }
     }
 
     fn hits(&self) -> u64 {
         self.hits.load(Ordering::SeqCst)
+    }
+
+    /// The gateway clock's time of each request that arrived.
+    fn arrivals(&self) -> Vec<u64> {
+        self.arrivals.lock().unwrap().clone()
     }
 }
 
@@ -121,7 +134,7 @@ async fn thirty_at_once_are_forwarded_a_tenth_of_a_second_apart_and_nine_refused
     let http = Http::new();
     for (case, store, express) in cases(&redis) {
         redis.cli(&["FLUSHALL"]);
-        let up = Counting::start().await;
+        let up = Counting::start(None).await;
         let clock = ManualClock::new(1_700_000_000_000_000);
         let (gw, _dir) = gateway(&rules(up.addr), store, express, clock.clone()).await;
         let url = format!("http://{}/v1/queued", gw.addr);
@@ -176,12 +189,12 @@ async fn thirty_at_once_are_forwarded_a_tenth_of_a_second_apart_and_nine_refused
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_that_leaves_its_queue_gets_its_tokens_back() {
+async fn a_client_that_leaves_its_queue_is_neither_forwarded_nor_billed() {
     let redis = RedisServer::start();
     let http = Http::new();
     for (case, store, express) in cases(&redis) {
         redis.cli(&["FLUSHALL"]);
-        let up = Counting::start().await;
+        let up = Counting::start(None).await;
         let clock = ManualClock::new(1_700_000_000_000_000);
         let (mut cfg, _dir) = common::manual_config(&rules(up.addr), store, express, clock.clone());
         let meter_dir = tempfile::tempdir().unwrap();
@@ -200,20 +213,14 @@ async fn a_client_that_leaves_its_queue_gets_its_tokens_back() {
             "{case}"
         );
         // A client that queues for the next one, 100 ms out, and leaves.
-        let mut tcp = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
-        let head = format!("GET /v1/queued HTTP/1.1\r\nHost: t\r\nx-api-key: {KBIG}\r\n\r\n");
-        tcp.write_all(head.as_bytes()).await.unwrap();
-        until(&format!("{case}: the client queued"), || {
-            gw.metrics.queue_waiting.get() == 1
-        })
-        .await;
+        let tcp = queue_raw(&gw, 1).await;
         drop(tcp);
         until(&format!("{case}: the client left its queue"), || {
             gw.metrics.queue_left.get() == 1
         })
         .await;
         assert_eq!(gw.metrics.queue_waiting.get(), 0, "{case}");
-        // Given back, the next request is due in 100 ms, not 200.
+        // Its turn at 100 ms passes unused: the next request is due at 200 ms.
         let next = {
             let (http, url) = (http.clone(), url.clone());
             tokio::spawn(async move { http.get(&url, &[("x-api-key", KBIG)]).await })
@@ -222,8 +229,11 @@ async fn a_client_that_leaves_its_queue_gets_its_tokens_back() {
             gw.metrics.queue_waiting.get() == 1
         })
         .await;
-        clock.advance_us(100_000);
-        until(&format!("{case}: the next one forwarded at 100 ms"), || {
+        clock.advance_us(199_999);
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        assert_eq!(up.hits(), 1, "{case}: nothing before 200 ms");
+        clock.advance_us(1);
+        until(&format!("{case}: the next one forwarded at 200 ms"), || {
             up.hits() == 2
         })
         .await;
@@ -233,6 +243,91 @@ async fn a_client_that_leaves_its_queue_gets_its_tokens_back() {
         let totals = gw.meter.as_ref().expect("metering on").totals();
         let big = totals.iter().find(|(k, _)| &**k == "k-big").map(|(_, n)| *n);
         assert_eq!(big, Some(2), "{case}: {totals:?}");
+        gw.shutdown().await;
+    }
+}
+
+/// Opens a connection that sends one request to the queued route and waits until it is the
+/// `waiting`-th in the queue; dropping it leaves the queue.
+async fn queue_raw(gw: &Running, waiting: i64) -> tokio::net::TcpStream {
+    let mut tcp = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let head = format!("GET /v1/queued HTTP/1.1\r\nHost: t\r\nx-api-key: {KBIG}\r\n\r\n");
+    tcp.write_all(head.as_bytes()).await.unwrap();
+    until(&format!("request {waiting} queued"), || {
+        gw.metrics.queue_waiting.get() == waiting
+    })
+    .await;
+    tcp
+}
+
+/// Clients that leave the queue while others wait and newcomers arrive: 5 queue behind the
+/// one token, the 1st and 3rd leave, 2 newcomers queue. Every arrival at the upstream is timed
+/// on the gateway's clock, and no window holds more than 1 + 10 a second × its length: the
+/// newcomers take turns after the last one handed out, not the turns of those still waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leavers_never_let_the_upstream_see_more_than_the_bound() {
+    let redis = RedisServer::start();
+    let http = Http::new();
+    for (case, store, express) in cases(&redis) {
+        redis.cli(&["FLUSHALL"]);
+        let clock = ManualClock::new(1_700_000_000_000_000);
+        let up = Counting::start(Some(clock.clone())).await;
+        let (gw, _dir) = gateway(&rules(up.addr), store, express, clock.clone()).await;
+        let url = format!("http://{}/v1/queued", gw.addr);
+        assert_eq!(
+            http.get(&url, &[("x-api-key", KBIG)]).await.status,
+            StatusCode::OK,
+            "{case}"
+        );
+        // Five waiting, due at 100, 200, 300, 400 and 500 ms.
+        let mut waiting = Vec::new();
+        for k in 1..=5 {
+            waiting.push(Some(queue_raw(&gw, k).await));
+        }
+        // The ones due at 100 and 300 ms leave.
+        waiting[0] = None;
+        waiting[2] = None;
+        until(&format!("{case}: two left"), || gw.metrics.queue_left.get() == 2).await;
+        // Two newcomers.
+        let newcomers: Vec<_> = (0..2)
+            .map(|_| {
+                let (http, url) = (http.clone(), url.clone());
+                tokio::spawn(async move { http.get(&url, &[("x-api-key", KBIG)]).await })
+            })
+            .collect();
+        until(&format!("{case}: five waiting again"), || {
+            gw.metrics.queue_waiting.get() == 5
+        })
+        .await;
+        // Time moves in steps of 25 ms until every waiting request is forwarded.
+        for _ in 0..40 {
+            if gw.metrics.queue_waiting.get() == 0 {
+                break;
+            }
+            clock.advance_us(25_000);
+            tokio::time::sleep(Duration::from_millis(40)).await;
+        }
+        assert_eq!(gw.metrics.queue_waiting.get(), 0, "{case}: the queue drained");
+        for n in newcomers {
+            assert_eq!(n.await.unwrap().status, StatusCode::OK, "{case}");
+        }
+        let mut at = up.arrivals();
+        at.sort_unstable();
+        assert_eq!(at.len(), 6, "{case}: the token, three who stayed, two newcomers");
+        // Every window [at[i], at[j]] holds j - i + 1 arrivals: at most b + r·t.
+        for i in 0..at.len() {
+            for j in i..at.len() {
+                let bound = 1 + (at[j] - at[i]) * 10 / 1_000_000;
+                assert!(
+                    (j - i + 1) as u64 <= bound,
+                    "{case}: {} arrivals within {} µs, above the bound {bound}: {:?}",
+                    j - i + 1,
+                    at[j] - at[i],
+                    at.iter().map(|t| t - at[0]).collect::<Vec<_>>()
+                );
+            }
+        }
+        drop(waiting);
         gw.shutdown().await;
     }
 }

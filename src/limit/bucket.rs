@@ -350,9 +350,21 @@ pub fn at_balance(p: &BucketParams, balance: i64, now: u64) -> BucketState {
 
 /// The bucket at `now` with `units` added (a refund) or taken (a post-paid debit, when
 /// negative), kept between `-debt` and its capacity. Returns the new state and its balance.
+///
+/// A queueing limit's bucket that owes gets nothing back: its debt is the turns of the requests
+/// still waiting, the last of them at the debt's end, and any credit would hand the next
+/// newcomer a turn on top of one already given, sending more than the limit upstream. The
+/// turn of a request that left the queue passes unused, as nginx's `limit_req` keeps a
+/// delayed request's excess; once the queue has drained, refunds count again.
 #[inline]
 pub fn adjust(p: &BucketParams, state: Option<BucketState>, units: i64, now: u64) -> (BucketState, i64) {
-    let b = balance(p, state, now)
+    let held = balance(p, state, now);
+    let units = if units > 0 && p.max_wait_us > 0 && held < 0 {
+        0
+    } else {
+        units
+    };
+    let b = held
         .saturating_add(units)
         .clamp(-(p.debt as i64), p.capacity as i64);
     (at_balance(p, b, now), b)
@@ -972,14 +984,21 @@ mod tests {
         let (ok, v) = check_one(q, &mut s, now + 2_000_000);
         assert!(ok && v.wait_us == Some(200_000), "{v:?}");
 
-        // A request that leaves gives its tokens back: the next is due as if it never came.
+        // A request that leaves the queue gets nothing back while the bucket owes: its turn
+        // passes unused, and the next newcomer's comes after the last one handed out, never on
+        // top of it.
         let (mut s, now) = (None, 0);
         check_one(q, &mut s, now);
         let (_, queued) = check_one(q, &mut s, now);
         assert_eq!(queued.wait_us, Some(100_000));
-        s = Some(give_back(&q.params, s, q.params.units(1), now));
-        let (_, next) = check_one(q, &mut s, now);
-        assert_eq!(next.wait_us, Some(100_000));
+        let (_, last) = check_one(q, &mut s, now);
+        assert_eq!(last.wait_us, Some(200_000));
+        s = Some(give_back(&q.params, s, q.params.units(1), now + 50_000));
+        let (_, next) = check_one(q, &mut s, now + 50_000);
+        assert_eq!(next.wait_us, Some(250_000), "due at 300 ms, after the last turn");
+        // Once the queue has drained, a refund counts again, as any bucket's.
+        s = Some(give_back(&q.params, s, q.params.units(1), now + 300_000));
+        assert_eq!(s.unwrap().tokens, q.params.units(1));
 
         // A limit that refuses refuses the second.
         let plain = Charge {

@@ -39,7 +39,7 @@ impl RedisStore {
             .eval_script(&self.shared.refund_sha, || {
                 let mut keys = Vec::with_capacity(2 * n);
                 let mut pages = Vec::with_capacity(n);
-                let mut args = Vec::with_capacity(1 + 6 * n);
+                let mut args = Vec::with_capacity(1 + 7 * n);
                 args.push(Value::Integer(self.shared.clock_arg()));
                 for (item, &u) in batch.iter().zip(units).filter(|(_, u)| **u != 0) {
                     let p = &item.charge.params;
@@ -53,6 +53,7 @@ impl RedisStore {
                             u,
                             as_i64(p.ttl_ms()),
                             as_i64(p.debt),
+                            i64::from(p.max_wait_us > 0),
                         ]
                         .map(Value::Integer),
                     );
