@@ -10,6 +10,7 @@ use std::sync::Arc;
 use clap::{ArgAction, Args, ValueEnum};
 
 use super::edge::EdgeConfig;
+use super::lines::Lines;
 use super::logs::{self, Inputs};
 use super::plot::{Admitted, Chart, Format, Window};
 use super::report::{DecisionWriter, Summary};
@@ -384,7 +385,7 @@ pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
         Inputs::Trace(input) => {
             logs::refuse_log_flags(a)?;
             let (name, size) = (input.name.clone(), input.size);
-            replay_trace(a, input.into_reader(), &name, size)
+            replay_trace(a, input.into_lines(), &name, size)
         }
         Inputs::Logs(inputs) => logs::main(a, inputs),
     }
@@ -393,7 +394,7 @@ pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
 /// Replays one CSV trace under each design.
 fn replay_trace(
     a: &ReplayArgs,
-    input: Box<dyn io::BufRead>,
+    input: Lines<Box<dyn io::BufRead>>,
     name: &str,
     size: Option<u64>,
 ) -> Result<(), ReplayError> {
@@ -449,7 +450,10 @@ fn replay_trace(
         d.finish(&mut |i, b| replays[i].block_end(b, None))
             .map_err(io_err(format!("cannot write {dname}")))?;
     }
-    let summaries: Vec<Summary> = replays.iter().map(Replay::summary).collect();
+    let mut summaries: Vec<Summary> = replays.iter().map(Replay::summary).collect();
+    for s in &mut summaries {
+        s.too_long_rows = reader.too_long();
+    }
     let mut out = io::stdout().lock();
     let written = match (a.json, summaries.as_slice()) {
         (true, [one]) => writeln!(out, "{}", one.to_json()),
