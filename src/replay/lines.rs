@@ -1,7 +1,7 @@
 //! Lines read with a bound: a replay holds at most one line's maximum of a file in memory,
 //! whatever the file's lines (or a gzip stream's expansion) hold, and a longer line is read on
-//! to its end in chunks and reported as too long; and the lines a file's format was told from,
-//! given back before the rest.
+//! to its end in chunks and reported as too long; the lines a file's format was told from,
+//! given back before the rest; and the bound of each field a replay reads from a line.
 
 use std::collections::VecDeque;
 use std::io::{self, BufRead, Read};
@@ -10,6 +10,22 @@ use std::io::{self, BufRead, Read};
 /// request's path twice in a line (the request and `path`) and nothing else of any length, so
 /// a real access line is a fraction of this.
 pub const MAX_LINE: usize = 64 * 1024;
+
+/// A key id: the gateway takes at most 128 characters, but older logs may hold longer ones.
+pub const MAX_KEY_ID: usize = 1024;
+/// A request's path, its query included.
+pub const MAX_PATH: usize = 16 * 1024;
+pub const MAX_METHOD: usize = 32;
+/// An IPv4 or IPv6 address as text, a client's or the peer's.
+pub const MAX_ADDRESS: usize = 64;
+/// `none`, `unparsed` or 16 hex digits.
+pub const MAX_FINGERPRINT: usize = 32;
+/// A gateway's instance name.
+pub const MAX_NAME: usize = 1024;
+/// A number as text: a time, a count, a cost (a `u64` has 20 digits).
+pub const MAX_NUMBER: usize = 32;
+/// A status: three digits.
+pub const MAX_STATUS: u16 = 999;
 
 /// How a line read by [`read_line`] came.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

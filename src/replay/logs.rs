@@ -24,7 +24,7 @@ use serde::ser::SerializeStruct;
 use super::access::{self, AccessLine, Logged};
 use super::algorithms::Verdict;
 use super::args::ReplayArgs;
-use super::lines::{Line, Lines, MAX_LINE};
+use super::lines::{Line, Lines, MAX_KEY_ID, MAX_LINE};
 use super::report::group;
 use super::rules::{RulesFleet, needs_caller};
 use super::{Algorithm, Design, PROGRESS_EVERY, ReplayError, setting};
@@ -533,6 +533,11 @@ impl Collector {
                 report.truncated += 1;
                 None
             };
+            let parsed = parsed.filter(|l| {
+                let over = l.over_bound().is_some();
+                report.too_long += u64::from(over);
+                !over
+            });
             if parsed.is_some_and(|l| self.add(&l)) {
                 report.access += 1;
             } else {
@@ -1124,7 +1129,14 @@ impl LogsReport {
     }
 
     fn write_keys(&self, out: &mut impl Write) -> io::Result<()> {
-        let w = self.keys.iter().map(|k| k.key.len()).max().unwrap_or(3).max(3);
+        // Key ids are bounded as they are read; the cap keeps a width the formatter takes.
+        let w = self
+            .keys
+            .iter()
+            .map(|k| k.key.len())
+            .max()
+            .unwrap_or(3)
+            .clamp(3, MAX_KEY_ID);
         let against = self.against.is_some();
         let heads: &[&str] = if against {
             &[
@@ -1539,13 +1551,21 @@ mod tests {
             "%%% garbage".into(),
             json(None, "GET", "/nowhere", 404, None, 4),
             ok.replace("\"remote_addr\":\"127.0.0.1\"", "\"remote_addr\":\"not-an-ip\""),
+            // A key id over its bound, and a line over the maximum.
+            json(Some(&"k".repeat(2048)), "GET", "/v1/orders", 200, Some(T), 4),
+            "x".repeat(MAX_LINE + 1),
         ]);
         text.push_str(&ok[..ok.len() - 1]);
         let r = replay(vec![input("a.log", text)], rules(4, 20), None, false).unwrap();
         let l = &r.lines;
-        assert_eq!((l.read, l.access, l.skipped, l.truncated), (7, 2, 5, 1), "{l:?}");
+        assert_eq!(
+            (l.read, l.access, l.skipped, l.truncated, l.too_long),
+            (9, 2, 7, 1, 2),
+            "{l:?}"
+        );
         assert_eq!((l.not_checked, l.replayed, l.not_replayable), (1, 1, 0));
-        assert_eq!((r.inputs[0].skipped, r.inputs[0].truncated), (5, 1));
+        let i = &r.inputs[0];
+        assert_eq!((i.skipped, i.truncated, i.too_long), (7, 1, 2));
         // Gzip cut short in its trailer: every line came whole. Cut inside its data: the last
         // line is truncated.
         let packed = gz(&lines(&[ok.clone(), ok.clone(), ok.clone()]));

@@ -13,7 +13,7 @@ use serde::Serialize;
 
 use super::algorithms::Verdict;
 use super::edge::{Block, EdgeRule, span};
-use super::lines::MAX_LINE;
+use super::lines::{MAX_KEY_ID, MAX_LINE};
 
 use tollgate_limit::bucket::{Rate, US_PER_S, retry_after_secs};
 
@@ -413,7 +413,14 @@ impl Summary {
             e.write(out)?;
         }
         writeln!(out)?;
-        let width = self.keys.keys().map(|k| k.len()).max().unwrap_or(3).max(3);
+        // Keys are bounded as they are read; the cap keeps a width the formatter takes.
+        let width = self
+            .keys
+            .keys()
+            .map(|k| k.len())
+            .max()
+            .unwrap_or(3)
+            .clamp(3, MAX_KEY_ID);
         let leased = self.keys.values().any(|k| k.held_at_end.is_some());
         let queued = self.keys.values().any(|k| k.longest_wait_us.is_some());
         write!(
