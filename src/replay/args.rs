@@ -62,6 +62,9 @@ the same lines under a second rules file: per key, the requests it would newly r
 Lines that are not access lines are skipped and counted, and so are requests no limit checked
 and those the log can't replay (limits on headers, body fields or JWT claims).
 
+Bounds, in access logs and CSV traces alike: a line (or CSV row) over 64 KiB, or with a field
+over its bound (a key id over 1 KiB, a path over 16 KiB), is skipped and counted as too long.
+
   tollgate replay gw-1.log gw-2.log.gz --rules running.json
   tollgate replay gw-*.log --rules running.json --against proposed.json --json
   tollgate replay gw-1.log --rules running.json --against proposed.json --max-newly-refused 0.5
