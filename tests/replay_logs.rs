@@ -11,6 +11,9 @@ mod common;
 // the whole stack, most of a CI run.
 #[path = "replay_logs/recorded.rs"]
 mod recorded;
+// Hostile files: lines too long and gzip bombs.
+#[path = "replay_logs/bounds.rs"]
+mod bounds;
 
 use common::cli::{fails, ok, p, tollgate};
 

@@ -6,6 +6,8 @@ use std::borrow::Cow;
 
 use serde::Deserialize;
 
+use super::lines::{MAX_ADDRESS, MAX_FINGERPRINT, MAX_KEY_ID, MAX_METHOD, MAX_NAME, MAX_PATH, MAX_STATUS};
+
 /// A field that a gateway older than it does not write at all, beside one it wrote as none.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Logged<T> {
@@ -43,6 +45,25 @@ pub struct AccessLine<'a> {
     pub rules_version: Option<u64>,
     /// What the upstream's answer reported for a post-paid limit.
     pub cost_reported: Option<u64>,
+}
+
+impl AccessLine<'_> {
+    /// The first field longer than its bound, which no gateway writes. Numbers need none: a
+    /// number too large for its type is no access line.
+    pub fn over_bound(&self) -> Option<&'static str> {
+        let over = |v: Option<&str>, max: usize| v.is_some_and(|v| v.len() > max);
+        [
+            ("remote_addr", over(Some(&self.remote_addr), MAX_ADDRESS)),
+            ("remote_user", over(self.remote_user.as_deref(), MAX_KEY_ID)),
+            ("request_method", over(Some(&self.request_method), MAX_METHOD)),
+            ("client_ip", over(self.client_ip.as_deref(), MAX_ADDRESS)),
+            ("fingerprint", over(self.fingerprint.as_deref(), MAX_FINGERPRINT)),
+            ("path", over(self.path.as_deref(), MAX_PATH)),
+            ("instance", over(self.instance.as_deref(), MAX_NAME)),
+        ]
+        .into_iter()
+        .find_map(|(name, over)| over.then_some(name))
+    }
 }
 
 /// Text borrowed from the line when JSON needed no unescaping. `Option<Cow<str>>` would not
@@ -104,6 +125,9 @@ struct JsonLine<'a> {
 /// (they have no `remote_addr`, `request_method` or `status`).
 pub fn parse_json(line: &[u8]) -> Option<AccessLine<'_>> {
     let j: JsonLine<'_> = serde_json::from_slice(line).ok()?;
+    if j.status > MAX_STATUS {
+        return None;
+    }
     Some(AccessLine {
         remote_addr: j.remote_addr.0,
         remote_user: text(j.remote_user),
@@ -228,7 +252,7 @@ pub fn parse_combined(line: &[u8]) -> Option<AccessLine<'_>> {
     c.expect(b' ')?;
     let request = c.quoted()?;
     c.expect(b' ')?;
-    let status = number(c.word()?).filter(|s| *s <= 999)? as u16;
+    let status = number(c.word()?).filter(|s| *s <= u64::from(MAX_STATUS))? as u16;
     c.word()?;
     c.quoted()?;
     c.expect(b' ')?;
@@ -373,6 +397,39 @@ mod tests {
     }
 
     #[test]
+    fn each_field_has_a_bound() {
+        assert_eq!(example().over_bound(), None);
+        let at = |n: usize| "k".repeat(n);
+        let mut l = example();
+        l.remote_user = Some(at(MAX_KEY_ID).into());
+        assert_eq!(l.over_bound(), None, "a key id at its bound");
+        l.remote_user = Some(at(MAX_KEY_ID + 1).into());
+        assert_eq!(l.over_bound(), Some("remote_user"));
+        type Set = fn(&mut AccessLine<'static>, String);
+        let cases: [(&str, Set); 7] = [
+            ("remote_addr", |l, v| l.remote_addr = v.into()),
+            ("remote_user", |l, v| l.remote_user = Some(v.into())),
+            ("request_method", |l, v| l.request_method = v.into()),
+            ("client_ip", |l, v| l.client_ip = Some(v.into())),
+            ("fingerprint", |l, v| l.fingerprint = Some(v.into())),
+            ("path", |l, v| l.path = Some(format!("/{v}").into())),
+            ("instance", |l, v| l.instance = Some(v.into())),
+        ];
+        for (name, set) in cases {
+            let mut l = example();
+            set(&mut l, at(MAX_PATH + 1));
+            assert_eq!(l.over_bound(), Some(name));
+        }
+        // Read from a line, as the replay reads them.
+        let key = at(MAX_KEY_ID + 1);
+        let json = JSON.replace(r#""remote_user":"k-7""#, &format!(r#""remote_user":"{key}""#));
+        let combined = COMBINED.replace("- k-7 [", &format!("- {key} ["));
+        for l in [parse_json(json.as_bytes()), parse_combined(combined.as_bytes())] {
+            assert_eq!(l.unwrap().over_bound(), Some("remote_user"));
+        }
+    }
+
+    #[test]
     fn other_lines_are_not_access_lines() {
         let garbage = [
             "2026-12-06T22:40:01.000Z  INFO tollgate: listening on 127.0.0.1:8080",
@@ -385,6 +442,7 @@ mod tests {
             &COMBINED.replace("check_us=1765060801122456", "check_us=12x"),
             &COMBINED.replace("\" 200 312", "\" 2000 312"),
             &JSON.replace(r#""status":200"#, r#""status":"200""#),
+            &JSON.replace(r#""status":200"#, r#""status":1000"#),
         ];
         for g in garbage {
             assert_eq!(parse_combined(g.as_bytes()), None, "{g}");

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use clap::{ArgAction, Args, ValueEnum};
 
 use super::edge::EdgeConfig;
+use super::lines::Lines;
 use super::logs::{self, Inputs};
 use super::plot::{Admitted, Chart, Format, Window};
 use super::report::{DecisionWriter, Summary};
@@ -60,6 +61,9 @@ replay decides as the gateway logged (agree) and how many not. --against propose
 the same lines under a second rules file: per key, the requests it would newly refuse or admit.
 Lines that are not access lines are skipped and counted, and so are requests no limit checked
 and those the log can't replay (limits on headers, body fields or JWT claims).
+
+Bounds, in access logs and CSV traces alike: a line (or CSV row) over 64 KiB, or with a field
+over its bound (a key id over 1 KiB, a path over 16 KiB), is skipped and counted as too long.
 
   tollgate replay gw-1.log gw-2.log.gz --rules running.json
   tollgate replay gw-*.log --rules running.json --against proposed.json --json
@@ -384,7 +388,7 @@ pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
         Inputs::Trace(input) => {
             logs::refuse_log_flags(a)?;
             let (name, size) = (input.name.clone(), input.size);
-            replay_trace(a, input.into_reader(), &name, size)
+            replay_trace(a, input.into_lines(), &name, size)
         }
         Inputs::Logs(inputs) => logs::main(a, inputs),
     }
@@ -393,7 +397,7 @@ pub fn main(a: &ReplayArgs) -> Result<(), ReplayError> {
 /// Replays one CSV trace under each design.
 fn replay_trace(
     a: &ReplayArgs,
-    input: Box<dyn io::BufRead>,
+    input: Lines<Box<dyn io::BufRead>>,
     name: &str,
     size: Option<u64>,
 ) -> Result<(), ReplayError> {
@@ -449,7 +453,10 @@ fn replay_trace(
         d.finish(&mut |i, b| replays[i].block_end(b, None))
             .map_err(io_err(format!("cannot write {dname}")))?;
     }
-    let summaries: Vec<Summary> = replays.iter().map(Replay::summary).collect();
+    let mut summaries: Vec<Summary> = replays.iter().map(Replay::summary).collect();
+    for s in &mut summaries {
+        s.too_long_rows = reader.too_long();
+    }
     let mut out = io::stdout().lock();
     let written = match (a.json, summaries.as_slice()) {
         (true, [one]) => writeln!(out, "{}", one.to_json()),

@@ -4,6 +4,7 @@
 //! - [`trace`]: the CSV reader (exact decimal seconds → integer µs, errors naming row/column).
 //! - [`access`] and [`logs`]: the gateway's own access logs, JSON or combined, replayed under
 //!   a rules file and compared with a proposed one.
+//! - [`lines`]: lines of at most 64 KiB, whatever a file or a gzip stream holds.
 //! - [`algorithms`]: the token bucket through `MemoryStore::check_at`, and GCRA, fixed window,
 //!   sliding log, sliding counter and the queue for comparison.
 //! - [`leased`]: the `lease` design, every gateway running `limit::lease` with a modelled
@@ -28,6 +29,7 @@ pub mod args;
 pub mod edge;
 pub mod generate;
 pub mod leased;
+pub mod lines;
 pub mod logs;
 pub mod plot;
 pub mod report;
@@ -786,6 +788,7 @@ impl Replay {
             gateways: self.gateways,
             first_us: self.first_time,
             last_us: self.last_time,
+            too_long_rows: 0,
             lease_grants: grants,
             lease_denials: denials,
             released: waits.then_some(admitted),

@@ -24,6 +24,7 @@ use serde::ser::SerializeStruct;
 use super::access::{self, AccessLine, Logged};
 use super::algorithms::Verdict;
 use super::args::ReplayArgs;
+use super::lines::{Line, Lines, MAX_KEY_ID, MAX_LINE};
 use super::report::group;
 use super::rules::{RulesFleet, needs_caller};
 use super::{Algorithm, Design, PROGRESS_EVERY, ReplayError, setting};
@@ -64,21 +65,23 @@ pub struct Input {
     /// Its size on disk, when it is a file not compressed: what a CSV replay's progress
     /// counts its bytes against.
     pub size: Option<u64>,
-    reader: Box<dyn BufRead>,
+    lines: Lines<Box<dyn BufRead>>,
     /// The first line that is not blank, and its number, for an error about the file.
     first: Option<(u64, String)>,
 }
 
 impl Input {
     /// The whole content, first lines included.
-    pub(crate) fn into_reader(self) -> Box<dyn BufRead> {
-        self.reader
+    pub(crate) fn into_lines(self) -> Lines<Box<dyn BufRead>> {
+        self.lines
     }
 }
 
 /// How many lines a log may begin with that are not access lines (the gateway's own start-up
-/// lines, when both go to one stream) before its format is given up on.
+/// lines, when both go to one stream) before its format is given up on; and how many bytes of
+/// them, so that lines near the maximum length can't hold a thousand times it in memory.
 const LOOK_AHEAD: usize = 1_000;
+const LOOK_AHEAD_BYTES: usize = 4 << 20;
 
 const BUFFER: usize = 1 << 20;
 
@@ -110,32 +113,34 @@ impl Input {
             .fill_buf()
             .map_err(read_err(&name))?
             .starts_with(&[0x1f, 0x8b]);
-        let mut reader: Box<dyn BufRead> = if gzip {
+        let reader: Box<dyn BufRead> = if gzip {
             Box::new(BufReader::with_capacity(BUFFER, MultiGzDecoder::new(raw)))
         } else {
             Box::new(raw)
         };
-        let mut head = Vec::new();
-        let (format, first) = detect(&mut reader, &mut head).map_err(read_err(&name))?;
+        let mut lines = Lines::new(reader);
+        let (format, first) = detect(&mut lines).map_err(read_err(&name))?;
         Ok(Input {
             name,
             format,
             gzip,
             size: size.filter(|_| !gzip),
-            reader: Box::new(io::Cursor::new(head).chain(reader)),
+            lines,
             first,
         })
     }
 }
 
-/// Reads lines into `head` until one tells the format: a first line that is a CSV header, or
-/// a JSON or combined access line among the first [`LOOK_AHEAD`].
-fn detect(r: &mut dyn BufRead, head: &mut Vec<u8>) -> io::Result<(Format, Option<(u64, String)>)> {
+/// Reads lines ahead until one tells the format: a first line that is a CSV header, or a JSON
+/// or combined access line among the first [`LOOK_AHEAD`] (and [`LOOK_AHEAD_BYTES`]). A line
+/// too long is none of these.
+fn detect<R: BufRead>(lines: &mut Lines<R>) -> io::Result<(Format, Option<(u64, String)>)> {
     let mut first = None;
     let mut line_no = 0;
-    while line_no < LOOK_AHEAD as u64 {
-        let start = head.len();
-        if r.read_until(b'\n', head)? == 0 {
+    let mut buf = Vec::new();
+    while line_no < LOOK_AHEAD as u64 && lines.ahead_bytes() < LOOK_AHEAD_BYTES {
+        let read = lines.look(&mut buf)?;
+        if read.bytes == 0 {
             let format = if first.is_none() {
                 Format::Empty
             } else {
@@ -144,14 +149,17 @@ fn detect(r: &mut dyn BufRead, head: &mut Vec<u8>) -> io::Result<(Format, Option
             return Ok((format, first));
         }
         line_no += 1;
-        let line = trim_eol(&head[start..]);
-        if is_blank(line) {
+        let line = trim_eol(&buf);
+        if !read.too_long && is_blank(line) {
             continue;
         }
         let is_first = first.is_none();
         if is_first {
             let shown = String::from_utf8_lossy(&line[..line.len().min(120)]).into_owned();
             first = Some((line_no, shown));
+        }
+        if read.too_long {
+            continue;
         }
         if line.first() == Some(&b'{') {
             return Ok((Format::Json, first));
@@ -314,10 +322,14 @@ pub struct InputReport {
     /// Lines that are not blank.
     pub lines: u64,
     pub access: u64,
-    /// Not access lines: the gateway's own log lines, anything else, a truncated last line.
+    /// Not access lines: the gateway's own log lines, anything else, a truncated last line,
+    /// lines too long.
     pub skipped: u64,
     /// A last line without its end (the writer was cut off, or the file is still written).
     pub truncated: u64,
+    /// Lines longer than the maximum ([`MAX_LINE`]), read past unparsed, and access lines with
+    /// a field over its bound.
+    pub too_long: u64,
     /// Whether its gzip stream ended before its end.
     pub cut: bool,
 }
@@ -332,6 +344,7 @@ pub struct LineCounts {
     pub access: u64,
     pub skipped: u64,
     pub truncated: u64,
+    pub too_long: u64,
     /// Access lines of a gateway that did not log `check_us` yet.
     pub without_check_us: u64,
     /// No limit check was made: no route, or refused before it (a seat, a quota, a bad request).
@@ -470,22 +483,23 @@ impl Collector {
             access: 0,
             skipped: 0,
             truncated: 0,
+            too_long: 0,
             cut: false,
         };
         let Input {
             name,
             format,
-            mut reader,
+            mut lines,
             ..
         } = input;
         let mut buf = Vec::with_capacity(4096);
+        let mut read = Line::default();
         loop {
-            buf.clear();
-            let ended = match reader.read_until(b'\n', &mut buf) {
-                Ok(0) => break,
-                Ok(_) => buf.last() == Some(&b'\n'),
+            let ended = match lines.next(&mut buf, &mut read) {
+                Ok(()) if read.bytes == 0 => break,
+                Ok(()) => read.ended,
                 // A gzip stream cut short (a rotation still compressing it): what came is kept.
-                Err(e) if input_is_cut(&e) && buf.is_empty() => {
+                Err(e) if input_is_cut(&e) && read.bytes == 0 => {
                     report.cut = true;
                     break;
                 }
@@ -496,7 +510,7 @@ impl Collector {
                 Err(e) => return Err(read_err(&name)(e)),
             };
             let line = trim_eol(&buf);
-            if is_blank(line) {
+            if !read.too_long && is_blank(line) {
                 if report.cut {
                     break;
                 }
@@ -507,7 +521,10 @@ impl Collector {
                 eprintln!("replay: {} lines read", group(self.counts.read + report.lines));
             }
             // The gateway ends every line it writes: one without its end was cut off.
-            let parsed = if ended {
+            let parsed = if read.too_long {
+                report.too_long += 1;
+                None
+            } else if ended {
                 match format {
                     Format::Json => access::parse_json(line),
                     _ => access::parse_combined(line),
@@ -516,6 +533,11 @@ impl Collector {
                 report.truncated += 1;
                 None
             };
+            let parsed = parsed.filter(|l| {
+                let over = l.over_bound().is_some();
+                report.too_long += u64::from(over);
+                !over
+            });
             if parsed.is_some_and(|l| self.add(&l)) {
                 report.access += 1;
             } else {
@@ -533,6 +555,7 @@ impl Collector {
         }
         c.skipped += report.skipped;
         c.truncated += report.truncated;
+        c.too_long += report.too_long;
         Ok(report)
     }
 }
@@ -789,6 +812,7 @@ pub(crate) fn replay(
                 access: 0,
                 skipped: 0,
                 truncated: 0,
+                too_long: 0,
                 cut: false,
             });
             continue;
@@ -1019,6 +1043,9 @@ impl LogsReport {
             if i.truncated > 0 {
                 write!(out, " (a truncated last line)")?;
             }
+            if i.too_long > 0 {
+                write!(out, " ({} too long)", group(i.too_long))?;
+            }
             if i.cut {
                 write!(out, "; its gzip stream ends early")?;
             }
@@ -1027,6 +1054,14 @@ impl LogsReport {
         write!(out, "skipped: {} that are not access lines", group(l.skipped))?;
         if l.truncated > 0 {
             write!(out, ", {} of them truncated", group(l.truncated))?;
+        }
+        if l.too_long > 0 {
+            write!(
+                out,
+                ", {} too long (over {} bytes, or a field over its bound)",
+                group(l.too_long),
+                group(MAX_LINE as u64)
+            )?;
         }
         writeln!(out)?;
         writeln!(
@@ -1094,7 +1129,14 @@ impl LogsReport {
     }
 
     fn write_keys(&self, out: &mut impl Write) -> io::Result<()> {
-        let w = self.keys.iter().map(|k| k.key.len()).max().unwrap_or(3).max(3);
+        // Key ids are bounded as they are read; the cap keeps a width the formatter takes.
+        let w = self
+            .keys
+            .iter()
+            .map(|k| k.key.len())
+            .max()
+            .unwrap_or(3)
+            .clamp(3, MAX_KEY_ID);
         let against = self.against.is_some();
         let heads: &[&str] = if against {
             &[
@@ -1427,13 +1469,16 @@ mod tests {
         assert!(packed.gzip);
         assert_eq!(packed.format, Format::Json);
         assert!(!input("a", format!("{j}\n")).gzip);
-        let mut back = String::new();
-        packed.into_reader().read_to_string(&mut back).unwrap();
+        let mut lines = packed.into_lines();
+        let (mut buf, mut line) = (Vec::new(), Line::default());
+        lines.next(&mut buf, &mut line).unwrap();
         assert_eq!(
-            back,
+            String::from_utf8(buf.clone()).unwrap(),
             format!("{j}\n"),
             "the lines that told the format are read again"
         );
+        lines.next(&mut buf, &mut line).unwrap();
+        assert_eq!(line.bytes, 0);
     }
 
     #[test]
@@ -1506,13 +1551,21 @@ mod tests {
             "%%% garbage".into(),
             json(None, "GET", "/nowhere", 404, None, 4),
             ok.replace("\"remote_addr\":\"127.0.0.1\"", "\"remote_addr\":\"not-an-ip\""),
+            // A key id over its bound, and a line over the maximum.
+            json(Some(&"k".repeat(2048)), "GET", "/v1/orders", 200, Some(T), 4),
+            "x".repeat(MAX_LINE + 1),
         ]);
         text.push_str(&ok[..ok.len() - 1]);
         let r = replay(vec![input("a.log", text)], rules(4, 20), None, false).unwrap();
         let l = &r.lines;
-        assert_eq!((l.read, l.access, l.skipped, l.truncated), (7, 2, 5, 1), "{l:?}");
+        assert_eq!(
+            (l.read, l.access, l.skipped, l.truncated, l.too_long),
+            (9, 2, 7, 1, 2),
+            "{l:?}"
+        );
         assert_eq!((l.not_checked, l.replayed, l.not_replayable), (1, 1, 0));
-        assert_eq!((r.inputs[0].skipped, r.inputs[0].truncated), (5, 1));
+        let i = &r.inputs[0];
+        assert_eq!((i.skipped, i.truncated, i.too_long), (7, 1, 2));
         // Gzip cut short in its trailer: every line came whole. Cut inside its data: the last
         // line is truncated.
         let packed = gz(&lines(&[ok.clone(), ok.clone(), ok.clone()]));

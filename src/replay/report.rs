@@ -13,6 +13,7 @@ use serde::Serialize;
 
 use super::algorithms::Verdict;
 use super::edge::{Block, EdgeRule, span};
+use super::lines::{MAX_KEY_ID, MAX_LINE};
 
 use tollgate_limit::bucket::{Rate, US_PER_S, retry_after_secs};
 
@@ -184,6 +185,8 @@ pub struct Summary {
     /// Time of the first and last row, µs.
     pub first_us: Option<u64>,
     pub last_us: Option<u64>,
+    /// Rows longer than the maximum line, or with a field over its bound: left out.
+    pub too_long_rows: u64,
     /// Lease design: LEASE answers that granted a block, and that granted nothing.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lease_grants: Option<u64>,
@@ -392,6 +395,14 @@ impl Summary {
             write!(out, ")")?;
         }
         writeln!(out)?;
+        if self.too_long_rows > 0 {
+            writeln!(
+                out,
+                "skipped: {} too long (over {} bytes, or a field over its bound)",
+                plural_rows(self.too_long_rows),
+                group(MAX_LINE as u64)
+            )?;
+        }
         if let (Some(g), Some(d)) = (self.lease_grants, self.lease_denials) {
             writeln!(out, "leases granted {}  denied {}", group(g), group(d))?;
         }
@@ -402,7 +413,14 @@ impl Summary {
             e.write(out)?;
         }
         writeln!(out)?;
-        let width = self.keys.keys().map(|k| k.len()).max().unwrap_or(3).max(3);
+        // Keys are bounded as they are read; the cap keeps a width the formatter takes.
+        let width = self
+            .keys
+            .keys()
+            .map(|k| k.len())
+            .max()
+            .unwrap_or(3)
+            .clamp(3, MAX_KEY_ID);
         let leased = self.keys.values().any(|k| k.held_at_end.is_some());
         let queued = self.keys.values().any(|k| k.longest_wait_us.is_some());
         write!(
@@ -445,6 +463,10 @@ impl Summary {
         }
         Ok(())
     }
+}
+
+fn plural_rows(n: u64) -> String {
+    format!("{} {}", group(n), if n == 1 { "row" } else { "rows" })
 }
 
 /// µs as seconds to the µs: `2000000` → `2.000000 s`.

@@ -4,13 +4,16 @@
 //! Columns are found by name in the header (case-insensitive): `time` and `key` are required;
 //! `gateway`, `cost`, `cost_after`, `method`, `path`, `ip` and `fingerprint` are optional; other columns (an
 //! access log's status, latency, …) are ignored. Fields may be quoted (`"…"`, with `""` for a quote), but a
-//! quoted field can't span lines. Empty lines are skipped. The parser is hand-written: the
+//! quoted field can't span lines. Empty lines are skipped, and so are rows longer than 64 KiB
+//! or with a field over its bound, which are counted ([`super::lines`]). The parser is
+//! hand-written: the
 //! trace format is small, and a byte-level fast path keeps the replay above ten million rows a
 //! minute on one core.
 
 use std::io::BufRead;
 
 use super::RowError;
+use super::lines::{Line, Lines, MAX_ADDRESS, MAX_FINGERPRINT, MAX_KEY_ID, MAX_METHOD, MAX_NUMBER, MAX_PATH};
 
 /// Where each known column sits in a row.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -65,15 +68,18 @@ struct Span {
 
 /// Reads a trace one row at a time, reusing its buffers.
 pub(crate) struct TraceReader<R> {
-    input: R,
+    input: Lines<R>,
     file: String,
     cols: Columns,
     line: Vec<u8>,
+    read: Line,
     side: Vec<u8>,
     spans: Vec<Span>,
     line_no: u64,
     row_no: u64,
-    bytes_read: u64,
+    too_long: u64,
+    /// Each known column and its longest value.
+    bounds: Vec<(usize, usize)>,
 }
 
 /// One row's fields, borrowed from the reader until the next row is read.
@@ -92,32 +98,36 @@ pub(crate) struct RawRow<'a> {
 
 impl<R: BufRead> TraceReader<R> {
     /// Reads the header. `file` names the trace in errors.
-    pub fn new(mut input: R, file: &str) -> Result<TraceReader<R>, TraceError> {
+    pub fn new(mut input: Lines<R>, file: &str) -> Result<TraceReader<R>, TraceError> {
         let mut line = Vec::new();
+        let mut read = Line::default();
         let mut line_no = 0;
-        let mut bytes_read = 0;
+        let header_err = |reason: String| TraceError::Header {
+            file: file.to_string(),
+            reason,
+        };
         loop {
-            line.clear();
-            let n = input.read_until(b'\n', &mut line).map_err(|e| TraceError::Io {
+            input.next(&mut line, &mut read).map_err(|e| TraceError::Io {
                 file: file.to_string(),
                 reason: e.to_string(),
             })?;
-            if n == 0 {
+            if read.bytes == 0 {
                 return Err(TraceError::Empty {
                     file: file.to_string(),
                 });
             }
-            bytes_read += n as u64;
             line_no += 1;
+            if read.too_long {
+                return Err(header_err(format!(
+                    "longer than {} bytes; a header names a few columns",
+                    input.max()
+                )));
+            }
             trim_eol(&mut line);
             if !line.iter().all(u8::is_ascii_whitespace) {
                 break;
             }
         }
-        let header_err = |reason: String| TraceError::Header {
-            file: file.to_string(),
-            reason,
-        };
         let mut side = Vec::new();
         let mut spans = Vec::new();
         split(&line, &mut side, &mut spans).map_err(header_err)?;
@@ -161,16 +171,32 @@ impl<R: BufRead> TraceReader<R> {
             fingerprint: find("fingerprint")?,
             count: names.len(),
         };
+        let bounds = [
+            (Some(cols.time), MAX_NUMBER),
+            (Some(cols.key), MAX_KEY_ID),
+            (cols.gateway, MAX_NUMBER),
+            (cols.cost, MAX_NUMBER),
+            (cols.cost_after, MAX_NUMBER),
+            (cols.method, MAX_METHOD),
+            (cols.path, MAX_PATH),
+            (cols.ip, MAX_ADDRESS),
+            (cols.fingerprint, MAX_FINGERPRINT),
+        ]
+        .into_iter()
+        .filter_map(|(c, max)| Some((c?, max)))
+        .collect();
         Ok(TraceReader {
             input,
             file: file.to_string(),
             cols,
             line,
+            read,
             side,
             spans,
             line_no,
             row_no: 0,
-            bytes_read,
+            too_long: 0,
+            bounds,
         })
     }
 
@@ -184,7 +210,12 @@ impl<R: BufRead> TraceReader<R> {
 
     /// Bytes consumed so far, for progress.
     pub(crate) fn bytes_read(&self) -> u64 {
-        self.bytes_read
+        self.input.bytes_read()
+    }
+
+    /// Rows skipped so far for being too long, or a field of theirs.
+    pub(crate) fn too_long(&self) -> u64 {
+        self.too_long
     }
 
     /// The error for a field of the row last read.
@@ -201,19 +232,52 @@ impl<R: BufRead> TraceReader<R> {
     /// The next row, or `None` at the end of the trace.
     pub(crate) fn next_row(&mut self) -> Result<Option<RawRow<'_>>, TraceError> {
         loop {
-            self.line.clear();
-            let n = self
-                .input
-                .read_until(b'\n', &mut self.line)
+            if !self.next_line()? {
+                return Ok(None);
+            }
+            let over = self
+                .bounds
+                .iter()
+                .any(|&(c, max)| trim(field(&self.line, &self.side, self.spans[c])).len() > max);
+            if !over {
+                break;
+            }
+            self.too_long += 1;
+        }
+        let get = |i: usize| trim(field(&self.line, &self.side, self.spans[i]));
+        let opt = |i: Option<usize>| i.map(get);
+        Ok(Some(RawRow {
+            time: get(self.cols.time),
+            key: get(self.cols.key),
+            gateway: opt(self.cols.gateway),
+            cost: opt(self.cols.cost),
+            cost_after: opt(self.cols.cost_after),
+            method: opt(self.cols.method),
+            path: opt(self.cols.path),
+            ip: opt(self.cols.ip),
+            fingerprint: opt(self.cols.fingerprint),
+        }))
+    }
+
+    /// Reads the next row that is not empty or too long, and splits it into its fields;
+    /// `false` at the end of the trace.
+    fn next_line(&mut self) -> Result<bool, TraceError> {
+        loop {
+            self.input
+                .next(&mut self.line, &mut self.read)
                 .map_err(|e| TraceError::Io {
                     file: self.file.clone(),
                     reason: format!("after line {}: {e}", self.line_no),
                 })?;
-            if n == 0 {
-                return Ok(None);
+            if self.read.bytes == 0 {
+                return Ok(false);
             }
-            self.bytes_read += n as u64;
             self.line_no += 1;
+            if self.read.too_long {
+                self.row_no += 1;
+                self.too_long += 1;
+                continue;
+            }
             trim_eol(&mut self.line);
             if self.line.is_empty() {
                 continue;
@@ -239,19 +303,7 @@ impl<R: BufRead> TraceReader<R> {
                 ),
             });
         }
-        let get = |i: usize| trim(field(&self.line, &self.side, self.spans[i]));
-        let opt = |i: Option<usize>| i.map(get);
-        Ok(Some(RawRow {
-            time: get(self.cols.time),
-            key: get(self.cols.key),
-            gateway: opt(self.cols.gateway),
-            cost: opt(self.cols.cost),
-            cost_after: opt(self.cols.cost_after),
-            method: opt(self.cols.method),
-            path: opt(self.cols.path),
-            ip: opt(self.cols.ip),
-            fingerprint: opt(self.cols.fingerprint),
-        }))
+        Ok(true)
     }
 }
 
@@ -485,7 +537,7 @@ mod tests {
     #[test]
     fn reads_quoted_fields_and_names_columns() {
         let text = "Time,key,path,status\n1.5,k-7,\"/v1/a,b\",200\n\n2,\"k \"\"8\"\"\",/x,200\r\n";
-        let mut r = TraceReader::new(text.as_bytes(), "t.csv").unwrap();
+        let mut r = TraceReader::new(Lines::new(text.as_bytes()), "t.csv").unwrap();
         assert_eq!(r.columns().path, Some(2));
         let row = r.next_row().unwrap().unwrap();
         assert_eq!(
@@ -499,21 +551,55 @@ mod tests {
 
     #[test]
     fn header_and_row_errors_name_the_place() {
-        let e = TraceReader::new("time,gateway\n".as_bytes(), "t.csv")
+        let e = TraceReader::new(Lines::new("time,gateway\n".as_bytes()), "t.csv")
             .err()
             .unwrap();
         assert!(e.to_string().contains("no \"key\" column"), "{e}");
-        let e = TraceReader::new("time,key,key\n".as_bytes(), "t.csv")
+        let e = TraceReader::new(Lines::new("time,key,key\n".as_bytes()), "t.csv")
             .err()
             .unwrap();
         assert!(e.to_string().contains("appears twice"), "{e}");
-        let mut r = TraceReader::new("time,key\n1,a,b\n".as_bytes(), "t.csv").unwrap();
+        let mut r = TraceReader::new(Lines::new("time,key\n1,a,b\n".as_bytes()), "t.csv").unwrap();
         let e = r.next_row().err().unwrap();
         assert_eq!(
             e.to_string(),
             "t.csv: line 2 (row 1): 3 fields, but the header names 2 columns"
         );
-        let mut r = TraceReader::new("time,key\n1,\"a\n".as_bytes(), "t.csv").unwrap();
+        let mut r = TraceReader::new(Lines::new("time,key\n1,\"a\n".as_bytes()), "t.csv").unwrap();
         assert!(r.next_row().err().unwrap().to_string().contains("never closes"));
+    }
+
+    #[test]
+    fn rows_too_long_are_counted_and_skipped() {
+        let key = |n: usize| "k".repeat(n);
+        let text = format!(
+            "time,key,path\n1,{},/a\n2,{},/a\n3,k,/{}\n4,k,/a\n5,{}\n6,k,/a\n",
+            key(MAX_KEY_ID),
+            key(MAX_KEY_ID + 1),
+            "p".repeat(MAX_PATH),
+            key(super::super::lines::MAX_LINE),
+        );
+        let mut r = TraceReader::new(Lines::new(text.as_bytes()), "t.csv").unwrap();
+        let mut times = Vec::new();
+        while let Some(row) = r.next_row().unwrap() {
+            times.push(String::from_utf8(row.time.to_vec()).unwrap());
+        }
+        assert_eq!(times, ["1", "4", "6"]);
+        assert_eq!((r.too_long(), r.row_no, r.line_no), (3, 6, 7));
+        // The rows after keep their numbers in errors.
+        let text = format!("time,key\n{}\n1,a,b\n", key(70_000));
+        let mut r = TraceReader::new(Lines::new(text.as_bytes()), "t.csv").unwrap();
+        let e = r.next_row().err().unwrap();
+        assert_eq!(
+            e.to_string(),
+            "t.csv: line 3 (row 2): 3 fields, but the header names 2 columns"
+        );
+        let e = TraceReader::new(Lines::new(format!("time,{}\n", key(70_000)).as_bytes()), "t.csv")
+            .err()
+            .unwrap();
+        assert!(
+            e.to_string().contains("header (line 1): longer than 65536 bytes"),
+            "{e}"
+        );
     }
 }
