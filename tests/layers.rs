@@ -149,3 +149,63 @@ fn the_gateway_carries_no_harness() {
         );
     }
 }
+
+/// What the top level may hold: the layout the project fixed, hidden files beside it.
+const TOP_LEVEL: &[&str] = &[
+    "Cargo.toml",
+    "Cargo.lock",
+    "src",
+    "rules",
+    "lua",
+    "certs",
+    "tests",
+    "benches",
+    "Dockerfile",
+    "README.md",
+    "rustfmt.toml",
+];
+
+/// The largest file the repository may track: a bigger one is a build output or a download
+/// that slipped in, and every clone pays for it.
+const MAX_TRACKED_BYTES: u64 = 1 << 20;
+
+/// The files git tracks, relative to the repository's root.
+fn tracked() -> Vec<String> {
+    let out = Command::new("git")
+        .args(["ls-files", "-z"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("git runs");
+    assert!(
+        out.status.success(),
+        "git ls-files: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let files: Vec<String> = out
+        .stdout
+        .split(|&b| b == 0)
+        .filter(|p| !p.is_empty())
+        .map(|p| String::from_utf8_lossy(p).into_owned())
+        .collect();
+    assert!(files.len() > 100, "git ls-files found only {} files", files.len());
+    files
+}
+
+#[test]
+fn the_top_level_holds_the_fixed_layout_and_no_large_file() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut stray = Vec::new();
+    let mut large = Vec::new();
+    for f in tracked() {
+        let top = f.split('/').next().unwrap_or_default();
+        if !top.starts_with('.') && !TOP_LEVEL.contains(&top) {
+            stray.push(f.clone());
+        }
+        let len = std::fs::metadata(root.join(&f)).map(|m| m.len()).unwrap_or(0);
+        if len > MAX_TRACKED_BYTES {
+            large.push(format!("{f} ({len} bytes)"));
+        }
+    }
+    assert!(stray.is_empty(), "tracked outside the fixed top level: {stray:?}");
+    assert!(large.is_empty(), "tracked files over 1 MiB: {large:?}");
+}
