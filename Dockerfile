@@ -5,6 +5,7 @@ COPY Cargo.toml Cargo.lock ./
 COPY src ./src
 COPY rules ./rules
 COPY lua ./lua
+COPY certs ./certs
 COPY benches ./benches
 RUN cargo build --release --locked --bin tollgate
 
@@ -12,7 +13,12 @@ RUN cargo build --release --locked --bin tollgate
 # (`-v $PWD/rules:/etc/tollgate:ro`: the repository's rules/ holds demo.json). The CA bundle
 # for TLS upstreams comes from the build stage, so the image installs no packages.
 FROM debian:bookworm-slim
-RUN useradd --system --uid 10001 --no-create-home tollgate
+# The embedded store's files (the metering file and the keys made through the admin API) go in
+# the working directory, which the user owns: a volume, or an emptyDir under a read-only root.
+RUN useradd --system --uid 10001 --no-create-home tollgate \
+    && mkdir -p /var/lib/tollgate && chown 10001:10001 /var/lib/tollgate
+WORKDIR /var/lib/tollgate
+VOLUME /var/lib/tollgate
 COPY --from=build /etc/ssl/certs/ca-certificates.crt /etc/ssl/certs/ca-certificates.crt
 COPY --from=build /src/target/release/tollgate /usr/local/bin/tollgate
 COPY rules/demo.json rules/demo-jwks.json /etc/tollgate/

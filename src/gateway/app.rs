@@ -157,7 +157,11 @@ async fn start_managed_keys(
     let store = match &cfg.store {
         StoreUrl::Memory => match &cfg.keys_file {
             Some(file) => KeyStore::Sqlite(
-                tollgate_keys::sqlite::SqliteKeys::open(file).map_err(|e| StartError::Keys(e.to_string()))?,
+                tollgate_keys::sqlite::SqliteKeys::open(file).map_err(|e| {
+                    StartError::Keys(format!(
+                        "{e}; name a file the gateway can write with --keys-file (TOLLGATE_KEYS_FILE), which by default sits beside --meter-file (TOLLGATE_METER_FILE)"
+                    ))
+                })?,
             ),
             None => return Ok(None),
         },
@@ -318,7 +322,11 @@ async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
 async fn start_meter(m: &MeterConfig, store: &StoreUrl) -> Result<Metering, StartError> {
     let (sink, flags): (Arc<dyn Sink>, Arc<dyn FlagSource>) = match store {
         StoreUrl::Memory => {
-            let s = Arc::new(SqliteSink::open(&m.file).map_err(StartError::Meter)?);
+            let s = Arc::new(SqliteSink::open(&m.file).map_err(|e| {
+                StartError::Meter(format!(
+                    "{e}; name a file the gateway can write with --meter-file (TOLLGATE_METER_FILE), or count nothing with --no-meter"
+                ))
+            })?);
             (s.clone(), s)
         }
         StoreUrl::Redis(url) => {
