@@ -119,8 +119,11 @@ impl LaneIo for tokio_rustls::server::TlsStream<TcpStream> {
 /// read.
 #[derive(Debug, Clone)]
 pub struct ServerLimits {
-    /// A client must finish sending its request headers within this time.
+    /// A client must finish sending its request headers within this time, from the head's
+    /// first byte on the express lane and the watcher of hyper's path.
     pub header_read_timeout: Duration,
+    /// A connection with no request in flight and nothing read for this long is closed.
+    pub idle_timeout: Duration,
     /// A client must send each next piece of a request body within this time; past it, 408.
     pub body_read_timeout: Duration,
     /// How long a TLS handshake may take.
@@ -146,6 +149,7 @@ impl Default for ServerLimits {
     fn default() -> Self {
         ServerLimits {
             header_read_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(75),
             body_read_timeout: Duration::from_secs(10),
             handshake_timeout: Duration::from_secs(10),
             drain_timeout: Duration::from_secs(30),
