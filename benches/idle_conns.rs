@@ -194,8 +194,8 @@ fn gateway(rules: &Path, extra: &[&str]) -> Tollgate {
         rules.to_str().unwrap(),
         "--threads",
         "1",
-        // Idle keep-alive connections are closed at the head timeout; keep them for the run.
-        "--header-timeout",
+        // Idle keep-alive connections are closed at the idle timeout; keep them for the run.
+        "--idle-timeout",
         "600s",
     ];
     args.extend_from_slice(extra);

@@ -290,6 +290,7 @@ fn config(rules: RulesSource, c: &CommonArgs, demo: bool) -> Result<GatewayConfi
     cfg.trusted = TrustedProxies::parse(&c.trusted_proxy).map_err(anyhow::Error::msg)?;
     cfg.limits = ServerLimits {
         header_read_timeout: c.header_timeout,
+        idle_timeout: c.idle_timeout,
         body_read_timeout: c.body_timeout,
         drain_timeout: c.drain_timeout,
         upgrade_grace: c.upgrade_grace,

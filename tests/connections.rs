@@ -74,8 +74,8 @@ async fn wait_for(http: &Http, gw: &Tollgate, line_start: &str, want: usize, arg
 /// newcomer is closed at once; the slow requests still get their 200.
 async fn cap_holds(flag: &str, label: &str, path_args: &[&str]) {
     const CAP: usize = 4;
-    // Idle keep-alive connections end at the head timeout; none may end so on a loaded machine.
-    let mut args = vec!["demo", flag, "4", "--header-timeout", "120s"];
+    // Idle keep-alive connections end at the idle timeout; none may end so on a loaded machine.
+    let mut args = vec!["demo", flag, "4", "--idle-timeout", "120s"];
     args.extend_from_slice(path_args);
     let gw = Tollgate::spawn(&args);
     let http = Http::new();

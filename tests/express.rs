@@ -584,7 +584,7 @@ async fn an_idle_tls_connection_on_the_lane_is_closed_with_close_notify() {
     let (up, _rec) = recording_upstream().await;
     let (gw, _d) = gateway_with(up, true, |cfg| {
         with_tls(cfg);
-        cfg.limits.header_read_timeout = std::time::Duration::from_millis(300);
+        cfg.limits.idle_timeout = std::time::Duration::from_millis(300);
     })
     .await;
     let mut s = common::tls::connect(gw.addr, &[b"http/1.1"]).await;

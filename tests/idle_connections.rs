@@ -40,13 +40,13 @@ async fn ten_thousand_idle_connections_stay_open_while_active_clients_run() {
         IDLE + 1000
     );
     let rules = repo().join("rules/bench.json");
-    // The head timeout also ends idle keep-alive connections: keep them past the test.
+    // The idle timeout ends idle keep-alive connections: keep them past the test.
     let gw = Tollgate::spawn_with_env(
         &[
             "demo",
             "--rules",
             rules.to_str().unwrap(),
-            "--header-timeout",
+            "--idle-timeout",
             "300s",
         ],
         &[("TOLLGATE_LOG", "warn")],

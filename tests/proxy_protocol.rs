@@ -223,3 +223,33 @@ async fn the_header_comes_before_tls_and_the_client_is_named_through_it() {
     gw.shutdown().await;
     drop(dir);
 }
+
+/// A v2 header whose fixed part and addresses arrive, declaring 65,535 bytes of which no more
+/// ever come: the whole header is under the head timeout, not only its first bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_header_that_never_finishes_is_cut_at_the_head_timeout() {
+    let upstream = common::start_demo_upstream().await;
+    for express in [true, false] {
+        let (gw, _dir) = gateway(upstream, "127.0.0.1", express).await;
+        let mut header = v2_tcp4([192, 0, 2, 13], 1);
+        header[14..16].copy_from_slice(&u16::MAX.to_be_bytes());
+        let mut tcp = TcpStream::connect(gw.addr).await.unwrap();
+        let sent = std::time::Instant::now();
+        tcp.write_all(&header).await.unwrap();
+        let mut out = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(10), tcp.read_to_end(&mut out)).await;
+        let held = sent.elapsed();
+        // The launcher's head timeout is 500 ms.
+        assert!(
+            read.is_ok() && held < Duration::from_millis(1500),
+            "express lane {express}: the connection was held {held:?} ({read:?})"
+        );
+        assert!(out.is_empty(), "express lane {express}: {out:?}");
+        assert!(
+            refused(&gw, "timeout").ends_with(" 1"),
+            "express lane {express}: {}",
+            refused(&gw, "timeout")
+        );
+        gw.shutdown().await;
+    }
+}

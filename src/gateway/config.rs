@@ -129,9 +129,15 @@ pub struct CommonArgs {
     /// closed.
     #[arg(long, env = "TOLLGATE_UPGRADE_GRACE", default_value = "10s", value_parser = parse_duration)]
     pub upgrade_grace: Duration,
-    /// A client must send its whole request head within this time.
+    /// A client must send its whole request head within this time, from its first byte.
     #[arg(long, env = "TOLLGATE_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub header_timeout: Duration,
+    /// A client connection with no request in flight and nothing read for this long is closed
+    /// (HTTP/1 and HTTP/2, every listener; HTTP/2 gets GOAWAY first). Above the 60 s idle
+    /// timeout of common cloud load balancers, so a balancer never reuses a connection the
+    /// gateway is just closing.
+    #[arg(long, env = "TOLLGATE_IDLE_TIMEOUT", default_value = "75s", value_parser = parse_positive_duration)]
+    pub idle_timeout: Duration,
     /// A client must send each next piece of a request body within this time; past it, 408.
     #[arg(long, env = "TOLLGATE_BODY_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub body_timeout: Duration,

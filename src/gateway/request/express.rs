@@ -68,10 +68,10 @@ pub(crate) fn serve<'a, S: LaneIo>(
     stop: &'a mut watch::Receiver<bool>,
 ) -> impl Future<Output = Ended<S>> + Send + 'a {
     async move {
-        // Like hyper's: the time to the end of a head counts from when the last response was
-        // sent, so an idle keep-alive connection is closed after it too. It also times the
-        // upstream's answer, which is never awaited while a head is: one timer a connection.
-        let mut deadline = Deadline::new(limits.header_read_timeout);
+        // While no request is in flight it is the idle timeout, from the accept or the last
+        // response; once a head has begun, the head timeout from its first bytes. It also times
+        // the upstream's answer, which is never awaited while a head is: one timer a connection.
+        let mut deadline = Deadline::new(limits.idle_timeout);
         if let Some(s) = &info.entry {
             s.idle();
         }
@@ -133,12 +133,14 @@ async fn serve_waiting<S: LaneIo>(
     let mut first = true;
     loop {
         if !first {
-            deadline.set(Instant::now() + limits.header_read_timeout);
+            deadline.set(Instant::now() + limits.idle_timeout);
             if let Some(s) = &info.entry {
                 s.idle();
             }
         }
         first = false;
+        // A head that arrives whole in one read, the usual case, never reads the clock for it.
+        let mut head_timed = false;
         loop {
             if buf.is_empty() {
                 // Between requests: a buffer only for bytes that are there; none there, and the
@@ -158,6 +160,11 @@ async fn serve_waiting<S: LaneIo>(
                 Parsed::Partial if buf.len() < limits.max_header_bytes => {}
                 // Too large, unusual or malformed: hyper answers it (431, 400, h2c …).
                 _ => return Next::HandOff(std::mem::take(&mut *buf).freeze()),
+            }
+            if !head_timed {
+                // Begun and not finished: the rest is due within the head timeout.
+                head_timed = true;
+                deadline.set(Instant::now() + limits.header_read_timeout);
             }
             buf.reserve(READ_SIZE);
             tokio::select! {

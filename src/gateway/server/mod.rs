@@ -2,6 +2,7 @@
 //! port, and a graceful drain on shutdown.
 
 pub mod conns;
+pub(crate) mod idle;
 pub(crate) mod proxy_protocol;
 pub mod smuggling;
 pub mod tls;
@@ -119,8 +120,12 @@ impl LaneIo for tokio_rustls::server::TlsStream<TcpStream> {
 /// read.
 #[derive(Debug, Clone)]
 pub struct ServerLimits {
-    /// A client must finish sending its request headers within this time.
+    /// A client must finish sending its request headers within this time, from the head's
+    /// first byte on the express lane and the watcher of hyper's path.
     pub header_read_timeout: Duration,
+    /// A connection with no request in flight and nothing read for this long is closed, on
+    /// every path and protocol (upgraded connections excepted: their route's own timeout).
+    pub idle_timeout: Duration,
     /// A client must send each next piece of a request body within this time; past it, 408.
     pub body_read_timeout: Duration,
     /// How long a TLS handshake may take.
@@ -146,6 +151,7 @@ impl Default for ServerLimits {
     fn default() -> Self {
         ServerLimits {
             header_read_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(75),
             body_read_timeout: Duration::from_secs(10),
             handshake_timeout: Duration::from_secs(10),
             drain_timeout: Duration::from_secs(30),
@@ -177,8 +183,9 @@ fn builder(limits: &ServerLimits) -> auto::Builder<TokioExecutor> {
     b.http1()
         .timer(TokioTimer::new())
         // The watcher answers 408 at the head timeout (`smuggling::Watched`); hyper's own, which
-        // closes without a word, is the backstop.
-        .header_read_timeout(limits.header_read_timeout + Duration::from_secs(2))
+        // closes without a word, is the backstop. Its clock starts when the last answer is out,
+        // not at a head's first byte, so it must also outlast the idle timeout.
+        .header_read_timeout(limits.header_read_timeout.max(limits.idle_timeout) + Duration::from_secs(2))
         .max_buf_size(limits.max_header_bytes.max(8192));
     b.http2()
         .timer(TokioTimer::new())
@@ -535,7 +542,7 @@ async fn secure<H: Handler>(
 fn lane_first<H: Handler, S: LaneIo>(
     listen: Arc<Listening<H>>,
     io: S,
-    mut info: ConnInfo,
+    info: ConnInfo,
     watcher: hyper_util::server::graceful::Watcher,
     mut stop: tokio::sync::watch::Receiver<bool>,
     h1: bool,
@@ -557,21 +564,44 @@ fn lane_first<H: Handler, S: LaneIo>(
         if let Some(s) = &info.entry {
             s.idle();
         }
-        let flagged = Arc::new(FlaggedHeads::default());
-        info.flagged_heads = Some(flagged.clone());
-        // Not captured: the task of every idle connection would carry it.
         let peer = info.peer;
-        // With upgrades: a route may switch a connection to WebSocket (`upgrade`); hyper
-        // hands such a connection over after its `101` and this task ends.
-        let conn = listen.builder.serve_connection_with_upgrades(
-            TokioIo::new(Watched::new(io, flagged, listen.limits.header_read_timeout)),
-            service(listen.handler.clone(), info),
-        );
         // Boxed: allocated only for connections handed to hyper.
-        if let Err(e) = Box::pin(watcher.watch(conn.into_owned())).await {
+        if let Err(e) = Box::pin(on_hyper(listen, io, info, watcher, stop)).await {
             tracing::debug!(%peer, error = %e, "connection ended with an error");
         }
     }
+}
+
+/// Hyper's connection, serving until it ends, the server stops (then its requests in flight
+/// finish first), or it has been idle for the idle timeout ([`idle::Closing`]).
+fn on_hyper<H: Handler, S: LaneIo>(
+    listen: Arc<Listening<H>>,
+    io: Prefixed<S>,
+    mut info: ConnInfo,
+    watcher: hyper_util::server::graceful::Watcher,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> impl Future<Output = Result<(), Box<dyn std::error::Error + Send + Sync>>> + Send {
+    let flagged = Arc::new(FlaggedHeads::default());
+    info.flagged_heads = Some(flagged.clone());
+    let activity = Arc::new(idle::Activity::new());
+    // With upgrades: a route may switch a connection to WebSocket (`upgrade`); hyper hands such
+    // a connection over after its `101` and this ends, leaving it to the route's own idle
+    // timeout.
+    let conn = listen.builder.serve_connection_with_upgrades(
+        TokioIo::new(Watched::new(
+            idle::Stamped::new(io, activity.clone()),
+            flagged,
+            listen.limits.header_read_timeout,
+        )),
+        service(listen.handler.clone(), info, activity.clone()),
+    );
+    idle::Closing::new(
+        conn.into_owned(),
+        stopped(stop),
+        activity,
+        listen.limits.idle_timeout,
+        watcher,
+    )
 }
 
 /// The size of a plain connection's task future, idle before its first request: what every
@@ -601,7 +631,7 @@ pub(crate) fn service_future_sizes<H: Handler>(handler: Arc<H>, info: ConnInfo) 
     fn returned<A, R>(_: &impl Fn(A) -> R) -> usize {
         std::mem::size_of::<R>()
     }
-    let svc = service(handler.clone(), info.clone());
+    let svc = service(handler.clone(), info.clone(), Arc::new(idle::Activity::new()));
     let call = returned(&|req: Request<Incoming>| svc.call(req));
     let path = returned(&|req: Request<Incoming>| handler.clone().handle(req, info.clone()));
     (call, path)
@@ -621,6 +651,7 @@ pub(crate) struct Listening<H> {
 fn service<H: Handler>(
     handler: Arc<H>,
     info: ConnInfo,
+    activity: Arc<idle::Activity>,
 ) -> impl hyper::service::Service<
     Request<Incoming>,
     Response = Response<Tracked<Body>>,
@@ -631,8 +662,9 @@ fn service<H: Handler>(
     service_fn(move |req| {
         let handler = handler.clone();
         let info = info.clone();
+        let activity = activity.clone();
         async move {
-            let busy = Busy::enter(info.entry.clone());
+            let busy = Busy::enter(info.entry.clone(), activity);
             // A handler that answers `101` has switched the connection to another protocol,
             // whose bytes the smuggling watcher and its head timeout must leave alone.
             let switching = req
@@ -694,21 +726,29 @@ impl<F: Future<Output = ()>> Future for Closable<F> {
 }
 
 /// One request in flight on hyper's path, from the service's call until hyper drops its
-/// response body (sent whole, or the connection ended).
-struct Busy(Option<Arc<ConnEntry>>);
+/// response body (sent whole, or the connection ended): for the caps and the idle timeout.
+struct Busy {
+    entry: Option<Arc<ConnEntry>>,
+    activity: Arc<idle::Activity>,
+}
 
 impl Busy {
-    fn enter(entry: Option<Arc<ConnEntry>>) -> Busy {
-        // An evicted connection is being dropped by `closable`; nothing to count.
-        Busy(entry.filter(|s| s.enter()))
+    fn enter(entry: Option<Arc<ConnEntry>>, activity: Arc<idle::Activity>) -> Busy {
+        activity.enter();
+        Busy {
+            // An evicted connection is being dropped by `closable`; nothing to count.
+            entry: entry.filter(|s| s.enter()),
+            activity,
+        }
     }
 }
 
 impl Drop for Busy {
     fn drop(&mut self) {
-        if let Some(s) = &self.0 {
+        if let Some(s) = &self.entry {
             s.leave();
         }
+        self.activity.leave();
     }
 }
 

@@ -152,10 +152,20 @@ pub(crate) async fn take(
     trusted: &TrustedProxies,
     within: Duration,
 ) -> Result<SocketAddr, Refused> {
-    let from_proxy = trusted.contains(tollgate_rules::identity::canonical(peer.ip()));
-    let parsed = tokio::time::timeout(within, peek_header(tcp))
+    // One deadline for the whole header: a v2 header may declare up to 64 KiB past its first
+    // bytes, and a client that declares them and sends nothing must not hold the connection.
+    tokio::time::timeout(within, read_header(tcp, peer, trusted))
         .await
-        .map_err(|_| "timeout")??;
+        .map_err(|_| "timeout")?
+}
+
+async fn read_header(
+    tcp: &mut TcpStream,
+    peer: SocketAddr,
+    trusted: &TrustedProxies,
+) -> Result<SocketAddr, Refused> {
+    let from_proxy = trusted.contains(tollgate_rules::identity::canonical(peer.ip()));
+    let parsed = peek_header(tcp).await?;
     match (parsed, from_proxy) {
         (Parsed::Header { len, source }, true) => {
             // Consumed, TLVs and all, without keeping a copy: only its source was wanted.
