@@ -68,6 +68,9 @@ pub enum Command {
         /// With --workers: each request's service time (`/v1/slow?ms=N` takes N instead).
         #[arg(long, default_value_t = 100, requires = "workers")]
         latency_ms: u64,
+        /// A name its answers carry as `"instance"`, to tell several instances apart.
+        #[arg(long)]
+        instance: Option<String>,
     },
     /// Replay a trace through the gateway's limiter code on a virtual clock (offline what-if).
     Replay(tollgate_replay::ReplayArgs),
@@ -721,7 +724,11 @@ fn run(cli: Cli, threads: Option<u16>, format: LogFormat, lines: Option<access::
                 listen,
                 workers,
                 latency_ms,
+                instance,
             } => {
+                if let Some(name) = instance {
+                    tollgate_gateway::demo::set_instance(name);
+                }
                 let pool = match workers {
                     Some(n) => Some(
                         tollgate_gateway::demo::Workers::new(n, std::time::Duration::from_millis(latency_ms))

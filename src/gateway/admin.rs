@@ -157,6 +157,10 @@ impl Admin {
                 )
             }
             "/admin/usage" => self.usage(req.uri().query()),
+            "/admin/upstreams" => json_response(
+                StatusCode::OK,
+                json!({"upstreams": self.gateway.upstream_targets()}).to_string(),
+            ),
             "/admin" | "/admin/" => asset("text/html; charset=utf-8", crate::dashboard::INDEX_HTML),
             "/admin/favicon.svg" => asset("image/svg+xml", crate::dashboard::FAVICON),
             "/admin/app.js" => asset("text/javascript; charset=utf-8", crate::dashboard::APP_JS),

@@ -203,6 +203,20 @@ async fn sweep_upstreams(gateway: Arc<Gateway>, stop: impl std::future::Future<O
     }
 }
 
+/// Starts the upstreams' active health checks as they fall due (each target's interval is its
+/// upstream's; this only looks often enough to keep to it).
+async fn check_targets(gateway: Arc<Gateway>, stop: impl std::future::Future<Output = ()>) -> usize {
+    tokio::pin!(stop);
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = &mut stop => return 0,
+            _ = tick.tick() => gateway.check_targets(),
+        }
+    }
+}
+
 /// The running rules' limit names, for the store guard's metrics.
 pub fn limit_names(rules: Arc<ArcSwap<Snapshot>>) -> tollgate_store::guard::LimitNames {
     Arc::new(move |li| {
@@ -649,6 +663,10 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         quota_flags,
     } = assemble(&cfg, &rules, &store, &metrics, &stop_rx).await?;
     tasks.push(tokio::spawn(sweep_upstreams(
+        gateway.clone(),
+        stopped(stop_rx.clone()),
+    )));
+    tasks.push(tokio::spawn(check_targets(
         gateway.clone(),
         stopped(stop_rx.clone()),
     )));

@@ -70,6 +70,15 @@ fn query_status(query: Option<&str>) -> Result<StatusCode, String> {
     Ok(StatusCode::OK)
 }
 
+/// The name this process's demo upstream answers with (`demo-upstream --instance`), so
+/// several instances behind one upstream can be told apart.
+static INSTANCE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Names this process's demo upstream; the first name given stays.
+pub fn set_instance(name: String) {
+    let _ = INSTANCE.set(name);
+}
+
 impl DemoUpstream {
     pub async fn serve(&self, req: Request<Incoming>) -> Response<Body> {
         self.answer(req, None).await
@@ -159,18 +168,18 @@ impl DemoUpstream {
                 )
             })
             .collect();
-        let mut resp = json_response(
-            status,
-            json!({
-                "service": "orders",
-                "method": parts.method.as_str(),
-                "path": path,
-                "query": parts.uri.query(),
-                "bytes": bytes,
-                "headers": headers,
-            })
-            .to_string(),
-        );
+        let mut answer = json!({
+            "service": "orders",
+            "method": parts.method.as_str(),
+            "path": path,
+            "query": parts.uri.query(),
+            "bytes": bytes,
+            "headers": headers,
+        });
+        if let Some(name) = INSTANCE.get() {
+            answer["instance"] = json!(name);
+        }
+        let mut resp = json_response(status, answer.to_string());
         if let Some(t) = tokens {
             resp.headers_mut()
                 .insert(USAGE_TOKENS.clone(), http::HeaderValue::from(t));

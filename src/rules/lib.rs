@@ -35,8 +35,9 @@ pub use load::*;
 pub use model::*;
 pub use raw::{Identity, KeyRequirement, LimitClass, Mode, Scope};
 use raw::{
-    RawBlock, RawConcurrency, RawDimension, RawDimensionName, RawEncodedSlashes, RawKey, RawLimit,
-    RawNumbers, RawPathMatch, RawQuota, RawRoute, RawRules, RawServe, RawUpstream, RawUpstreamTls,
+    RawBalance, RawBlock, RawConcurrency, RawDimension, RawDimensionName, RawEject, RawEncodedSlashes,
+    RawHealth, RawKey, RawLimit, RawNumbers, RawPathMatch, RawQuota, RawRetries, RawRoute, RawRules,
+    RawServe, RawUpstream, RawUpstreamTls,
 };
 pub use tls::UpstreamTls;
 pub use tollgate_hello::{BadFingerprint, Fingerprint};

@@ -69,6 +69,10 @@ impl RulesLoader {
             })?;
             for u in &mut snap.upstreams {
                 u.authority = auth.clone();
+                u.targets = vec![crate::Target {
+                    authority: auth.clone(),
+                    weight: 1,
+                }];
                 u.host_header = host.clone();
                 // The demo upstream speaks plain HTTP.
                 u.scheme = http::uri::Scheme::HTTP;

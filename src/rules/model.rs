@@ -25,6 +25,58 @@ pub struct Upstream {
     pub encoded_slashes: EncodedSlashes,
     /// Whether routes to it match paths ignoring ASCII case.
     pub case_insensitive: bool,
+    /// Its instances, at least one; the first is `authority`'s, whose host requests carry.
+    pub targets: Vec<Target>,
+    pub balance: Balance,
+    pub health: Option<Health>,
+    pub eject: Eject,
+    pub retries: Retries,
+}
+
+/// Active health checks of an upstream's targets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Health {
+    /// The whole path asked, the upstream's prefix included.
+    pub path: String,
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub unhealthy_after: u32,
+    pub healthy_after: u32,
+}
+
+/// One instance of an upstream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    pub authority: Authority,
+    /// Its share of requests against the other targets' weights, at least 1.
+    pub weight: u32,
+}
+
+/// How a request's target is chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Balance {
+    LeastRequest,
+    RoundRobin,
+    Hash,
+}
+
+/// When a failing target is left out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Eject {
+    pub consecutive_failures: u32,
+    /// A first ejection's length; each one after doubles it, up to [`MAX_EJECTION`].
+    pub first: Duration,
+    pub max_percent: u32,
+}
+
+/// The longest an ejection lasts, however often the target was ejected.
+pub const MAX_EJECTION: Duration = Duration::from_secs(600);
+
+/// Retries of a request whose target failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retries {
+    pub attempts: u32,
+    pub budget_percent: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -66,8 +66,29 @@ fn skip_keys<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<RawKey>, D::E
 #[schemars(rename = "Upstream")]
 pub(crate) struct RawUpstream {
     /// Base URL: `http://host[:port][/prefix]` or `https://host[:port][/prefix]` (ports 80
-    /// and 443 when left out).
-    pub url: String,
+    /// and 443 when left out). One target; `targets` names several instead.
+    #[serde(default)]
+    pub url: Option<String>,
+    /// Several instances of the service, each a base URL of the same scheme and path prefix
+    /// and a weight; in place of `url`.
+    #[serde(default)]
+    pub targets: Option<Vec<RawTarget>>,
+    /// How a request's target is chosen: `least_request` (two at random, the one with fewer
+    /// requests in flight for its weight), `round_robin` (in turn, by weight), or `hash` (by
+    /// the caller's key id, or its address without a key: one partner keeps to one target
+    /// while it is up).
+    #[serde(default)]
+    pub balance: RawBalance,
+    /// Active health checks: each target asked a path on its own; one that fails them gets no
+    /// requests until it passes them again.
+    #[serde(default)]
+    pub health: Option<RawHealth>,
+    /// When a target that keeps failing is left out for a while.
+    #[serde(default)]
+    pub eject: Option<RawEject>,
+    /// How often a request whose target failed goes to another.
+    #[serde(default)]
+    pub retries: Option<RawRetries>,
     /// How an `https://` upstream's certificate is checked; without it, against the public web's
     /// roots for the URL's host. Refused on an `http://` upstream.
     #[serde(default)]
@@ -94,6 +115,86 @@ pub(crate) struct RawUpstream {
     /// A limit on requests in flight that follows the upstream's latency.
     #[serde(default)]
     pub concurrency: Option<RawConcurrency>,
+}
+
+/// One instance of an upstream.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+#[schemars(rename = "Target")]
+pub(crate) struct RawTarget {
+    /// Its base URL, of the upstream's scheme and path prefix.
+    pub url: String,
+    /// Its share of requests against the other targets' (default 1).
+    #[serde(default)]
+    pub weight: Option<u32>,
+}
+
+/// How an upstream's target is chosen for a request.
+#[derive(Debug, Deserialize, Serialize, JsonSchema, Clone, Copy, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+#[schemars(rename = "Balance")]
+pub(crate) enum RawBalance {
+    /// Two targets at random, weighted; the one with fewer requests in flight for its weight.
+    #[default]
+    LeastRequest,
+    /// Each target in turn, as often as its weight says.
+    RoundRobin,
+    /// By the caller's key id (its address without a key): a partner keeps to one target,
+    /// and a lost target moves only its own partners.
+    Hash,
+}
+
+/// Active health checks of an upstream's targets.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+#[schemars(rename = "Health")]
+pub(crate) struct RawHealth {
+    /// The path each target is asked with a GET (after the upstream's path prefix); any 2xx
+    /// passes.
+    pub path: String,
+    /// How often each target is asked (default 2000).
+    #[serde(default)]
+    pub interval_ms: Option<u64>,
+    /// How long an answer may take (default 1000).
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    /// Failed checks in a row that take a target out (default 2).
+    #[serde(default)]
+    pub unhealthy_after: Option<u32>,
+    /// Passed checks in a row that bring it back (default 2).
+    #[serde(default)]
+    pub healthy_after: Option<u32>,
+}
+
+/// Passive ejection: what real requests see of a target.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+#[schemars(rename = "Eject")]
+pub(crate) struct RawEject {
+    /// Failures in a row (connect failures, resets before an answer, 502, 503 and 504) that
+    /// eject a target (default 5).
+    #[serde(default)]
+    pub consecutive_failures: Option<u32>,
+    /// How long a first ejection lasts (default 30000); each one after doubles it, up to 10
+    /// minutes.
+    #[serde(default)]
+    pub for_ms: Option<u64>,
+    /// The largest share of the targets out at once, in percent (default 50).
+    #[serde(default)]
+    pub max_percent: Option<u32>,
+}
+
+/// Retries of a request whose target failed, on another target.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+#[schemars(rename = "Retries")]
+pub(crate) struct RawRetries {
+    /// At most this many more attempts (default 2; 0: none).
+    #[serde(default)]
+    pub attempts: Option<u32>,
+    /// Retries may be at most this percent of the requests of the last 10 s (default 20).
+    #[serde(default)]
+    pub budget_percent: Option<u32>,
 }
 
 /// How the gateway checks an `https://` upstream's certificate.

@@ -85,6 +85,30 @@ pub struct UpstreamLabel {
     pub upstream: Arc<str>,
 }
 
+/// One target of an upstream (`host:port`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TargetLabel {
+    pub upstream: Arc<str>,
+    pub target: Arc<str>,
+}
+
+/// An attempt on a target and how it went: `ok` (an answer, but 502, 503 and 504),
+/// `error_status` (those three), `connect_failure`, `reset` (closed before an answer) or
+/// `timeout`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TargetOutcome {
+    pub upstream: Arc<str>,
+    pub target: Arc<str>,
+    pub outcome: &'static str,
+}
+
+/// A retry on another target, by why: `connect_failure`, `reset` or `error_status`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RetryReason {
+    pub upstream: Arc<str>,
+    pub reason: &'static str,
+}
+
 /// Every metric the gateway keeps.
 pub struct Metrics {
     registry: Registry,
@@ -114,6 +138,12 @@ pub struct Metrics {
     pub upstream_in_flight: Family<UpstreamLabel, Gauge>,
     pub upstream_shed: Family<UpstreamLabel, Counter>,
     pub upstream_strays: Family<UpstreamLabel, Counter>,
+    /// Per target of an upstream: 1 while it may be chosen, 0 while ejected.
+    pub upstream_target_up: Family<TargetLabel, Gauge>,
+    pub upstream_requests: Family<TargetOutcome, Counter>,
+    pub upstream_retries: Family<RetryReason, Counter>,
+    pub upstream_ejections: Family<TargetLabel, Counter>,
+    pub upstream_retry_budget_exhausted: Counter,
     /// Requests a queueing limit (`"delay"`) admitted to wait for their tokens, and those
     /// waiting now.
     pub queued: Counter,
@@ -201,6 +231,11 @@ impl Metrics {
             upstream_in_flight: Default::default(),
             upstream_shed: Default::default(),
             upstream_strays: Default::default(),
+            upstream_target_up: Default::default(),
+            upstream_requests: Default::default(),
+            upstream_retries: Default::default(),
+            upstream_ejections: Default::default(),
+            upstream_retry_budget_exhausted: Default::default(),
             queued: Default::default(),
             queue_waiting: Default::default(),
             queue_left: Default::default(),
@@ -334,6 +369,31 @@ impl Metrics {
             "upstream_strays",
             "Times an upstream was caught sending a response nobody asked for; its connections then carry one request each for a minute",
             self.upstream_strays.clone(),
+        );
+        self.registry.register(
+            "upstream_target_up",
+            "Per target of an upstream: 1 while requests may go to it, 0 while it is ejected",
+            self.upstream_target_up.clone(),
+        );
+        self.registry.register(
+            "upstream_requests",
+            "Attempts on each target of an upstream, by outcome: ok, error_status (502, 503, 504), connect_failure, reset, timeout",
+            self.upstream_requests.clone(),
+        );
+        self.registry.register(
+            "upstream_retries",
+            "Requests sent again to another target of their upstream, by why: connect_failure, reset, error_status",
+            self.upstream_retries.clone(),
+        );
+        self.registry.register(
+            "upstream_ejections",
+            "Times a target was left out of its upstream for failing in a row",
+            self.upstream_ejections.clone(),
+        );
+        self.registry.register(
+            "upstream_retry_budget_exhausted",
+            "Retries not sent because retries were already the upstream's budget share of its requests of the last 10 s",
+            self.upstream_retry_budget_exhausted.clone(),
         );
         self.registry.register(
             "queued",

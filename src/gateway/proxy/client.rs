@@ -32,6 +32,7 @@ use tokio::time::Sleep;
 use super::HeaderEdits;
 use super::body::BoxError;
 use super::pool::{ConnPool, RawConn, Stream};
+use super::targets::{Outcome, Picking, RetryWhy, Targets};
 use tollgate_http1::chunked::{ChunkError, Decoder};
 use tollgate_http1::response::{self, Framing, Head, Parsed, Unforwardable};
 
@@ -123,28 +124,136 @@ pub(crate) fn header_line(out: &mut BytesMut, name: &[u8], value: &[u8]) {
     out.extend_from_slice(b"\r\n");
 }
 
+/// Which target an exchange ended on, and how many attempts it took.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Attempted {
+    pub target: usize,
+    pub attempts: u8,
+}
+
 /// Sends a request head (and body) upstream and reads the final response head, which
-/// `on_head` sees judged. Returns the connection, positioned at the response body, and what
-/// `on_head` made.
+/// `on_head` sees judged. Returns the connection, positioned at the response body, what
+/// `on_head` made, and the target that answered.
+///
+/// The target is `targets`' pick. A request goes to another target when its connection
+/// failed before any byte of it was written (always safe), or, when it is `idempotent` (its
+/// method, or an `Idempotency-Key`) and has no body left to stream, when the target closed
+/// before any byte of an answer or answered 502, 503 or 504: at most the upstream's retry
+/// attempts, never the same target twice, and those the target saw within its retry budget.
+/// A 502, 503 or 504 that no retry follows is the answer. `on_head` sees only the answer
+/// kept, so nothing of a discarded one reaches the client.
 ///
 /// `timeout` bounds each wait on the upstream: a write it doesn't take, and its answer after
 /// the request is sent. A client's slow body is its own timeout's business, not the
 /// upstream's. `None` when the caller bounds the whole (a request without a body).
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn exchange<B, R>(
-    pool: &ConnPool,
+    targets: &Targets,
+    picking: Picking,
     head: &[u8],
     mut body: Option<Outgoing<'_, B>>,
     idempotent: bool,
     asked: response::Asked<'_>,
     timeout: Option<Duration>,
     mut on_head: impl FnMut(&Head<'_>) -> R,
-) -> Result<(RawConn, R), Failure>
+) -> Result<(RawConn, R, Attempted), Failure>
 where
     B: Body<Data = Bytes> + Unpin,
     B::Error: Into<BoxError>,
 {
     let replayable = body.as_ref().is_none_or(|b| b.body.is_end_stream());
+    targets.count_request();
+    let mut tried: SmallVec<[usize; 4]> = SmallVec::new();
+    let mut retries = 0u32;
+    // Whether another attempt on another target may follow `failed`, for `why`.
+    let again = |tried: &[usize], retries: u32, why: RetryWhy| {
+        targets.several() && tried.len() < targets.list.len() && targets.may_retry(why, retries)
+    };
+    loop {
+        let Some(t) = targets.pick(picking, &tried) else {
+            unreachable!("a target is picked while one is untried")
+        };
+        tried.push(t);
+        let target = &targets.list[t];
+        let _in_flight = targets.begin(t);
+        let attempted = Attempted {
+            target: t,
+            attempts: tried.len() as u8,
+        };
+        match attempt(
+            &target.pool,
+            head,
+            &mut body,
+            idempotent && replayable,
+            asked,
+            timeout,
+            &mut |h: &Head<'_>| {
+                if matches!(h.status, 502..=504)
+                    && idempotent
+                    && replayable
+                    && again(&tried, retries, RetryWhy::ErrorStatus)
+                {
+                    None
+                } else {
+                    Some(on_head(h))
+                }
+            },
+        )
+        .await
+        {
+            Ok((conn, Some(r), failed)) => {
+                let status = if failed { Outcome::ErrorStatus } else { Outcome::Ok };
+                targets.record(t, status, || "answered 502, 503 or 504".into());
+                return Ok((conn, r, attempted));
+            }
+            Ok((conn, None, _)) => {
+                // A 502, 503 or 504 another target may answer better: this one's connection
+                // still holds its body, so it goes.
+                drop(conn);
+                targets.record(t, Outcome::ErrorStatus, || "answered 502, 503 or 504".into());
+                retries += 1;
+            }
+            Err(e) => {
+                let (outcome, why) = match &e {
+                    Failure::Unreachable(_) | Failure::Closed { sent: false, .. } => {
+                        (Outcome::ConnectFailure, RetryWhy::ConnectFailure)
+                    }
+                    Failure::Closed { sent: true, .. } => (Outcome::Reset, RetryWhy::Reset),
+                    Failure::TimedOut => (Outcome::Timeout, RetryWhy::Reset),
+                    _ => return Err(e),
+                };
+                targets.record(t, outcome, || e.to_string());
+                let safe = match outcome {
+                    Outcome::ConnectFailure => true,
+                    Outcome::Reset => idempotent && replayable,
+                    _ => false,
+                };
+                if !safe || !again(&tried, retries, why) {
+                    return Err(e);
+                }
+                tracing::debug!(target = %target.label, error = %e, "upstream target failed; trying another");
+                retries += 1;
+            }
+        }
+    }
+}
+
+/// One attempt on one target: [`exchange`]'s request on `pool`, with the one retry on a new
+/// connection after a kept one closed under it. Also says whether the answer was a 502, 503
+/// or 504.
+async fn attempt<B, R>(
+    pool: &ConnPool,
+    head: &[u8],
+    body: &mut Option<Outgoing<'_, B>>,
+    replayable: bool,
+    asked: response::Asked<'_>,
+    timeout: Option<Duration>,
+    on_head: &mut impl FnMut(&Head<'_>) -> Option<R>,
+) -> Result<(RawConn, Option<R>, bool), Failure>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
     let mut retried = false;
     loop {
         // The one retry after an answerless close goes out on a new connection.
@@ -179,10 +288,19 @@ where
             }
             return Err(e);
         }
-        match bounded(timeout, read_head(&mut conn, asked, &mut on_head)).await? {
-            Ok(r) => return Ok((conn, r)),
+        let mut failed_status = false;
+        let read = bounded(
+            timeout,
+            read_head(&mut conn, asked, &mut |h: &Head<'_>| {
+                failed_status = matches!(h.status, 502..=504);
+                on_head(h)
+            }),
+        )
+        .await?;
+        match read {
+            Ok(r) => return Ok((conn, r, failed_status)),
             Err(HeadFailure::ClosedBeforeAnswer(why)) => {
-                if !fresh && !retried && replayable && idempotent {
+                if !fresh && !retried && replayable {
                     retried = true;
                     tracing::debug!(authority = %pool.authority(), %why, "kept upstream connection closed under a request; sending it again on a new one");
                     continue;

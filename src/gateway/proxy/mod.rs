@@ -6,6 +6,7 @@
 pub mod body;
 pub mod client;
 pub mod pool;
+pub mod targets;
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::PathAndQuery;
@@ -23,6 +24,9 @@ pub(crate) static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-for
 pub(crate) static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 /// The client's address as the proxy in front saw it: believed from a trusted proxy only.
 pub(crate) static X_REAL_IP: HeaderName = HeaderName::from_static("x-real-ip");
+/// A client's promise that sending its request twice does no harm (the IETF's
+/// `Idempotency-Key`): such a request may go to another target after one failed it.
+pub(crate) static IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 /// The authenticated key's public id, for the upstream; never the secret.
 pub(crate) static X_TOLLGATE_KEY_ID: HeaderName = HeaderName::from_static("x-tollgate-key-id");
 pub(crate) static X_TOLLGATE_TENANT: HeaderName = HeaderName::from_static("x-tollgate-tenant");
@@ -103,11 +107,12 @@ impl Proxy {
             head: is_head,
             upgrade: ask.upgrade,
         };
-        let (conn, (resp, shape, reported)) = client::exchange(
-            ask.pool,
+        let (conn, (resp, shape, reported), attempted) = client::exchange(
+            ask.targets,
+            ask.picking,
             head,
             outgoing,
-            tollgate_http1::idempotent(&parts.method),
+            ask.idempotent,
             asked,
             Some(ask.upstream.timeout),
             |h| (response_parts(h, is_head, ask.ours), h.shape(), ask.capture(h)),
@@ -121,6 +126,7 @@ impl Proxy {
             shape,
             head,
             reported,
+            attempted,
         })
     }
 }
@@ -128,7 +134,12 @@ impl Proxy {
 /// What an exchange with an upstream needs, on either path.
 pub(crate) struct Ask<'a> {
     pub upstream: &'a Upstream,
-    pub pool: &'a std::sync::Arc<pool::ConnPool>,
+    /// Its targets, and what choosing one needs of the request.
+    pub targets: &'a targets::Targets,
+    pub picking: targets::Picking,
+    /// Whether it may go again after a target took it and failed: its method is idempotent,
+    /// or it carries an `Idempotency-Key`.
+    pub idempotent: bool,
     /// The request's head, retargeted at the upstream.
     pub parts: &'a http::request::Parts,
     /// The route's largest request body.
@@ -177,6 +188,8 @@ pub(crate) struct Exchanged<H> {
     pub shape: tollgate_http1::response::Shape,
     pub head: H,
     pub reported: Option<Box<HeaderMap>>,
+    /// The target whose connection this is, and the attempts it took.
+    pub attempted: client::Attempted,
 }
 
 /// Whether an upstream's header is one of the rate-limit fields the gateway writes itself.

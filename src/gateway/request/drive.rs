@@ -166,9 +166,17 @@ pub(crate) async fn drive<W: Wire>(
             wire.write_request(parts, &edits);
         }
         let upstream = &b.snap.upstreams[f.upstream];
+        let targets = &b.live.upstreams[f.upstream].targets;
         let ask = Ask {
             upstream,
-            pool: &b.live.upstreams[f.upstream].pool,
+            targets,
+            picking: if targets.several() {
+                gw.picking(b, &f, upstream)
+            } else {
+                Default::default()
+            },
+            idempotent: tollgate_http1::idempotent(&parts.method)
+                || parts.headers.contains_key(&crate::proxy::IDEMPOTENCY_KEY),
             parts,
             max_body: max,
             ours: f.fields.any(),

@@ -270,10 +270,11 @@ impl<S: LaneIo> Wire for Lane<'_, S> {
         start(out);
         deadline.set(Instant::now() + ask.upstream.timeout);
         let exchange = client::exchange::<Empty<Bytes>, _>(
-            ask.pool,
+            ask.targets,
+            ask.picking,
             head_out,
             None,
-            tollgate_http1::idempotent(&ask.parts.method),
+            ask.idempotent,
             // The lane hands every upgrade to hyper.
             tollgate_http1::response::Asked {
                 head: *is_head,
@@ -288,7 +289,7 @@ impl<S: LaneIo> Wire for Lane<'_, S> {
         // next request already waiting say the client is there: stop watching. Watching costs
         // a syscall, so only requests that hold a limited place or a seat pay it.
         let mut watch = !*next_waiting && ask.holds;
-        let (conn, (tail, shape, reported)) = loop {
+        let (conn, (tail, shape, reported), attempted) = loop {
             tokio::select! {
                 biased;
                 r = &mut exchange => break r?,
@@ -306,6 +307,7 @@ impl<S: LaneIo> Wire for Lane<'_, S> {
             shape,
             head: tail,
             reported,
+            attempted,
         })
     }
 
@@ -322,10 +324,11 @@ impl<S: LaneIo> Wire for Lane<'_, S> {
             mut conn,
             shape,
             head: tail,
+            attempted,
             ..
         } = up;
         tail.finish(&f.fields, &b.request_id, self.closing, self.out);
-        let pool = &b.live.upstreams[f.upstream].pool;
+        let pool = &b.live.upstreams[f.upstream].targets.list[attempted.target].pool;
         let idle = b.snap.upstreams[f.upstream].timeout;
         let mut sent = 0;
         let relayed = relay(

@@ -3,6 +3,7 @@
 //! never reached it.
 
 use super::*;
+use crate::proxy::targets::{Picking, caller_hash};
 
 impl Gateway {
     /// How the client's headers become the upstream's for a forwarded request.
@@ -20,6 +21,22 @@ impl Gateway {
             s.propagate(&mut edits.set);
         }
         edits
+    }
+
+    /// What choosing a target of an upstream of several needs of the request: for
+    /// `"balance": "hash"`, the caller's key id (a token's caller id), or its address without
+    /// one.
+    pub(crate) fn picking(&self, b: &Begun<'_>, f: &Forward, up: &tollgate_rules::Upstream) -> Picking {
+        if up.balance != tollgate_rules::Balance::Hash {
+            return Picking::default();
+        }
+        let c = &f.classified;
+        let hash = match (&c.jwt, c.key) {
+            (Some(j), _) => caller_hash(j.id.as_bytes()),
+            (None, Some((k, _))) => caller_hash(b.snap.keys[k].id.as_bytes()),
+            (None, None) => caller_hash(c.ip.to_string().as_bytes()),
+        };
+        Picking { hash }
     }
 
     /// Records how long an upstream took to answer the head, and gives its adaptive limit the

@@ -124,7 +124,9 @@ impl Wire for General<'_> {
         if up.shape.status == 101 {
             return self.switch(b, up, f);
         }
-        let pool = b.live.upstreams[f.upstream].pool.clone();
+        let pool = b.live.upstreams[f.upstream].targets.list[up.attempted.target]
+            .pool
+            .clone();
         let timeout = b.snap.upstreams[f.upstream].timeout;
         let mut body = UpstreamBody::new(up.conn, up.shape, pool, timeout, f.place.take());
         body.hold(std::mem::take(&mut f.seats));

@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::dashboard::UpstreamNow;
+use crate::proxy::targets::Targets;
 
 /// What the gateway keeps alive for one rules snapshot: its metric handles, and each upstream's
 /// kept connections and in-flight places. The rules are plain data; what lives on between
@@ -18,9 +19,9 @@ pub struct Live {
 
 pub(crate) struct LiveUpstream {
     pub(super) name: Arc<str>,
-    /// Its kept connections: the same pool across reloads while address, idle timeout and TLS
-    /// settings stay.
-    pub pool: Arc<ConnPool>,
+    /// Its targets: each one's kept connections and state, the same across reloads while its
+    /// address, idle timeout and TLS settings stay.
+    pub targets: Targets,
     /// Its places for requests in flight: static gate and adaptive limit.
     pub places: Places,
 }
@@ -42,34 +43,10 @@ impl Live {
             .iter()
             .map(|u| {
                 let old = prev.upstreams.iter().find(|o| o.name == u.name);
-                let pool = match old {
-                    Some(o)
-                        if *o.pool.authority() == u.authority
-                            && o.pool.idle_timeout() == u.idle_timeout
-                            && o.pool.tls() == u.tls.as_ref() =>
-                    {
-                        o.pool.clone()
-                    }
-                    _ => Arc::new(
-                        ConnPool::new(
-                            u.authority.clone(),
-                            tollgate_rules::CONNECT_TIMEOUT,
-                            u.idle_timeout,
-                        )
-                        .with_tls(u.tls.clone())
-                        .counting_strays(
-                            metrics
-                                .upstream_strays
-                                .get_or_create(&tollgate_telemetry::metrics::UpstreamLabel {
-                                    upstream: u.name.clone(),
-                                })
-                                .clone(),
-                        ),
-                    ),
-                };
+                let targets = Targets::new(u, old.map(|o| &o.targets), metrics);
                 LiveUpstream {
                     name: u.name.clone(),
-                    pool,
+                    targets,
                     places: Places::new(u, old.map(|o| &o.places), metrics),
                 }
             })
@@ -106,6 +83,39 @@ impl Gateway {
             .collect()
     }
 
+    /// Starts the active health checks of every upstream that has them, where due.
+    pub(crate) fn check_targets(&self) {
+        let snap = self.rules.load();
+        let live = self.live(&snap);
+        for (u, l) in snap.upstreams.iter().zip(&live.upstreams) {
+            if let Some(h) = &u.health {
+                l.targets.check_due(h, &u.host_header);
+            }
+        }
+    }
+
+    /// Every upstream's targets, each with its state, requests in flight and last failure, as
+    /// `GET /admin/upstreams` shows them.
+    pub(crate) fn upstream_targets(&self) -> Vec<serde_json::Value> {
+        let snap = self.rules.load();
+        let live = self.live(&snap);
+        snap.upstreams
+            .iter()
+            .zip(&live.upstreams)
+            .map(|(u, l)| {
+                serde_json::json!({
+                    "name": &*u.name,
+                    "balance": match u.balance {
+                        tollgate_rules::Balance::LeastRequest => "least_request",
+                        tollgate_rules::Balance::RoundRobin => "round_robin",
+                        tollgate_rules::Balance::Hash => "hash",
+                    },
+                    "targets": l.targets.view(),
+                })
+            })
+            .collect()
+    }
+
     /// The live state for this snapshot, made at its first request from the last one's.
     /// Serials only go up, and a key change through the admin API makes a new one, so a serial
     /// names one snapshot.
@@ -137,7 +147,10 @@ impl Gateway {
     /// Closes kept upstream connections that expired or that their upstream closed.
     pub(crate) fn sweep_upstreams(&self) {
         for u in &self.live.load().upstreams {
-            u.pool.sweep();
+            for t in &u.targets.list {
+                t.pool.sweep();
+            }
+            u.targets.refresh();
         }
     }
 }

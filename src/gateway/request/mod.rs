@@ -39,7 +39,6 @@ use http::{HeaderValue, Request, Response};
 use hyper::body::Incoming;
 
 use crate::concurrency::{Place, Places};
-use crate::proxy::pool::ConnPool;
 use crate::proxy::{Provenance, Proxy};
 use crate::respond::QuotaHeaders;
 use crate::respond::{Answer, Body, Budget, RateFields, Refusal};
@@ -254,7 +253,10 @@ mod tests {
                     Arc::ptr_eq(&gate(l), &gate(&lives[0])),
                     "two gates for one upstream"
                 );
-                assert!(Arc::ptr_eq(&l.upstreams[0].pool, &lives[0].upstreams[0].pool));
+                assert!(Arc::ptr_eq(
+                    l.upstreams[0].targets.first_pool(),
+                    lives[0].upstreams[0].targets.first_pool()
+                ));
             }
             // The next round starts from a fresh gateway state again.
             gw.live.store(Arc::new(Live::default()));

@@ -3,6 +3,12 @@
 
 use super::*;
 
+/// The largest weight of a target: weights say shares, and a share of a million is plenty.
+const MAX_WEIGHT: u32 = 1_000_000;
+
+/// The most retries of one request: each is another target's time.
+const MAX_RETRIES: u32 = 10;
+
 impl Compiler<'_> {
     pub(super) fn upstreams(&self, raw: &RawRules) -> Result<Upstreams, RulesError> {
         let mut upstreams = Upstreams {
@@ -19,27 +25,71 @@ impl Compiler<'_> {
 
     pub(super) fn upstream(&self, name: &str, u: &RawUpstream) -> Result<Upstream, RulesError> {
         let field = format!("upstreams.{name}");
-        let uri: http::Uri = u
-            .url
-            .parse()
-            .map_err(|e| self.err(format!("{field}.url"), format!("{:?} is not a URL: {e}", u.url)))?;
-        let scheme = uri.scheme().cloned().ok_or_else(|| {
-            self.err(
-                format!("{field}.url"),
-                format!("{:?} needs a scheme, http:// or https://", u.url),
-            )
-        })?;
-        let https = scheme == http::uri::Scheme::HTTPS;
-        if !https && scheme != http::uri::Scheme::HTTP {
-            return Err(self.err(
-                format!("{field}.url"),
-                format!("{:?}: only http:// and https:// upstreams are supported", u.url),
-            ));
+        let urls: Vec<(String, &str, u32)> = match (&u.url, &u.targets) {
+            (Some(url), None) => vec![(format!("{field}.url"), url.as_str(), 1)],
+            (None, Some(targets)) if targets.is_empty() => {
+                return Err(self.err(format!("{field}.targets"), "must name at least one target"));
+            }
+            (None, Some(targets)) => targets
+                .iter()
+                .enumerate()
+                .map(|(i, t)| {
+                    let at = format!("{field}.targets[{i}]");
+                    match t.weight {
+                        Some(0) => Err(self.err(format!("{at}.weight"), "must be at least 1")),
+                        Some(w) if w > MAX_WEIGHT => {
+                            Err(self.err(format!("{at}.weight"), format!("must be at most {MAX_WEIGHT}")))
+                        }
+                        w => Ok((format!("{at}.url"), t.url.as_str(), w.unwrap_or(1))),
+                    }
+                })
+                .collect::<Result<_, _>>()?,
+            (Some(_), Some(_)) => {
+                return Err(self.err(format!("{field}.targets"), "give `url` or `targets`, not both"));
+            }
+            (None, None) => {
+                return Err(self.err(
+                    format!("{field}.url"),
+                    "missing: an upstream needs `url` or `targets`",
+                ));
+            }
+        };
+        let mut targets = Vec::with_capacity(urls.len());
+        let mut first = None;
+        for (url_field, url, weight) in &urls {
+            let (uri, scheme, authority) = self.base_url(url_field, url)?;
+            if let Some((scheme0, path0)) = &first {
+                if *scheme0 != scheme || uri.path().trim_end_matches('/') != path0 {
+                    return Err(self.err(
+                        url_field.clone(),
+                        format!("{url:?}: every target has the scheme and path prefix of the first"),
+                    ));
+                }
+            } else {
+                first = Some((scheme.clone(), uri.path().trim_end_matches('/').to_string()));
+            }
+            if targets.iter().any(|t: &Target| t.authority == authority) {
+                return Err(self.err(url_field.clone(), format!("{url:?} is named twice")));
+            }
+            targets.push(Target {
+                authority,
+                weight: *weight,
+            });
         }
-        let authority = uri
-            .authority()
-            .cloned()
-            .ok_or_else(|| self.err(format!("{field}.url"), format!("{:?} needs a host", u.url)))?;
+        let (uri, scheme, authority) = self.base_url(&urls[0].0, urls[0].1)?;
+        let https = scheme == http::uri::Scheme::HTTPS;
+        let eject = self.eject(&field, u.eject.as_ref())?;
+        let prefix = uri.path().trim_end_matches('/');
+        let health = match &u.health {
+            Some(h) => Some(self.health(&field, prefix, h)?),
+            None => None,
+        };
+        let retries = self.retries(&field, u.retries.as_ref())?;
+        let balance = match u.balance {
+            RawBalance::LeastRequest => Balance::LeastRequest,
+            RawBalance::RoundRobin => Balance::RoundRobin,
+            RawBalance::Hash => Balance::Hash,
+        };
         let tls = match (https, &u.tls) {
             (true, t) => Some(self.upstream_tls(&field, &authority, t.as_ref())?),
             (false, None) => None,
@@ -48,14 +98,11 @@ impl Compiler<'_> {
                     format!("{field}.tls"),
                     format!(
                         "{:?} is http://: only an https:// upstream takes TLS settings",
-                        u.url
+                        urls[0].1
                     ),
                 ));
             }
         };
-        if uri.query().is_some() {
-            return Err(self.err(format!("{field}.url"), "a base URL can't have a query"));
-        }
         let path_prefix = uri.path().trim_end_matches('/').to_string();
         let timeout = match u.timeout_ms {
             Some(0) => return Err(self.err(format!("{field}.timeout_ms"), "must be above zero")),
@@ -70,7 +117,7 @@ impl Compiler<'_> {
             .map(Duration::from_millis)
             .unwrap_or(DEFAULT_QUEUE_TIMEOUT);
         let host_header = HeaderValue::from_str(authority.as_str())
-            .map_err(|_| self.err(format!("{field}.url"), "the host can't be a Host header"))?;
+            .map_err(|_| self.err(urls[0].0.clone(), "the host can't be a Host header"))?;
         let idle_timeout = match u.idle_timeout_ms {
             Some(0) => return Err(self.err(format!("{field}.idle_timeout_ms"), "must be above zero")),
             Some(ms) => Duration::from_millis(ms),
@@ -94,6 +141,134 @@ impl Compiler<'_> {
             host_header,
             encoded_slashes: slashes(u.encoded_slashes).unwrap_or_default(),
             case_insensitive: u.paths == RawPathMatch::CaseInsensitive,
+            targets,
+            balance,
+            health,
+            eject,
+            retries,
+        })
+    }
+
+    fn health(&self, field: &str, prefix: &str, h: &RawHealth) -> Result<Health, RulesError> {
+        if !h.path.starts_with('/') || h.path.parse::<http::uri::PathAndQuery>().is_err() {
+            return Err(self.err(
+                format!("{field}.health.path"),
+                format!("{:?} is not a path starting with /", h.path),
+            ));
+        }
+        let ms = |name: &str, v: Option<u64>, default: u64| match v {
+            Some(0) => Err(self.err(format!("{field}.health.{name}"), "must be above zero")),
+            Some(ms) => Ok(Duration::from_millis(ms)),
+            None => Ok(Duration::from_millis(default)),
+        };
+        let times = |name: &str, v: Option<u32>| match v {
+            Some(0) => Err(self.err(format!("{field}.health.{name}"), "must be at least 1")),
+            Some(n) => Ok(n),
+            None => Ok(2),
+        };
+        let interval = ms("interval_ms", h.interval_ms, 2000)?;
+        let timeout = ms("timeout_ms", h.timeout_ms, 1000)?;
+        if timeout > interval {
+            return Err(self.err(
+                format!("{field}.health.timeout_ms"),
+                "must be at most interval_ms: a check ends before the next begins",
+            ));
+        }
+        Ok(Health {
+            path: format!("{prefix}{}", h.path),
+            interval,
+            timeout,
+            unhealthy_after: times("unhealthy_after", h.unhealthy_after)?,
+            healthy_after: times("healthy_after", h.healthy_after)?,
+        })
+    }
+
+    /// A base URL: `http://` or `https://`, a host, no query.
+    fn base_url(
+        &self,
+        field: &str,
+        url: &str,
+    ) -> Result<(http::Uri, http::uri::Scheme, Authority), RulesError> {
+        let uri: http::Uri = url
+            .parse()
+            .map_err(|e| self.err(field, format!("{url:?} is not a URL: {e}")))?;
+        let scheme = uri
+            .scheme()
+            .cloned()
+            .ok_or_else(|| self.err(field, format!("{url:?} needs a scheme, http:// or https://")))?;
+        if scheme != http::uri::Scheme::HTTPS && scheme != http::uri::Scheme::HTTP {
+            return Err(self.err(
+                field,
+                format!("{url:?}: only http:// and https:// upstreams are supported"),
+            ));
+        }
+        let authority = uri
+            .authority()
+            .cloned()
+            .ok_or_else(|| self.err(field, format!("{url:?} needs a host")))?;
+        if uri.query().is_some() {
+            return Err(self.err(field, "a base URL can't have a query"));
+        }
+        Ok((uri, scheme, authority))
+    }
+
+    fn eject(&self, field: &str, raw: Option<&RawEject>) -> Result<Eject, RulesError> {
+        let consecutive_failures = match raw.and_then(|e| e.consecutive_failures) {
+            Some(0) => {
+                return Err(self.err(
+                    format!("{field}.eject.consecutive_failures"),
+                    "must be at least 1",
+                ));
+            }
+            Some(n) => n,
+            None => 5,
+        };
+        let first = match raw.and_then(|e| e.for_ms) {
+            Some(0) => return Err(self.err(format!("{field}.eject.for_ms"), "must be above zero")),
+            Some(ms) if Duration::from_millis(ms) > MAX_EJECTION => {
+                return Err(self.err(
+                    format!("{field}.eject.for_ms"),
+                    format!("must be at most {} (10 minutes)", MAX_EJECTION.as_millis()),
+                ));
+            }
+            Some(ms) => Duration::from_millis(ms),
+            None => Duration::from_secs(30),
+        };
+        let max_percent = match raw.and_then(|e| e.max_percent) {
+            Some(p) if p > 100 => {
+                return Err(self.err(format!("{field}.eject.max_percent"), "must be 0 to 100"));
+            }
+            Some(p) => p,
+            None => 50,
+        };
+        Ok(Eject {
+            consecutive_failures,
+            first,
+            max_percent,
+        })
+    }
+
+    fn retries(&self, field: &str, raw: Option<&RawRetries>) -> Result<Retries, RulesError> {
+        let attempts = match raw.and_then(|r| r.attempts) {
+            Some(n) if n > MAX_RETRIES => {
+                return Err(self.err(
+                    format!("{field}.retries.attempts"),
+                    format!("must be at most {MAX_RETRIES}"),
+                ));
+            }
+            Some(n) => n,
+            None => 2,
+        };
+        let budget_percent = match raw.and_then(|r| r.budget_percent) {
+            Some(p) if p > 100 => {
+                return Err(self.err(format!("{field}.retries.budget_percent"), "must be 0 to 100"));
+            }
+            Some(p) => p,
+            None => 20,
+        };
+        Ok(Retries {
+            attempts,
+            budget_percent,
         })
     }
 
@@ -175,6 +350,95 @@ impl Compiler<'_> {
 #[cfg(test)]
 mod tests {
     use super::super::testing::{base, err, ok};
+    use crate::Balance;
+    use serde_json::json;
+
+    #[test]
+    fn targets_compile_with_their_weights_and_the_first_as_the_host() {
+        let mut rules = base();
+        rules["upstreams"]["u"] = json!({"targets": [
+            {"url": "http://10.0.0.5:8080", "weight": 2}, {"url": "http://10.0.0.6:8080"}],
+            "balance": "round_robin", "eject": {"consecutive_failures": 3}, "retries": {"attempts": 1}});
+        let snap = ok(&rules);
+        let u = &snap.upstreams[0];
+        let t: Vec<(String, u32)> = u
+            .targets
+            .iter()
+            .map(|t| (t.authority.to_string(), t.weight))
+            .collect();
+        assert_eq!(t, [("10.0.0.5:8080".into(), 2), ("10.0.0.6:8080".into(), 1)]);
+        assert_eq!(u.authority.as_str(), "10.0.0.5:8080");
+        assert_eq!(u.balance, Balance::RoundRobin);
+        assert_eq!((u.eject.consecutive_failures, u.eject.max_percent), (3, 50));
+        assert_eq!((u.retries.attempts, u.retries.budget_percent), (1, 20));
+        // One `url` is one target of weight 1.
+        let snap = ok(&base());
+        assert_eq!(snap.upstreams[0].targets.len(), 1);
+        assert_eq!(snap.upstreams[0].balance, Balance::LeastRequest);
+    }
+
+    #[test]
+    fn bad_targets_are_refused_by_field() {
+        for (upstream, field, says) in [
+            (json!({"targets": []}), "upstreams.u.targets", "at least one"),
+            (
+                json!({"targets": [{"url": "http://a:1", "weight": 0}]}),
+                "upstreams.u.targets[0].weight",
+                "at least 1",
+            ),
+            (
+                json!({"url": "http://a:1", "targets": [{"url": "http://a:1"}]}),
+                "upstreams.u.targets",
+                "not both",
+            ),
+            (json!({}), "upstreams.u.url", "missing"),
+            (
+                json!({"targets": [{"url": "http://a:1"}, {"url": "https://b:1"}]}),
+                "upstreams.u.targets[1].url",
+                "scheme and path prefix",
+            ),
+            (
+                json!({"targets": [{"url": "http://a:1"}, {"url": "http://a:1"}]}),
+                "upstreams.u.targets[1].url",
+                "named twice",
+            ),
+            (
+                json!({"url": "http://a:1", "eject": {"max_percent": 101}}),
+                "upstreams.u.eject.max_percent",
+                "0 to 100",
+            ),
+            (
+                json!({"url": "http://a:1", "retries": {"attempts": 11}}),
+                "upstreams.u.retries.attempts",
+                "at most 10",
+            ),
+            (
+                json!({"url": "http://a:1", "health": {"path": "healthz"}}),
+                "upstreams.u.health.path",
+                "starting with /",
+            ),
+            (
+                json!({"url": "http://a:1", "health": {"path": "/h", "interval_ms": 100, "timeout_ms": 200}}),
+                "upstreams.u.health.timeout_ms",
+                "at most interval_ms",
+            ),
+            (
+                json!({"url": "http://a:1", "health": {"path": "/h", "healthy_after": 0}}),
+                "upstreams.u.health.healthy_after",
+                "at least 1",
+            ),
+        ] {
+            let mut rules = base();
+            rules["upstreams"]["u"] = upstream.clone();
+            let e = err(&rules);
+            assert_eq!(e.field, field, "{upstream}: {e}");
+            assert!(e.reason.contains(says), "{upstream}: {e}");
+        }
+        let mut rules = base();
+        rules["upstreams"]["u"] = json!({"url": "http://a:1", "balance": "random"});
+        let e = err(&rules);
+        assert!(e.to_string().contains("random"), "{e}");
+    }
 
     #[test]
     fn an_upstream_url_without_a_host_is_refused_by_field() {

@@ -1,0 +1,358 @@
+//! An upstream of several targets, against real processes: demo upstream instances that each
+//! answer with their own name behind one upstream of a real gateway. A target killed under load
+//! costs partners nothing (requests that could not reach it go to another, and it is ejected
+//! until it is back); least request keeps traffic off a slow target; a hash keeps each key to
+//! one target; a retry budget bounds retries when every target fails; with every target down,
+//! a 502 names the upstream and the charge goes back.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{Http, K7, K8, KBIG, Tollgate};
+use http::StatusCode;
+use serde_json::{Value, json};
+
+/// A `tollgate demo-upstream` process answering as `name`.
+struct Instance {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Instance {
+    /// On `addr` (a port of 0: one the OS picks), each request taking `latency_ms` when given.
+    fn spawn(name: &str, listen: &str, latency_ms: Option<u64>) -> Instance {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+        cmd.args(["demo-upstream", "--listen", listen, "--instance", name]);
+        if let Some(ms) = latency_ms {
+            cmd.args(["--workers", "64", "--latency-ms", &ms.to_string()]);
+        }
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn tollgate demo-upstream");
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let addr = lines.by_ref().find_map(|l| {
+            l.ok()?
+                .strip_prefix("demo upstream listening on http://")?
+                .trim()
+                .parse()
+                .ok()
+        });
+        std::thread::spawn(move || for _ in lines {});
+        let Some(addr) = addr else {
+            let _ = child.kill();
+            panic!("demo upstream {name} did not start on {listen}");
+        };
+        Instance { child, addr }
+    }
+
+    /// Killed with SIGKILL, as a crash or an evicted pod would be.
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Instance {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A gateway on the demo rules whose `orders` upstream is `upstream` (its `targets` and the
+/// rest), on the embedded store.
+fn gateway(upstream: Value) -> (Tollgate, tempfile::TempDir) {
+    let mut rules: Value =
+        serde_json::from_str(&common::demo_rules_for("127.0.0.1:9".parse().unwrap())).unwrap();
+    rules["upstreams"]["orders"] = upstream;
+    let (dir, path) = common::rules_file(&rules.to_string());
+    let gw = Tollgate::spawn(&["serve", "--rules", path.to_str().unwrap(), "--store", "memory"]);
+    (gw, dir)
+}
+
+fn targets(instances: &[&Instance]) -> Value {
+    json!(
+        instances
+            .iter()
+            .map(|i| json!({"url": format!("http://{}", i.addr)}))
+            .collect::<Vec<_>>()
+    )
+}
+
+/// A GET of `/v1/orders` with `key`: its status and the instance that answered.
+async fn get(http: &Http, gw: &Tollgate, path: &str, key: &str) -> (StatusCode, Option<String>) {
+    let a = http.get(&gw.url(path), &[("x-api-key", key)]).await;
+    let who = serde_json::from_slice::<Value>(&a.body)
+        .ok()
+        .and_then(|v| v["instance"].as_str().map(str::to_string));
+    (a.status, who)
+}
+
+/// The value of the gateway's metric line that starts with `prefix`, 0 when none.
+async fn metric(http: &Http, gw: &Tollgate, prefix: &str) -> f64 {
+    let text = String::from_utf8(http.get(&gw.admin_url("/metrics"), &[]).await.body.to_vec()).unwrap();
+    text.lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_target_killed_under_load_costs_partners_nothing_and_comes_back() {
+    let a = Instance::spawn("a", "127.0.0.1:0", None);
+    let mut b = Instance::spawn("b", "127.0.0.1:0", None);
+    let c = Instance::spawn("c", "127.0.0.1:0", None);
+    let b_addr = b.addr;
+    let (gw, _dir) = gateway(json!({
+        "targets": targets(&[&a, &b, &c]),
+        "health": {"path": "/healthz", "interval_ms": 500, "timeout_ms": 400},
+        "eject": {"consecutive_failures": 3, "for_ms": 1000},
+    }));
+    let http = Http::new();
+    let start = Instant::now();
+    let run = Duration::from_secs(8);
+    let clients: Vec<_> = (0..8)
+        .map(|_| {
+            let (http, url) = (http.clone(), gw.url("/v1/orders"));
+            tokio::spawn(async move {
+                let mut seen = Vec::new();
+                while start.elapsed() < run {
+                    let r = http.get(&url, &[("x-api-key", KBIG)]).await;
+                    let who = serde_json::from_slice::<Value>(&r.body)
+                        .ok()
+                        .and_then(|v| v["instance"].as_str().map(str::to_string));
+                    seen.push((start.elapsed(), r.status, who));
+                }
+                seen
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    b.kill();
+    let killed = start.elapsed();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let _b = Instance::spawn("b", &b_addr.to_string(), None);
+    let back = start.elapsed();
+    let mut all = Vec::new();
+    for c in clients {
+        all.extend(c.await.unwrap());
+    }
+    let bad: Vec<_> = all
+        .iter()
+        .filter(|(_, s, _)| *s != StatusCode::OK && *s != StatusCode::TOO_MANY_REQUESTS)
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "partners saw {} errors: {:?}",
+        bad.len(),
+        &bad[..bad.len().min(5)]
+    );
+    let from_b = |from: Duration, to: Duration| {
+        all.iter()
+            .filter(|(t, _, who)| *t >= from && *t < to && who.as_deref() == Some("b"))
+            .count()
+    };
+    assert!(
+        from_b(Duration::ZERO, killed) > 0,
+        "b served before it was killed"
+    );
+    assert_eq!(
+        from_b(killed + Duration::from_millis(100), back),
+        0,
+        "b answered while dead"
+    );
+    // Back once its health checks pass twice, 500 ms apart, and within a second more.
+    let first_after = all
+        .iter()
+        .filter(|(t, _, who)| *t >= back && who.as_deref() == Some("b"))
+        .map(|(t, ..)| *t)
+        .min()
+        .expect("b takes traffic again after its return");
+    eprintln!(
+        "{} requests; b killed at {killed:?}, started again at {back:?}, serving again at {first_after:?}",
+        all.len()
+    );
+    assert!(
+        first_after - back < Duration::from_secs(2),
+        "b came back after {:?}",
+        first_after - back
+    );
+    // The dead target was tried only until it was ejected, and once each time it came back.
+    let b_label = format!("target=\"{b_addr}\"");
+    let text = String::from_utf8(http.get(&gw.admin_url("/metrics"), &[]).await.body.to_vec()).unwrap();
+    let count = |outcome: &str| -> f64 {
+        text.lines()
+            .filter(|l| {
+                l.starts_with("tollgate_upstream_requests_total")
+                    && l.contains(&b_label)
+                    && l.contains(&format!("outcome=\"{outcome}\""))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let ejections = metric(
+        &http,
+        &gw,
+        &format!("tollgate_upstream_ejections_total{{upstream=\"orders\",{b_label}}}"),
+    )
+    .await;
+    let failed = count("connect_failure") + count("reset");
+    eprintln!("b: {failed} failed attempts, {ejections} ejections");
+    assert!(ejections >= 1.0, "b was ejected");
+    assert!(
+        failed <= 3.0 + 8.0 + ejections,
+        "b was tried {failed} times while dead, with {ejections} ejections"
+    );
+    let view = http.get(&gw.admin_url("/admin/upstreams"), &[]).await.json();
+    let orders = view["upstreams"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|u| u["name"] == "orders")
+        .unwrap()
+        .clone();
+    assert_eq!(orders["targets"].as_array().unwrap().len(), 3, "{orders}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn least_request_keeps_traffic_off_a_slow_target_and_round_robin_does_not() {
+    let slow = Instance::spawn("slow", "127.0.0.1:0", Some(100));
+    let fast1 = Instance::spawn("fast1", "127.0.0.1:0", Some(1));
+    let fast2 = Instance::spawn("fast2", "127.0.0.1:0", Some(1));
+    for (balance, low, high) in [("least_request", 0.0, 0.10), ("round_robin", 0.28, 0.39)] {
+        let (gw, _dir) = gateway(json!({
+            "targets": targets(&[&slow, &fast1, &fast2]),
+            "balance": balance,
+        }));
+        let http = Http::new();
+        let start = Instant::now();
+        let clients: Vec<_> = (0..8)
+            .map(|_| {
+                let (http, gw_url) = (http.clone(), gw.url("/v1/orders"));
+                tokio::spawn(async move {
+                    let mut who = Vec::new();
+                    while start.elapsed() < Duration::from_secs(3) {
+                        let r = http.get(&gw_url, &[("x-api-key", KBIG)]).await;
+                        assert_eq!(r.status, StatusCode::OK);
+                        who.push(r.json()["instance"].as_str().unwrap().to_string());
+                    }
+                    who
+                })
+            })
+            .collect();
+        let mut all = Vec::new();
+        for c in clients {
+            all.extend(c.await.unwrap());
+        }
+        let share = all.iter().filter(|w| *w == "slow").count() as f64 / all.len() as f64;
+        eprintln!(
+            "{balance}: the slow target took {:.1}% of {} requests",
+            share * 100.0,
+            all.len()
+        );
+        assert!(
+            (low..=high).contains(&share),
+            "{balance}: the slow target took {share:.3} of {} requests",
+            all.len()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hash_keeps_each_key_to_one_target_and_a_lost_one_moves_only_its_keys() {
+    let a = Instance::spawn("a", "127.0.0.1:0", None);
+    let b = Instance::spawn("b", "127.0.0.1:0", None);
+    let c = Instance::spawn("c", "127.0.0.1:0", None);
+    let mut instances = [Some(a), Some(b), Some(c)];
+    let all: Vec<&Instance> = instances.iter().flatten().collect();
+    let (gw, _dir) = gateway(json!({"targets": targets(&all), "balance": "hash"}));
+    let http = Http::new();
+    let mut home = std::collections::BTreeMap::new();
+    for key in [K7, K8, KBIG] {
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..10 {
+            let (status, who) = get(&http, &gw, "/v1/orders", key).await;
+            assert_eq!(status, StatusCode::OK);
+            seen.insert(who.unwrap());
+        }
+        assert_eq!(seen.len(), 1, "{key} went to {seen:?}");
+        home.insert(key, seen.into_iter().next().unwrap());
+    }
+    // The target of k-big is lost: k-big moves, the others stay where they were.
+    let lost = home[KBIG].clone();
+    let i = ["a", "b", "c"].iter().position(|n| *n == lost).unwrap();
+    instances[i] = None;
+    for _ in 0..5 {
+        let (status, who) = get(&http, &gw, "/v1/orders", KBIG).await;
+        assert_eq!(status, StatusCode::OK, "k-big after its target was lost");
+        assert_ne!(who.as_deref(), Some(lost.as_str()));
+    }
+    for key in [K7, K8] {
+        if home[key] != lost {
+            let (status, who) = get(&http, &gw, "/v1/orders", key).await;
+            assert_eq!(
+                (status, who.unwrap()),
+                (StatusCode::OK, home[key].clone()),
+                "{key} moved"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_target_down_is_a_refunded_502_naming_the_upstream_then_one_back_serves() {
+    let mut a = Instance::spawn("a", "127.0.0.1:0", None);
+    let mut b = Instance::spawn("b", "127.0.0.1:0", None);
+    let a_addr = a.addr;
+    let (gw, _dir) = gateway(json!({"targets": targets(&[&a, &b]), "eject": {"for_ms": 60000}}));
+    let http = Http::new();
+    assert_eq!(get(&http, &gw, "/v1/orders", K7).await.0, StatusCode::OK);
+    a.kill();
+    b.kill();
+    // k-7's burst is 20: were the 502s charged, the last of these would be refused.
+    for _ in 0..25 {
+        let r = http.get(&gw.url("/v1/orders"), &[("x-api-key", K7)]).await;
+        assert_eq!(r.status, StatusCode::BAD_GATEWAY);
+        let message = r.json()["message"].as_str().unwrap_or_default().to_string();
+        assert!(message.contains("\"orders\""), "{message}");
+    }
+    // Both ejected now (panic mode still tries them); one comes back and serves.
+    let _a = Instance::spawn("a", &a_addr.to_string(), None);
+    let (status, who) = get(&http, &gw, "/v1/orders", K7).await;
+    assert_eq!((status, who.as_deref()), (StatusCode::OK, Some("a")));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_of_failing_answers_stay_within_the_budget() {
+    let a = Instance::spawn("a", "127.0.0.1:0", None);
+    let b = Instance::spawn("b", "127.0.0.1:0", None);
+    let c = Instance::spawn("c", "127.0.0.1:0", None);
+    // No ejection in the way: a failure in a row ejects only after a million.
+    let (gw, _dir) = gateway(json!({
+        "targets": targets(&[&a, &b, &c]),
+        "eject": {"consecutive_failures": 1000000},
+        "retries": {"attempts": 2, "budget_percent": 20},
+    }));
+    let http = Http::new();
+    let n = 200;
+    for _ in 0..n {
+        let (status, _) = get(&http, &gw, "/v1/orders?status=503", KBIG).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    }
+    let retries = metric(&http, &gw, "tollgate_upstream_retries_total{").await;
+    let attempts = metric(&http, &gw, "tollgate_upstream_requests_total{").await;
+    let exhausted = metric(&http, &gw, "tollgate_upstream_retry_budget_exhausted_total").await;
+    eprintln!("{n} requests: {attempts} attempts, {retries} retries, {exhausted} refused by the budget");
+    assert_eq!(attempts, n as f64 + retries, "every attempt reached a target");
+    assert!(
+        retries <= (n as f64 * 0.2).max(10.0) + 1.0,
+        "{retries} retries of {n}"
+    );
+    assert!(retries >= 10.0, "retries were tried at all: {retries}");
+    assert!(exhausted > 0.0);
+}
