@@ -356,3 +356,76 @@ async fn retries_of_failing_answers_stay_within_the_budget() {
     assert!(retries >= 10.0, "retries were tried at all: {retries}");
     assert!(exhausted > 0.0);
 }
+
+/// `POST`s under a target's death: one without `Idempotency-Key` that may have reached a target
+/// is never sent again (every attempt that reached a target is one request), and those that
+/// failed are `502`s; with an `Idempotency-Key`, the ones a dead target
+/// reset go to another, and none fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_post_is_sent_twice_only_with_an_idempotency_key() {
+    for keyed in [false, true] {
+        let a = Instance::spawn("a", "127.0.0.1:0", None);
+        let mut b = Instance::spawn("b", "127.0.0.1:0", None);
+        let (gw, _dir) = gateway(json!({
+            "targets": targets(&[&a, &b]),
+            "eject": {"consecutive_failures": 2, "for_ms": 60000},
+        }));
+        let http = Http::new();
+        let start = Instant::now();
+        let clients: Vec<_> = (0..8)
+            .map(|_| {
+                let (http, url) = (http.clone(), gw.url("/v1/payments"));
+                tokio::spawn(async move {
+                    let mut statuses = Vec::new();
+                    let mut n = 0u64;
+                    while start.elapsed() < Duration::from_secs(3) {
+                        n += 1;
+                        let key = format!("pay-{n}-{:?}", std::thread::current().id());
+                        let mut headers = vec![("x-api-key", KBIG)];
+                        if keyed {
+                            headers.push(("idempotency-key", key.as_str()));
+                        }
+                        let r = http.send(http::Method::POST, &url, &headers, b"").await;
+                        statuses.push(r.status);
+                    }
+                    statuses
+                })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        b.kill();
+        let mut statuses = Vec::new();
+        for c in clients {
+            statuses.extend(c.await.unwrap());
+        }
+        let failed = statuses.iter().filter(|s| **s == StatusCode::BAD_GATEWAY).count();
+        let other: Vec<_> = statuses
+            .iter()
+            .filter(|s| **s != StatusCode::OK && **s != StatusCode::BAD_GATEWAY)
+            .collect();
+        assert!(other.is_empty(), "keyed {keyed}: {other:?}");
+        let attempts = metric(&http, &gw, "tollgate_upstream_requests_total{").await;
+        let text = String::from_utf8(http.get(&gw.admin_url("/metrics"), &[]).await.body.to_vec()).unwrap();
+        let outcome = |o: &str| -> f64 {
+            text.lines()
+                .filter(|l| {
+                    l.starts_with("tollgate_upstream_requests_total")
+                        && l.contains(&format!("outcome=\"{o}\""))
+                })
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum()
+        };
+        let (connect, reset, ok) = (outcome("connect_failure"), outcome("reset"), outcome("ok"));
+        eprintln!(
+            "keyed {keyed}: {} POSTs, {failed} answered 502; attempts {attempts}: {ok} ok, {reset} reset, {connect} never connected",
+            statuses.len()
+        );
+        if keyed {
+            assert_eq!(failed, 0, "with an Idempotency-Key none fails");
+        } else {
+            // Each POST reached at most one target: attempts that connected are one a POST.
+            assert_eq!(ok + reset, statuses.len() as f64, "a POST went to two targets");
+            assert_eq!(failed as f64, reset, "every POST a target reset is a 502");
+        }
+    }
+}
