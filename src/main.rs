@@ -380,8 +380,14 @@ fn announce_plain(running: &app::Running, snap: &tollgate_rules::Snapshot, schem
         println!("admin listening on http://{a}");
     }
     if demo {
-        if let Some(u) = running.demo_upstream {
-            println!("demo upstream \"orders\" on http://{u}");
+        match running.demo_upstreams.as_slice() {
+            [] => {}
+            [u] => println!("demo upstream \"orders\" on http://{u}"),
+            several => {
+                for (i, u) in several.iter().enumerate() {
+                    println!("demo upstream instance orders-{} on http://{u}", i + 1);
+                }
+            }
         }
         println!("demo keys:");
         for k in &snap.keys {
@@ -709,6 +715,7 @@ fn run(cli: Cli, threads: Option<u16>, format: LogFormat, lines: Option<access::
                 };
                 let mut cfg = config(rules, &a.common, true)?;
                 cfg.access_log = lines;
+                cfg.demo_targets = a.targets;
                 run_gateway(cfg, true, format).await
             }
             // These returned before the runtime started.
@@ -726,13 +733,14 @@ fn run(cli: Cli, threads: Option<u16>, format: LogFormat, lines: Option<access::
                 latency_ms,
                 instance,
             } => {
-                if let Some(name) = instance {
-                    tollgate_gateway::demo::set_instance(name);
-                }
+                let upstream = tollgate_gateway::demo::DemoUpstream {
+                    instance: instance.map(Into::into),
+                };
                 let pool = match workers {
                     Some(n) => Some(
                         tollgate_gateway::demo::Workers::new(n, std::time::Duration::from_millis(latency_ms))
-                            .map_err(anyhow::Error::msg)?,
+                            .map_err(anyhow::Error::msg)?
+                            .serving(upstream.clone()),
                     ),
                     None => None,
                 };
@@ -746,7 +754,7 @@ fn run(cli: Cli, threads: Option<u16>, format: LogFormat, lines: Option<access::
                         server::run(l, None, Arc::new(p), limits, shutdown_signal()).await;
                     }
                     None => {
-                        let demo = Arc::new(tollgate_gateway::demo::DemoUpstream);
+                        let demo = Arc::new(upstream);
                         server::run(l, None, demo, limits, shutdown_signal()).await;
                     }
                 }

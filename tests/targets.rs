@@ -429,3 +429,79 @@ async fn a_post_is_sent_twice_only_with_an_idempotency_key() {
         }
     }
 }
+
+/// `tollgate demo --targets 3`: three instances behind the demo's upstream, each answering with
+/// its name; one stopped through the admin listener is routed around with no error and taken
+/// out by its health checks, and started again it serves within a few seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_runs_three_instances_and_routes_around_a_stopped_one() {
+    let gw = Tollgate::spawn(&["demo", "--targets", "3"]);
+    let http = Http::new();
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..60 {
+        let (status, who) = get(&http, &gw, "/v1/orders", KBIG).await;
+        assert_eq!(status, StatusCode::OK);
+        seen.insert(who.unwrap());
+    }
+    assert_eq!(
+        seen.into_iter().collect::<Vec<_>>(),
+        ["orders-1", "orders-2", "orders-3"]
+    );
+    let stop = http
+        .send(
+            http::Method::POST,
+            &gw.admin_url("/admin/demo/instances/orders-2/stop"),
+            &[],
+            b"",
+        )
+        .await;
+    assert_eq!(stop.json(), json!({"instance": "orders-2", "stopped": true}));
+    let state = async || {
+        let v = http.get(&gw.admin_url("/admin/upstreams"), &[]).await.json();
+        v["upstreams"][0]["targets"][1]["state"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let start = Instant::now();
+    while state().await == "up" {
+        let (status, who) = get(&http, &gw, "/v1/orders", KBIG).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_ne!(who.as_deref(), Some("orders-2"));
+        assert!(start.elapsed() < Duration::from_secs(5), "orders-2 still up");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for _ in 0..30 {
+        let (status, who) = get(&http, &gw, "/v1/orders", KBIG).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_ne!(who.as_deref(), Some("orders-2"));
+    }
+    let again = http
+        .send(
+            http::Method::POST,
+            &gw.admin_url("/admin/demo/instances/orders-2/start"),
+            &[],
+            b"",
+        )
+        .await;
+    assert_eq!(again.json(), json!({"instance": "orders-2", "started": true}));
+    let start = Instant::now();
+    loop {
+        let (status, who) = get(&http, &gw, "/v1/orders", KBIG).await;
+        assert_eq!(status, StatusCode::OK);
+        if who.as_deref() == Some("orders-2") {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(5), "orders-2 not back");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let unknown = http
+        .send(
+            http::Method::POST,
+            &gw.admin_url("/admin/demo/instances/orders-9/stop"),
+            &[],
+            b"",
+        )
+        .await;
+    assert_eq!(unknown.status, StatusCode::NOT_FOUND);
+}

@@ -38,6 +38,8 @@ pub(crate) struct Admin {
     pub keys: Option<Arc<crate::managed::ManagedKeys>>,
     /// The stop signal came: `/readyz` answers 503 while the gateway serves on.
     pub draining: Arc<std::sync::atomic::AtomicBool>,
+    /// The demo's upstream instances, which `/admin/demo/instances` stops and starts.
+    pub demo: Option<Arc<crate::demo_instances::DemoInstances>>,
 }
 
 /// A static asset of the dashboard, cached by nobody: it is served from the binary.
@@ -79,6 +81,11 @@ impl Admin {
         }
         if path == "/admin/blocks" {
             return self.blocks_api(req, peer).await;
+        }
+        if let Some(demo) = &self.demo
+            && let Some(rest) = path.strip_prefix("/admin/demo/instances")
+        {
+            return demo_instances(demo, req.method(), rest).await;
         }
         if req.method() != Method::GET {
             return json_response(
@@ -185,6 +192,43 @@ impl Admin {
             }
             _ => json_response(StatusCode::NOT_FOUND, json!({"error": "not_found"}).to_string()),
         }
+    }
+}
+
+/// `/admin/demo/instances`: the list, and `POST …/NAME/stop` and `…/NAME/start`, the demo's
+/// own controls (no token: only `tollgate demo` has them).
+async fn demo_instances(
+    demo: &crate::demo_instances::DemoInstances,
+    method: &Method,
+    rest: &str,
+) -> Response<Body> {
+    let parts: Vec<&str> = rest.split('/').filter(|s| !s.is_empty()).collect();
+    let done = |name: &str, r: Option<bool>, did: &str| match r {
+        None => json_response(
+            StatusCode::NOT_FOUND,
+            json!({"error": "not_found", "message": format!("no demo instance {name:?}")}).to_string(),
+        ),
+        Some(changed) => json_response(
+            StatusCode::OK,
+            json!({"instance": name, did: changed}).to_string(),
+        ),
+    };
+    match (method, parts.as_slice()) {
+        (&Method::GET, []) => json_response(StatusCode::OK, demo.view().to_string()),
+        (&Method::POST, [name, "stop"]) => done(name, demo.stop(name), "stopped"),
+        (&Method::POST, [name, "start"]) => match demo.start_again(name).await {
+            Ok(r) => done(name, r, "started"),
+            Err(e) => json_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                json!({"error": "unavailable", "message": format!("{name}: cannot listen again: {e}")})
+                    .to_string(),
+            ),
+        },
+        (_, [] | [_, "stop" | "start"]) => json_response(
+            StatusCode::METHOD_NOT_ALLOWED,
+            json!({"error": "method_not_allowed"}).to_string(),
+        ),
+        _ => json_response(StatusCode::NOT_FOUND, json!({"error": "not_found"}).to_string()),
     }
 }
 

@@ -13,7 +13,7 @@ use tokio::task::JoinHandle;
 
 use crate::admin::Admin;
 use crate::config::{ClockSource, StoreUrl};
-use crate::demo::DemoUpstream;
+use crate::demo_instances::DemoInstances;
 use crate::otel::Otel;
 use crate::regions::{RegionTasks, Regions};
 use crate::reload::{Reloader, WatchHandle};
@@ -53,6 +53,8 @@ pub struct GatewayConfig {
     pub limits: ServerLimits,
     /// Start the demo upstream and point every upstream at it.
     pub demo: bool,
+    /// How many instances of the demo upstream to start, each a target of every upstream.
+    pub demo_targets: u32,
     /// After the stop signal, how long `/readyz` answers 503 while everything still serves,
     /// before the public listener stops.
     pub shutdown_delay: Duration,
@@ -104,6 +106,7 @@ impl GatewayConfig {
             trusted: TrustedProxies::default(),
             limits: ServerLimits::default(),
             demo: false,
+            demo_targets: 1,
             shutdown_delay: Duration::ZERO,
             clock: SystemClock::shared(),
             store_timeout: Duration::from_millis(3),
@@ -233,6 +236,8 @@ pub struct Running {
     pub addr: SocketAddr,
     pub admin_addr: Option<SocketAddr>,
     pub demo_upstream: Option<SocketAddr>,
+    /// Every instance of the demo upstream, the first one's `demo_upstream`.
+    pub demo_upstreams: Vec<SocketAddr>,
     pub rules: Arc<ArcSwap<Snapshot>>,
     pub store: Arc<dyn Store>,
     pub memory: Option<Arc<MemoryStore>>,
@@ -477,49 +482,37 @@ struct Assembled {
     quota_flags: Arc<ArcSwap<tollgate_meter::flags::Flags>>,
 }
 
-/// The demo's upstream on a port of its own, every route pointed at it.
+/// The demo's upstream instances on ports of their own, every upstream pointed at them.
 async fn start_demo_upstream(
     cfg: &GatewayConfig,
     stop_rx: &watch::Receiver<bool>,
-) -> Result<SocketAddr, StartError> {
-    let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
-    let addr = listener.local_addr().map_err(|source| StartError::Bind {
-        addr: SocketAddr::from(([127, 0, 0, 1], 0)),
-        source,
-    })?;
-    // The demo upstream outlives the gateway's drain, so it stops a little later.
-    let rx = stop_rx.clone();
-    let limits = cfg.limits.uncapped();
-    let drain = limits.drain_timeout;
-    tokio::spawn(server::run(
-        listener,
-        None,
-        Arc::new(DemoUpstream),
-        limits,
-        async move {
-            stopped(rx).await;
-            tokio::time::sleep(drain + Duration::from_secs(1)).await;
-        },
-    ));
-
-    Ok(addr)
+) -> Result<Arc<DemoInstances>, StartError> {
+    DemoInstances::start(cfg.demo_targets, cfg.limits.uncapped(), stop_rx.clone())
+        .await
+        .map_err(|source| StartError::Bind {
+            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            source,
+        })
 }
 
 /// The rules, loaded now and again whenever their file changes (or on SIGHUP).
 fn live_rules(
     cfg: &GatewayConfig,
-    demo_upstream: Option<SocketAddr>,
+    demo_upstreams: &[SocketAddr],
     with_tls: bool,
     metrics: &Arc<Metrics>,
 ) -> Result<LiveRules, StartError> {
     let loader = RulesLoader {
         source: cfg.rules.clone(),
         opts: CompileOptions::default(),
-        upstream_override: demo_upstream.map(|a| {
-            a.to_string()
-                .parse()
-                .expect("a socket address is a valid authority")
-        }),
+        upstream_override: demo_upstreams
+            .iter()
+            .map(|a| {
+                a.to_string()
+                    .parse()
+                    .expect("a socket address is a valid authority")
+            })
+            .collect(),
     };
     let snapshot = loader.load()?;
     if !with_tls {
@@ -621,18 +614,20 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
     let (stop, stop_rx) = watch::channel(false);
     let mut tasks = Vec::new();
 
-    let demo_upstream = if cfg.demo {
+    let demo = if cfg.demo {
         Some(start_demo_upstream(&cfg, &stop_rx).await?)
     } else {
         None
     };
+    let demo_upstreams = demo.as_ref().map(|d| d.addrs()).unwrap_or_default();
+    let demo_upstream = demo_upstreams.first().copied();
 
     let metrics = Metrics::new();
     let LiveRules {
         rules,
         reloader,
         watch,
-    } = live_rules(&cfg, demo_upstream, tls.is_some(), &metrics)?;
+    } = live_rules(&cfg, &demo_upstreams, tls.is_some(), &metrics)?;
 
     let crate::stack::StoreStack {
         store,
@@ -700,6 +695,7 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
                 token: cfg.admin_token.clone(),
                 keys,
                 draining: draining.clone(),
+                demo: demo.clone(),
             };
             tasks.extend(serve_admin(l, handler, cfg.limits.uncapped(), &stop_rx));
             Some(a)
@@ -711,6 +707,7 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         addr,
         admin_addr,
         demo_upstream,
+        demo_upstreams,
         rules,
         store,
         memory,

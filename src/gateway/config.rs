@@ -40,6 +40,11 @@ pub struct DemoArgs {
     /// A rules file of your own instead of the built-in rules/demo.json; it is hot-reloaded.
     #[arg(long, env = "TOLLGATE_RULES")]
     pub rules: Option<PathBuf>,
+    /// Run this many instances of the demo upstream (1 to 9), each a target of every upstream
+    /// and answering with its name; `POST /admin/demo/instances/NAME/stop` (and `start`) on the
+    /// admin listener stops one, to watch the gateway route around it.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=crate::demo_instances::MAX_INSTANCES as i64))]
+    pub targets: u32,
     #[command(flatten)]
     pub common: CommonArgs,
 }

@@ -24,8 +24,12 @@ static USAGE_TOKENS: http::HeaderName = http::HeaderName::from_static("x-usage-t
 /// Longest delay `/v1/slow` accepts.
 const MAX_SLOW_MS: u64 = 120_000;
 
-#[derive(Debug, Default)]
-pub struct DemoUpstream;
+/// The demo's upstream; `instance` names it in its answers (`"instance"`), to tell several
+/// instances behind one upstream apart.
+#[derive(Debug, Default, Clone)]
+pub struct DemoUpstream {
+    pub instance: Option<Arc<str>>,
+}
 
 fn query_ms(query: Option<&str>) -> Result<u64, String> {
     let Some(q) = query else { return Ok(0) };
@@ -68,15 +72,6 @@ fn query_status(query: Option<&str>) -> Result<StatusCode, String> {
         }
     }
     Ok(StatusCode::OK)
-}
-
-/// The name this process's demo upstream answers with (`demo-upstream --instance`), so
-/// several instances behind one upstream can be told apart.
-static INSTANCE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-
-/// Names this process's demo upstream; the first name given stays.
-pub fn set_instance(name: String) {
-    let _ = INSTANCE.set(name);
 }
 
 impl DemoUpstream {
@@ -176,8 +171,8 @@ impl DemoUpstream {
             "bytes": bytes,
             "headers": headers,
         });
-        if let Some(name) = INSTANCE.get() {
-            answer["instance"] = json!(name);
+        if let Some(name) = &self.instance {
+            answer["instance"] = json!(&**name);
         }
         let mut resp = json_response(status, answer.to_string());
         if let Some(t) = tokens {
@@ -247,6 +242,7 @@ fn echo_stream(mut req: Request<Incoming>) -> Response<Body> {
 pub struct Workers {
     pool: tokio::sync::Semaphore,
     service: Duration,
+    upstream: DemoUpstream,
 }
 
 impl Workers {
@@ -261,13 +257,20 @@ impl Workers {
         Ok(Workers {
             pool: tokio::sync::Semaphore::new(workers as usize),
             service,
+            upstream: DemoUpstream::default(),
         })
+    }
+
+    /// These workers answering as `upstream` does (its name).
+    pub fn serving(mut self, upstream: DemoUpstream) -> Workers {
+        self.upstream = upstream;
+        self
     }
 }
 
 impl Handler for Workers {
     async fn handle(self: Arc<Self>, req: Request<Incoming>, _conn: ConnInfo) -> Response<Body> {
-        DemoUpstream.answer(req, Some(&self)).await
+        self.upstream.answer(req, Some(&self)).await
     }
 }
 
@@ -298,7 +301,7 @@ pub fn demo_token(t: &DemoToken, now_unix: u64) -> Result<String, String> {
     let loader = tollgate_rules::RulesLoader {
         source: tollgate_rules::RulesSource::demo(),
         opts: tollgate_rules::CompileOptions::default(),
-        upstream_override: None,
+        upstream_override: Vec::new(),
     };
     let snap = loader.load().map_err(|e| e.to_string())?;
     let jwt = snap

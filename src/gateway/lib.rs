@@ -39,6 +39,7 @@ pub(crate) mod concurrency;
 pub mod config;
 pub(crate) mod dashboard;
 pub mod demo;
+pub mod demo_instances;
 pub(crate) mod managed;
 pub mod otel;
 pub(crate) mod proxy;

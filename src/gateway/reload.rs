@@ -423,7 +423,7 @@ mod tests {
         let loader = RulesLoader {
             source: RulesSource::File(path),
             opts: CompileOptions::default(),
-            upstream_override: None,
+            upstream_override: Vec::new(),
         };
         let snap = Arc::new(ArcSwap::from_pointee(loader.load().unwrap()));
         let r = Reloader::new(loader, snap, Metrics::new());
@@ -455,7 +455,7 @@ mod tests {
         let loader = RulesLoader {
             source: RulesSource::File(path.clone()),
             opts: CompileOptions::default(),
-            upstream_override: None,
+            upstream_override: Vec::new(),
         };
         let snap = Arc::new(ArcSwap::from_pointee(loader.load().unwrap()));
         let r = Reloader::new(loader, snap.clone(), Metrics::new());

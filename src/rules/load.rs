@@ -39,8 +39,9 @@ impl RulesSource {
 pub struct RulesLoader {
     pub source: RulesSource,
     pub opts: CompileOptions,
-    /// In demo mode every upstream points at the built-in demo upstream.
-    pub upstream_override: Option<http::uri::Authority>,
+    /// In demo mode every upstream's targets are the built-in demo upstream's instances;
+    /// empty otherwise.
+    pub upstream_override: Vec<http::uri::Authority>,
 }
 
 impl RulesLoader {
@@ -61,7 +62,7 @@ impl RulesLoader {
                 compile_with(bytes, label, self.opts, &builtin, managed)?
             }
         };
-        if let Some(auth) = &self.upstream_override {
+        if let Some(auth) = self.upstream_override.first() {
             let host = HeaderValue::from_str(auth.as_str()).map_err(|_| RulesError {
                 file: "(demo upstream)".into(),
                 field: "upstreams".into(),
@@ -69,14 +70,29 @@ impl RulesLoader {
             })?;
             for u in &mut snap.upstreams {
                 u.authority = auth.clone();
-                u.targets = vec![crate::Target {
-                    authority: auth.clone(),
-                    weight: 1,
-                }];
+                u.targets = self
+                    .upstream_override
+                    .iter()
+                    .map(|a| crate::Target {
+                        authority: a.clone(),
+                        weight: 1,
+                    })
+                    .collect();
                 u.host_header = host.clone();
                 // The demo upstream speaks plain HTTP.
                 u.scheme = http::uri::Scheme::HTTP;
                 u.tls = None;
+                // Several instances, which the demo stops and starts: checked once a second,
+                // so one started again is back within about two.
+                if self.upstream_override.len() > 1 && u.health.is_none() {
+                    u.health = Some(crate::Health {
+                        path: format!("{}/healthz", u.path_prefix),
+                        interval: std::time::Duration::from_secs(1),
+                        timeout: std::time::Duration::from_millis(500),
+                        unhealthy_after: 2,
+                        healthy_after: 2,
+                    });
+                }
             }
         }
         Ok(snap)

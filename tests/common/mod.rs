@@ -129,7 +129,7 @@ pub async fn start_demo_upstream() -> SocketAddr {
     tokio::spawn(tollgate_gateway::server::run(
         l,
         None,
-        Arc::new(tollgate_gateway::demo::DemoUpstream),
+        Arc::new(tollgate_gateway::demo::DemoUpstream::default()),
         tollgate_gateway::server::ServerLimits::default(),
         std::future::pending::<()>(),
     ));

@@ -76,8 +76,9 @@ pub(crate) struct TargetState {
     /// What the active health checks say: false after `unhealthy_after` failed checks in a
     /// row, true again after `healthy_after` passed ones.
     healthy: AtomicBool,
-    /// Checks in a row that went the other way from `healthy`.
-    checks_against: AtomicU32,
+    /// Checks in a row that passed, and that failed.
+    checks_passed: AtomicU32,
+    checks_failed: AtomicU32,
     /// When the next check is due (ms of [`now_ms`]), and whether one is out.
     next_check: AtomicU64,
     checking: AtomicBool,
@@ -489,34 +490,39 @@ impl TargetState {
         self.healthy.load(Ordering::Acquire) && self.ejected_until.load(Ordering::Acquire) <= now
     }
 
-    /// A health check's result: `unhealthy_after` failures in a row take the target out,
-    /// `healthy_after` passes bring it back, its ejection lifted (it is on probation).
+    /// A health check's result: `unhealthy_after` failures in a row take a healthy target out;
+    /// `healthy_after` passes in a row bring back one that is out, unhealthy or ejected (an
+    /// ejection lifted so is on probation).
     fn checked(&self, label: &str, health: &Health, passed: Result<(), String>) {
+        let now = now_ms();
         let healthy = self.healthy.load(Ordering::Acquire);
-        if passed.is_ok() == healthy {
-            self.checks_against.store(0, Ordering::Release);
-            return;
-        }
-        let n = self.checks_against.fetch_add(1, Ordering::AcqRel) + 1;
         match passed {
-            Err(why) if n >= health.unhealthy_after => {
-                self.healthy.store(false, Ordering::Release);
-                self.checks_against.store(0, Ordering::Release);
-                self.up.set(0);
-                tracing::warn!(target = label, %why, "upstream target failed its health checks");
-                *self.last_failure.lock().unwrap_or_else(PoisonError::into_inner) =
-                    Some((now_ms(), format!("health check: {why}")));
-            }
-            Ok(()) if n >= health.healthy_after => {
-                self.healthy.store(true, Ordering::Release);
-                self.checks_against.store(0, Ordering::Release);
-                if self.ejected_until.swap(0, Ordering::AcqRel) > now_ms() {
-                    self.probation.store(true, Ordering::Release);
+            Ok(()) => {
+                self.checks_failed.store(0, Ordering::Release);
+                let n = self.checks_passed.fetch_add(1, Ordering::AcqRel) + 1;
+                let out = !healthy || self.ejected_until.load(Ordering::Acquire) > now;
+                if out && n >= health.healthy_after {
+                    self.checks_passed.store(0, Ordering::Release);
+                    self.healthy.store(true, Ordering::Release);
+                    if self.ejected_until.swap(0, Ordering::AcqRel) > now {
+                        self.probation.store(true, Ordering::Release);
+                    }
+                    self.up.set(1);
+                    tracing::info!(target = label, "upstream target passed its health checks");
                 }
-                self.up.set(1);
-                tracing::info!(target = label, "upstream target passed its health checks");
             }
-            _ => {}
+            Err(why) => {
+                self.checks_passed.store(0, Ordering::Release);
+                let n = self.checks_failed.fetch_add(1, Ordering::AcqRel) + 1;
+                if healthy && n >= health.unhealthy_after {
+                    self.checks_failed.store(0, Ordering::Release);
+                    self.healthy.store(false, Ordering::Release);
+                    self.up.set(0);
+                    tracing::warn!(target = label, %why, "upstream target failed its health checks");
+                    *self.last_failure.lock().unwrap_or_else(PoisonError::into_inner) =
+                        Some((now, format!("health check: {why}")));
+                }
+            }
         }
     }
 
@@ -551,7 +557,8 @@ impl TargetState {
             ejections: AtomicU32::new(0),
             probation: AtomicBool::new(false),
             healthy: AtomicBool::new(true),
-            checks_against: AtomicU32::new(0),
+            checks_passed: AtomicU32::new(0),
+            checks_failed: AtomicU32::new(0),
             next_check: AtomicU64::new(0),
             checking: AtomicBool::new(false),
             last_failure: Mutex::new(None),
