@@ -1,4 +1,4 @@
-# Build: a release binary of tollgate.
+# Build: a release binary of tollgate, without debug info (Cargo.toml's `image` profile).
 FROM rust:1-bookworm AS build
 WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
@@ -7,7 +7,7 @@ COPY rules ./rules
 COPY lua ./lua
 COPY certs ./certs
 COPY benches ./benches
-RUN cargo build --release --locked --bin tollgate
+RUN cargo build --profile image --locked --bin tollgate
 
 # Run: a small image, a non-root user, the rules baked in at /etc/tollgate or mounted over it
 # (`-v $PWD/rules:/etc/tollgate:ro`: the repository's rules/ holds demo.json). The CA bundle
@@ -20,7 +20,7 @@ RUN useradd --system --uid 10001 --no-create-home tollgate \
 WORKDIR /var/lib/tollgate
 VOLUME /var/lib/tollgate
 COPY --from=build /etc/ssl/certs/ca-certificates.crt /etc/ssl/certs/ca-certificates.crt
-COPY --from=build /src/target/release/tollgate /usr/local/bin/tollgate
+COPY --from=build /src/target/image/tollgate /usr/local/bin/tollgate
 COPY rules/demo.json rules/demo-jwks.json /etc/tollgate/
 USER 10001:10001
 ENV TOLLGATE_LISTEN=0.0.0.0:8080 \

@@ -2,8 +2,9 @@
 //! Dockerfile's `TOLLGATE_RULES` names a file the image copies and `rules/` holds (so mounting
 //! `rules/` over `/etc/tollgate` finds it) and that passes `check-rules`, every `TOLLGATE_*` it
 //! sets is a flag of `tollgate serve`, and its HEALTHCHECK answers for a real gateway and fails
-//! for none; README.md's Kubernetes manifests agree with the binary; and a real gateway's
-//! SIGTERM goes in the order the README gives.
+//! for none; README.md's Kubernetes manifests agree with the binary and with the image (its user,
+//! its working directory, where it keeps its rules, its ports); and a real gateway's SIGTERM goes
+//! in the order the README gives. `benches/image.sh` builds and runs the image itself.
 
 mod common;
 
@@ -14,6 +15,35 @@ use common::cli::{fails, ok, tollgate};
 
 fn dockerfile() -> String {
     std::fs::read_to_string(common::repo().join("Dockerfile")).unwrap()
+}
+
+/// The run stage's instructions in order, each as its keyword (upper case) and the rest of its
+/// line, continued lines joined and comments dropped.
+fn run_stage(docker: &str) -> Vec<(String, String)> {
+    let stage = docker.rsplit("\nFROM ").next().unwrap();
+    let logical = stage
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+        .collect::<Vec<_>>()
+        .join("\n")
+        .replace("\\\n", " ");
+    logical
+        .lines()
+        .filter_map(|l| {
+            let (k, rest) = l.trim().split_once(char::is_whitespace)?;
+            Some((k.to_ascii_uppercase(), rest.trim().to_string()))
+        })
+        .collect()
+}
+
+/// The one value of a run-stage instruction (the last, as Docker takes it).
+fn instruction(stage: &[(String, String)], keyword: &str) -> String {
+    stage
+        .iter()
+        .rev()
+        .find(|(k, _)| k == keyword)
+        .map(|(_, v)| v.trim_matches(|c| c == '[' || c == ']' || c == '"').to_string())
+        .unwrap_or_else(|| panic!("the Dockerfile's run stage has no {keyword}"))
 }
 
 /// The run stage's `ENV` settings, `NAME=value` over continued lines.
@@ -325,4 +355,120 @@ fn the_kubernetes_manifests_agree_with_the_binary() {
     let hpa = named(&docs, "HorizontalPodAutoscaler", "tollgate");
     assert_eq!(hpa["spec"]["scaleTargetRef"]["kind"], "Deployment");
     assert_eq!(hpa["spec"]["scaleTargetRef"]["name"], "tollgate");
+}
+
+/// The Deployment runs what the image holds: as the image's user, with an emptyDir where the
+/// image keeps the embedded store's files, the ConfigMap mounted where the image bakes its
+/// rules, on ports the image exposes, through the image's entrypoint.
+#[test]
+fn the_kubernetes_manifests_agree_with_the_image() {
+    let docker = dockerfile();
+    let stage = run_stage(&docker);
+    let docs = manifests();
+    let pod = &named(&docs, "Deployment", "tollgate")["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    let mounts = c["volumeMounts"].as_sequence().unwrap();
+    let volume_at = |path: &str| {
+        let m = mounts
+            .iter()
+            .find(|m| m["mountPath"] == path)
+            .unwrap_or_else(|| panic!("the Deployment mounts nothing at {path}"));
+        pod["volumes"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == m["name"])
+            .unwrap_or_else(|| panic!("no volume {:?}", m["name"]))
+            .clone()
+    };
+
+    // The user: the image's USER is the pod's runAsUser and runAsGroup.
+    let user = instruction(&stage, "USER");
+    let (uid, gid) = user.split_once(':').unwrap_or((&user, &user));
+    let ctx = &pod["securityContext"];
+    assert_eq!(
+        ctx["runAsUser"].as_u64().map(|u| u.to_string()).as_deref(),
+        Some(uid),
+        "runAsUser against USER {user}"
+    );
+    assert_eq!(
+        ctx["runAsGroup"].as_u64().map(|g| g.to_string()).as_deref(),
+        Some(gid),
+        "runAsGroup against USER {user}"
+    );
+
+    // The working directory: the user's in the image, a VOLUME, and an emptyDir in the pod,
+    // since the root filesystem is read-only and the embedded store writes its files there.
+    let workdir = instruction(&stage, "WORKDIR");
+    assert!(
+        stage
+            .iter()
+            .any(|(k, v)| k == "RUN" && v.contains(&format!("chown {uid}:{gid} {workdir}"))),
+        "the image does not give {workdir} to {uid}:{gid}"
+    );
+    assert_eq!(
+        instruction(&stage, "VOLUME"),
+        workdir,
+        "the VOLUME is not the working directory"
+    );
+    assert!(
+        volume_at(&workdir).get("emptyDir").is_some(),
+        "the volume on {workdir} is no emptyDir"
+    );
+
+    // The rules: the ConfigMap goes over the directory the image copies its rules into, where the
+    // image's own TOLLGATE_RULES points too.
+    let baked = stage
+        .iter()
+        .find(|(k, v)| k == "COPY" && v.starts_with("rules/"))
+        .map(|(_, v)| {
+            v.split_whitespace()
+                .last()
+                .unwrap()
+                .trim_end_matches('/')
+                .to_string()
+        })
+        .expect("the image copies no rules");
+    let image_rules = env(&docker)
+        .into_iter()
+        .find(|(k, _)| k == "TOLLGATE_RULES")
+        .map(|(_, v)| v)
+        .expect("the image sets TOLLGATE_RULES");
+    assert_eq!(image_rules.rsplit_once('/').unwrap().0, baked);
+    let rules = c["env"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "TOLLGATE_RULES")
+        .map(|e| text(&e["value"]))
+        .expect("the Deployment sets TOLLGATE_RULES");
+    assert_eq!(
+        rules.rsplit_once('/').unwrap().0,
+        baked,
+        "the rules are not where the image keeps them"
+    );
+    assert!(
+        volume_at(&baked).get("configMap").is_some(),
+        "no ConfigMap on {baked}"
+    );
+
+    // Ports the image exposes, and the image's entrypoint with the Deployment's arguments.
+    let exposed: BTreeSet<u64> = instruction(&stage, "EXPOSE")
+        .split_whitespace()
+        .map(|p| p.trim_end_matches("/tcp").parse().unwrap())
+        .collect();
+    for p in c["ports"].as_sequence().unwrap() {
+        let port = p["containerPort"].as_u64().unwrap();
+        assert!(
+            exposed.contains(&port),
+            "container port {port} is not exposed: {exposed:?}"
+        );
+    }
+    assert_eq!(instruction(&stage, "ENTRYPOINT"), "tollgate");
+    assert!(
+        c.get("command").is_none(),
+        "the Deployment replaces the image's entrypoint"
+    );
+    let args: Vec<String> = c["args"].as_sequence().unwrap().iter().map(text).collect();
+    ok(&tollgate(&[args[0].as_str(), "--help"]));
 }
