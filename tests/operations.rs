@@ -123,7 +123,14 @@ async fn counters_show_exactly_what_happened_and_no_secrets() {
     for secret in DEMO_KEYS {
         assert!(!text.contains(secret), "the scrape holds an API key");
     }
-    assert!(!text.contains("127.0.0.1"), "the scrape holds a client address");
+    // Upstream targets are named by address (the operator's own); nothing else holds one.
+    assert!(
+        !text
+            .lines()
+            .filter(|l| !l.contains("target=\""))
+            .any(|l| l.contains("127.0.0.1")),
+        "the scrape holds a client address"
+    );
 }
 
 #[tokio::test]
