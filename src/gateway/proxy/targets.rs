@@ -352,6 +352,10 @@ impl Targets {
         let t = &self.list[i];
         let s = &t.state;
         s.counts[outcome as usize].inc();
+        if outcome == Outcome::Timeout {
+            // Slow is not dead: the adaptive limit hears of it, ejection does not, either way.
+            return;
+        }
         if !outcome.failed() {
             if s.failures.load(Ordering::Relaxed) != 0 {
                 s.failures.store(0, Ordering::Release);
@@ -679,6 +683,9 @@ mod tests {
         );
         t.record(0, Outcome::ConnectFailure, || "refused".into());
         assert!((0..50).all(|_| t.pick(Picking::default(), &[]).is_some()));
+        // A timeout between two failures neither ejects nor starts the count again.
+        t.record(0, Outcome::Timeout, || "slow".into());
+        assert!((0..50).any(|_| t.pick(Picking::default(), &[]) == Some(0)));
         t.record(0, Outcome::ConnectFailure, || "refused".into());
         // Ejected: never chosen while another is up.
         assert!((0..200).all(|_| t.pick(Picking::default(), &[]) != Some(0)));
