@@ -7,9 +7,7 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{Http, K7, K8, KBIG, Tollgate};
@@ -17,50 +15,27 @@ use http::StatusCode;
 use serde_json::{Value, json};
 
 /// A `tollgate demo-upstream` process answering as `name`.
-struct Instance {
-    child: Child,
-    addr: SocketAddr,
-}
+struct Instance(common::DemoUpstreamProc);
 
 impl Instance {
-    /// On `addr` (a port of 0: one the OS picks), each request taking `latency_ms` when given.
+    /// On `listen` (a port of 0: one the OS picks), each request taking `latency_ms` when given.
     fn spawn(name: &str, listen: &str, latency_ms: Option<u64>) -> Instance {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tollgate"));
-        cmd.args(["demo-upstream", "--listen", listen, "--instance", name]);
-        if let Some(ms) = latency_ms {
-            cmd.args(["--workers", "64", "--latency-ms", &ms.to_string()]);
+        let ms = latency_ms.map(|ms| ms.to_string());
+        let mut args = vec!["--listen", listen, "--instance", name];
+        if let Some(ms) = &ms {
+            args.extend(["--workers", "64", "--latency-ms", ms]);
         }
-        let mut child = cmd
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn tollgate demo-upstream");
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let addr = lines.by_ref().find_map(|l| {
-            l.ok()?
-                .strip_prefix("demo upstream listening on http://")?
-                .trim()
-                .parse()
-                .ok()
-        });
-        std::thread::spawn(move || for _ in lines {});
-        let Some(addr) = addr else {
-            let _ = child.kill();
-            panic!("demo upstream {name} did not start on {listen}");
-        };
-        Instance { child, addr }
+        Instance(common::DemoUpstreamProc::spawn_with(&args))
+    }
+
+    fn addr(&self) -> SocketAddr {
+        self.0.addr
     }
 
     /// Killed with SIGKILL, as a crash or an evicted pod would be.
     fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Instance {
-    fn drop(&mut self) {
-        self.kill();
+        let _ = self.0.child.kill();
+        let _ = self.0.child.wait();
     }
 }
 
@@ -79,7 +54,7 @@ fn targets(instances: &[&Instance]) -> Value {
     json!(
         instances
             .iter()
-            .map(|i| json!({"url": format!("http://{}", i.addr)}))
+            .map(|i| json!({"url": format!("http://{}", i.addr())}))
             .collect::<Vec<_>>()
     )
 }
@@ -107,7 +82,7 @@ async fn a_target_killed_under_load_costs_partners_nothing_and_comes_back() {
     let a = Instance::spawn("a", "127.0.0.1:0", None);
     let mut b = Instance::spawn("b", "127.0.0.1:0", None);
     let c = Instance::spawn("c", "127.0.0.1:0", None);
-    let b_addr = b.addr;
+    let b_addr = b.addr();
     let (gw, _dir) = gateway(json!({
         "targets": targets(&[&a, &b, &c]),
         "health": {"path": "/healthz", "interval_ms": 500, "timeout_ms": 400},
@@ -308,7 +283,7 @@ async fn a_hash_keeps_each_key_to_one_target_and_a_lost_one_moves_only_its_keys(
 async fn every_target_down_is_a_refunded_502_naming_the_upstream_then_one_back_serves() {
     let mut a = Instance::spawn("a", "127.0.0.1:0", None);
     let mut b = Instance::spawn("b", "127.0.0.1:0", None);
-    let a_addr = a.addr;
+    let a_addr = a.addr();
     let (gw, _dir) = gateway(json!({"targets": targets(&[&a, &b]), "eject": {"for_ms": 60000}}));
     let http = Http::new();
     assert_eq!(get(&http, &gw, "/v1/orders", K7).await.0, StatusCode::OK);

@@ -755,10 +755,21 @@ pub struct DemoUpstreamProc {
 impl DemoUpstreamProc {
     /// `tollgate demo-upstream --workers <workers> --latency-ms <latency_ms>` on a free port.
     pub fn spawn(workers: u32, latency_ms: u64) -> DemoUpstreamProc {
+        DemoUpstreamProc::spawn_with(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--workers",
+            &workers.to_string(),
+            "--latency-ms",
+            &latency_ms.to_string(),
+        ])
+    }
+
+    /// `tollgate demo-upstream <args>`, once it says where it listens.
+    pub fn spawn_with(args: &[&str]) -> DemoUpstreamProc {
         let mut child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
-            .args(["demo-upstream", "--listen", "127.0.0.1:0"])
-            .args(["--workers", &workers.to_string()])
-            .args(["--latency-ms", &latency_ms.to_string()])
+            .arg("demo-upstream")
+            .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()

@@ -360,7 +360,9 @@ impl Targets {
             if s.failures.load(Ordering::Relaxed) != 0 {
                 s.failures.store(0, Ordering::Release);
             }
-            if s.probation.swap(false, Ordering::AcqRel) {
+            // Read before it is written: nearly every answer finds no probation to end, and a
+            // swap would write the line every request.
+            if s.probation.load(Ordering::Acquire) && s.probation.swap(false, Ordering::AcqRel) {
                 s.ejections.store(0, Ordering::Release);
             }
             return;
