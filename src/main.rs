@@ -305,6 +305,7 @@ fn config(rules: RulesSource, c: &CommonArgs, demo: bool) -> Result<GatewayConfi
         ..ServerLimits::default()
     };
     cfg.demo = demo;
+    cfg.hosts_file = c.hosts_file.clone();
     cfg.shutdown_delay = c.shutdown_delay;
     cfg.shards = shards(c.threads);
     cfg.store_timeout = c.store_timeout;

@@ -79,6 +79,8 @@ pub struct GatewayConfig {
     /// Threads that accept and serve the public listener's connections, each on a listener
     /// of its own (`server::run_shards`); 1: the caller's runtime serves them.
     pub shards: usize,
+    /// A hosts(5) file that answers upstream target names before the system's resolver.
+    pub hosts_file: Option<PathBuf>,
 }
 
 /// Where and how often this gateway writes its usage records.
@@ -118,6 +120,7 @@ impl GatewayConfig {
             otlp: None,
             access_log: None,
             shards: 1,
+            hosts_file: None,
         }
     }
 }
@@ -145,6 +148,8 @@ pub enum StartError {
     Otlp(String),
     #[error("managed keys: {0}")]
     Keys(String),
+    #[error("hosts file: {0}")]
+    HostsFile(String),
 }
 
 /// The keys made through the admin API, loaded and put in place before anything serves: in
@@ -216,6 +221,20 @@ async fn check_targets(gateway: Arc<Gateway>, stop: impl std::future::Future<Out
         tokio::select! {
             () = &mut stop => return 0,
             _ = tick.tick() => gateway.check_targets(),
+        }
+    }
+}
+
+/// Follows the upstream targets' names: the hosts file is looked at each tick, and each name is
+/// asked again as its upstream's `dns_refresh_ms` falls due.
+async fn follow_names(gateway: Arc<Gateway>, stop: impl std::future::Future<Output = ()>) -> usize {
+    tokio::pin!(stop);
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = &mut stop => return 0,
+            _ = tick.tick() => gateway.follow_names().await,
         }
     }
 }
@@ -399,6 +418,10 @@ async fn assemble(
     parts.body_timeout = cfg.limits.body_read_timeout;
     parts.drain_within = cfg.limits.header_read_timeout;
     parts.clock = cfg.clock.clone();
+    if let Some(file) = &cfg.hosts_file {
+        parts.names =
+            Arc::new(crate::proxy::names::Names::with_hosts_file(file).map_err(StartError::HostsFile)?);
+    }
     let otel = match &cfg.otlp {
         Some(o) => Some(Arc::new(
             Otel::start(o, metrics.otlp_spans_dropped.clone()).map_err(StartError::Otlp)?,
@@ -662,6 +685,12 @@ pub async fn start(cfg: GatewayConfig) -> Result<Running, StartError> {
         stopped(stop_rx.clone()),
     )));
     tasks.push(tokio::spawn(check_targets(
+        gateway.clone(),
+        stopped(stop_rx.clone()),
+    )));
+    // Every target name is looked up once before anything is served, then followed.
+    gateway.follow_names().await;
+    tasks.push(tokio::spawn(follow_names(
         gateway.clone(),
         stopped(stop_rx.clone()),
     )));

@@ -143,6 +143,11 @@ pub struct CommonArgs {
     /// gateway is just closing.
     #[arg(long, env = "TOLLGATE_IDLE_TIMEOUT", default_value = "75s", value_parser = parse_positive_duration)]
     pub idle_timeout: Duration,
+    /// A hosts(5) file (an address, then names) that answers upstream target names before the
+    /// system's resolver; read again when it changes. A name with several lines is that many
+    /// targets.
+    #[arg(long, env = "TOLLGATE_HOSTS_FILE")]
+    pub hosts_file: Option<PathBuf>,
     /// A client must send each next piece of a request body within this time; past it, 408.
     #[arg(long, env = "TOLLGATE_BODY_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub body_timeout: Duration,

@@ -31,6 +31,8 @@ pub struct Upstream {
     pub health: Option<Health>,
     pub eject: Eject,
     pub retries: Retries,
+    /// How often its targets' host names are resolved again.
+    pub dns_refresh: Duration,
 }
 
 /// Active health checks of an upstream's targets.

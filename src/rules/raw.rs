@@ -73,6 +73,10 @@ pub(crate) struct RawUpstream {
     /// and a weight; in place of `url`.
     #[serde(default)]
     pub targets: Option<Vec<RawTarget>>,
+    /// How often a target's host name is resolved again, in milliseconds (default 5000): a
+    /// name with several addresses is that many targets, followed as they change.
+    #[serde(default)]
+    pub dns_refresh_ms: Option<u64>,
     /// How a request's target is chosen: `least_request` (two at random, the one with fewer
     /// requests in flight for its weight), `round_robin` (in turn, by weight), or `hash` (by
     /// the caller's key id, or its address without a key: one partner keeps to one target

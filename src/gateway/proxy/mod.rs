@@ -5,6 +5,7 @@
 
 pub mod body;
 pub mod client;
+pub mod names;
 pub mod pool;
 pub mod targets;
 

@@ -14,6 +14,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use tollgate_rules::{Balance, Eject, Health, MAX_EJECTION, Retries, Upstream};
 use tollgate_telemetry::metrics::{Metrics, RetryReason, TargetLabel, TargetOutcome};
 
+use super::names::Names;
 use super::pool::ConnPool;
 
 /// The fewest retries an upstream's budget allows in its window, however few its requests:
@@ -93,6 +94,8 @@ pub(crate) struct Target {
     pub authority: Authority,
     /// `host:port`, for labels and the admin API.
     pub label: Arc<str>,
+    /// The `host:port` it was found under, when a name gave its address.
+    pub name: Option<Arc<str>>,
     pub weight: u32,
     pub pool: Arc<ConnPool>,
     pub state: Arc<TargetState>,
@@ -145,7 +148,7 @@ pub(crate) struct Targets {
     eject: Eject,
     pub retries: Retries,
     turn: AtomicU64,
-    budget: Budget,
+    budget: Arc<Budget>,
     retried: [Counter; 3],
     budget_exhausted: Counter,
 }
@@ -166,33 +169,29 @@ pub(crate) enum RetryWhy {
 }
 
 impl Targets {
-    /// The targets of `u`, each keeping the pool and state of the same address in `prev`.
-    pub fn new(u: &Upstream, prev: Option<&Targets>, metrics: &Metrics) -> Targets {
-        let list = u
-            .targets
-            .iter()
-            .map(|t| {
-                let label: Arc<str> = t.authority.as_str().into();
-                let old = prev.and_then(|p| p.list.iter().find(|o| o.authority == t.authority));
+    /// The targets of `u`, each keeping the pool and state of the same address in `prev`. A
+    /// target named by a host name is one target per address `names` last learned for it.
+    pub fn new(u: &Upstream, prev: Option<&Targets>, metrics: &Metrics, names: &Names) -> Targets {
+        let list = members(u, names)
+            .into_iter()
+            .map(|(authority, name, weight)| {
+                let label: Arc<str> = authority.as_str().into();
+                let old = prev.and_then(|p| p.list.iter().find(|o| o.authority == authority));
                 let pool = match old {
                     Some(o) if o.pool.idle_timeout() == u.idle_timeout && o.pool.tls() == u.tls.as_ref() => {
                         o.pool.clone()
                     }
                     _ => Arc::new(
-                        ConnPool::new(
-                            t.authority.clone(),
-                            tollgate_rules::CONNECT_TIMEOUT,
-                            u.idle_timeout,
-                        )
-                        .with_tls(u.tls.clone())
-                        .counting_strays(
-                            metrics
-                                .upstream_strays
-                                .get_or_create(&tollgate_telemetry::metrics::UpstreamLabel {
-                                    upstream: u.name.clone(),
-                                })
-                                .clone(),
-                        ),
+                        ConnPool::new(authority.clone(), tollgate_rules::CONNECT_TIMEOUT, u.idle_timeout)
+                            .with_tls(u.tls.clone())
+                            .counting_strays(
+                                metrics
+                                    .upstream_strays
+                                    .get_or_create(&tollgate_telemetry::metrics::UpstreamLabel {
+                                        upstream: u.name.clone(),
+                                    })
+                                    .clone(),
+                            ),
                     ),
                 };
                 let state = match old {
@@ -200,9 +199,10 @@ impl Targets {
                     None => Arc::new(TargetState::new(&u.name, &label, metrics)),
                 };
                 Target {
-                    authority: t.authority.clone(),
+                    authority,
                     label,
-                    weight: t.weight,
+                    name,
+                    weight,
                     pool,
                     state,
                 }
@@ -223,7 +223,8 @@ impl Targets {
             eject: u.eject,
             retries: u.retries,
             turn: AtomicU64::new(0),
-            budget: Budget::default(),
+            // The budget counts the upstream's requests, whatever its addresses are now.
+            budget: prev.map_or_else(Default::default, |p| p.budget.clone()),
             retried,
             budget_exhausted: metrics.upstream_retry_budget_exhausted.clone(),
         }
@@ -414,6 +415,7 @@ impl Targets {
                 let last = s.last_failure.lock().unwrap_or_else(PoisonError::into_inner).clone();
                 serde_json::json!({
                     "target": &*t.label,
+                    "name": t.name.as_deref(),
                     "weight": t.weight,
                     "state": if !s.healthy.load(Ordering::Acquire) { "unhealthy" } else if until > now { "ejected" } else if s.probation.load(Ordering::Acquire) { "probation" } else { "up" },
                     "ejected_for_ms": until.saturating_sub(now),
@@ -590,6 +592,44 @@ impl Drop for InFlight<'_> {
     }
 }
 
+/// `u`'s targets as addresses: each named one once per address `names` knows for it (all
+/// with its weight), or as named while its name is not resolved yet; an address reached twice
+/// is one target with both weights.
+fn members(u: &Upstream, names: &Names) -> Vec<(Authority, Option<Arc<str>>, u32)> {
+    let default_port = if u.tls.is_some() { 443 } else { 80 };
+    let mut out: Vec<(Authority, Option<Arc<str>>, u32)> = Vec::with_capacity(u.targets.len());
+    let mut add = |authority: Authority, name: Option<Arc<str>>, weight: u32| match out
+        .iter_mut()
+        .find(|(a, ..)| *a == authority)
+    {
+        Some(m) => m.2 = m.2.saturating_add(weight),
+        None => out.push((authority, name, weight)),
+    };
+    for t in &u.targets {
+        let host = t.authority.host().trim_start_matches('[').trim_end_matches(']');
+        let addrs = match host.parse::<std::net::IpAddr>() {
+            Ok(_) => None,
+            Err(_) => names.addresses(host),
+        };
+        let Some(addrs) = addrs else {
+            add(t.authority.clone(), None, t.weight);
+            continue;
+        };
+        let name: Arc<str> = t.authority.as_str().into();
+        let port = t.authority.port_u16().unwrap_or(default_port);
+        for ip in addrs {
+            let Ok(authority) = std::net::SocketAddr::new(ip, port)
+                .to_string()
+                .parse::<Authority>()
+            else {
+                continue;
+            };
+            add(authority, Some(name.clone()), t.weight);
+        }
+    }
+    out
+}
+
 /// FNV-1a of `bytes` after `seed`'s: the caller's hash mixed with a target's name.
 fn fnv(seed: u64, bytes: &[u8]) -> u64 {
     let mut h = 0xcbf2_9ce4_8422_2325u64 ^ seed;
@@ -639,6 +679,7 @@ mod tests {
             &upstream(&[("a:1", 2), ("b:1", 1)], Balance::RoundRobin).upstreams[0],
             None,
             &m,
+            &Names::system(),
         );
         let mut seen = [0; 2];
         for _ in 0..300 {
@@ -654,6 +695,7 @@ mod tests {
             &upstream(&[("a:1", 1), ("b:1", 1), ("c:1", 1)], Balance::Hash).upstreams[0],
             None,
             &m,
+            &Names::system(),
         );
         let callers: Vec<u64> = (0..300)
             .map(|k| caller_hash(format!("k-{k}").as_bytes()))
@@ -682,6 +724,7 @@ mod tests {
             &upstream(&[("a:1", 1), ("b:1", 1), ("c:1", 1)], Balance::LeastRequest).upstreams[0],
             None,
             &m,
+            &Names::system(),
         );
         t.record(0, Outcome::ConnectFailure, || "refused".into());
         assert!((0..50).all(|_| t.pick(Picking::default(), &[]).is_some()));
@@ -716,6 +759,7 @@ mod tests {
             &upstream(&[("a:1", 1), ("b:1", 1)], Balance::LeastRequest).upstreams[0],
             None,
             &m,
+            &Names::system(),
         );
         for _ in 0..1000 {
             t.count_request();

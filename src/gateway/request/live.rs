@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::dashboard::UpstreamNow;
+use crate::proxy::names::Names;
 use crate::proxy::targets::Targets;
 
 /// What the gateway keeps alive for one rules snapshot: its metric handles, and each upstream's
@@ -37,13 +38,13 @@ impl Default for Live {
 }
 
 impl Live {
-    fn new(snap: &Snapshot, prev: &Live, meter: Option<&Meter>, metrics: &Metrics) -> Live {
+    fn new(snap: &Snapshot, prev: &Live, meter: Option<&Meter>, metrics: &Metrics, names: &Names) -> Live {
         let upstreams = snap
             .upstreams
             .iter()
             .map(|u| {
                 let old = prev.upstreams.iter().find(|o| o.name == u.name);
-                let targets = Targets::new(u, old.map(|o| &o.targets), metrics);
+                let targets = Targets::new(u, old.map(|o| &o.targets), metrics, names);
                 LiveUpstream {
                     name: u.name.clone(),
                     targets,
@@ -135,13 +136,38 @@ impl Gateway {
         if current.handles.snapshot == snap.serial {
             return current;
         }
-        let fresh = Arc::new(Live::new(snap, &current, self.meter.as_deref(), &self.metrics));
+        let fresh = Arc::new(Live::new(
+            snap,
+            &current,
+            self.meter.as_deref(),
+            &self.metrics,
+            &self.names,
+        ));
         // A request that loaded its snapshot just before a reload gets state for it (sharing
         // the current pools and gates by name) without pushing the newer one out.
         if snap.serial > current.handles.snapshot {
             self.live.store(fresh.clone());
         }
         fresh
+    }
+
+    /// Learns the addresses of the upstreams' target names that are due, and when any changed,
+    /// gives the running rules targets at the new addresses: those still there keep their
+    /// connections and state, those gone get no new request and their connections close as
+    /// the requests on them end.
+    pub(crate) async fn follow_names(&self) {
+        let snap = self.rules.load_full();
+        if !self.names.refresh(&snap).await {
+            return;
+        }
+        let _one = self
+            .building
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let snap = self.rules.load_full();
+        let current = self.live.load_full();
+        let fresh = Live::new(&snap, &current, self.meter.as_deref(), &self.metrics, &self.names);
+        self.live.store(Arc::new(fresh));
     }
 
     /// Closes kept upstream connections that expired or that their upstream closed.

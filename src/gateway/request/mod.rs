@@ -87,6 +87,8 @@ pub struct Gateway {
     shadow_log: Sampler,
     live: ArcSwap<Live>,
     building: std::sync::Mutex<()>,
+    /// The addresses behind upstream targets' names.
+    names: Arc<crate::proxy::names::Names>,
     blocks_seen: blocks::SeenBlocks,
     /// Connections upgraded on a route's `"upgrade"`, relayed in tasks of their own.
     upgrades: Arc<crate::upgrade::Upgrades>,
@@ -120,6 +122,9 @@ pub(crate) struct Parts {
     /// Access lines in a conventional format, formatted on their writer thread; `None`: each
     /// request's line is a `tollgate::access` log event.
     pub access: Option<crate::access::AccessLog>,
+    /// Where upstream targets' names are looked up: the system's resolver, or a hosts file
+    /// first.
+    pub names: Arc<crate::proxy::names::Names>,
 }
 
 impl Parts {
@@ -144,6 +149,7 @@ impl Parts {
             regions: None,
             otel: None,
             access: None,
+            names: Arc::new(crate::proxy::names::Names::system()),
         }
     }
 }
@@ -175,6 +181,7 @@ impl Gateway {
             shadow_log: Sampler::new(std::time::Duration::from_secs(1)),
             live: ArcSwap::from_pointee(Live::default()),
             building: std::sync::Mutex::new(()),
+            names: p.names,
             blocks_seen: blocks::SeenBlocks::default(),
             upgrades,
         }

@@ -6,6 +6,13 @@ use super::*;
 /// The largest weight of a target: weights say shares, and a share of a million is plenty.
 const MAX_WEIGHT: u32 = 1_000_000;
 
+/// The shortest time between two lookups of a target's name: more often only loads the
+/// resolver.
+const MIN_DNS_REFRESH_MS: u64 = 100;
+
+/// How often a target's name is resolved again by default.
+const DEFAULT_DNS_REFRESH: Duration = Duration::from_secs(5);
+
 /// The most retries of one request: each is another target's time.
 const MAX_RETRIES: u32 = 10;
 
@@ -123,6 +130,16 @@ impl Compiler<'_> {
             Some(ms) => Duration::from_millis(ms),
             None => DEFAULT_IDLE_TIMEOUT,
         };
+        let dns_refresh = match u.dns_refresh_ms {
+            Some(ms) if ms < MIN_DNS_REFRESH_MS => {
+                return Err(self.err(
+                    format!("{field}.dns_refresh_ms"),
+                    format!("must be at least {MIN_DNS_REFRESH_MS}"),
+                ));
+            }
+            Some(ms) => Duration::from_millis(ms),
+            None => DEFAULT_DNS_REFRESH,
+        };
         let adaptive = match &u.concurrency {
             Some(c) => self.concurrency(&field, c, u.max_in_flight)?,
             None => None,
@@ -146,6 +163,7 @@ impl Compiler<'_> {
             health,
             eject,
             retries,
+            dns_refresh,
         })
     }
 
@@ -406,6 +424,11 @@ mod tests {
                 json!({"url": "http://a:1", "eject": {"max_percent": 101}}),
                 "upstreams.u.eject.max_percent",
                 "0 to 100",
+            ),
+            (
+                json!({"url": "http://a:1", "dns_refresh_ms": 10}),
+                "upstreams.u.dns_refresh_ms",
+                "at least 100",
             ),
             (
                 json!({"url": "http://a:1", "retries": {"attempts": 11}}),
