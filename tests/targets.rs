@@ -681,3 +681,105 @@ fn a_broken_hosts_file_stops_start_up_naming_the_line() {
         "{err}"
     );
 }
+
+/// A target that reads what it is sent and closes without answering, as an instance killed
+/// mid-request does; says how many bytes each connection brought.
+async fn swallower() -> (SocketAddr, std::sync::Arc<std::sync::Mutex<Vec<usize>>>) {
+    use tokio::io::AsyncReadExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let log = log.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 64 * 1024];
+                let mut n = 0;
+                while let Ok(Ok(k)) = tokio::time::timeout(Duration::from_millis(200), s.read(&mut buf)).await
+                {
+                    if k == 0 {
+                        break;
+                    }
+                    n += k;
+                }
+                log.lock().unwrap().push(n);
+            });
+        }
+    });
+    (addr, seen)
+}
+
+/// An idempotent request's body of up to 64 KiB goes to another target when the first closed
+/// without answering; a larger one, or a `POST` without `Idempotency-Key`, is never sent
+/// twice. On both wires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_kept_body_goes_to_another_target_and_a_large_one_never_twice() {
+    for wire in [&[][..], &["--no-express"][..]] {
+        let a = Instance::spawn("a", "127.0.0.1:0", None);
+        let (dead, seen) = swallower().await;
+        let mut rules: Value =
+            serde_json::from_str(&common::demo_rules_for("127.0.0.1:9".parse().unwrap())).unwrap();
+        rules["upstreams"]["orders"] = json!({
+            "targets": [{"url": format!("http://{dead}")}, {"url": format!("http://{}", a.addr())}],
+            "balance": "round_robin",
+            "eject": {"consecutive_failures": 1000000},
+        });
+        let (_dir, path) = common::rules_file(&rules.to_string());
+        let mut args = vec!["serve", "--rules", path.to_str().unwrap(), "--store", "memory"];
+        args.extend(wire);
+        let gw = Tollgate::spawn(&args);
+        let http = Http::new();
+        let body = |n: usize| -> &'static [u8] { Box::leak(vec![b'x'; n].into_boxed_slice()) };
+        let send = |method: http::Method, size: usize, keyed: bool| {
+            let (http, url) = (http.clone(), gw.url("/v1/things"));
+            async move {
+                let mut headers = vec![("x-api-key", KBIG)];
+                if keyed {
+                    headers.push(("idempotency-key", "k-1"));
+                }
+                let r = http.send(method, &url, &headers, body(size)).await;
+                let v = serde_json::from_slice::<Value>(&r.body).unwrap_or_default();
+                (
+                    r.status,
+                    v["bytes"].as_u64(),
+                    v["instance"].as_str().map(str::to_string),
+                )
+            }
+        };
+        let small = 20 * 1024;
+        for _ in 0..6 {
+            assert_eq!(
+                send(http::Method::PUT, small, false).await,
+                (StatusCode::OK, Some(small as u64), Some("a".to_string())),
+                "{wire:?}"
+            );
+            assert_eq!(
+                send(http::Method::POST, small, true).await,
+                (StatusCode::OK, Some(small as u64), Some("a".to_string())),
+                "{wire:?}"
+            );
+        }
+        // The closing target logs a connection 200 ms after its last byte.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let reached = seen.lock().unwrap().len();
+        assert!(reached >= 5, "{wire:?}: the closing target was tried: {reached}");
+        // Past 64 KiB, or a POST without a key: the one that reached the closing target fails.
+        let large = 100 * 1024;
+        let mut failed = 0;
+        for _ in 0..4 {
+            let (status, ..) = send(http::Method::PUT, large, false).await;
+            failed += usize::from(status == StatusCode::BAD_GATEWAY);
+            let (status, ..) = send(http::Method::POST, small, false).await;
+            failed += usize::from(status == StatusCode::BAD_GATEWAY);
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let after = seen.lock().unwrap().len();
+        assert!(failed >= 3, "{wire:?}: {failed} of 8 failed");
+        assert_eq!(
+            after - reached,
+            failed,
+            "{wire:?}: each failure reached the closing target once"
+        );
+    }
+}

@@ -13,7 +13,8 @@
 //! Retry policy, in one place: a request goes out again, once, on a new connection when it
 //! can't have been acted on twice: the kept connection failed before the request left
 //! (writing the head failed), or it closed before any byte of an answer and the request is
-//! idempotent without a streamed body.
+//! idempotent without a streamed body. On an upstream of several targets, an idempotent
+//! request's body of up to 64 KiB is kept as it goes out, so it too may go to another target.
 
 use std::future::Future as _;
 use std::pin::Pin;
@@ -137,7 +138,8 @@ pub(crate) struct Attempted {
 ///
 /// The target is `targets`' pick. A request goes to another target when its connection
 /// failed before any byte of it was written (always safe), or, when it is `idempotent` (its
-/// method, or an `Idempotency-Key`) and has no body left to stream, when the target closed
+/// method, or an `Idempotency-Key`) and has no body or one the gateway kept whole (at most
+/// [`KEPT_BODY`]), when the target closed
 /// before any byte of an answer or answered 502, 503 or 504: at most the upstream's retry
 /// attempts, never the same target twice, and those the target saw within its retry budget.
 /// A 502, 503 or 504 that no retry follows is the answer. `on_head` sees only the answer
@@ -161,7 +163,11 @@ where
     B: Body<Data = Bytes> + Unpin,
     B::Error: Into<BoxError>,
 {
-    let replayable = body.as_ref().is_none_or(|b| b.body.is_end_stream());
+    let bodiless = body.as_ref().is_none_or(|b| b.body.is_end_stream());
+    // What of the body went out, kept while it is small enough to send again on another
+    // target; only an idempotent request with a body to an upstream of several targets keeps
+    // any.
+    let mut kept = Kept::new(idempotent && !bodiless && targets.several());
     targets.count_request();
     let mut tried: SmallVec<[usize; 4]> = SmallVec::new();
     let mut retries = 0u32;
@@ -184,10 +190,11 @@ where
             &target.pool,
             head,
             &mut body,
-            idempotent && replayable,
+            &mut kept,
+            idempotent && bodiless,
             asked,
             timeout,
-            &mut |h: &Head<'_>| {
+            &mut |h: &Head<'_>, replayable: bool| {
                 if matches!(h.status, 502..=504)
                     && idempotent
                     && replayable
@@ -225,7 +232,7 @@ where
                 targets.record(t, outcome, || e.to_string());
                 let safe = match outcome {
                     Outcome::ConnectFailure => true,
-                    Outcome::Reset => idempotent && replayable,
+                    Outcome::Reset => idempotent && (bodiless || kept.whole()),
                     _ => false,
                 };
                 if !safe || !again(&tried, retries, why) {
@@ -238,17 +245,78 @@ where
     }
 }
 
+/// The most of a request body kept to send again on another target.
+pub(crate) const KEPT_BODY: usize = 64 * 1024;
+
+/// The bytes of a request body as they went upstream (chunk framing and all), while they fit
+/// in [`KEPT_BODY`]: once the body has ended within it, another attempt sends these instead
+/// of the body, which is spent.
+struct Kept {
+    bytes: BytesMut,
+    state: KeptState,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum KeptState {
+    /// Not kept: a request that is never sent twice, or a body past the size.
+    Off,
+    Filling,
+    /// The body ended and every byte of it is here.
+    Whole,
+}
+
+impl Kept {
+    fn new(on: bool) -> Kept {
+        Kept {
+            bytes: BytesMut::new(),
+            state: if on { KeptState::Filling } else { KeptState::Off },
+        }
+    }
+
+    fn whole(&self) -> bool {
+        self.state == KeptState::Whole
+    }
+
+    fn keep(&mut self, wire: &[u8]) {
+        if self.state != KeptState::Filling {
+            return;
+        }
+        if self.bytes.len() + wire.len() > KEPT_BODY + KEPT_BODY / 8 {
+            // Past the size (the eighth is room for chunk framing): nothing is kept.
+            self.state = KeptState::Off;
+            self.bytes = BytesMut::new();
+        } else {
+            self.bytes.extend_from_slice(wire);
+        }
+    }
+
+    fn ended(&mut self) {
+        if self.state == KeptState::Filling {
+            self.state = KeptState::Whole;
+        }
+    }
+
+    /// The body did not all go out (the upstream stopped reading): what is kept can't stand
+    /// for it.
+    fn lost(&mut self) {
+        self.state = KeptState::Off;
+        self.bytes = BytesMut::new();
+    }
+}
+
 /// One attempt on one target: [`exchange`]'s request on `pool`, with the one retry on a new
 /// connection after a kept one closed under it. Also says whether the answer was a 502, 503
 /// or 504.
+#[allow(clippy::too_many_arguments)]
 async fn attempt<B, R>(
     pool: &ConnPool,
     head: &[u8],
     body: &mut Option<Outgoing<'_, B>>,
-    replayable: bool,
+    kept: &mut Kept,
+    bodiless_idempotent: bool,
     asked: response::Asked<'_>,
     timeout: Option<Duration>,
-    on_head: &mut impl FnMut(&Head<'_>) -> Option<R>,
+    on_head: &mut impl FnMut(&Head<'_>, bool) -> Option<R>,
 ) -> Result<(RawConn, Option<R>, bool), Failure>
 where
     B: Body<Data = Bytes> + Unpin,
@@ -257,8 +325,8 @@ where
     let mut retried = false;
     loop {
         // The one retry after an answerless close goes out on a new connection.
-        let kept = if retried { None } else { pool.take() };
-        let (mut conn, fresh) = match kept {
+        let idle = if retried { None } else { pool.take() };
+        let (mut conn, fresh) = match idle {
             Some(c) => (c, false),
             None => {
                 // Boxed: connecting is the rare path, and its future would make every request's
@@ -279,21 +347,31 @@ where
                 why: e.to_string(),
             });
         }
-        if let Some(out) = body.as_mut()
+        if kept.whole() {
+            // An attempt after one that sent the whole body: the kept bytes stand for it.
+            if let Err(e) = bounded(timeout, conn.io.send(&kept.bytes)).await? {
+                return Err(Failure::Closed {
+                    sent: true,
+                    why: e.to_string(),
+                });
+            }
+        } else if let Some(out) = body.as_mut()
             && !out.body.is_end_stream()
-            && let Err(e) = send_body(&mut conn, out, timeout).await
+            && let Err(e) = send_body(&mut conn, out, timeout, kept).await
         {
             if matches!(e, Failure::EarlyBytes) {
                 pool.stray_seen();
             }
             return Err(e);
         }
+        // Whether this request may go out again on another connection or target.
+        let replayable = bodiless_idempotent || kept.whole();
         let mut failed_status = false;
         let read = bounded(
             timeout,
             read_head(&mut conn, asked, &mut |h: &Head<'_>| {
                 failed_status = matches!(h.status, 502..=504);
-                on_head(h)
+                on_head(h, replayable)
             }),
         )
         .await?;
@@ -318,6 +396,7 @@ async fn send_body<B>(
     conn: &mut RawConn,
     out: &mut Outgoing<'_, B>,
     timeout: Option<Duration>,
+    kept: &mut Kept,
 ) -> Result<(), Failure>
 where
     B: Body<Data = Bytes> + Unpin,
@@ -347,10 +426,17 @@ where
             return Err(Failure::EarlyBytes);
         }
         let io = &mut conn.io;
+        if out.chunked {
+            frame_head.clear();
+            frame_head.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
+            kept.keep(&frame_head);
+            kept.keep(&data);
+            kept.keep(b"\r\n");
+        } else {
+            kept.keep(&data);
+        }
         let written = bounded(timeout, async {
             if out.chunked {
-                frame_head.clear();
-                frame_head.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
                 io.write_all(&frame_head).await?;
                 io.write_all(&data).await?;
                 io.send(b"\r\n").await
@@ -363,13 +449,16 @@ where
             // The upstream stopped reading; it may still have answered (413, 400 …): the head
             // read that follows finds out.
             tracing::debug!(error = %e, "upstream stopped reading the request body");
+            kept.lost();
             return Ok(());
         }
     }
     if out.chunked {
+        kept.keep(b"0\r\n\r\n");
         // A failure here shows in the head read that follows.
         let _ = bounded(timeout, conn.io.send(b"0\r\n\r\n")).await?;
     }
+    kept.ended();
     Ok(())
 }
 
