@@ -783,3 +783,48 @@ async fn a_kept_body_goes_to_another_target_and_a_large_one_never_twice() {
         );
     }
 }
+
+/// Targets with their own `max_in_flight`: each is held to its own, and the upstream to their
+/// sum (requests past it wait their turn rather than pile on a target).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn each_target_keeps_to_its_own_cap_and_the_upstream_to_their_sum() {
+    let a = Instance::spawn("a", "127.0.0.1:0", Some(300));
+    let b = Instance::spawn("b", "127.0.0.1:0", Some(300));
+    let (gw, _dir) = gateway(json!({
+        "targets": [
+            {"url": format!("http://{}", a.addr()), "max_in_flight": 2},
+            {"url": format!("http://{}", b.addr()), "max_in_flight": 1},
+        ],
+        "queue_timeout_ms": 20000,
+    }));
+    let http = Http::new();
+    let clients: Vec<_> = (0..9)
+        .map(|_| {
+            let (http, url) = (http.clone(), gw.url("/v1/orders"));
+            tokio::spawn(async move { http.get(&url, &[("x-api-key", KBIG)]).await.status })
+        })
+        .collect();
+    let mut most = [0u64; 2];
+    let mut caps = vec![];
+    while !clients.iter().all(|c| c.is_finished()) {
+        let view = http.get(&gw.admin_url("/admin/upstreams"), &[]).await.json();
+        let targets = view["upstreams"][0]["targets"].as_array().unwrap().clone();
+        for (i, t) in targets.iter().enumerate() {
+            most[i] = most[i].max(t["in_flight"].as_u64().unwrap());
+        }
+        caps = targets.iter().map(|t| t["max_in_flight"].clone()).collect();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for c in clients {
+        assert_eq!(c.await.unwrap(), StatusCode::OK);
+    }
+    assert_eq!(caps, vec![json!(2), json!(1)]);
+    assert_eq!(most, [2, 1], "requests in flight at most, per target");
+    let dash = http.get(&gw.admin_url("/metrics"), &[]).await;
+    let text = String::from_utf8_lossy(&dash.body);
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("tollgate_upstream_concurrency_limit{") && l.ends_with(" 3")),
+        "the upstream's cap is the sum"
+    );
+}

@@ -74,32 +74,37 @@ pub struct Places {
 }
 
 impl Places {
-    /// This snapshot's places for `u`, sharing the previous snapshot's gate and limiter when
-    /// their numbers are unchanged.
-    pub fn new(u: &tollgate_rules::Upstream, prev: Option<&Places>, metrics: &Metrics) -> Places {
+    /// This snapshot's places for `u` under `cap` (its `max_in_flight`, or its targets' sum),
+    /// sharing the previous snapshot's gate and limiter when their numbers are unchanged.
+    pub fn new(
+        u: &tollgate_rules::Upstream,
+        cap: Option<u32>,
+        prev: Option<&Places>,
+        metrics: &Metrics,
+    ) -> Places {
         let label = UpstreamLabel {
             upstream: u.name.clone(),
         };
         let gate = match prev {
-            Some(o) if o.max_in_flight == u.max_in_flight => o.gate.clone(),
-            _ => u.max_in_flight.map(|n| Arc::new(Semaphore::new(n as usize))),
+            Some(o) if o.max_in_flight == cap => o.gate.clone(),
+            _ => cap.map(|n| Arc::new(Semaphore::new(n as usize))),
         };
         let limit_gauge = metrics.upstream_concurrency_limit.get_or_create(&label).clone();
         let adaptive = match (prev.and_then(|o| o.adaptive.as_ref()), u.adaptive) {
             (_, None) => None,
-            (Some(a), Some(b)) if a.bounds == b && a.cap == u.max_in_flight => Some(a.clone()),
+            (Some(a), Some(b)) if a.bounds == b && a.cap == cap => Some(a.clone()),
             (_, Some(bounds)) => {
                 let epoch = Instant::now();
                 Some(Arc::new(Adaptive {
                     limiter: Mutex::new(Gradient::new(bounds, 0, rand::random())),
                     epoch,
                     bounds,
-                    cap: u.max_in_flight,
+                    cap,
                     limit_gauge: limit_gauge.clone(),
                 }))
             }
         };
-        match (&adaptive, u.max_in_flight) {
+        match (&adaptive, cap) {
             (Some(a), _) => a.show(&a.lock()),
             (None, Some(cap)) => {
                 limit_gauge.set(i64::from(cap));
@@ -111,7 +116,7 @@ impl Places {
         }
         Places {
             gate,
-            max_in_flight: u.max_in_flight,
+            max_in_flight: cap,
             adaptive,
             in_flight: metrics.upstream_in_flight.get_or_create(&label).clone(),
             shed: metrics.upstream_shed.get_or_create(&label).clone(),
@@ -222,7 +227,12 @@ mod tests {
             r#", "concurrency": {"adaptive": true, "min": 2, "max": 10}"#,
         ));
         let metrics = Metrics::new();
-        let places = Places::new(&snap.upstreams[0], None, &metrics);
+        let places = Places::new(
+            &snap.upstreams[0],
+            snap.upstreams[0].max_in_flight,
+            None,
+            &metrics,
+        );
         // A probe runs at min first.
         let a = places.acquire(Duration::from_secs(5)).await.expect("first");
         let b = places.acquire(Duration::from_secs(5)).await.expect("second");
@@ -252,7 +262,12 @@ mod tests {
             r#", "max_in_flight": 1, "concurrency": {"adaptive": true, "min": 1, "max": 10}"#,
         ));
         let metrics = Metrics::new();
-        let places = Places::new(&snap.upstreams[0], None, &metrics);
+        let places = Places::new(
+            &snap.upstreams[0],
+            snap.upstreams[0].max_in_flight,
+            None,
+            &metrics,
+        );
         let a = places.acquire(Duration::from_millis(10)).await.expect("first");
         assert!(places.acquire(Duration::from_millis(10)).await.is_none());
         drop(a);
@@ -265,8 +280,13 @@ mod tests {
         let one = upstream(&rules(
             r#", "concurrency": {"adaptive": true, "min": 2, "max": 10}"#,
         ));
-        let first = Places::new(&one.upstreams[0], None, &metrics);
-        let same = Places::new(&one.upstreams[0], Some(&first), &metrics);
+        let first = Places::new(&one.upstreams[0], one.upstreams[0].max_in_flight, None, &metrics);
+        let same = Places::new(
+            &one.upstreams[0],
+            one.upstreams[0].max_in_flight,
+            Some(&first),
+            &metrics,
+        );
         assert!(Arc::ptr_eq(
             first.adaptive.as_ref().unwrap(),
             same.adaptive.as_ref().unwrap()
@@ -274,16 +294,26 @@ mod tests {
         let other = upstream(&rules(
             r#", "concurrency": {"adaptive": true, "min": 3, "max": 10}"#,
         ));
-        let changed = Places::new(&other.upstreams[0], Some(&same), &metrics);
+        let changed = Places::new(
+            &other.upstreams[0],
+            other.upstreams[0].max_in_flight,
+            Some(&same),
+            &metrics,
+        );
         assert!(!Arc::ptr_eq(
             same.adaptive.as_ref().unwrap(),
             changed.adaptive.as_ref().unwrap()
         ));
         let off = upstream(&rules(r#", "concurrency": {"adaptive": false}"#));
         assert!(
-            Places::new(&off.upstreams[0], Some(&changed), &metrics)
-                .adaptive
-                .is_none()
+            Places::new(
+                &off.upstreams[0],
+                off.upstreams[0].max_in_flight,
+                Some(&changed),
+                &metrics
+            )
+            .adaptive
+            .is_none()
         );
     }
 }

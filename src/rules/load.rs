@@ -76,6 +76,7 @@ impl RulesLoader {
                     .map(|a| crate::Target {
                         authority: a.clone(),
                         weight: 1,
+                        max_in_flight: None,
                     })
                     .collect();
                 u.host_header = host.clone();

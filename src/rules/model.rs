@@ -52,6 +52,8 @@ pub struct Target {
     pub authority: Authority,
     /// Its share of requests against the other targets' weights, at least 1.
     pub weight: u32,
+    /// At most this many requests in flight to it (to each of its name's addresses).
+    pub max_in_flight: Option<u32>,
 }
 
 /// How a request's target is chosen.

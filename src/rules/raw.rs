@@ -131,6 +131,10 @@ pub(crate) struct RawTarget {
     /// Its share of requests against the other targets' (default 1).
     #[serde(default)]
     pub weight: Option<u32>,
+    /// At most this many requests in flight to it (each address of a name, to each); the
+    /// upstream's is then the sum. Not with the upstream's own `max_in_flight`.
+    #[serde(default)]
+    pub max_in_flight: Option<u32>,
 }
 
 /// How an upstream's target is chosen for a request.

@@ -176,12 +176,32 @@ where
         targets.several() && tried.len() < targets.list.len() && targets.may_retry(why, retries)
     };
     loop {
-        let Some(t) = targets.pick(picking, &tried) else {
-            unreachable!("a target is picked while one is untried")
+        // Targets that filled up between being picked and taken are passed over for this
+        // attempt; with every untried one full, the first untried goes anyway.
+        let mut full: SmallVec<[usize; 4]> = SmallVec::new();
+        let (t, _in_flight) = loop {
+            let picked = if full.is_empty() {
+                targets.pick(picking, &tried)
+            } else {
+                let mut skip = tried.clone();
+                skip.extend_from_slice(&full);
+                targets.pick(picking, &skip)
+            };
+            match picked {
+                Some(t) => match targets.begin(t) {
+                    Some(g) => break (t, g),
+                    None => full.push(t),
+                },
+                None => {
+                    let t = (0..targets.list.len())
+                        .find(|i| !tried.contains(i))
+                        .expect("a target is untried while another attempt may go");
+                    break (t, targets.begin_anyway(t));
+                }
+            }
         };
         tried.push(t);
         let target = &targets.list[t];
-        let _in_flight = targets.begin(t);
         let attempted = Attempted {
             target: t,
             attempts: tried.len() as u8,

@@ -97,6 +97,8 @@ pub(crate) struct Target {
     /// The `host:port` it was found under, when a name gave its address.
     pub name: Option<Arc<str>>,
     pub weight: u32,
+    /// At most this many requests in flight to it (`u32::MAX`: no cap of its own).
+    pub cap: u32,
     pub pool: Arc<ConnPool>,
     pub state: Arc<TargetState>,
 }
@@ -174,39 +176,49 @@ impl Targets {
     pub fn new(u: &Upstream, prev: Option<&Targets>, metrics: &Metrics, names: &Names) -> Targets {
         let list = members(u, names)
             .into_iter()
-            .map(|(authority, name, weight)| {
-                let label: Arc<str> = authority.as_str().into();
-                let old = prev.and_then(|p| p.list.iter().find(|o| o.authority == authority));
-                let pool = match old {
-                    Some(o) if o.pool.idle_timeout() == u.idle_timeout && o.pool.tls() == u.tls.as_ref() => {
-                        o.pool.clone()
+            .map(
+                |Member {
+                     authority,
+                     name,
+                     weight,
+                     cap,
+                 }| {
+                    let label: Arc<str> = authority.as_str().into();
+                    let old = prev.and_then(|p| p.list.iter().find(|o| o.authority == authority));
+                    let pool = match old {
+                        Some(o)
+                            if o.pool.idle_timeout() == u.idle_timeout && o.pool.tls() == u.tls.as_ref() =>
+                        {
+                            o.pool.clone()
+                        }
+                        _ => Arc::new(
+                            ConnPool::new(authority.clone(), tollgate_rules::CONNECT_TIMEOUT, u.idle_timeout)
+                                .with_tls(u.tls.clone())
+                                .counting_strays(
+                                    metrics
+                                        .upstream_strays
+                                        .get_or_create(&tollgate_telemetry::metrics::UpstreamLabel {
+                                            upstream: u.name.clone(),
+                                        })
+                                        .clone(),
+                                ),
+                        ),
+                    };
+                    let state = match old {
+                        Some(o) => o.state.clone(),
+                        None => Arc::new(TargetState::new(&u.name, &label, metrics)),
+                    };
+                    Target {
+                        authority,
+                        label,
+                        name,
+                        weight,
+                        cap: cap.unwrap_or(u32::MAX),
+                        pool,
+                        state,
                     }
-                    _ => Arc::new(
-                        ConnPool::new(authority.clone(), tollgate_rules::CONNECT_TIMEOUT, u.idle_timeout)
-                            .with_tls(u.tls.clone())
-                            .counting_strays(
-                                metrics
-                                    .upstream_strays
-                                    .get_or_create(&tollgate_telemetry::metrics::UpstreamLabel {
-                                        upstream: u.name.clone(),
-                                    })
-                                    .clone(),
-                            ),
-                    ),
-                };
-                let state = match old {
-                    Some(o) => o.state.clone(),
-                    None => Arc::new(TargetState::new(&u.name, &label, metrics)),
-                };
-                Target {
-                    authority,
-                    label,
-                    name,
-                    weight,
-                    pool,
-                    state,
-                }
-            })
+                },
+            )
             .collect();
         let retried = ["connect_failure", "reset", "error_status"].map(|reason| {
             metrics
@@ -242,20 +254,21 @@ impl Targets {
     }
 
     /// The target for a request's attempt, none of `tried` while another may be chosen:
-    /// those neither ejected nor tried; when every untried one is ejected, the untried (panic
-    /// mode: better a target that may fail than none); `None` when all were tried.
+    /// those neither ejected nor tried, with room under their own `max_in_flight`; when every
+    /// untried one with room is ejected, those (panic mode: better a target that may fail than
+    /// none); `None` when all were tried or are full.
     pub fn pick(&self, p: Picking, tried: &[usize]) -> Option<usize> {
         if self.list.len() == 1 {
-            return tried.is_empty().then_some(0);
+            return (tried.is_empty() && self.list[0].room()).then_some(0);
         }
         let now = now_ms();
-        let untried = |i: &usize| !tried.contains(i);
+        let open = |i: &usize| !tried.contains(i) && self.list[*i].room();
         let mut up: smallvec::SmallVec<[usize; 8]> = (0..self.list.len())
-            .filter(untried)
+            .filter(open)
             .filter(|&i| self.list[i].state.usable(now))
             .collect();
         if up.is_empty() {
-            up = (0..self.list.len()).filter(untried).collect();
+            up = (0..self.list.len()).filter(open).collect();
         }
         match up.len() {
             0 => None,
@@ -342,10 +355,35 @@ impl Targets {
         true
     }
 
-    /// An attempt on target `i` begins: it counts as in flight until the guard drops.
-    pub fn begin(&self, i: usize) -> InFlight<'_> {
+    /// An attempt on target `i` begins: it counts as in flight until the guard drops. `None`
+    /// when the target filled up since it was picked (another request took its last place).
+    pub fn begin(&self, i: usize) -> Option<InFlight<'_>> {
+        let t = &self.list[i];
+        let n = &t.state.in_flight;
+        if t.cap == u32::MAX {
+            n.fetch_add(1, Ordering::AcqRel);
+        } else {
+            n.fetch_update(Ordering::AcqRel, Ordering::Acquire, |k| {
+                (k < t.cap).then_some(k + 1)
+            })
+            .ok()?;
+        }
+        Some(InFlight { targets: self, i })
+    }
+
+    /// An attempt on target `i` begins even past its cap: only when every target is full, which
+    /// the upstream's place (the sum of theirs) rules out but for a race.
+    pub fn begin_anyway(&self, i: usize) -> InFlight<'_> {
         self.list[i].state.in_flight.fetch_add(1, Ordering::AcqRel);
         InFlight { targets: self, i }
+    }
+
+    /// The upstream's cap on requests in flight that its targets make: the sum of theirs, when
+    /// every one has one.
+    pub fn cap_sum(&self) -> Option<u32> {
+        self.list.iter().try_fold(0u32, |sum, t| {
+            (t.cap != u32::MAX).then(|| sum.saturating_add(t.cap))
+        })
     }
 
     /// Records how an attempt on target `i` ended, ejecting it after too many failures.
@@ -416,6 +454,7 @@ impl Targets {
                 serde_json::json!({
                     "target": &*t.label,
                     "name": t.name.as_deref(),
+                    "max_in_flight": (t.cap != u32::MAX).then_some(t.cap),
                     "weight": t.weight,
                     "state": if !s.healthy.load(Ordering::Acquire) { "unhealthy" } else if until > now { "ejected" } else if s.probation.load(Ordering::Acquire) { "probation" } else { "up" },
                     "ejected_for_ms": until.saturating_sub(now),
@@ -489,6 +528,13 @@ async fn check(pool: &ConnPool, health: &Health, host: &http::HeaderValue) -> Re
     match tokio::time::timeout(health.timeout, asked).await {
         Ok(r) => r,
         Err(_) => Err(format!("no answer within {} ms", health.timeout.as_millis())),
+    }
+}
+
+impl Target {
+    /// Whether another request may go to it under its own cap.
+    fn room(&self) -> bool {
+        self.cap == u32::MAX || self.state.in_flight.load(Ordering::Acquire) < self.cap
     }
 }
 
@@ -592,18 +638,37 @@ impl Drop for InFlight<'_> {
     }
 }
 
+/// One target as an address.
+struct Member {
+    authority: Authority,
+    name: Option<Arc<str>>,
+    weight: u32,
+    cap: Option<u32>,
+}
+
 /// `u`'s targets as addresses: each named one once per address `names` knows for it (all
-/// with its weight), or as named while its name is not resolved yet; an address reached twice
-/// is one target with both weights.
-fn members(u: &Upstream, names: &Names) -> Vec<(Authority, Option<Arc<str>>, u32)> {
+/// with its weight and cap), or as named while its name is not resolved yet; an address
+/// reached twice is one target with both weights and both caps.
+fn members(u: &Upstream, names: &Names) -> Vec<Member> {
     let default_port = if u.tls.is_some() { 443 } else { 80 };
-    let mut out: Vec<(Authority, Option<Arc<str>>, u32)> = Vec::with_capacity(u.targets.len());
-    let mut add = |authority: Authority, name: Option<Arc<str>>, weight: u32| match out
+    let mut out: Vec<Member> = Vec::with_capacity(u.targets.len());
+    let mut add = |authority: Authority, name: Option<Arc<str>>, t: &tollgate_rules::Target| match out
         .iter_mut()
-        .find(|(a, ..)| *a == authority)
+        .find(|m| m.authority == authority)
     {
-        Some(m) => m.2 = m.2.saturating_add(weight),
-        None => out.push((authority, name, weight)),
+        Some(m) => {
+            m.weight = m.weight.saturating_add(t.weight);
+            m.cap = match (m.cap, t.max_in_flight) {
+                (Some(a), Some(b)) => Some(a.saturating_add(b)),
+                _ => None,
+            };
+        }
+        None => out.push(Member {
+            authority,
+            name,
+            weight: t.weight,
+            cap: t.max_in_flight,
+        }),
     };
     for t in &u.targets {
         let host = t.authority.host().trim_start_matches('[').trim_end_matches(']');
@@ -612,7 +677,7 @@ fn members(u: &Upstream, names: &Names) -> Vec<(Authority, Option<Arc<str>>, u32
             Err(_) => names.addresses(host),
         };
         let Some(addrs) = addrs else {
-            add(t.authority.clone(), None, t.weight);
+            add(t.authority.clone(), None, t);
             continue;
         };
         let name: Arc<str> = t.authority.as_str().into();
@@ -624,7 +689,7 @@ fn members(u: &Upstream, names: &Names) -> Vec<(Authority, Option<Arc<str>>, u32
             else {
                 continue;
             };
-            add(authority, Some(name.clone()), t.weight);
+            add(authority, Some(name.clone()), t);
         }
     }
     out

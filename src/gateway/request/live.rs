@@ -45,10 +45,12 @@ impl Live {
             .map(|u| {
                 let old = prev.upstreams.iter().find(|o| o.name == u.name);
                 let targets = Targets::new(u, old.map(|o| &o.targets), metrics, names);
+                // Targets with caps of their own make the upstream's: their sum.
+                let cap = u.max_in_flight.or_else(|| targets.cap_sum());
                 LiveUpstream {
                     name: u.name.clone(),
+                    places: Places::new(u, cap, old.map(|o| &o.places), metrics),
                     targets,
-                    places: Places::new(u, old.map(|o| &o.places), metrics),
                 }
             })
             .collect();

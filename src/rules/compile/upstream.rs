@@ -32,8 +32,8 @@ impl Compiler<'_> {
 
     pub(super) fn upstream(&self, name: &str, u: &RawUpstream) -> Result<Upstream, RulesError> {
         let field = format!("upstreams.{name}");
-        let urls: Vec<(String, &str, u32)> = match (&u.url, &u.targets) {
-            (Some(url), None) => vec![(format!("{field}.url"), url.as_str(), 1)],
+        let urls: Vec<(String, &str, u32, Option<u32>)> = match (&u.url, &u.targets) {
+            (Some(url), None) => vec![(format!("{field}.url"), url.as_str(), 1, None)],
             (None, Some(targets)) if targets.is_empty() => {
                 return Err(self.err(format!("{field}.targets"), "must name at least one target"));
             }
@@ -42,12 +42,21 @@ impl Compiler<'_> {
                 .enumerate()
                 .map(|(i, t)| {
                     let at = format!("{field}.targets[{i}]");
+                    if t.max_in_flight == Some(0) {
+                        return Err(self.err(format!("{at}.max_in_flight"), "must be above zero"));
+                    }
+                    if t.max_in_flight.is_some() && u.max_in_flight.is_some() {
+                        return Err(self.err(
+                            format!("{at}.max_in_flight"),
+                            "give max_in_flight on the upstream or on its targets, not both: the upstream's is then the sum of its targets'",
+                        ));
+                    }
                     match t.weight {
                         Some(0) => Err(self.err(format!("{at}.weight"), "must be at least 1")),
                         Some(w) if w > MAX_WEIGHT => {
                             Err(self.err(format!("{at}.weight"), format!("must be at most {MAX_WEIGHT}")))
                         }
-                        w => Ok((format!("{at}.url"), t.url.as_str(), w.unwrap_or(1))),
+                        w => Ok((format!("{at}.url"), t.url.as_str(), w.unwrap_or(1), t.max_in_flight)),
                     }
                 })
                 .collect::<Result<_, _>>()?,
@@ -63,7 +72,7 @@ impl Compiler<'_> {
         };
         let mut targets = Vec::with_capacity(urls.len());
         let mut first = None;
-        for (url_field, url, weight) in &urls {
+        for (url_field, url, weight, max_in_flight) in &urls {
             let (uri, scheme, authority) = self.base_url(url_field, url)?;
             if let Some((scheme0, path0)) = &first {
                 if *scheme0 != scheme || uri.path().trim_end_matches('/') != path0 {
@@ -81,6 +90,7 @@ impl Compiler<'_> {
             targets.push(Target {
                 authority,
                 weight: *weight,
+                max_in_flight: *max_in_flight,
             });
         }
         let (uri, scheme, authority) = self.base_url(&urls[0].0, urls[0].1)?;
@@ -424,6 +434,16 @@ mod tests {
                 json!({"url": "http://a:1", "eject": {"max_percent": 101}}),
                 "upstreams.u.eject.max_percent",
                 "0 to 100",
+            ),
+            (
+                json!({"max_in_flight": 4, "targets": [{"url": "http://a:1", "max_in_flight": 2}]}),
+                "upstreams.u.targets[0].max_in_flight",
+                "not both",
+            ),
+            (
+                json!({"targets": [{"url": "http://a:1", "max_in_flight": 0}]}),
+                "upstreams.u.targets[0].max_in_flight",
+                "above zero",
             ),
             (
                 json!({"url": "http://a:1", "dns_refresh_ms": 10}),
