@@ -14,6 +14,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use tollgate_rules::{Balance, Eject, Health, MAX_EJECTION, Retries, Upstream};
 use tollgate_telemetry::metrics::{Metrics, RetryReason, TargetLabel, TargetOutcome};
 
+use tollgate_http1::response::Parsed;
+
 use super::names::Names;
 use super::pool::ConnPool;
 
@@ -447,9 +449,6 @@ impl Targets {
             .map(|t| {
                 let s = &t.state;
                 let until = s.ejected_until.load(Ordering::Acquire);
-                if until <= now && s.up.get() == 0 {
-                    s.up.set(1);
-                }
                 let last = s.last_failure.lock().unwrap_or_else(PoisonError::into_inner).clone();
                 serde_json::json!({
                     "target": &*t.label,
@@ -511,18 +510,21 @@ async fn check(pool: &ConnPool, health: &Health, host: &http::HeaderValue) -> Re
             host.to_str().unwrap_or_default()
         );
         conn.io.send(head.as_bytes()).await.map_err(|e| e.to_string())?;
-        let mut buf = [0u8; 32];
-        let mut n = 0;
-        while n < 12 {
-            match conn.io.read(&mut buf[n..]).await {
+        // The head is judged as any answer's is; the body is never read.
+        let mut buf = bytes::BytesMut::with_capacity(1024);
+        loop {
+            match tollgate_http1::response::parse(&buf, Default::default(), |h| h.status) {
+                Ok(Parsed::Final(_, status)) if (200..300).contains(&status) => return Ok(()),
+                Ok(Parsed::Final(_, status)) => return Err(format!("answered {status}")),
+                Ok(Parsed::Interim(n)) => bytes::Buf::advance(&mut buf, n),
+                Ok(Parsed::Partial) => {}
+                Err(why) => return Err(format!("answered what can't be read: {why}")),
+            }
+            match conn.io.read_buf(&mut buf).await {
                 Ok(0) => return Err("closed before answering".to_string()),
-                Ok(k) => n += k,
+                Ok(_) => {}
                 Err(e) => return Err(e.to_string()),
             }
-        }
-        match &buf[..12] {
-            [b'H', b'T', b'T', b'P', b'/', _, _, _, b' ', b'2', _, _] => Ok(()),
-            other => Err(format!("answered {:?}", String::from_utf8_lossy(&other[9..12]))),
         }
     };
     match tokio::time::timeout(health.timeout, asked).await {

@@ -34,7 +34,10 @@ impl Gateway {
         let hash = match (&c.jwt, c.key) {
             (Some(j), _) => caller_hash(j.id.as_bytes()),
             (None, Some((k, _))) => caller_hash(b.snap.keys[k].id.as_bytes()),
-            (None, None) => caller_hash(c.ip.to_string().as_bytes()),
+            (None, None) => match c.ip {
+                std::net::IpAddr::V4(a) => caller_hash(&a.octets()),
+                std::net::IpAddr::V6(a) => caller_hash(&a.octets()),
+            },
         };
         Picking { hash }
     }
