@@ -334,6 +334,10 @@ fn each_broken_file_fails_with_its_own_message() {
             "balance-unknown.json",
             "upstreams.orders.balance: unknown variant `random`, expected one of `least_request`, `round_robin`, `hash`",
         ),
+        (
+            "balance-hash-without-key.json",
+            "upstreams.orders.balance: \"hash\" keeps each caller to one target by its key id, and no route that requires a key (or a JWT) reaches this upstream, so every caller would be hashed by its address",
+        ),
     ];
     let mut seen = std::collections::HashSet::new();
     for (file, expected) in cases {

@@ -170,6 +170,10 @@ const SEMANTIC: &[(&str, &str)] = &[
         "targets-and-url.json",
         "two fields that don't go together: url and targets",
     ),
+    (
+        "balance-hash-without-key.json",
+        "an upstream against the routes that reach it",
+    ),
 ];
 
 fn schema_path() -> PathBuf {
