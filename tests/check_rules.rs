@@ -318,6 +318,26 @@ fn each_broken_file_fails_with_its_own_message() {
             "tls-unknown-field.json",
             "upstreams.orders.tls.ca_file: unknown field `ca_file`, expected `ca` or `server_name`",
         ),
+        (
+            "targets-empty.json",
+            "upstreams.orders.targets: must name at least one target",
+        ),
+        (
+            "targets-weight-zero.json",
+            "upstreams.orders.targets[0].weight: must be at least 1",
+        ),
+        (
+            "targets-and-url.json",
+            "upstreams.orders.targets: give `url` or `targets`, not both",
+        ),
+        (
+            "balance-unknown.json",
+            "upstreams.orders.balance: unknown variant `random`, expected one of `least_request`, `round_robin`, `hash`",
+        ),
+        (
+            "balance-hash-without-key.json",
+            "upstreams.orders.balance: \"hash\" keeps each caller to one target by its key id, and no route that requires a key (or a JWT) reaches this upstream, so every caller would be hashed by its address",
+        ),
     ];
     let mut seen = std::collections::HashSet::new();
     for (file, expected) in cases {

@@ -1,6 +1,7 @@
 //! The admin dashboard in a real headless Chromium against a real gateway process: it shows the
 //! running rules and per-limit charts, follows a rules reload without a page reload, names a
-//! rejected reload, logs no console error, and never shows a presented secret or a key hash.
+//! rejected reload, shows each upstream target's state (a dead one ejected), logs no console
+//! error, and never shows a presented secret or a key hash.
 
 mod common;
 
@@ -112,4 +113,96 @@ async fn the_dashboard_follows_the_gateway_live() {
         assert_eq!(r.status, StatusCode::OK, "{path}");
         assert_no_secret(path, &String::from_utf8_lossy(&r.body));
     }
+}
+
+/// The state of `target` of `orders` in `GET /admin/upstreams`, if listed.
+async fn target_state(http: &Http, gw: &Tollgate, target: &str) -> Option<String> {
+    let r = http.get(&gw.admin_url("/admin/upstreams"), &[]).await;
+    assert_eq!(r.status, StatusCode::OK);
+    r.json()["upstreams"]
+        .as_array()?
+        .iter()
+        .find(|u| u["name"] == "orders")?["targets"]
+        .as_array()?
+        .iter()
+        .find(|t| t["target"] == target)
+        .and_then(|t| t["state"].as_str().map(str::to_string))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_shows_each_target_and_a_dead_one_ejected() {
+    let a = common::DemoUpstreamProc::spawn_with(&["--listen", "127.0.0.1:0"]);
+    let b = common::DemoUpstreamProc::spawn_with(&["--listen", "127.0.0.1:0"]);
+    // Bound and never listening: every connection to it is refused, as to a crashed instance.
+    let dead = tokio::net::TcpSocket::new_v4().unwrap();
+    dead.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let dead_addr = dead.local_addr().unwrap().to_string();
+    let mut rules: serde_json::Value =
+        serde_json::from_str(&common::demo_rules_for("127.0.0.1:9".parse().unwrap())).unwrap();
+    let live = [a.addr.to_string(), b.addr.to_string()];
+    rules["upstreams"]["orders"] = serde_json::json!({
+        "targets": [{"url": format!("http://{}", live[0])}, {"url": format!("http://{dead_addr}"), "weight": 2},
+                    {"url": format!("http://{}", live[1])}],
+        // In turn, so the dead target is tried within the first few requests; out for a
+        // minute, longer than the test.
+        "balance": "round_robin",
+        "eject": {"consecutive_failures": 1, "for_ms": 60000},
+    });
+    let (_dir, path) = common::rules_file(&rules.to_string());
+    let gw = Tollgate::spawn(&["serve", "--rules", path.to_str().unwrap(), "--store", "memory"]);
+    let http = Http::new();
+
+    let mut sent = 0;
+    while target_state(&http, &gw, &dead_addr).await.as_deref() != Some("ejected") {
+        assert!(sent < 10, "the dead target is not ejected after {sent} requests");
+        let r = http.get(&gw.url("/v1/orders"), &[("x-api-key", K7)]).await;
+        // A refused connection is retried on another target: no caller sees the dead one.
+        assert_eq!(r.status, StatusCode::OK, "{:?}", String::from_utf8_lossy(&r.body));
+        sent += 1;
+    }
+
+    let mut browser = Browser::launch().await;
+    browser.navigate(&gw.admin_url("/admin/")).await;
+    let row = |target: &str| {
+        format!(
+            "[...document.querySelectorAll('#targets tr')].find(tr => tr.dataset.upstream === 'orders' && tr.dataset.target === '{target}')"
+        )
+    };
+    browser
+        .wait_for(
+            &format!(
+                "{}.children[2].textContent.startsWith('ejected, ')",
+                row(&dead_addr)
+            ),
+            "the dead target shown ejected, with the time it has left",
+            Duration::from_secs(15),
+        )
+        .await;
+    let dead_row = browser
+        .eval(&format!(
+            "Array.from({}.children, td => td.textContent)",
+            row(&dead_addr)
+        ))
+        .await;
+    let cells: Vec<&str> = dead_row
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_str().unwrap())
+        .collect();
+    // upstream, target, state, weight, in flight, ejections, last failure.
+    assert_eq!(&cells[..2], ["orders", dead_addr.as_str()], "{cells:?}");
+    assert_eq!(&cells[3..6], ["2", "0", "1"], "{cells:?}");
+    assert!(cells[6].contains("ago"), "the last failure: {cells:?}");
+    for t in &live {
+        let state = browser.eval(&format!("{}.children[2].textContent", row(t))).await;
+        assert_eq!(state, "up", "{t}");
+    }
+    assert_eq!(
+        browser
+            .eval("document.querySelectorAll('#targets tr').length")
+            .await,
+        3
+    );
+    assert!(browser.errors.is_empty(), "console errors: {:?}", browser.errors);
 }

@@ -33,6 +33,7 @@ const STRUCTURAL: &[(&str, &str)] = &[
         "`window_ms` is not a concurrency field",
     ),
     ("tls-unknown-field.json", "`ca_file` is not a tls field"),
+    ("balance-unknown.json", "`random` is not a balance"),
 ];
 
 /// Broken files the schema accepts, and why it can't see their fault: the loader checks it
@@ -160,6 +161,19 @@ const SEMANTIC: &[(&str, &str)] = &[
     ("tls-ca-missing.json", "the CA file the rules name"),
     ("tls-ca-not-pem.json", "the CA file's contents"),
     ("tls-bad-server-name.json", "a server name's syntax"),
+    ("targets-empty.json", "an array's length: at least one target"),
+    (
+        "targets-weight-zero.json",
+        "a value's range: a weight of 1 or more",
+    ),
+    (
+        "targets-and-url.json",
+        "two fields that don't go together: url and targets",
+    ),
+    (
+        "balance-hash-without-key.json",
+        "an upstream against the routes that reach it",
+    ),
 ];
 
 fn schema_path() -> PathBuf {

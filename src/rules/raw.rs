@@ -80,7 +80,8 @@ pub(crate) struct RawUpstream {
     /// How a request's target is chosen: `least_request` (two at random, the one with fewer
     /// requests in flight for its weight), `round_robin` (in turn, by weight), or `hash` (by
     /// the caller's key id, or its address without a key: one partner keeps to one target
-    /// while it is up).
+    /// while it is up; refused unless a route that requires a key or a JWT reaches the
+    /// upstream).
     #[serde(default)]
     pub balance: RawBalance,
     /// Active health checks: each target asked a path on its own; one that fails them gets no
@@ -148,7 +149,8 @@ pub(crate) enum RawBalance {
     /// Each target in turn, as often as its weight says.
     RoundRobin,
     /// By the caller's key id (its address without a key): a partner keeps to one target,
-    /// and a lost target moves only its own partners.
+    /// and a lost target moves only its own partners. Only on an upstream that a route
+    /// requiring a key or a JWT reaches.
     Hash,
 }
 

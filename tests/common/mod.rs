@@ -2,6 +2,7 @@
 //! `redis-server` on a free port. Every fixture stops what it started when dropped.
 #![allow(dead_code)]
 
+pub mod agree;
 pub mod bench;
 pub mod cdp;
 pub mod cli;

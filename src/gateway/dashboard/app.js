@@ -29,6 +29,18 @@ function fmtMs(v) {
   return v === null || v === undefined ? "–" : (v < 1 ? v.toFixed(3) : v.toFixed(1)) + " ms";
 }
 
+function fmtAgo(ms) {
+  return (ms / 1000).toFixed(ms < 10000 ? 1 : 0) + " s ago";
+}
+
+// An ejected target says when it is tried again: the state alone can't tell an operator
+// whether to wait or act.
+function targetState(t) {
+  return t.state === "ejected" && t.ejected_for_ms > 0
+    ? "ejected, " + Math.ceil(t.ejected_for_ms / 1000) + " s left"
+    : t.state;
+}
+
 function fmtTime(ms) {
   return new Date(ms).toLocaleTimeString();
 }
@@ -121,6 +133,27 @@ function render(o) {
     { text: u.bad_gateway, cls: "n" },
     { text: u.gateway_timeout, cls: "n" },
   ])));
+
+  const trows = [];
+  for (const u of o.upstreams) {
+    for (const t of u.targets || []) {
+      const tr = row([
+        u.name,
+        t.target,
+        { text: targetState(t), cls: "target-" + t.state },
+        { text: t.weight, cls: "n" },
+        { text: t.in_flight, cls: "n" },
+        { text: t.ejections, cls: "n" },
+        t.last_failure ? t.last_failure.why + " (" + fmtAgo(t.last_failure.ms_ago) + ")" : "–",
+      ]);
+      // The row's identity for tests and for anyone scripting the page; dataset is text.
+      tr.dataset.upstream = u.name;
+      tr.dataset.target = t.target;
+      tr.dataset.state = t.state;
+      trows.push(tr);
+    }
+  }
+  fill("targets", trows);
 
   fill("leases", [
     row(["tokens held", o.leases.tokens_held]),

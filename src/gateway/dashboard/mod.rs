@@ -1,7 +1,8 @@
 //! The live dashboard on the admin listener: the page at `/admin/` (its script and the vendored
 //! uPlot served from the binary) and the JSON it polls, `/admin/api/overview`. Everything on it
-//! comes from counters the gateway keeps anyway; a sampler reads them once a second into five
-//! minutes of history, so an open page adds no work to any request.
+//! comes from counters the gateway keeps anyway (and the upstream targets' state, read as the
+//! admin API reads it); a sampler reads the counters once a second into five minutes of
+//! history, so an open page adds no work to any request.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -258,6 +259,8 @@ impl Dashboard {
                     "adaptive": u.adaptive,
                     "bad_gateway": status(502),
                     "gateway_timeout": status(504),
+                    "balance": u.balance,
+                    "targets": u.targets,
                 })
             })
             .collect();
@@ -310,6 +313,10 @@ pub(crate) struct UpstreamNow {
     /// The adaptive limit now (under the static cap), or the static cap.
     pub limit: Option<u32>,
     pub adaptive: bool,
+    /// `least_request`, `round_robin` or `hash`.
+    pub balance: &'static str,
+    /// Each target as `GET /admin/upstreams` lists it: the page shows the same state.
+    pub targets: Vec<Value>,
 }
 
 /// What the overview reads: the gateway's counters as plain values, not the gateway itself.

@@ -68,19 +68,25 @@ impl Live {
 }
 
 impl Gateway {
-    /// Each upstream of the running rules as the dashboard shows it.
+    /// Each upstream of the running rules as the dashboard shows it, its targets as
+    /// [`Gateway::upstream_targets`] lists them.
     pub(crate) fn upstreams_now(&self) -> Vec<UpstreamNow> {
-        self.live
-            .load()
-            .upstreams
+        // The running rules' state, made if no request has yet: a gateway that has served
+        // nothing since a reload still has targets to show.
+        let snap = self.rules.load();
+        let live = self.live(&snap);
+        snap.upstreams
             .iter()
-            .map(|u| {
+            .zip(&live.upstreams)
+            .map(|(up, u)| {
                 let (in_flight, limit, adaptive) = u.places.now();
                 UpstreamNow {
                     name: u.name.clone(),
                     in_flight,
                     limit,
                     adaptive,
+                    balance: balance_name(up.balance),
+                    targets: u.targets.view(),
                 }
             })
             .collect()
@@ -108,11 +114,7 @@ impl Gateway {
             .map(|(u, l)| {
                 serde_json::json!({
                     "name": &*u.name,
-                    "balance": match u.balance {
-                        tollgate_rules::Balance::LeastRequest => "least_request",
-                        tollgate_rules::Balance::RoundRobin => "round_robin",
-                        tollgate_rules::Balance::Hash => "hash",
-                    },
+                    "balance": balance_name(u.balance),
                     "targets": l.targets.view(),
                 })
             })
@@ -180,5 +182,14 @@ impl Gateway {
             }
             u.targets.refresh();
         }
+    }
+}
+
+/// How the rules spell a balance.
+fn balance_name(b: tollgate_rules::Balance) -> &'static str {
+    match b {
+        tollgate_rules::Balance::LeastRequest => "least_request",
+        tollgate_rules::Balance::RoundRobin => "round_robin",
+        tollgate_rules::Balance::Hash => "hash",
     }
 }

@@ -129,6 +129,7 @@ impl Compiler<'_> {
         self.managed_keys(&raw, &limits, &mut keys)?;
         self.owing(&mut limits, &mut keys)?;
         let mut routes = self.routes(&raw, &upstreams, &limits, keys.keys())?;
+        self.hashed_by_key(&upstreams, &routes)?;
         sort_routes(&mut routes);
         let matcher = routes::Matcher::new(&routes);
         let unauthenticated = self.unauthenticated(&raw, &limits)?;

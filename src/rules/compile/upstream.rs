@@ -177,6 +177,25 @@ impl Compiler<'_> {
         })
     }
 
+    /// `"balance": "hash"` keeps a caller to a target by its key id (a token's caller id), so
+    /// it needs callers who have one: on an upstream that no route requiring a key or a token
+    /// reaches, every caller would be hashed by its address, which behind a NAT or a partner's
+    /// egress proxy puts a whole fleet of callers on one target.
+    pub(super) fn hashed_by_key(&self, upstreams: &Upstreams, routes: &[Route]) -> Result<(), RulesError> {
+        for (i, u) in upstreams.list.iter().enumerate() {
+            let keyed = routes
+                .iter()
+                .any(|r| r.serves == Serves::Upstream(i) && r.key == KeyRequirement::Required);
+            if u.balance == Balance::Hash && !keyed {
+                return Err(self.err(
+                    format!("upstreams.{}.balance", u.name),
+                    "\"hash\" keeps each caller to one target by its key id, and no route that requires a key (or a JWT) reaches this upstream, so every caller would be hashed by its address; use \"least_request\" or \"round_robin\", or route keyed callers here",
+                ));
+            }
+        }
+        Ok(())
+    }
+
     fn health(&self, field: &str, prefix: &str, h: &RawHealth) -> Result<Health, RulesError> {
         if !h.path.starts_with('/') || h.path.parse::<http::uri::PathAndQuery>().is_err() {
             return Err(self.err(
@@ -481,6 +500,30 @@ mod tests {
         rules["upstreams"]["u"] = json!({"url": "http://a:1", "balance": "random"});
         let e = err(&rules);
         assert!(e.to_string().contains("random"), "{e}");
+    }
+
+    /// A hash needs callers with keys: an upstream that only anonymous-capable routes reach,
+    /// or none, is refused; one keyed route is enough, its anonymous neighbours hashed by
+    /// address.
+    #[test]
+    fn a_hash_needs_a_route_that_requires_a_key() {
+        let hashed = json!({"targets": [{"url": "http://a:1"}, {"url": "http://b:1"}], "balance": "hash"});
+        let mut rules = base();
+        rules["upstreams"]["u"] = hashed.clone();
+        assert_eq!(ok(&rules).upstreams[0].balance, Balance::Hash);
+        rules["routes"][0]["key"] = "optional".into();
+        let e = err(&rules);
+        assert_eq!(e.field, "upstreams.u.balance", "{e}");
+        assert!(e.reason.contains("hashed by its address"), "{e}");
+        let mut keyed = rules["routes"][0].clone();
+        keyed["key"] = "required".into();
+        keyed["path"] = "/v2".into();
+        rules["routes"].as_array_mut().unwrap().push(keyed);
+        ok(&rules);
+        // An upstream no route reaches has no caller to hash.
+        let mut rules = base();
+        rules["upstreams"]["spare"] = hashed;
+        assert_eq!(err(&rules).field, "upstreams.spare.balance");
     }
 
     #[test]
