@@ -9,6 +9,7 @@
 # Usage: benches/callgrind.sh SECONDS BINARY [BINARY ...]   e.g.
 #   benches/callgrind.sh 8 /tmp/tollgate-before target/release/tollgate
 #   benches/callgrind.sh 8 target/release/tollgate --no-express   (flags after a binary apply to it)
+#   UPSTREAM_IPS="127.0.0.1 127.0.0.2 127.0.0.3" benches/callgrind.sh 8 BINARY   (three targets)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DUR=$1; shift

@@ -708,7 +708,7 @@ impl Replay {
                     ));
                 };
                 let key = Some(entry.rules_key.unwrap_or(0));
-                let who = rules::Who {
+                let who = rules::TraceCaller {
                     ip: r.ip,
                     fingerprint: r.fingerprint,
                 };

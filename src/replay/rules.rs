@@ -38,7 +38,7 @@ pub(crate) struct RulesFleet {
 /// A row's caller, as far as the trace tells: its client address and its connection's client
 /// fingerprint, each optional.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct Who<'a> {
+pub struct TraceCaller<'a> {
     pub ip: Option<&'a [u8]>,
     pub fingerprint: Option<&'a [u8]>,
 }
@@ -134,7 +134,7 @@ impl RulesFleet {
         key: Option<usize>,
         method: &[u8],
         path: &[u8],
-        who: Who<'_>,
+        who: TraceCaller<'_>,
         gw: u64,
         now: u64,
         excess_limit: Option<u16>,

@@ -26,7 +26,7 @@ pub enum PlanError {
     MissingClaim { limit: Arc<str>, claim: String },
 }
 
-/// Who a request's buckets belong to.
+/// Asker a request's buckets belong to.
 #[derive(Debug, Clone, Copy)]
 pub enum Caller<'a> {
     /// No valid credential: the client IP's buckets.
@@ -159,7 +159,7 @@ pub fn build_for(
         if key.is_none() && Some(li) == snap.unauthenticated.map(|u| u.0) {
             has_unauth = true;
         }
-        let who = Who { key, ip, fingerprint };
+        let who = Asker { key, ip, fingerprint };
         let Some(item) = item_for(limit, idx, &who, route, headers, body_value, cost)? else {
             continue;
         };
@@ -180,7 +180,7 @@ pub fn build_for(
 /// leased exactly as a request paying them would name them, so each reads that bucket.
 pub fn key_peeks(snap: &Snapshot, route: &Route, key: usize, ip: IpAddr) -> Batch {
     let mut batch = Batch::new();
-    let who = Who {
+    let who = Asker {
         key: Some(Id::Key(&snap.keys, key)),
         ip,
         fingerprint: Fingerprint::None,
@@ -252,8 +252,8 @@ thread_local! {
     static NAME: Cell<String> = const { Cell::new(String::new()) };
 }
 
-/// Who is asking, as far as the connection and the key tell.
-struct Who<'s> {
+/// Asker is asking, as far as the connection and the key tell.
+struct Asker<'s> {
     key: Option<Id<'s>>,
     ip: IpAddr,
     fingerprint: Fingerprint,
@@ -262,7 +262,7 @@ struct Who<'s> {
 fn item_for(
     limit: &Limit,
     idx: usize,
-    who: &Who<'_>,
+    who: &Asker<'_>,
     route: &Route,
     headers: &HeaderMap,
     body_value: Option<&[u8]>,

@@ -1,12 +1,12 @@
 //! One limit across Regions, live: which buckets are shared (`"scope": "global"` key limits),
 //! the share each Region's gateways enforce for them, the demand they report, and the pieces
-//! that move shares: the elected agent (`agent`), the outside health checks (`health`) and the
+//! that move shares: the elected agent (`leader`), the outside health checks (`health`) and the
 //! records in every Region's store (`records`). The decisions are `tollgate_regions::Agent`'s,
 //! the same code the model runs.
 
-mod agent;
 mod health;
 pub mod home;
+mod leader;
 mod records;
 
 use std::collections::{BTreeMap, HashMap};
@@ -432,7 +432,7 @@ pub(crate) fn start(regions: Arc<Regions>, rules: Arc<ArcSwap<Snapshot>>) -> Reg
         regions.cfg.interval,
         stop_rx.clone(),
     )));
-    tasks.push(tokio::spawn(agent::run(regions, rules, stop_rx)));
+    tasks.push(tokio::spawn(leader::run(regions, rules, stop_rx)));
     RegionTasks { stop, tasks }
 }
 

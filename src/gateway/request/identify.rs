@@ -145,7 +145,7 @@ fn route_of(snap: &Snapshot, method: &http::Method, path: &str) -> Result<usize,
 }
 
 /// The key a request authenticated with, or its verified token's caller; neither when anonymous.
-type Who = (Option<(usize, KeySource)>, Option<Arc<JwtCaller>>);
+type Caller = (Option<(usize, KeySource)>, Option<Arc<JwtCaller>>);
 
 /// Who calls, as the route asks them to prove it: a verified token on a JWT route, else a known
 /// key (or none, where the route lets the unauthenticated bucket decide).
@@ -155,7 +155,7 @@ fn caller_of(
     headers: &http::HeaderMap,
     ip: IpAddr,
     clock: &dyn Clock,
-) -> Result<Who, Early> {
+) -> Result<Caller, Early> {
     let unauthorized = |why| Early::Unauthorized {
         route: Some(route),
         ip,
