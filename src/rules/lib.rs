@@ -19,13 +19,9 @@ mod routes;
 pub mod summary;
 pub mod tls;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
-
-use http::{HeaderName, HeaderValue, Method, uri::Authority};
-use sha2::{Digest, Sha256};
 
 pub use compile::hash_secret;
 use headers::policy_value;
@@ -34,18 +30,11 @@ pub use keys::{ApiKey, KeyCheck, Keys, ManagedKey};
 pub use load::*;
 pub use model::*;
 pub use raw::{Identity, KeyRequirement, LimitClass, Mode, Scope};
-use raw::{
-    RawBalance, RawBlock, RawConcurrency, RawDimension, RawDimensionName, RawEject, RawEncodedSlashes,
-    RawHealth, RawKey, RawLimit, RawNumbers, RawPathMatch, RawQuota, RawRetries, RawRoute, RawRules,
-    RawServe, RawUpstream, RawUpstreamTls,
-};
+use raw::{RawDimension, RawDimensionName, RawEncodedSlashes, RawKey, RawNumbers, RawQuota, RawRules};
 pub use tls::UpstreamTls;
 pub use tollgate_hello::{BadFingerprint, Fingerprint};
-use tollgate_http1::path::{self, EncodedSlashes};
 pub use tollgate_limit::adaptive::Bounds as ConcurrencyBounds;
-use tollgate_limit::batch::FailurePolicy;
 pub use tollgate_limit::batch::LeaseBlock;
-use tollgate_limit::bucket::{BucketParams, Rate};
 
 /// A rules file that can't be used, with where and why.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

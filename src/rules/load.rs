@@ -1,8 +1,12 @@
 //! Where rules come from (a file, or the demo's built-in rules) and how a running gateway
 //! loads them again: bytes in, a [`Snapshot`] or a [`RulesError`] out.
 
-use super::*;
+use std::path::{Path, PathBuf};
+
+use http::HeaderValue;
+
 use crate::compile::compile_with;
+use crate::{ManagedKey, RulesError, Snapshot};
 
 /// How to compile. No store asks anything of the rules now: on Redis Cluster a request whose
 /// buckets lie in several hash slots is checked slot by slot (`tollgate_store::slots`).

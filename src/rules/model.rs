@@ -1,7 +1,19 @@
 //! The compiled rules: upstreams, limits, routes and the one immutable [`Snapshot`] a request
 //! reads from start to end. Plain data: no socket, pool or task.
 
-use super::*;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use http::uri::Authority;
+use http::{HeaderName, HeaderValue, Method};
+use tollgate_http1::path::EncodedSlashes;
+use tollgate_limit::batch::{FailurePolicy, LeaseBlock};
+use tollgate_limit::bucket::BucketParams;
+
+use crate::{
+    ConcurrencyBounds, Identity, KeyRequirement, Keys, LimitClass, Mode, Scope, UpstreamTls, identity, jwt,
+    routes,
+};
 
 #[derive(Debug)]
 pub struct Upstream {

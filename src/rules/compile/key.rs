@@ -1,7 +1,24 @@
 //! The `keys` of a rules file, read in a pass of their own (a file may hold millions), with
 //! the plans and quotas they name.
 
-use super::*;
+use http::HeaderValue;
+
+use crate::compile::{Compiler, Limits, parse_error};
+
+use sha2::{Digest, Sha256};
+
+use crate::Arc;
+use crate::Dimension;
+use crate::KeysBuilder;
+use crate::RawDimension;
+use crate::RawDimensionName;
+use crate::RawKey;
+use crate::RawNumbers;
+use crate::RawQuota;
+use crate::RawRules;
+use crate::RulesError;
+use crate::keys;
+use crate::quota;
 
 impl Compiler<'_> {
     /// The keys made through the admin API, after the file's and held to the same checks: an

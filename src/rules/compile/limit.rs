@@ -1,7 +1,20 @@
 //! The `limits` of a rules file: each limit's numbers, what it keys on, how it fails, its
 //! post-paid debit and its leases.
 
-use super::*;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use http::HeaderName;
+use tollgate_limit::batch::{FailurePolicy, LeaseBlock};
+use tollgate_limit::bucket::BucketParams;
+
+use crate::compile::{Compiler, Limits};
+use crate::keys::KeysBuilder;
+use crate::raw::{RawBlock, RawDimension, RawDimensionName, RawLimit, RawNumbers, RawRules};
+use crate::{
+    Concurrent, Dimension, Limit, LimitClass, Mode, Numbers, PostPaid, RulesError, Scope, headers, identity,
+    jwt,
+};
 
 impl Compiler<'_> {
     pub(super) fn limits<'r>(&self, raw: &'r RawRules) -> Result<Limits<'r>, RulesError> {

@@ -2,14 +2,36 @@
 //! file in the order it runs: upstreams, limits, keys, routes. Every error names the file,
 //! the field and the reason.
 
+use crate::routes;
+
+use sha2::{Digest, Sha256};
+use tollgate_http1::path::EncodedSlashes;
+use tollgate_limit::bucket::BucketParams;
+use tollgate_limit::bucket::Rate;
+
+use crate::BTreeMap;
+use crate::CompileOptions;
+use crate::HashMap;
+use crate::Identity;
+use crate::Limit;
+use crate::ManagedKey;
+use crate::Numbers;
+use crate::RawEncodedSlashes;
+use crate::RawRules;
+use crate::Route;
+use crate::RulesError;
+use crate::Snapshot;
+use crate::SystemTime;
+use crate::Upstream;
+use crate::jwt;
+use crate::policy_value;
+
 mod key;
 mod limit;
 mod route;
 mod upstream;
 
 pub use key::hash_secret;
-
-use super::*;
 
 /// Reads a file the rules name, by the name as written.
 type ReadNamed<'a> = &'a dyn Fn(&str) -> Result<Vec<u8>, String>;

@@ -1,7 +1,18 @@
 //! The `routes` of a rules file: paths and methods, what each costs in which limit, the
 //! body field a limit keys on, and what an unauthenticated request may do.
 
-use super::*;
+use std::collections::{HashMap, HashSet};
+
+use http::Method;
+use tollgate_http1::path;
+use tollgate_http1::path::EncodedSlashes;
+
+use crate::compile::{Compiler, Limits, Upstreams, slashes};
+use crate::raw::{RawRoute, RawRules, RawServe};
+use crate::{
+    DEFAULT_IDLE_TIMEOUT_MS, DEFAULT_MAX_BODY_BYTES, Dimension, Identity, KeyRequirement, Keys, Limit,
+    Numbers, Route, RulesError, Serves,
+};
 
 /// The protocols a route may upgrade to, lowercase.
 type Protocols = Box<[Box<str>]>;

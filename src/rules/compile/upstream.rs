@@ -1,7 +1,22 @@
 //! The `upstreams` of a rules file: where each is, how it is reached (TLS), and its
 //! limits on requests in flight.
 
-use super::*;
+use std::collections::HashMap;
+use std::time::Duration;
+
+use http::HeaderValue;
+use http::uri::Authority;
+
+use crate::compile::{Compiler, Upstreams, slashes};
+use crate::raw::{
+    RawBalance, RawConcurrency, RawEject, RawHealth, RawPathMatch, RawRetries, RawRules, RawUpstream,
+    RawUpstreamTls,
+};
+use crate::{
+    Balance, ConcurrencyBounds, DEFAULT_CONCURRENCY_MAX, DEFAULT_CONCURRENCY_MIN, DEFAULT_IDLE_TIMEOUT,
+    DEFAULT_QUEUE_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT, Eject, Health, KeyRequirement, MAX_CONCURRENCY,
+    MAX_EJECTION, Retries, Route, RulesError, Serves, Target, Upstream, UpstreamTls, tls,
+};
 
 /// The largest weight of a target: weights say shares, and a share of a million is plenty.
 const MAX_WEIGHT: u32 = 1_000_000;
