@@ -9,7 +9,7 @@ use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde_json::json;
 
-use crate::respond::{Body, json_response};
+use crate::respond::{ApiError, Body, json_response};
 use crate::server::{ConnInfo, Handler};
 use tollgate_limit::clock::Clock;
 use tollgate_meter::counter::Meter;
@@ -88,10 +88,7 @@ impl Admin {
             return demo_instances(demo, req.method(), rest).await;
         }
         if req.method() != Method::GET {
-            return json_response(
-                StatusCode::METHOD_NOT_ALLOWED,
-                json!({"error": "method_not_allowed"}).to_string(),
-            );
+            return ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed").into_response();
         }
         match req.uri().path() {
             "/metrics" => {
@@ -112,11 +109,9 @@ impl Admin {
                         .map_or(0, |d| d.as_millis() as u64);
                     json_response(StatusCode::OK, r.describe(now_ms).await.to_string())
                 }
-                None => json_response(
-                    StatusCode::NOT_FOUND,
-                    json!({"error": "no_regions", "detail": "this gateway was started without --region"})
-                        .to_string(),
-                ),
+                None => ApiError::new(StatusCode::NOT_FOUND, "no_regions")
+                    .with("detail", "this gateway was started without --region")
+                    .into_response(),
             },
             "/readyz" if self.draining.load(std::sync::atomic::Ordering::SeqCst) => json_response(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -190,7 +185,7 @@ impl Admin {
                     self.gateway.dashboard().overview(view).await.to_string(),
                 )
             }
-            _ => json_response(StatusCode::NOT_FOUND, json!({"error": "not_found"}).to_string()),
+            _ => ApiError::new(StatusCode::NOT_FOUND, "not_found").into_response(),
         }
     }
 }
@@ -204,10 +199,9 @@ async fn demo_instances(
 ) -> Response<Body> {
     let parts: Vec<&str> = rest.split('/').filter(|s| !s.is_empty()).collect();
     let done = |name: &str, r: Option<bool>, did: &str| match r {
-        None => json_response(
-            StatusCode::NOT_FOUND,
-            json!({"error": "not_found", "message": format!("no demo instance {name:?}")}).to_string(),
-        ),
+        None => ApiError::new(StatusCode::NOT_FOUND, "not_found")
+            .with("message", format!("no demo instance {name:?}"))
+            .into_response(),
         Some(changed) => json_response(
             StatusCode::OK,
             json!({"instance": name, did: changed}).to_string(),
@@ -218,17 +212,14 @@ async fn demo_instances(
         (&Method::POST, [name, "stop"]) => done(name, demo.stop(name), "stopped"),
         (&Method::POST, [name, "start"]) => match demo.start_again(name).await {
             Ok(r) => done(name, r, "started"),
-            Err(e) => json_response(
-                StatusCode::SERVICE_UNAVAILABLE,
-                json!({"error": "unavailable", "message": format!("{name}: cannot listen again: {e}")})
-                    .to_string(),
-            ),
+            Err(e) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable")
+                .with("message", format!("{name}: cannot listen again: {e}"))
+                .into_response(),
         },
-        (_, [] | [_, "stop" | "start"]) => json_response(
-            StatusCode::METHOD_NOT_ALLOWED,
-            json!({"error": "method_not_allowed"}).to_string(),
-        ),
-        _ => json_response(StatusCode::NOT_FOUND, json!({"error": "not_found"}).to_string()),
+        (_, [] | [_, "stop" | "start"]) => {
+            ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed").into_response()
+        }
+        _ => ApiError::new(StatusCode::NOT_FOUND, "not_found").into_response(),
     }
 }
 
@@ -243,10 +234,9 @@ fn duplicated(req: &Request<Incoming>) -> Option<Response<Body>> {
     .into_iter()
     .find(|(name, _)| req.headers().get_all(name).iter().nth(1).is_some())
     .map(|(_, shown)| {
-        json_response(
-            StatusCode::BAD_REQUEST,
-            json!({"error": "bad_request", "message": format!("more than one {shown} header")}).to_string(),
-        )
+        ApiError::new(StatusCode::BAD_REQUEST, "bad_request")
+            .with("message", format!("more than one {shown} header"))
+            .into_response()
     })
 }
 
@@ -267,12 +257,12 @@ impl Admin {
                 .unwrap_or(""),
         };
         (!self.hosts.allows(host)).then(|| {
-            json_response(
-                StatusCode::MISDIRECTED_REQUEST,
-                json!({"error": "misdirected_request",
-                       "detail": "the admin pages answer to IP literals, localhost and the names given with --admin-host"})
-                .to_string(),
-            )
+            ApiError::new(StatusCode::MISDIRECTED_REQUEST, "misdirected_request")
+                .with(
+                    "detail",
+                    "the admin pages answer to IP literals, localhost and the names given with --admin-host",
+                )
+                .into_response()
         })
     }
 
@@ -280,11 +270,12 @@ impl Admin {
     /// (404, as if there were no such API).
     async fn keys_api(&self, req: Request<Incoming>, peer: std::net::SocketAddr) -> Response<Body> {
         let (Some(_), Some(keys)) = (&self.token, &self.keys) else {
-            return json_response(
-                StatusCode::NOT_FOUND,
-                json!({"error": "not_found", "detail": "the key API is on with --admin-token-file, on the embedded store or one Redis node"})
-                    .to_string(),
-            );
+            return ApiError::new(StatusCode::NOT_FOUND, "not_found")
+                .with(
+                    "detail",
+                    "the key API is on with --admin-token-file, on the embedded store or one Redis node",
+                )
+                .into_response();
         };
         if let Some(refused) = self.token_refuses(&req, peer, "the key API") {
             return refused;
@@ -302,11 +293,11 @@ impl Admin {
         what: &str,
     ) -> Option<Response<Body>> {
         let Some(token) = &self.token else {
-            return Some(json_response(
-                StatusCode::NOT_FOUND,
-                json!({"error": "not_found", "detail": format!("{what} is on with --admin-token-file")})
-                    .to_string(),
-            ));
+            return Some(
+                ApiError::new(StatusCode::NOT_FOUND, "not_found")
+                    .with("detail", format!("{what} is on with --admin-token-file"))
+                    .into_response(),
+            );
         };
         if token.allows(req.headers().get(http::header::AUTHORIZATION)) {
             return None;
@@ -319,10 +310,9 @@ impl Admin {
         };
         tracing::warn!(peer = %peer, path = req.uri().path(), method = %req.method(),
             "admin request refused: {given}");
-        let mut r = json_response(
-            StatusCode::UNAUTHORIZED,
-            json!({"error": "unauthorized", "reason": "admin_token"}).to_string(),
-        );
+        let mut r = ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized")
+            .with("reason", "admin_token")
+            .into_response();
         r.headers_mut().insert(
             http::header::WWW_AUTHENTICATE,
             http::HeaderValue::from_static("Bearer"),
@@ -334,10 +324,9 @@ impl Admin {
     /// and the key's quota as the last flags read say.
     fn usage(&self, query: Option<&str>) -> Response<Body> {
         let bad = |status: StatusCode, message: String| {
-            json_response(
-                status,
-                json!({"error": "bad_request", "message": message}).to_string(),
-            )
+            ApiError::new(status, "bad_request")
+                .with("message", message)
+                .into_response()
         };
         let Some(id) = query
             .unwrap_or("")
@@ -352,10 +341,9 @@ impl Admin {
         };
         let snap = self.rules.load();
         let Some(k) = snap.key_by_id(id) else {
-            return json_response(
-                StatusCode::NOT_FOUND,
-                json!({"error": "not_found", "message": format!("no key with id {id:?}")}).to_string(),
-            );
+            return ApiError::new(StatusCode::NOT_FOUND, "not_found")
+                .with("message", format!("no key with id {id:?}"))
+                .into_response();
         };
         let key = &snap.keys[k];
         let admitted = self.meter.as_ref().map(|m| {

@@ -10,7 +10,7 @@ use jiff::Timestamp;
 use serde_json::json;
 
 use crate::admin::Admin;
-use crate::respond::{Body, json_response};
+use crate::respond::{ApiError, Body, json_response};
 
 /// The limit a bucket's name belongs to: the segment after its hash tag (`rl:{TAG}:LIMIT` or
 /// `rl:{TAG}:LIMIT:VALUE`). Limit names hold no `:`, and values in names are escaped.
@@ -22,10 +22,9 @@ pub(crate) fn limit_of(bucket: &str) -> Option<&str> {
 }
 
 fn error(status: StatusCode, error: &str, message: impl Into<String>) -> Response<Body> {
-    json_response(
-        status,
-        json!({"error": error, "message": message.into()}).to_string(),
-    )
+    ApiError::new(status, error)
+        .with("message", message.into())
+        .into_response()
 }
 
 impl Admin {

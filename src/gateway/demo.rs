@@ -15,7 +15,7 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use serde_json::json;
 
-use crate::respond::{Body, json_response};
+use crate::respond::{ApiError, Body, json_response};
 use crate::server::{ConnInfo, Handler};
 
 /// The header the demo's completions report their cost in.
@@ -95,11 +95,9 @@ impl DemoUpstream {
                     }
                 }
                 Err(e) => {
-                    return json_response(
-                        StatusCode::BAD_REQUEST,
-                        json!({"error": "bad_request", "message": format!("request body failed: {e}")})
-                            .to_string(),
-                    );
+                    return ApiError::new(StatusCode::BAD_REQUEST, "bad_request")
+                        .with("message", format!("request body failed: {e}"))
+                        .into_response();
                 }
             }
         }
@@ -108,10 +106,9 @@ impl DemoUpstream {
             match query_ms(parts.uri.query()) {
                 Ok(ms) => Some(Duration::from_millis(ms)),
                 Err(m) => {
-                    return json_response(
-                        StatusCode::BAD_REQUEST,
-                        json!({"error": "bad_request", "message": m}).to_string(),
-                    );
+                    return ApiError::new(StatusCode::BAD_REQUEST, "bad_request")
+                        .with("message", m)
+                        .into_response();
                 }
             }
         } else {
@@ -134,20 +131,18 @@ impl DemoUpstream {
         let status = match query_status(parts.uri.query()) {
             Ok(s) => s,
             Err(m) => {
-                return json_response(
-                    StatusCode::BAD_REQUEST,
-                    json!({"error": "bad_request", "message": m}).to_string(),
-                );
+                return ApiError::new(StatusCode::BAD_REQUEST, "bad_request")
+                    .with("message", m)
+                    .into_response();
             }
         };
         let tokens = if path == "/v1/completions" {
             match query_tokens(parts.uri.query()) {
                 Ok(t) => t,
                 Err(m) => {
-                    return json_response(
-                        StatusCode::BAD_REQUEST,
-                        json!({"error": "bad_request", "message": m}).to_string(),
-                    );
+                    return ApiError::new(StatusCode::BAD_REQUEST, "bad_request")
+                        .with("message", m)
+                        .into_response();
                 }
             }
         } else {
@@ -199,11 +194,7 @@ fn echo_stream(mut req: Request<Incoming>) -> Response<Body> {
             && h.get("sec-websocket-version").is_some_and(|v| v == "13")
     });
     let Some(key) = key else {
-        let mut resp = json_response(
-            StatusCode::UPGRADE_REQUIRED,
-            json!({"error": "upgrade_required", "message": "/v1/stream is a WebSocket that echoes each message: connect with a WebSocket client (version 13)"})
-                .to_string(),
-        );
+        let mut resp = ApiError::new(StatusCode::UPGRADE_REQUIRED, "upgrade_required").with("message", "/v1/stream is a WebSocket that echoes each message: connect with a WebSocket client (version 13)").into_response();
         resp.headers_mut()
             .insert(http::header::UPGRADE, http::HeaderValue::from_static("websocket"));
         return resp;

@@ -15,7 +15,7 @@ use serde_json::{Value, json};
 use tokio::sync::Mutex;
 
 use crate::reload::{KeysRefused, Reloader};
-use crate::respond::{Body, json_response};
+use crate::respond::{ApiError, Body, json_response};
 use tollgate_keys::{Create, FieldError, KeyRecord, KeyStore, Patch, Rotate, change};
 use tollgate_limit::clock::Clock;
 use tollgate_rules::{ManagedKey, Snapshot};
@@ -211,16 +211,16 @@ impl ManagedKeys {
             (&Method::PATCH, [id]) => self.patch(id, &body, peer).await,
             (&Method::POST, [id, "rotate"]) => self.rotate(id, &body, peer).await,
             (&Method::POST, [id, "revoke"]) => self.revoke(id, peer).await,
-            (_, [] | [_] | [_, "rotate" | "revoke"]) => Err(fail(
+            (_, [] | [_] | [_, "rotate" | "revoke"]) => Err(ApiError::new(
                 StatusCode::METHOD_NOT_ALLOWED,
-                json!({"error": "method_not_allowed"}),
+                "method_not_allowed",
             )),
             _ => Err(not_found()),
         };
-        answer.unwrap_or_else(Fail::into_response)
+        answer.unwrap_or_else(ApiError::into_response)
     }
 
-    async fn list(&self, query: Option<&str>) -> Result<Response<Body>, Fail> {
+    async fn list(&self, query: Option<&str>) -> Result<Response<Body>, ApiError> {
         let tenant = query.and_then(|q| {
             q.split('&')
                 .filter_map(|p| p.split_once('='))
@@ -238,12 +238,12 @@ impl ManagedKeys {
         Ok(json_response(StatusCode::OK, json!({ "keys": keys }).to_string()))
     }
 
-    async fn get(&self, id: &str) -> Result<Response<Body>, Fail> {
+    async fn get(&self, id: &str) -> Result<Response<Body>, ApiError> {
         let rec = self.fresh(id).await?;
         Ok(json_response(StatusCode::OK, rec.public_view().to_string()))
     }
 
-    async fn create(&self, body: &[u8], peer: SocketAddr) -> Result<Response<Body>, Fail> {
+    async fn create(&self, body: &[u8], peer: SocketAddr) -> Result<Response<Body>, ApiError> {
         let now = self.now();
         let c = Create::parse(body, now).map_err(bad)?;
         let _one_at_a_time = self.held.lock().await;
@@ -266,7 +266,7 @@ impl ManagedKeys {
         ))
     }
 
-    async fn rotate(&self, id: &str, body: &[u8], peer: SocketAddr) -> Result<Response<Body>, Fail> {
+    async fn rotate(&self, id: &str, body: &[u8], peer: SocketAddr) -> Result<Response<Body>, ApiError> {
         let now = self.now();
         let r = Rotate::parse(body).map_err(bad)?;
         let _one_at_a_time = self.held.lock().await;
@@ -280,7 +280,7 @@ impl ManagedKeys {
         ))
     }
 
-    async fn revoke(&self, id: &str, peer: SocketAddr) -> Result<Response<Body>, Fail> {
+    async fn revoke(&self, id: &str, peer: SocketAddr) -> Result<Response<Body>, ApiError> {
         let now = self.now();
         let _one_at_a_time = self.held.lock().await;
         let rec = change::revoke(&self.fresh(id).await?, now);
@@ -289,7 +289,7 @@ impl ManagedKeys {
         Ok(json_response(StatusCode::OK, rec.public_view().to_string()))
     }
 
-    async fn patch(&self, id: &str, body: &[u8], peer: SocketAddr) -> Result<Response<Body>, Fail> {
+    async fn patch(&self, id: &str, body: &[u8], peer: SocketAddr) -> Result<Response<Body>, ApiError> {
         let now = self.now();
         let p = Patch::parse(body, now).map_err(bad)?;
         let _one_at_a_time = self.held.lock().await;
@@ -302,7 +302,7 @@ impl ManagedKeys {
 
     /// The key as the store has it now: another gateway may have changed it since this one
     /// last followed.
-    async fn fresh(&self, id: &str) -> Result<KeyRecord, Fail> {
+    async fn fresh(&self, id: &str) -> Result<KeyRecord, ApiError> {
         match within(self.store.place(), self.store.get(id)).await {
             Ok(Some(rec)) => Ok(rec),
             Ok(None) => Err(not_found()),
@@ -310,7 +310,7 @@ impl ManagedKeys {
         }
     }
 
-    async fn write(&self, rec: &KeyRecord) -> Result<(), Fail> {
+    async fn write(&self, rec: &KeyRecord) -> Result<(), ApiError> {
         within(self.store.place(), self.store.put(rec))
             .await
             .map_err(|e| unavailable(&e))
@@ -318,7 +318,7 @@ impl ManagedKeys {
 
     /// An id the rules file or the running keys already have is the caller's conflict (the
     /// store's own refusal catches one made elsewhere a moment ago).
-    fn check_free(&self, id: &str) -> Result<(), Fail> {
+    fn check_free(&self, id: &str) -> Result<(), ApiError> {
         let snap = self.rules.load();
         match snap.key_by_id(id) {
             Some(k) if snap.keys[k].managed => Err(conflict(&format!("key {id:?} exists"))),
@@ -329,7 +329,7 @@ impl ManagedKeys {
 
     /// Whether `rec` compiles beside the file's keys and the other running keys: a limit it
     /// names must exist and take per-key numbers, a tenant's keys must share numbers.
-    fn check_compiles(&self, rec: &KeyRecord) -> Result<(), Fail> {
+    fn check_compiles(&self, rec: &KeyRecord) -> Result<(), ApiError> {
         let mut set: Vec<ManagedKey> = self
             .reloader
             .managed()
@@ -415,7 +415,7 @@ fn managed_key(r: &KeyRecord) -> ManagedKey {
 /// still sending when the answer comes and the connection closes gets a reset, not the answer.
 const DRAIN_MAX: usize = 16 << 20;
 
-async fn read_body(req: Request<Incoming>) -> Result<Vec<u8>, Fail> {
+async fn read_body(req: Request<Incoming>) -> Result<Vec<u8>, ApiError> {
     let mut body = req.into_body();
     let mut kept = Vec::new();
     let mut seen = 0usize;
@@ -447,16 +447,17 @@ async fn read_body(req: Request<Incoming>) -> Result<Vec<u8>, Fail> {
 /// The segments of a path under `/admin/keys`, each percent-decoded: ids keep to letters,
 /// digits, `-`, `_` and `.`, but a key stored before they did may hold `/`, `?` or `%`, and is
 /// reached as `/admin/keys/a%2Fb/revoke`.
-fn segments(rest: &str) -> Result<Vec<String>, Fail> {
+fn segments(rest: &str) -> Result<Vec<String>, ApiError> {
     rest.split('/')
         .filter(|s| !s.is_empty())
         .map(|s| {
             percent_decode(s).ok_or_else(|| {
-                fail(
-                    StatusCode::BAD_REQUEST,
-                    json!({"error": "bad_request", "field": "path",
-                           "reason": format!("{s:?} is not a percent-encoded UTF-8 path segment")}),
-                )
+                ApiError::new(StatusCode::BAD_REQUEST, "bad_request")
+                    .with("field", "path")
+                    .with(
+                        "reason",
+                        format!("{s:?} is not a percent-encoded UTF-8 path segment"),
+                    )
             })
         })
         .collect()
@@ -479,46 +480,27 @@ fn percent_decode(s: &str) -> Option<String> {
 }
 
 /// An answer other than success: its status and JSON body, made into a response at the end.
-struct Fail(StatusCode, Value);
-
-impl Fail {
-    fn into_response(self) -> Response<Body> {
-        json_response(self.0, self.1.to_string())
-    }
-}
-
-fn fail(status: StatusCode, body: Value) -> Fail {
-    Fail(status, body)
-}
-
-fn bad(e: FieldError) -> Fail {
+fn bad(e: FieldError) -> ApiError {
     let field = if e.field.is_empty() {
         "(body)".to_string()
     } else {
         e.field
     };
-    fail(
-        StatusCode::BAD_REQUEST,
-        json!({"error": "bad_request", "field": field, "reason": e.reason}),
-    )
+    ApiError::new(StatusCode::BAD_REQUEST, "bad_request")
+        .with("field", field)
+        .with("reason", e.reason)
 }
 
-fn conflict(reason: &str) -> Fail {
-    fail(
-        StatusCode::CONFLICT,
-        json!({"error": "conflict", "reason": reason}),
-    )
+fn conflict(reason: &str) -> ApiError {
+    ApiError::new(StatusCode::CONFLICT, "conflict").with("reason", reason)
 }
 
-fn not_found() -> Fail {
-    fail(StatusCode::NOT_FOUND, json!({"error": "not_found"}))
+fn not_found() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "not_found")
 }
 
-fn unavailable(reason: &str) -> Fail {
-    fail(
-        StatusCode::SERVICE_UNAVAILABLE,
-        json!({"error": "keys_unavailable", "reason": reason}),
-    )
+fn unavailable(reason: &str) -> ApiError {
+    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "keys_unavailable").with("reason", reason)
 }
 
 #[cfg(test)]

@@ -418,6 +418,33 @@ pub(crate) fn quota_used(period: &Period, flag: Option<&Flag>, now_ms: i64) -> u
 pub(crate) const REQUEST_TIMEOUT_HTTP1: &[u8] = b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncache-control: no-store\r\nconnection: close\r\ncontent-length: 76\r\n\r\n{\"error\":\"request_timeout\",\"message\":\"the request was not received in time\"}";
 
 /// A JSON response the gateway makes itself.
+/// An error of the gateway's own APIs (admin, keys, blocks, the demo upstream): its status and
+/// one JSON object, `{"error": CODE, …}` with the fields that say more (`message`, `detail`,
+/// `field`, `reason`), as requests' refusals are answered through [`Refusal`].
+#[derive(Debug)]
+pub(crate) struct ApiError {
+    status: StatusCode,
+    body: serde_json::Map<String, serde_json::Value>,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, error: &str) -> ApiError {
+        let mut body = serde_json::Map::new();
+        body.insert("error".into(), error.into());
+        ApiError { status, body }
+    }
+
+    /// The error with one more field.
+    pub fn with(mut self, name: &str, value: impl Into<serde_json::Value>) -> ApiError {
+        self.body.insert(name.into(), value.into());
+        self
+    }
+
+    pub fn into_response(self) -> Response<Body> {
+        json_response(self.status, serde_json::Value::Object(self.body).to_string())
+    }
+}
+
 pub(crate) fn json_response(status: StatusCode, body: String) -> Response<Body> {
     let mut resp = Response::new(Either::Right(Full::new(Bytes::from(body))));
     *resp.status_mut() = status;
