@@ -7,6 +7,7 @@ pub mod bench;
 pub mod cdp;
 pub mod cli;
 pub mod health;
+pub mod instances;
 pub mod lease_load;
 pub mod raw;
 pub mod relay;
