@@ -10,7 +10,6 @@ const LAYERS: &[(&str, u8)] = &[
     ("tollgate-limit", 0),
     ("tollgate-http1", 0),
     ("tollgate-hello", 0),
-    ("tollgate-testkit", 0),
     ("tollgate-telemetry", 1),
     ("tollgate-rules", 1),
     ("tollgate-regions", 1),
@@ -20,6 +19,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("tollgate-gateway", 3),
     ("tollgate-replay", 3),
     ("tollgate-fleet", 4),
+    ("tollgate-testkit", 5),
     ("tollgate", 5),
 ];
 
