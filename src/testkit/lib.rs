@@ -1,6 +1,11 @@
 //! Tollgate's test kit: what the workspace's tests and benches share and the product never
-//! links. The process handles are `tollgate fleet`'s own (`tollgate_fleet::procs`), re-exported
-//! so a test starts redis-server the way a fleet run does.
+//! links.
+//!
+//! - [`stores`]: stores that fail on purpose, to test what stands in front of a store.
+//! - The process handles are `tollgate fleet`'s own (`tollgate_fleet::procs`), re-exported so
+//!   a test starts redis-server the way a fleet run does.
+
+pub mod stores;
 
 pub use tollgate_fleet::procs::{Redis, find_binary, free_port, redis_server_args};
 
