@@ -3,10 +3,12 @@
 //!
 //! - [`stores`]: stores that fail on purpose, to test what stands in front of a store.
 //! - [`lease_fake`]: a lessor and inner store in memory on tokio's paused clock, for `Leases`.
+//! - [`lease_load`]: a hot key on real lease clients and a real redis-server.
 //! - The process handles are `tollgate fleet`'s own (`tollgate_fleet::procs`), re-exported so
 //!   a test starts redis-server the way a fleet run does.
 
 pub mod lease_fake;
+pub mod lease_load;
 pub mod stores;
 
 pub use tollgate_fleet::procs::{Redis, find_binary, free_port, redis_server_args};

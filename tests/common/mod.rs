@@ -7,7 +7,6 @@ pub mod bench;
 pub mod cdp;
 pub mod cli;
 pub mod health;
-pub mod lease_load;
 pub mod raw;
 pub mod relay;
 pub mod tls;
