@@ -1,5 +1,5 @@
 //! Tollgate's test kit: what the workspace's tests and benches share and the product never
-//! links.
+//! links (`tests/layers.rs` holds the binary's dependency tree to that).
 //!
 //! - [`stores`]: stores that fail on purpose, to test what stands in front of a store.
 //! - [`lease_fake`]: a lessor and inner store in memory on tokio's paused clock, for `Leases`.
