@@ -14,7 +14,7 @@ mod common;
 use std::time::Duration;
 
 use common::RedisServer;
-use common::lease_load::{self, Load};
+use tollgate_testkit::lease_load::{self, Load};
 
 fn arg(name: &str, default: f64) -> f64 {
     let args: Vec<String> = std::env::args().collect();

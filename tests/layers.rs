@@ -10,7 +10,6 @@ const LAYERS: &[(&str, u8)] = &[
     ("tollgate-limit", 0),
     ("tollgate-http1", 0),
     ("tollgate-hello", 0),
-    ("tollgate-testkit", 0),
     ("tollgate-telemetry", 1),
     ("tollgate-rules", 1),
     ("tollgate-regions", 1),
@@ -20,6 +19,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("tollgate-gateway", 3),
     ("tollgate-replay", 3),
     ("tollgate-fleet", 4),
+    ("tollgate-testkit", 5),
     ("tollgate", 5),
 ];
 
@@ -148,6 +148,50 @@ fn the_gateway_carries_no_harness() {
             "tollgate-gateway depends on {harness}, a tool or harness"
         );
     }
+}
+
+/// The crates and features that hold test code: stores that fail on purpose, fake lessors,
+/// processes that die with their handles for tests. A product built on them ships fakes.
+const TEST_CODE: &[&str] = &["tollgate-testkit v", "feature \"fakes\""];
+
+#[test]
+fn the_binary_carries_no_test_code() {
+    // The resolved tree, not the manifests: a harness reached through fleet counts too.
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(cargo)
+        .args([
+            "tree",
+            "-p",
+            "tollgate",
+            "-e",
+            "normal,features",
+            "--prefix",
+            "none",
+            "--offline",
+        ])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("cargo tree runs");
+    assert!(
+        out.status.success(),
+        "cargo tree: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let tree = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        tree.lines().any(|l| l.starts_with("tollgate-store v")),
+        "cargo tree printed no tollgate-store: {tree}"
+    );
+    let mut found: Vec<&str> = tree
+        .lines()
+        .filter(|l| TEST_CODE.iter().any(|t| l.contains(t)))
+        .collect();
+    found.sort_unstable();
+    found.dedup();
+    assert!(
+        found.is_empty(),
+        "the tollgate binary's normal dependencies hold test code: {found:?}"
+    );
 }
 
 /// What the top level may hold: the layout the project fixed, hidden files beside it.

@@ -8,7 +8,6 @@ mod common;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use common::lease_load::{self, BucketWatch, Load};
 use common::{Http, KBIG, RedisServer, Tollgate};
 use http::{Method, StatusCode};
 use tollgate_gateway::app::{self, GatewayConfig, RulesSource};
@@ -16,6 +15,7 @@ use tollgate_gateway::config::StoreUrl;
 use tollgate_limit::bucket::{BucketParams, BucketState, Rate};
 use tollgate_limit::lease::give_back;
 use tollgate_rules::{CompileOptions, LeaseBlock, compile};
+use tollgate_testkit::lease_load::{self, BucketWatch, Load};
 
 /// SHA-256 of `kbig-demo-key`, as in rules/demo.json.
 const KBIG_SHA: &str = "3192d083bcbdda7385b5570eb52766ded7d5cbb554f1104918ddc5b2250cca03";

@@ -13,12 +13,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::lease_load::BucketWatch;
 use common::{KBIG, RedisServer, Tollgate};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tollgate_limit::bucket::{BucketParams, BucketState, Rate, refill};
 use tollgate_limit::lease::{BLOCK_TTL_US, RECORD_TTL_US};
+use tollgate_testkit::lease_load::BucketWatch;
 
 const KEY: &str = "rl:{kbig}:plan";
 const HELD: &str = "rl:{kbig}:plan|held";

@@ -17,11 +17,11 @@ use tollgate_limit::bucket::{BucketParams, Charge, Rate};
 use tollgate_limit::clock::ManualClock;
 use tollgate_limit::decision::decide;
 use tollgate_store::Store;
-use tollgate_store::fakes::LostChanges;
 use tollgate_store::guard::{FleetSize, Guard};
 use tollgate_store::redis::{RedisStore, Target};
 use tollgate_store::slots::{Slots, cluster_slot};
 use tollgate_telemetry::metrics::{Kind, Metrics};
+use tollgate_testkit::stores::LostChanges;
 
 /// A keyed route that pays a tenant bucket and a per-IP bucket: two hash tags in one request.
 const CROSS_SLOT_RULES: &str = r#"{

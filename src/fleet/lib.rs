@@ -9,9 +9,11 @@
 //! - [`rules`]: the rules each run serves, and the storm key's contract.
 //! - [`load`]: the storm and the partners' traffic; every answer recorded.
 //! - [`report`]: the numbers, as a table or JSON.
+//! - [`procs`]: the processes a run starts, killed when their handles drop.
 
 pub mod args;
 pub mod load;
+pub mod procs;
 pub mod report;
 pub mod rules;
 
@@ -24,9 +26,9 @@ use tokio::time::{Instant, sleep_until};
 pub use args::FleetArgs;
 use args::{Mode, Plan, Policy, RunSpec};
 use load::{LoadSpec, Target};
+use procs::{Gateway, GatewaySpec, Proc, Redis, WorkDir};
 use report::{RunFacts, RunReport, StoreCounters};
 use rules::{BaseRules, Contract};
-use tollgate_testkit::{Gateway, GatewaySpec, Proc, Redis, WorkDir};
 
 /// How long a stopped process may take to exit before it is killed.
 const STOP_GRACE: Duration = Duration::from_secs(3);
@@ -190,7 +192,7 @@ async fn run_all(plan: &Plan) -> Result<Output, String> {
         None
     };
     let store_url = plan.redis_url.clone().or_else(|| redis.as_ref().map(Redis::url));
-    let (upstream, upstream_addr) = tollgate_testkit::start_upstream(&bin, &dir.path).await?;
+    let (upstream, upstream_addr) = procs::start_upstream(&bin, &dir.path).await?;
     let settings = Settings {
         gateways: plan.gateways,
         duration_s: plan.duration.as_secs_f64(),

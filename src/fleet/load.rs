@@ -13,7 +13,7 @@ use http::{Request, Uri};
 use http_body_util::{BodyExt, Empty};
 use tokio::time::{Instant, sleep_until, timeout};
 
-use tollgate_testkit::HttpClient;
+use crate::procs::HttpClient;
 
 /// A request that gets no answer within this long counts as a transport error.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);

@@ -28,6 +28,19 @@ pub struct Rate {
 
 impl Rate {
     /// Parses `N/Ps`, `N/Pms`, `N/Pm`, `N/Ph` or `N/s` (a period of one unit).
+    ///
+    /// ```
+    /// use tollgate_limit::bucket::Rate;
+    ///
+    /// let r = Rate::parse("600/60s").unwrap();
+    /// assert_eq!((r.tokens, r.period_us), (600, 60_000_000));
+    /// assert_eq!(r.per_second(), 10.0);
+    /// assert_eq!(Rate::parse("5/s").unwrap().period_us, 1_000_000);
+    ///
+    /// // A unit it does not know is named in the error.
+    /// let e = Rate::parse("10/1d").unwrap_err();
+    /// assert!(e.contains("unknown unit \"d\""), "{e}");
+    /// ```
     pub fn parse(text: &str) -> Result<Rate, String> {
         let (n, p) = text
             .split_once('/')
@@ -99,6 +112,22 @@ fn gcd(mut a: u64, mut b: u64) -> u64 {
 }
 
 /// The compiled numbers of one bucket. Copy-cheap; travels to the store with every check.
+///
+/// A rate of 2 tokens a second counts in half tokens, so each microsecond's refill is whole:
+///
+/// ```
+/// use tollgate_limit::bucket::{BucketParams, ParamError, Rate};
+///
+/// let p = BucketParams::new(Rate::parse("2/1s").unwrap(), 3).unwrap();
+/// assert_eq!((p.scale, p.refill), (500_000, 1));
+/// assert_eq!(p.capacity, 3 * p.scale);
+/// assert_eq!(p.units(2), 2 * p.scale);
+/// // Empty to full: 3 tokens at 2 a second.
+/// assert_eq!(p.fill_time_us(), 1_500_000);
+///
+/// let zero = BucketParams::new(Rate::parse("2/1s").unwrap(), 0);
+/// assert_eq!(zero, Err(ParamError::ZeroBurst));
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BucketParams {
     /// Units per whole token.
@@ -414,6 +443,30 @@ impl BucketVerdict {
 /// none is charged. A shadow bucket is charged on its own when it holds its cost, and its
 /// shortage never blocks the request. Every state is written back, refilled to `now`, whether
 /// the request was admitted or not. Returns whether the request is admitted.
+///
+/// A bucket of burst 3 at one token a second admits three requests at once, refuses the
+/// fourth with the wait for one token, and admits again once that wait has passed:
+///
+/// ```
+/// use tollgate_limit::bucket::{
+///     BucketParams, BucketVerdict, Charge, Rate, check_all, retry_after_secs,
+/// };
+///
+/// let params = BucketParams::new(Rate::parse("1/1s").unwrap(), 3).unwrap();
+/// let charges = [Charge { params, cost: 1, shadow: false }];
+/// let mut states = [None]; // never written: the bucket starts full
+/// let mut out = [BucketVerdict { sufficient: false, tokens: 0, wait_us: None, blocked: false }];
+///
+/// for left in [2, 1, 0] {
+///     assert!(check_all(&charges, &mut states, 0, &mut out));
+///     assert_eq!(out[0].remaining(&params), left);
+/// }
+/// assert!(!check_all(&charges, &mut states, 0, &mut out));
+/// assert_eq!(out[0].wait_us, Some(1_000_000));
+/// assert_eq!(retry_after_secs(out[0].wait_us.unwrap()), 1);
+///
+/// assert!(check_all(&charges, &mut states, 1_000_000, &mut out));
+/// ```
 pub fn check_all(
     charges: &[Charge],
     states: &mut [Option<BucketState>],

@@ -10,6 +10,47 @@ use crate::batch::{CheckItem, FailurePolicy, Outcome, Source};
 /// metrics, logs, README): **admitted**, **limited** (429, with the wait), or **unavailable**
 /// (503: the store could not decide and a limit's failure policy refuses rather than guess).
 /// Shadow limits never decide; what they would have limited is in the report.
+///
+/// A store's answer for one request of two buckets, read by [`decide`]: the short bucket
+/// decides, and its wait is the `Retry-After`.
+///
+/// ```
+/// use tollgate_limit::batch::{CheckItem, FailurePolicy, Outcome, Source};
+/// use tollgate_limit::bucket::{BucketParams, BucketVerdict, Charge, Rate};
+/// use tollgate_limit::decision::{Wait, decide};
+///
+/// let charge = |burst| Charge {
+///     params: BucketParams::new(Rate::parse("1/1s").unwrap(), burst).unwrap(),
+///     cost: 1,
+///     shadow: false,
+/// };
+/// let batch = [
+///     CheckItem::new("rl:{k7}:plan".into(), charge(100), 0, FailurePolicy::Local),
+///     CheckItem::new("rl:{k7}:route:exports".into(), charge(3), 1, FailurePolicy::Local),
+/// ];
+/// let scale = batch[0].charge.params.scale;
+/// let verdict = |sufficient, tokens, wait_us| BucketVerdict {
+///     sufficient,
+///     tokens,
+///     wait_us: Some(wait_us),
+///     blocked: false,
+/// };
+/// let outcome = Outcome {
+///     admitted: false,
+///     now_us: 0,
+///     // The plan holds 40 tokens; the exports bucket is empty, a token 2.5 s away.
+///     buckets: [verdict(true, 40 * scale, 0), verdict(false, 0, 2_500_000)].into_iter().collect(),
+///     source: Source::Store,
+///     leased: 0,
+/// };
+///
+/// let d = decide(&batch, &outcome);
+/// assert!(!d.admitted());
+/// assert_eq!(d.deciding, Some(1));
+/// assert_eq!(d.remaining, 0);
+/// assert!(matches!(d, tollgate_limit::decision::Decision::Limited(_, Wait::Secs(3))));
+/// assert_eq!(d.retry_after(), Some(3));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision {
     Admitted(Report),

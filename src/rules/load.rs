@@ -104,7 +104,36 @@ impl RulesLoader {
     }
 }
 
-/// Reads and compiles a rules file.
+/// Reads and compiles a rules file. Files it names (the JWKS) are read beside it.
+///
+/// ```
+/// use std::path::Path;
+///
+/// use http::Method;
+/// use tollgate_rules::{CompileOptions, RulesLoader, RulesSource, load};
+///
+/// let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../rules/demo.json");
+/// let snap = load(&demo, CompileOptions::default()).unwrap();
+/// let exports = snap.route(&Method::POST, "/v1/exports").expect("a route");
+/// let mut costs: Vec<(&str, u64)> = snap.routes[exports]
+///     .costs
+///     .iter()
+///     .map(|&(limit, cost)| (&*snap.limits[usize::from(limit)].name, cost))
+///     .collect();
+/// costs.sort_unstable();
+/// assert_eq!(costs, [("exports", 1), ("plan", 10)]);
+///
+/// // `tollgate demo` compiles the same bytes, built in, the same way on every reload.
+/// let loader = RulesLoader {
+///     source: RulesSource::demo(),
+///     opts: CompileOptions::default(),
+///     upstream_override: Vec::new(),
+/// };
+/// assert_eq!(loader.load().unwrap().digest, snap.digest);
+///
+/// let missing = load(Path::new("no/such/rules.json"), CompileOptions::default()).unwrap_err();
+/// assert_eq!((missing.file.as_str(), missing.field.as_str()), ("no/such/rules.json", "(file)"));
+/// ```
 pub fn load(path: &Path, opts: CompileOptions) -> Result<Snapshot, RulesError> {
     load_file(path, opts, &[])
 }
@@ -121,6 +150,38 @@ fn load_file(path: &Path, opts: CompileOptions, managed: &[ManagedKey]) -> Resul
 
 /// Parses and compiles rules from bytes; `file` names them in errors, and files they name
 /// (the JWKS) are read relative to its directory.
+///
+/// One upstream, one limit and one route: a request's route is found by its method and path,
+/// and the route names the limit it pays and what it costs there.
+///
+/// ```
+/// use http::Method;
+/// use tollgate_rules::{CompileOptions, compile};
+///
+/// let rules = r#"{
+///     "version": 1,
+///     "upstreams": {"orders": {"url": "http://127.0.0.1:9"}},
+///     "limits": {"per_ip": {"dimension": "ip", "rate": "10/1s", "burst": 20}},
+///     "routes": [{"method": "GET", "path": "/v1/orders", "upstream": "orders",
+///                 "cost": {"per_ip": 2}}]
+/// }"#;
+/// let snap = compile(rules.as_bytes(), "rules.json", CompileOptions::default()).unwrap();
+///
+/// let i = snap.route(&Method::GET, "/v1/orders/42").expect("the /v1/orders route");
+/// let (limit, cost) = snap.routes[i].costs[0];
+/// assert_eq!(cost, 2);
+/// let limit = &snap.limits[usize::from(limit)];
+/// assert_eq!(&*limit.name, "per_ip");
+/// let params = limit.numbers.as_ref().expect("its own numbers").params;
+/// assert_eq!((params.rate.tokens, params.rate.period_us, params.burst), (10, 1_000_000, 20));
+/// assert_eq!(snap.route(&Method::POST, "/v1/orders"), None);
+///
+/// // A bad document is refused, and the error names the file and the field.
+/// let bad = rules.replace("10/1s", "ten/1s");
+/// let e = compile(bad.as_bytes(), "rules.json", CompileOptions::default()).unwrap_err();
+/// assert_eq!((e.file.as_str(), e.field.as_str()), ("rules.json", "limits.per_ip.rate"));
+/// assert!(e.reason.contains("\"ten\" is not a whole number"), "{e}");
+/// ```
 pub fn compile(bytes: &[u8], file: &str, opts: CompileOptions) -> Result<Snapshot, RulesError> {
     compile_read(bytes, file, opts, &[])
 }

@@ -14,8 +14,6 @@
 //! On Redis Cluster a request whose buckets lie in several hash slots is checked slot by slot
 //! by [`Slots`](slots::Slots), in front of the guard; every other request is one call.
 
-#[cfg(any(test, feature = "fakes"))]
-pub mod fakes;
 pub mod guard;
 pub mod lease;
 pub mod memory;

@@ -288,14 +288,13 @@ impl Store for Slots {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fakes::LostChanges;
     use crate::guard::{FleetSize, Guard};
     use crate::memory::MemoryStore;
     use std::time::Duration;
     use tollgate_limit::bucket::{BucketParams, Charge, Rate};
     use tollgate_limit::clock::ManualClock;
     use tollgate_limit::decision::decide;
-    use tollgate_telemetry::metrics::{Kind, Metrics};
+    use tollgate_telemetry::metrics::Metrics;
 
     /// A test's slots: the first byte of the hash tag, so `rl:{a}:x` sorts before `rl:{b}:y`.
     fn tag_slot(key: &[u8]) -> u16 {
@@ -451,26 +450,6 @@ mod tests {
             metrics.clone(),
         );
         (Slots::with_slots(Arc::new(guard), tag_slot), metrics)
-    }
-
-    #[tokio::test]
-    async fn a_give_back_that_is_lost_leaves_the_tokens_taken_and_is_counted() {
-        let clock = ManualClock::new(1_000_000);
-        let lost = Arc::new(LostChanges(Arc::new(MemoryStore::new(clock.clone()))));
-        let (s, metrics) = guarded(lost.clone(), clock);
-        let (a, b) = (open("rl:{a}:plan", 5), open("rl:{b}:once", 1));
-        let req = batch(&[a.clone(), b.clone()]);
-        assert!(s.check(&req).await.unwrap().admitted);
-        let out = s.check(&req).await.unwrap();
-        assert!(!out.admitted, "the client still gets the refusal");
-        let scale = a.charge.params.scale;
-        assert_eq!(held(&lost.0, &a), 3 * scale, "both requests' tokens stay taken");
-        assert_eq!(out.buckets[0].tokens, 3 * scale, "and the verdict says so");
-        let failures = metrics
-            .store_refund_failures
-            .get_or_create(&Kind { kind: "error" })
-            .get();
-        assert_eq!(failures, 1);
     }
 
     /// The memory store, with one slot whose master doesn't answer.

@@ -8,7 +8,6 @@ pub mod cdp;
 pub mod cli;
 pub mod health;
 pub mod instances;
-pub mod lease_load;
 pub mod raw;
 pub mod relay;
 pub mod tls;

@@ -53,8 +53,6 @@
 //!   block expiry, syncs and the drain.
 
 mod calls;
-#[cfg(test)]
-mod fake;
 mod spend;
 
 use std::collections::HashMap;
@@ -79,13 +77,13 @@ pub(crate) const LEASE_CALL_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// After a failed lease call, the key is checked through the guard, and no lease is sent for
 /// it, for this long.
-pub(crate) const RETRY_AFTER_FAILURE: Duration = Duration::from_secs(1);
+pub const RETRY_AFTER_FAILURE: Duration = Duration::from_secs(1);
 
 /// A key with spending its store record does not know and no call for this long gets a sync:
 /// after the block TTL, so the give-back of a block leased by that last call (whose answer
 /// took at most [`LEASE_CALL_TIMEOUT`]) goes first and carries it; and half the record's grace
 /// before the store's record of this gateway expires.
-const SYNC_AFTER_US: u64 = BLOCK_TTL_US + RECORD_GRACE_US / 2;
+pub const SYNC_AFTER_US: u64 = BLOCK_TTL_US + RECORD_GRACE_US / 2;
 
 /// The store's answer to a LEASE.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

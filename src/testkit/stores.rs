@@ -1,9 +1,9 @@
 //! Stores that fail on purpose, for tests of what stands in front of a store: one copy that the
-//! store's own tests and the workspace's tests share (the `fakes` feature; never in the product).
+//! store's own tests and the workspace's tests share.
 
 use std::ops::Deref;
 
-use crate::{Adjusted, BoxFuture, CheckFuture, CheckItem, Outcome, Store, StoreError};
+use tollgate_store::{Adjusted, BoxFuture, CheckFuture, CheckItem, Outcome, Store, StoreError};
 
 /// A store whose checks reach `0` but whose every change after a check is lost, as when a
 /// cluster slot's master can't be reached between the check and the give-back.

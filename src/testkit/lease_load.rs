@@ -1,17 +1,16 @@
 //! A hot key on real parts: N lease clients (each the gateway's own `Leases` layer on
 //! its own `RedisStore` connection, no HTTP) drive one hot key against one real `redis-server`
 //! on a real clock, and every admission is recorded with its time. Shared by tests/lease.rs
-//! (10 s) and benches/lease.rs (the batch job's minute).
-#![allow(dead_code)]
+//! (10 s), tests/lease_crash.rs and benches/lease.rs (the batch job's minute).
 
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use tollgate_limit::batch::LeaseBlock;
 use tollgate_limit::bucket::{BucketParams, BucketState, Charge, Rate, refill};
 use tollgate_limit::lease::Account;
-use tollgate_rules::LeaseBlock;
 use tollgate_store::guard::FleetSize;
 use tollgate_store::lease::{GiveBackReply, LeaseReply, Leases, Lessor};
 use tollgate_store::redis::{RedisStore, Target};

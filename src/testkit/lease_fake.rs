@@ -1,4 +1,4 @@
-//! A lessor and inner store in memory, on tokio's paused clock, for the lease tests.
+//! A lessor and inner store in memory, on tokio's paused clock, for the tests of `Leases`.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -6,33 +6,35 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{GiveBackReply, LeaseReply, Leases, Lessor};
-use crate::guard::FleetSize;
-use crate::{Adjusted, BoxFuture, CheckFuture, CheckItem, FailurePolicy, Outcome, Source, Store, StoreError};
 use tollgate_limit::batch::LeaseBlock;
 use tollgate_limit::bucket::{BucketParams, BucketState, BucketVerdict, Charge, Rate};
 use tollgate_limit::lease::{Account, Grant, HolderRecords, LeaseConfig, give_back_recorded, lease_recorded};
+use tollgate_store::guard::FleetSize;
+use tollgate_store::lease::{GiveBackReply, LeaseReply, Leases, Lessor};
+use tollgate_store::{
+    Adjusted, BoxFuture, CheckFuture, CheckItem, FailurePolicy, Outcome, Source, Store, StoreError,
+};
 use tollgate_telemetry::metrics::Metrics;
 
 /// A store in memory on tokio's (paused) clock: leases by `limit::lease`, checks answered
 /// as told, and a switch that makes every lease call fail.
-pub(super) struct Fake {
-    pub(super) origin: Instant,
-    pub(super) bucket: Mutex<Option<BucketState>>,
-    pub(super) records: Mutex<HolderRecords>,
-    pub(super) fail: AtomicBool,
+pub struct Fake {
+    pub origin: Instant,
+    pub bucket: Mutex<Option<BucketState>>,
+    pub records: Mutex<HolderRecords>,
+    pub fail: AtomicBool,
     /// Lease answers take this long (virtual ms).
-    pub(super) delay_ms: AtomicU64,
-    pub(super) leases: AtomicU64,
-    pub(super) given: Mutex<Vec<u64>>,
-    pub(super) checks: AtomicU64,
-    pub(super) refuse_checks: AtomicBool,
+    pub delay_ms: AtomicU64,
+    pub leases: AtomicU64,
+    pub given: Mutex<Vec<u64>>,
+    pub checks: AtomicU64,
+    pub refuse_checks: AtomicBool,
     /// The keys of every batch refunded through this store.
-    pub(super) refunded: Mutex<Vec<Vec<String>>>,
+    pub refunded: Mutex<Vec<Vec<String>>>,
 }
 
 impl Fake {
-    pub(super) fn new() -> Arc<Fake> {
+    pub fn new() -> Arc<Fake> {
         Arc::new(Fake {
             origin: Instant::now(),
             bucket: Mutex::new(None),
@@ -155,7 +157,7 @@ impl Store for Fake {
     }
 }
 
-pub(super) fn leases(fake: &Arc<Fake>) -> (Arc<Leases>, Arc<Metrics>) {
+pub fn leases(fake: &Arc<Fake>) -> (Arc<Leases>, Arc<Metrics>) {
     let m = Metrics::new();
     let l = Leases::new(
         fake.clone(),
@@ -167,7 +169,7 @@ pub(super) fn leases(fake: &Arc<Fake>) -> (Arc<Leases>, Arc<Metrics>) {
     (l, m)
 }
 
-pub(super) fn item(rate: &str, burst: u64, block: u64, cost: u64) -> CheckItem {
+pub fn item(rate: &str, burst: u64, block: u64, cost: u64) -> CheckItem {
     let params = BucketParams::new(Rate::parse(rate).unwrap(), burst).unwrap();
     let mut i = CheckItem::new(
         "rl:{kbig}:plan".into(),
@@ -183,7 +185,7 @@ pub(super) fn item(rate: &str, burst: u64, block: u64, cost: u64) -> CheckItem {
     i
 }
 
-pub(super) async fn settle(l: &Leases) {
+pub async fn settle(l: &Leases) {
     while l.calls_in_flight() > 0 {
         tokio::time::sleep(Duration::from_micros(10)).await;
     }
