@@ -64,6 +64,11 @@ pub(crate) struct AccessEntry {
     pub(crate) rules_version: u64,
     /// What the upstream's answer reported for a post-paid limit.
     pub(crate) cost_reported: Option<u64>,
+    /// The `host:port` of the upstream's target that answered (or, when none did, the last
+    /// one tried); `None` when no upstream was asked.
+    pub(crate) upstream_target: Option<Arc<str>>,
+    /// How many of the upstream's targets were tried; 0 when none was.
+    pub(crate) attempts: u8,
 }
 
 /// A range of [`AccessEntry::text`].
@@ -120,6 +125,8 @@ impl AccessEntry {
             path: None,
             rules_version: 0,
             cost_reported: None,
+            upstream_target: None,
+            attempts: 0,
         })
     }
 
@@ -434,7 +441,8 @@ fn quoted(out: &mut Vec<u8>, v: Option<&[u8]>) {
 
 /// `$remote_addr - $remote_user [$time_local] "$request" $status $body_bytes_sent
 /// "$http_referer" "$http_user_agent"`, then `request_id=… route="…" limit="…" client_ip=…
-/// fingerprint=… latency_us=… check_us=… path="…" instance=… rules_version=… cost_reported=…`.
+/// fingerprint=… latency_us=… check_us=… path="…" instance=… rules_version=… cost_reported=…
+/// target=… attempts=…`.
 fn combined(r: &AccessEntry, instance: &str, clock: &mut LocalClock, out: &mut Vec<u8>) {
     let mut num = itoa::Buffer::new();
     let _ = write!(out, "{} - ", r.peer);
@@ -481,6 +489,10 @@ fn combined(r: &AccessEntry, instance: &str, clock: &mut LocalClock, out: &mut V
     out.extend_from_slice(num.format(r.rules_version).as_bytes());
     out.extend_from_slice(b" cost_reported=");
     number(out, &mut num, r.cost_reported);
+    out.extend_from_slice(b" target=");
+    field(out, r.upstream_target.as_deref().map(str::as_bytes), true);
+    out.extend_from_slice(b" attempts=");
+    out.extend_from_slice(num.format(r.attempts).as_bytes());
     out.push(b'\n');
 }
 
@@ -512,6 +524,8 @@ struct JsonLine<'a> {
     instance: &'a str,
     rules_version: u64,
     cost_reported: Option<u64>,
+    target: Option<&'a str>,
+    attempts: u8,
 }
 
 fn json(r: &AccessEntry, instance: &str, clock: &mut LocalClock, out: &mut Vec<u8>) {
@@ -537,6 +551,8 @@ fn json(r: &AccessEntry, instance: &str, clock: &mut LocalClock, out: &mut Vec<u
         instance,
         rules_version: r.rules_version,
         cost_reported: r.cost_reported,
+        target: r.upstream_target.as_deref(),
+        attempts: r.attempts,
     };
     // Every field serializes: strings, numbers and addresses.
     if serde_json::to_writer(&mut *out, &line).is_ok() {
@@ -578,6 +594,8 @@ mod tests {
         r.set_path(b"/v1/orders?id=7&q=%22");
         r.rules_version = 3;
         r.cost_reported = Some(1200);
+        r.upstream_target = Some(Arc::from("10.0.0.5:8080"));
+        r.attempts = 2;
         r
     }
 
@@ -601,7 +619,7 @@ mod tests {
              429 112 \"-\" \"curl \\x228\\x22\\x5Cx\\xFF\\x09\" request_id=abc-1 route=\"GET /v1/orders\" \
              limit=\"per-key\" client_ip=203.0.113.9 fingerprint=none latency_us=250 \
              check_us=1764680709119875 path=\"/v1/orders?id=7&q=%22\" instance=gw\\x201 rules_version=3 \
-             cost_reported=1200\n"
+             cost_reported=1200 target=10.0.0.5:8080 attempts=2\n"
         );
     }
 
@@ -618,6 +636,8 @@ mod tests {
         r.check_us = None;
         r.path = None;
         r.cost_reported = None;
+        r.upstream_target = None;
+        r.attempts = 0;
         let mut out = Vec::new();
         render(AccessLogFormat::Combined, &r, "gw", &mut zone(), &mut out);
         let line = String::from_utf8(out).unwrap();
@@ -627,7 +647,9 @@ mod tests {
         );
         assert!(line.contains("route=\"-\" limit=\"-\" client_ip=- "), "{line}");
         assert!(
-            line.ends_with(" check_us=- path=\"-\" instance=gw rules_version=3 cost_reported=-\n"),
+            line.ends_with(
+                " check_us=- path=\"-\" instance=gw rules_version=3 cost_reported=- target=- attempts=0\n"
+            ),
             "{line}"
         );
     }
@@ -661,6 +683,8 @@ mod tests {
         r.check_us = full.check_us;
         r.set_path(b"/v1/x?y=1");
         r.rules_version = 3;
+        r.upstream_target = full.upstream_target.clone();
+        r.attempts = 2;
         let mut out = Vec::new();
         render(AccessLogFormat::Json, &r, "gw-1", &mut zone(), &mut out);
         assert_eq!(out.last(), Some(&b'\n'));
@@ -686,7 +710,21 @@ mod tests {
         assert_eq!(v["instance"], "gw-1");
         assert_eq!(v["rules_version"], 3);
         assert_eq!(v["cost_reported"], serde_json::Value::Null);
-        assert_eq!(v.as_object().unwrap().len(), 21);
+        assert_eq!(v["target"], "10.0.0.5:8080");
+        assert_eq!(v["attempts"], 2);
+        assert_eq!(v.as_object().unwrap().len(), 23);
+    }
+
+    #[test]
+    fn json_says_null_and_0_when_no_upstream_was_asked() {
+        let mut r = record();
+        r.upstream_target = None;
+        r.attempts = 0;
+        let mut out = Vec::new();
+        render(AccessLogFormat::Json, &r, "gw", &mut zone(), &mut out);
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["target"], serde_json::Value::Null);
+        assert_eq!(v["attempts"], 0);
     }
 
     #[test]
