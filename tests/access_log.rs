@@ -250,7 +250,7 @@ fn combined_fields(line: &str) -> (Vec<String>, Vec<(String, String)>) {
         rest = after.strip_prefix(' ').unwrap_or(after);
         assert!(!after.starts_with("  "), "two spaces: {line}");
     }
-    assert!(fields.len() == 20, "{} fields: {line}", fields.len());
+    assert!(fields.len() == 22, "{} fields: {line}", fields.len());
     let extras = fields.split_off(9);
     let extras = extras
         .iter()
@@ -300,6 +300,9 @@ struct Line {
     instance: String,
     rules_version: u64,
     cost_reported: Option<u64>,
+    /// The upstream target that answered, `host:port` (the line's `target`).
+    upstream: Option<String>,
+    attempts: u64,
 }
 
 fn parse_combined(line: &str) -> Line {
@@ -319,7 +322,9 @@ fn parse_combined(line: &str) -> Line {
             "path",
             "instance",
             "rules_version",
-            "cost_reported"
+            "cost_reported",
+            "target",
+            "attempts"
         ],
         "{line}"
     );
@@ -353,13 +358,15 @@ fn parse_combined(line: &str) -> Line {
         instance: unescape(&extras[8].1),
         rules_version: extras[9].1.parse().unwrap(),
         cost_reported: dash(&extras[10].1).map(|n| n.parse().unwrap()),
+        upstream: dash(&extras[11].1),
+        attempts: extras[12].1.parse().unwrap(),
     }
 }
 
 fn parse_json(v: &serde_json::Value) -> Line {
     let s = |k: &str| v[k].as_str().map(String::from);
     let names: Vec<&String> = v.as_object().unwrap().keys().collect();
-    assert_eq!(names.len(), 21, "{v}");
+    assert_eq!(names.len(), 23, "{v}");
     Line {
         remote_addr: s("remote_addr").unwrap(),
         remote_user: s("remote_user"),
@@ -383,6 +390,8 @@ fn parse_json(v: &serde_json::Value) -> Line {
         instance: s("instance").unwrap(),
         rules_version: v["rules_version"].as_u64().unwrap(),
         cost_reported: v["cost_reported"].as_u64(),
+        upstream: s("target"),
+        attempts: v["attempts"].as_u64().unwrap(),
     }
 }
 
@@ -470,8 +479,17 @@ async fn check(format: &str, extra: &[&str], h2: bool, protocol: &str) {
             instance: "access-test-gw".into(),
             rules_version: 1,
             cost_reported: None,
+            // The demo's one upstream answered every 200, at the first attempt; nothing else
+            // went upstream.
+            upstream: l.upstream.clone().filter(|_| s.status == 200),
+            attempts: u64::from(s.status == 200),
         };
         assert_eq!(**l, want, "{id}");
+        if s.status == 200 {
+            let t = l.upstream.as_deref().unwrap_or_else(|| panic!("{id}: no target"));
+            t.parse::<std::net::SocketAddr>()
+                .unwrap_or_else(|e| panic!("{id}: target {t}: {e}"));
+        }
         if let Some(limit) = s.limit {
             assert_eq!(l.limit.as_deref(), Some(limit), "{id}");
         }
@@ -601,5 +619,122 @@ async fn a_chunked_answer_is_counted_as_sent_on_both_paths() {
         assert_eq!(lines[0].request_id, "al-chunked");
         assert_eq!(lines[0].status, 200);
         assert_eq!(lines[0].body, Some(CHUNKED_BODY.len() as u64), "{extra:?}");
+    }
+}
+
+/// One line's request id, status, `target` and `attempts`, in any of the three formats: the
+/// `tollgate::access` event (`--log-format json`, where the target is `upstream_target`, `-`
+/// when none), or a `json` or `combined` line.
+fn tried(format: &str, stderr: &str) -> Vec<(String, u16, Option<String>, u64)> {
+    if format != "event" {
+        return access_lines(format, stderr)
+            .into_iter()
+            .map(|l| (l.request_id, l.status, l.upstream, l.attempts))
+            .collect();
+    }
+    stderr
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["target"] == "tollgate::access")
+        .map(|v| {
+            let target = v["upstream_target"].as_str().unwrap_or_else(|| panic!("{v}"));
+            (
+                v["request_id"].as_str().unwrap().to_string(),
+                v["status"].as_u64().unwrap() as u16,
+                (target != "-").then(|| target.to_string()),
+                v["attempts"].as_u64().unwrap_or_else(|| panic!("{v}")),
+            )
+        })
+        .collect()
+}
+
+/// An upstream of three targets in turn (`round_robin`), one of which refuses connections: a
+/// request sent first to that one is answered by another, and its line says 2 attempts and the
+/// target that answered (the one whose name the answer carries); a request that went straight
+/// to a live target says 1; one refused by a limit names no target and 0 attempts. In every
+/// format, on both wires.
+#[tokio::test]
+async fn lines_name_the_target_that_answered_and_the_attempts() {
+    let a = common::DemoUpstreamProc::spawn_with(&["--listen", "127.0.0.1:0", "--instance", "a"]);
+    let b = common::DemoUpstreamProc::spawn_with(&["--listen", "127.0.0.1:0", "--instance", "b"]);
+    // A port nothing listens on: bound, then let go.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let mut rules: serde_json::Value = serde_json::from_str(&common::demo_rules_for(a.addr)).unwrap();
+    let targets = [dead, a.addr, b.addr].map(|t| serde_json::json!({"url": format!("http://{t}")}));
+    rules["upstreams"]["orders"] = serde_json::json!({"targets": targets, "balance": "round_robin"});
+    let (_dir, path) = common::rules_file(&rules.to_string());
+    let by_name = HashMap::from([("a", a.addr.to_string()), ("b", b.addr.to_string())]);
+    for (format, wire) in [
+        ("combined", None),
+        ("json", Some("--no-express")),
+        ("event", None),
+        ("event", Some("--no-express")),
+    ] {
+        let mut args = vec!["serve", "--rules", path.to_str().unwrap(), "--store", "memory"];
+        args.extend(["--log-format", "json"]);
+        if format != "event" {
+            args.extend(["--access-log-format", format]);
+        }
+        args.extend(wire);
+        let mut gw = Tollgate::spawn(&args);
+        let http = Http::new();
+        // Six in turn over three targets: at least two go first to the dead one.
+        let mut answered = HashMap::new();
+        for n in 0..6 {
+            let id = format!("at-{n}");
+            let r = http
+                .get(&gw.url("/v1/orders"), &[("x-api-key", K7), ("x-request-id", &id)])
+                .await;
+            assert_eq!(r.status, StatusCode::OK, "{format} {wire:?} {id}");
+            let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+            answered.insert(id, by_name[v["instance"].as_str().unwrap()].clone());
+        }
+        // The IP's bucket without a key: 401s, then a 429 that asks no upstream.
+        let mut refused = None;
+        for n in 0..12 {
+            let id = format!("at-unauth-{n}");
+            let r = http.get(&gw.url("/v1/orders"), &[("x-request-id", &id)]).await;
+            if r.status == StatusCode::TOO_MANY_REQUESTS {
+                refused = Some(id);
+                break;
+            }
+        }
+        let refused = refused.expect("no 429 for the IP's bucket in 12 requests");
+        let (_, stderr) = gw.stop();
+        let lines = tried(format, &stderr);
+        let line = |id: &str| {
+            lines
+                .iter()
+                .find(|l| l.0 == id)
+                .unwrap_or_else(|| panic!("{format} {wire:?}: no line for {id}:\n{stderr}"))
+        };
+        let mut twice = 0;
+        for (id, addr) in &answered {
+            let (_, status, target, attempts) = line(id);
+            assert_eq!(
+                (*status, target.as_ref()),
+                (200, Some(addr)),
+                "{format} {wire:?} {id}"
+            );
+            assert!(matches!(attempts, 1 | 2), "{format} {wire:?} {id}: {attempts}");
+            twice += usize::from(*attempts == 2);
+        }
+        assert!(
+            (2..6).contains(&twice),
+            "{format} {wire:?}: {twice} of 6 took two attempts:\n{stderr}"
+        );
+        let (_, status, target, attempts) = line(&refused);
+        assert_eq!((*status, target, *attempts), (429, &None, 0), "{format} {wire:?}");
+        // The 401s before it asked no upstream either.
+        for (id, status, target, attempts) in lines.iter().filter(|l| l.0.starts_with("at-unauth-")) {
+            assert_eq!(
+                (target, *attempts),
+                (&None, 0),
+                "{format} {wire:?} {id} ({status})"
+            );
+        }
     }
 }

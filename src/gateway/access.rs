@@ -43,7 +43,9 @@ pub(crate) struct AccessEntry {
     /// The client's bytes the line shows, copied: a `Uri` or `HeaderValue` would share the
     /// connection's whole read buffer, kept alive while the line waits for the writer. The
     /// target as sent (before the path is made canonical), then Referer, User-Agent and the
-    /// request id where `referer`, `user_agent` and `request_id` say.
+    /// request id where `referer`, `user_agent` and `request_id` say. A `Vec`, not room in the
+    /// record: a record that holds its text is larger, and a request's moves of it cost more
+    /// than the allocation saved (callgrind, benches/README.md "Access lines beside nginx's").
     text: Vec<u8>,
     target: Part,
     referer: Option<Part>,
@@ -64,6 +66,11 @@ pub(crate) struct AccessEntry {
     pub(crate) rules_version: u64,
     /// What the upstream's answer reported for a post-paid limit.
     pub(crate) cost_reported: Option<u64>,
+    /// The `host:port` of the upstream's target that answered (or, when none did, the last
+    /// one tried); `None` when no upstream was asked.
+    pub(crate) upstream_target: Option<Arc<str>>,
+    /// How many of the upstream's targets were tried; 0 when none was.
+    pub(crate) attempts: u8,
 }
 
 /// A range of [`AccessEntry::text`].
@@ -92,8 +99,13 @@ impl AccessEntry {
         let referer = headers.get(http::header::REFERER).map(HeaderValue::as_bytes);
         let user_agent = headers.get(http::header::USER_AGENT).map(HeaderValue::as_bytes);
         let sent_target = target(uri, version);
+        // The target twice: the routed path, added later, is the target's path made canonical,
+        // rarely longer. Then neither it nor the request id moves the text.
         let mut text = Vec::with_capacity(
-            sent_target.len() + referer.map_or(0, <[u8]>::len) + user_agent.map_or(0, <[u8]>::len) + ID_ROOM,
+            2 * sent_target.len()
+                + referer.map_or(0, <[u8]>::len)
+                + user_agent.map_or(0, <[u8]>::len)
+                + ID_ROOM,
         );
         let target = push(&mut text, sent_target.as_bytes());
         let referer = referer.map(|v| push(&mut text, v));
@@ -120,6 +132,8 @@ impl AccessEntry {
             path: None,
             rules_version: 0,
             cost_reported: None,
+            upstream_target: None,
+            attempts: 0,
         })
     }
 
@@ -283,11 +297,11 @@ fn write_lines(
     mut out: impl Write,
     done: &Sender<()>,
 ) {
-    let mut clock = LocalClock::new();
+    let mut lines = Lines::new(format, instance, LocalClock::new());
     let mut line = Vec::with_capacity(1024);
     let mut write = |r: &AccessEntry, out: &mut dyn Write| {
         line.clear();
-        render(format, r, instance, &mut clock, &mut line);
+        lines.render(r, &mut line);
         // A log that cannot be written has nowhere to say so.
         let _ = out.write_all(&line);
     };
@@ -318,11 +332,19 @@ fn write_lines(
 }
 
 /// Formats times in the process's local zone (`TZ`, else the system's), read once at start.
+/// Both formats are made once a second (a zone's offset changes only on a second boundary), so
+/// a line pays for neither the zone lookup nor `strftime`: only the JSON line's milliseconds
+/// are its own.
 pub(crate) struct LocalClock {
     tz: jiff::tz::TimeZone,
-    /// The second `local` was made for, and `$time_local` for it.
+    /// The second `local` and `iso` were made for.
     second: i64,
+    /// `$time_local` for `second`.
     local: String,
+    /// RFC 3339 for `second`, its milliseconds left out: `2026-12-02T13:05:09+01:00`.
+    iso: String,
+    /// Where the milliseconds go in `iso`.
+    iso_dot: usize,
 }
 
 impl LocalClock {
@@ -335,42 +357,95 @@ impl LocalClock {
             tz,
             second: i64::MIN,
             local: String::new(),
+            iso: String::new(),
+            iso_dot: 0,
         }
     }
 
-    fn zoned(&self, t: SystemTime) -> jiff::Zoned {
-        jiff::Timestamp::try_from(t)
-            .unwrap_or(jiff::Timestamp::UNIX_EPOCH)
-            .to_zoned(self.tz.clone())
+    /// `t`'s timestamp, with the texts of its second made when it is a new one.
+    fn at(&mut self, t: SystemTime) -> jiff::Timestamp {
+        let ts = jiff::Timestamp::try_from(t).unwrap_or(jiff::Timestamp::UNIX_EPOCH);
+        if ts.as_second() != self.second {
+            let zoned = ts.to_zoned(self.tz.clone());
+            self.local = zoned.strftime("%d/%b/%Y:%H:%M:%S %z").to_string();
+            let mut iso = zoned.strftime("%Y-%m-%dT%H:%M:%S").to_string();
+            self.iso_dot = iso.len();
+            iso.push_str(&zoned.strftime("%:z").to_string());
+            self.iso = iso;
+            self.second = ts.as_second();
+        }
+        ts
     }
 
-    /// `02/Dec/2026:13:05:09 +0100`, nginx's `$time_local`; made once a second.
+    /// `02/Dec/2026:13:05:09 +0100`, nginx's `$time_local`.
     fn time_local(&mut self, t: SystemTime) -> &str {
-        let second = jiff::Timestamp::try_from(t).map_or(0, |ts| ts.as_second());
-        if second != self.second {
-            self.local = self.zoned(t).strftime("%d/%b/%Y:%H:%M:%S %z").to_string();
-            self.second = second;
-        }
+        self.at(t);
         &self.local
     }
 
-    /// RFC 3339 with milliseconds and the local offset: `2026-12-02T13:05:09.120+01:00`.
-    fn iso(&self, t: SystemTime) -> String {
-        self.zoned(t).strftime("%Y-%m-%dT%H:%M:%S%.3f%:z").to_string()
+    /// RFC 3339 with milliseconds and the local offset, `2026-12-02T13:05:09.120+01:00`, into
+    /// `out`, which it empties first.
+    fn iso(&mut self, t: SystemTime, out: &mut String) {
+        let ms = self.at(t).subsec_millisecond().unsigned_abs();
+        out.clear();
+        out.push_str(&self.iso[..self.iso_dot]);
+        out.push('.');
+        for d in [ms / 100, ms / 10 % 10, ms % 10] {
+            out.push(char::from(b'0' + d as u8));
+        }
+        out.push_str(&self.iso[self.iso_dot..]);
     }
 }
 
-/// One line, newline included; `instance` names the gateway that wrote it.
-pub(crate) fn render(
+/// What makes a writer's lines: its format and gateway name, and what consecutive lines share,
+/// made once and reused rather than formatted again for each line: the time of the current
+/// second, the text of the last peer and of the last fingerprint (a connection's requests come
+/// together), the instance as the format writes it.
+pub(crate) struct Lines {
     format: AccessLogFormat,
-    r: &AccessEntry,
-    instance: &str,
-    clock: &mut LocalClock,
-    out: &mut Vec<u8>,
-) {
-    match format {
-        AccessLogFormat::Combined => combined(r, instance, clock, out),
-        AccessLogFormat::Json => json(r, instance, clock, out),
+    instance: String,
+    /// `instance` escaped for `combined`.
+    instance_escaped: Vec<u8>,
+    clock: LocalClock,
+    peer: Option<IpAddr>,
+    peer_text: String,
+    fingerprint: Option<Fingerprint>,
+    fingerprint_text: String,
+    /// The JSON line's time.
+    time: String,
+}
+
+impl Lines {
+    pub(crate) fn new(format: AccessLogFormat, instance: &str, clock: LocalClock) -> Lines {
+        let mut instance_escaped = Vec::new();
+        escape(&mut instance_escaped, instance.as_bytes(), true);
+        Lines {
+            format,
+            instance: instance.to_string(),
+            instance_escaped,
+            clock,
+            peer: None,
+            peer_text: String::new(),
+            fingerprint: None,
+            fingerprint_text: String::new(),
+            time: String::new(),
+        }
+    }
+
+    /// One line, newline included, at the end of `out`.
+    pub(crate) fn render(&mut self, r: &AccessEntry, out: &mut Vec<u8>) {
+        if self.peer != Some(r.peer) {
+            self.peer = Some(r.peer);
+            self.peer_text = r.peer.to_string();
+        }
+        if self.fingerprint != Some(r.fingerprint) {
+            self.fingerprint = Some(r.fingerprint);
+            self.fingerprint_text = r.fingerprint.to_string();
+        }
+        match self.format {
+            AccessLogFormat::Combined => self.combined(r, out),
+            AccessLogFormat::Json => self.json(r, out),
+        }
     }
 }
 
@@ -398,16 +473,71 @@ fn target(uri: &Uri, version: Version) -> Cow<'_, str> {
 
 const HEX: &[u8; 16] = b"0123456789ABCDEF";
 
-/// nginx's escaping of a logged value: `"`, `\`, control bytes and bytes above 0x7E as `\xHH`.
-/// `space` too for a value that is not quoted, so it stays one field.
-fn escape(out: &mut Vec<u8>, v: &[u8], space: bool) {
-    for &b in v {
-        if b == b'"' || b == b'\\' || !(0x20..0x7f).contains(&b) || (space && b == b' ') {
-            out.extend_from_slice(&[b'\\', b'x', HEX[(b >> 4) as usize], HEX[(b & 0xf) as usize]]);
+/// Which bytes nginx escapes in a logged value: `"`, `\`, control bytes and bytes above 0x7E
+/// (1), and a space too in a value that is not quoted (2).
+const ESCAPED: [u8; 256] = {
+    let mut t = [0u8; 256];
+    let mut b = 0;
+    while b < 256 {
+        t[b] = if b == b'"' as usize || b == b'\\' as usize || b < 0x20 || b >= 0x7f {
+            1
+        } else if b == b' ' as usize {
+            2
         } else {
-            out.push(b);
-        }
+            0
+        };
+        b += 1;
     }
+    t
+};
+
+const ONES: u64 = u64::from_ne_bytes([0x01; 8]);
+const HIGHS: u64 = u64::from_ne_bytes([0x80; 8]);
+
+/// Whether any of the eight bytes of `w` is one [`escape`] escapes: below 0x20 or above 0x7E,
+/// `"` or `\`, or, with `space`, a space. Each test is the high bit of `w`'s bytes minus or
+/// exclusive-or a constant (the "has a zero byte" trick), so a value's bytes are looked at
+/// eight at a time.
+fn any_escaped(w: u64, space: bool) -> bool {
+    let zero = |x: u64| x.wrapping_sub(ONES) & !x & HIGHS;
+    let equal = |b: u8| zero(w ^ (ONES * u64::from(b)));
+    let below_space = w.wrapping_sub(ONES * 0x20) & !w & HIGHS;
+    let mut hit = below_space | (w & HIGHS) | equal(0x7f) | equal(b'"') | equal(b'\\');
+    if space {
+        hit |= equal(b' ');
+    }
+    hit != 0
+}
+
+/// Where in `v` the first byte is that [`escape`] escapes, if any: eight bytes at a time, then
+/// the last few one by one.
+fn first_escaped(v: &[u8], space: bool) -> Option<usize> {
+    let mut i = 0;
+    while let Some(w) = v.get(i..i + 8) {
+        if any_escaped(u64::from_ne_bytes(w.try_into().unwrap_or_default()), space) {
+            break;
+        }
+        i += 8;
+    }
+    let mask = if space { 3 } else { 1 };
+    v[i..]
+        .iter()
+        .position(|&b| ESCAPED[b as usize] & mask != 0)
+        .map(|at| i + at)
+}
+
+/// nginx's escaping of a logged value: `"`, `\`, control bytes and bytes above 0x7E as `\xHH`.
+/// `space` too for a value that is not quoted, so it stays one field. Most values have nothing
+/// to escape and are copied whole, in one go.
+fn escape(out: &mut Vec<u8>, v: &[u8], space: bool) {
+    let mut rest = v;
+    while let Some(i) = first_escaped(rest, space) {
+        let b = rest[i];
+        out.extend_from_slice(&rest[..i]);
+        out.extend_from_slice(&[b'\\', b'x', HEX[(b >> 4) as usize], HEX[(b & 0xf) as usize]]);
+        rest = &rest[i + 1..];
+    }
+    out.extend_from_slice(rest);
 }
 
 /// A number, or `-` when there is none.
@@ -432,58 +562,6 @@ fn quoted(out: &mut Vec<u8>, v: Option<&[u8]>) {
     out.push(b'"');
 }
 
-/// `$remote_addr - $remote_user [$time_local] "$request" $status $body_bytes_sent
-/// "$http_referer" "$http_user_agent"`, then `request_id=… route="…" limit="…" client_ip=…
-/// fingerprint=… latency_us=… check_us=… path="…" instance=… rules_version=… cost_reported=…`.
-fn combined(r: &AccessEntry, instance: &str, clock: &mut LocalClock, out: &mut Vec<u8>) {
-    let mut num = itoa::Buffer::new();
-    let _ = write!(out, "{} - ", r.peer);
-    field(out, r.key_id.as_deref().map(str::as_bytes), true);
-    out.extend_from_slice(b" [");
-    out.extend_from_slice(clock.time_local(r.time).as_bytes());
-    out.extend_from_slice(b"] \"");
-    escape(out, r.method.as_str().as_bytes(), false);
-    out.push(b' ');
-    escape(out, r.target(), false);
-    out.push(b' ');
-    out.extend_from_slice(protocol(r.version).as_bytes());
-    out.extend_from_slice(b"\" ");
-    out.extend_from_slice(num.format(r.status).as_bytes());
-    out.push(b' ');
-    number(out, &mut num, r.body_bytes);
-    out.push(b' ');
-    quoted(out, r.referer());
-    out.push(b' ');
-    quoted(out, r.user_agent());
-    out.extend_from_slice(b" request_id=");
-    escape(out, r.request_id(), true);
-    out.extend_from_slice(b" route=");
-    quoted(out, r.route.as_deref().map(str::as_bytes));
-    out.extend_from_slice(b" limit=");
-    quoted(out, r.limit.as_deref().map(str::as_bytes));
-    out.extend_from_slice(b" client_ip=");
-    match r.client_ip.filter(|ip| *ip != r.peer) {
-        Some(ip) => {
-            let _ = write!(out, "{ip}");
-        }
-        None => out.push(b'-'),
-    }
-    let _ = write!(out, " fingerprint={}", r.fingerprint);
-    out.extend_from_slice(b" latency_us=");
-    out.extend_from_slice(num.format(r.latency_us).as_bytes());
-    out.extend_from_slice(b" check_us=");
-    number(out, &mut num, r.check_us);
-    out.extend_from_slice(b" path=");
-    quoted(out, r.path());
-    out.extend_from_slice(b" instance=");
-    escape(out, instance.as_bytes(), true);
-    out.extend_from_slice(b" rules_version=");
-    out.extend_from_slice(num.format(r.rules_version).as_bytes());
-    out.extend_from_slice(b" cost_reported=");
-    number(out, &mut num, r.cost_reported);
-    out.push(b'\n');
-}
-
 /// A client's bytes for JSON: bytes that are not UTF-8 become U+FFFD.
 fn text(v: &[u8]) -> Cow<'_, str> {
     String::from_utf8_lossy(v)
@@ -491,8 +569,8 @@ fn text(v: &[u8]) -> Cow<'_, str> {
 
 #[derive(serde::Serialize)]
 struct JsonLine<'a> {
-    time: String,
-    remote_addr: IpAddr,
+    time: &'a str,
+    remote_addr: &'a str,
     remote_user: Option<&'a str>,
     request_method: &'a str,
     request_uri: Cow<'a, str>,
@@ -505,44 +583,111 @@ struct JsonLine<'a> {
     route: Option<&'a str>,
     limit: Option<&'a str>,
     client_ip: Option<IpAddr>,
-    fingerprint: String,
+    fingerprint: &'a str,
     latency_us: u64,
     check_us: Option<u64>,
     path: Option<Cow<'a, str>>,
     instance: &'a str,
     rules_version: u64,
     cost_reported: Option<u64>,
+    target: Option<&'a str>,
+    attempts: u8,
 }
 
-fn json(r: &AccessEntry, instance: &str, clock: &mut LocalClock, out: &mut Vec<u8>) {
-    let line = JsonLine {
-        time: clock.iso(r.time),
-        remote_addr: r.peer,
-        remote_user: r.key_id.as_deref(),
-        request_method: r.method.as_str(),
-        request_uri: text(r.target()),
-        server_protocol: protocol(r.version),
-        status: r.status,
-        body_bytes_sent: r.body_bytes,
-        http_referer: r.referer().map(text),
-        http_user_agent: r.user_agent().map(text),
-        request_id: text(r.request_id()),
-        route: r.route.as_deref(),
-        limit: r.limit.as_deref(),
-        client_ip: r.client_ip.filter(|ip| *ip != r.peer),
-        fingerprint: r.fingerprint.to_string(),
-        latency_us: r.latency_us,
-        check_us: r.check_us,
-        path: r.path().map(text),
-        instance,
-        rules_version: r.rules_version,
-        cost_reported: r.cost_reported,
-    };
-    // Every field serializes: strings, numbers and addresses.
-    if serde_json::to_writer(&mut *out, &line).is_ok() {
+impl Lines {
+    /// `$remote_addr - $remote_user [$time_local] "$request" $status $body_bytes_sent
+    /// "$http_referer" "$http_user_agent"`, then `request_id=… route="…" limit="…" client_ip=…
+    /// fingerprint=… latency_us=… check_us=… path="…" instance=… rules_version=… cost_reported=…
+    /// target=… attempts=…`.
+    fn combined(&mut self, r: &AccessEntry, out: &mut Vec<u8>) {
+        let mut num = itoa::Buffer::new();
+        out.extend_from_slice(self.peer_text.as_bytes());
+        out.extend_from_slice(b" - ");
+        field(out, r.key_id.as_deref().map(str::as_bytes), true);
+        out.extend_from_slice(b" [");
+        out.extend_from_slice(self.clock.time_local(r.time).as_bytes());
+        out.extend_from_slice(b"] \"");
+        escape(out, r.method.as_str().as_bytes(), false);
+        out.push(b' ');
+        escape(out, r.target(), false);
+        out.push(b' ');
+        out.extend_from_slice(protocol(r.version).as_bytes());
+        out.extend_from_slice(b"\" ");
+        out.extend_from_slice(num.format(r.status).as_bytes());
+        out.push(b' ');
+        number(out, &mut num, r.body_bytes);
+        out.push(b' ');
+        quoted(out, r.referer());
+        out.push(b' ');
+        quoted(out, r.user_agent());
+        out.extend_from_slice(b" request_id=");
+        escape(out, r.request_id(), true);
+        out.extend_from_slice(b" route=");
+        quoted(out, r.route.as_deref().map(str::as_bytes));
+        out.extend_from_slice(b" limit=");
+        quoted(out, r.limit.as_deref().map(str::as_bytes));
+        out.extend_from_slice(b" client_ip=");
+        match r.client_ip.filter(|ip| *ip != r.peer) {
+            Some(ip) => {
+                let _ = write!(out, "{ip}");
+            }
+            None => out.push(b'-'),
+        }
+        out.extend_from_slice(b" fingerprint=");
+        out.extend_from_slice(self.fingerprint_text.as_bytes());
+        out.extend_from_slice(b" latency_us=");
+        out.extend_from_slice(num.format(r.latency_us).as_bytes());
+        out.extend_from_slice(b" check_us=");
+        number(out, &mut num, r.check_us);
+        out.extend_from_slice(b" path=");
+        quoted(out, r.path());
+        out.extend_from_slice(b" instance=");
+        out.extend_from_slice(&self.instance_escaped);
+        out.extend_from_slice(b" rules_version=");
+        out.extend_from_slice(num.format(r.rules_version).as_bytes());
+        out.extend_from_slice(b" cost_reported=");
+        number(out, &mut num, r.cost_reported);
+        out.extend_from_slice(b" target=");
+        field(out, r.upstream_target.as_deref().map(str::as_bytes), true);
+        out.extend_from_slice(b" attempts=");
+        out.extend_from_slice(num.format(r.attempts).as_bytes());
         out.push(b'\n');
-    } else {
-        out.clear();
+    }
+
+    fn json(&mut self, r: &AccessEntry, out: &mut Vec<u8>) {
+        self.clock.iso(r.time, &mut self.time);
+        let line = JsonLine {
+            time: &self.time,
+            remote_addr: &self.peer_text,
+            remote_user: r.key_id.as_deref(),
+            request_method: r.method.as_str(),
+            request_uri: text(r.target()),
+            server_protocol: protocol(r.version),
+            status: r.status,
+            body_bytes_sent: r.body_bytes,
+            http_referer: r.referer().map(text),
+            http_user_agent: r.user_agent().map(text),
+            request_id: text(r.request_id()),
+            route: r.route.as_deref(),
+            limit: r.limit.as_deref(),
+            client_ip: r.client_ip.filter(|ip| *ip != r.peer),
+            fingerprint: &self.fingerprint_text,
+            latency_us: r.latency_us,
+            check_us: r.check_us,
+            path: r.path().map(text),
+            instance: &self.instance,
+            rules_version: r.rules_version,
+            cost_reported: r.cost_reported,
+            target: r.upstream_target.as_deref(),
+            attempts: r.attempts,
+        };
+        let start = out.len();
+        // Every field serializes: strings, numbers and addresses.
+        if serde_json::to_writer(&mut *out, &line).is_ok() {
+            out.push(b'\n');
+        } else {
+            out.truncate(start);
+        }
     }
 }
 
@@ -578,6 +723,8 @@ mod tests {
         r.set_path(b"/v1/orders?id=7&q=%22");
         r.rules_version = 3;
         r.cost_reported = Some(1200);
+        r.upstream_target = Some(Arc::from("10.0.0.5:8080"));
+        r.attempts = 2;
         r
     }
 
@@ -588,20 +735,14 @@ mod tests {
     #[test]
     fn combined_escapes_as_nginx_and_appends_the_gateway_fields() {
         let mut out = Vec::new();
-        render(
-            AccessLogFormat::Combined,
-            &record(),
-            "gw 1",
-            &mut zone(),
-            &mut out,
-        );
+        Lines::new(AccessLogFormat::Combined, "gw 1", zone()).render(&record(), &mut out);
         assert_eq!(
             String::from_utf8(out).unwrap(),
             "10.0.0.1 - k\\x207 [02/Dec/2025:18:35:09 +0530] \"GET /v1/orders?id=7&q=%22 HTTP/1.1\" \
              429 112 \"-\" \"curl \\x228\\x22\\x5Cx\\xFF\\x09\" request_id=abc-1 route=\"GET /v1/orders\" \
              limit=\"per-key\" client_ip=203.0.113.9 fingerprint=none latency_us=250 \
              check_us=1764680709119875 path=\"/v1/orders?id=7&q=%22\" instance=gw\\x201 rules_version=3 \
-             cost_reported=1200\n"
+             cost_reported=1200 target=10.0.0.5:8080 attempts=2\n"
         );
     }
 
@@ -618,8 +759,10 @@ mod tests {
         r.check_us = None;
         r.path = None;
         r.cost_reported = None;
+        r.upstream_target = None;
+        r.attempts = 0;
         let mut out = Vec::new();
-        render(AccessLogFormat::Combined, &r, "gw", &mut zone(), &mut out);
+        Lines::new(AccessLogFormat::Combined, "gw", zone()).render(&r, &mut out);
         let line = String::from_utf8(out).unwrap();
         assert!(
             line.starts_with("10.0.0.1 - - [") && line.contains("\" 429 - \"-\" \"-\" request_id="),
@@ -627,7 +770,9 @@ mod tests {
         );
         assert!(line.contains("route=\"-\" limit=\"-\" client_ip=- "), "{line}");
         assert!(
-            line.ends_with(" check_us=- path=\"-\" instance=gw rules_version=3 cost_reported=-\n"),
+            line.ends_with(
+                " check_us=- path=\"-\" instance=gw rules_version=3 cost_reported=- target=- attempts=0\n"
+            ),
             "{line}"
         );
     }
@@ -661,8 +806,10 @@ mod tests {
         r.check_us = full.check_us;
         r.set_path(b"/v1/x?y=1");
         r.rules_version = 3;
+        r.upstream_target = full.upstream_target.clone();
+        r.attempts = 2;
         let mut out = Vec::new();
-        render(AccessLogFormat::Json, &r, "gw-1", &mut zone(), &mut out);
+        Lines::new(AccessLogFormat::Json, "gw-1", zone()).render(&r, &mut out);
         assert_eq!(out.last(), Some(&b'\n'));
         let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(v["time"], "2025-12-02T18:35:09.120+05:30");
@@ -686,7 +833,86 @@ mod tests {
         assert_eq!(v["instance"], "gw-1");
         assert_eq!(v["rules_version"], 3);
         assert_eq!(v["cost_reported"], serde_json::Value::Null);
-        assert_eq!(v.as_object().unwrap().len(), 21);
+        assert_eq!(v["target"], "10.0.0.5:8080");
+        assert_eq!(v["attempts"], 2);
+        assert_eq!(v.as_object().unwrap().len(), 23);
+    }
+
+    /// Eight at a time or one by one, the same bytes are escaped: every byte value at every
+    /// place of a word and in the tail, quoted and not.
+    #[test]
+    fn escaping_in_words_agrees_with_byte_by_byte() {
+        let by_byte = |v: &[u8], space: bool| {
+            let mut out = Vec::new();
+            for &b in v {
+                if b == b'"' || b == b'\\' || !(0x20..0x7f).contains(&b) || (space && b == b' ') {
+                    out.extend_from_slice(&[b'\\', b'x', HEX[(b >> 4) as usize], HEX[(b & 0xf) as usize]]);
+                } else {
+                    out.push(b);
+                }
+            }
+            out
+        };
+        for b in 0..=255u8 {
+            for at in [0, 3, 7, 8, 12, 16, 19] {
+                let mut v = b"abcdefghijklmnopqrst".to_vec();
+                v[at] = b;
+                for space in [false, true] {
+                    let mut out = Vec::new();
+                    escape(&mut out, &v, space);
+                    assert_eq!(out, by_byte(&v, space), "byte {b:#x} at {at}, space {space}");
+                }
+            }
+        }
+    }
+
+    /// The texts kept from line to line (the second's time, the peer, the fingerprint) are
+    /// those of each line's own record, whichever line came before.
+    #[test]
+    fn what_lines_share_is_made_again_when_it_changes() {
+        let tz = jiff::tz::TimeZone::get("Europe/Berlin").unwrap();
+        let mut lines = Lines::new(AccessLogFormat::Json, "gw", LocalClock::in_zone(tz.clone()));
+        // Across the change to summer time, a millisecond before and after seconds, and peers
+        // and fingerprints that change and come back.
+        let change = 1_774_746_000_000u64; // 2026-03-29T01:00:00Z
+        let times = [0, 1, 999, 1000, 1001, 59_999, 3_600_000]
+            .into_iter()
+            .flat_map(|d| [change - d, change + d]);
+        let peers = ["10.0.0.1", "::1", "10.0.0.1", "203.0.113.9"];
+        let prints = [
+            Fingerprint::None,
+            Fingerprint::Hello([0xab; 8]),
+            Fingerprint::Unparsed,
+        ];
+        for (i, ms) in times.enumerate() {
+            let mut r = record();
+            r.time = SystemTime::UNIX_EPOCH + Duration::from_millis(ms);
+            r.peer = peers[i % peers.len()].parse().unwrap();
+            r.fingerprint = prints[i % prints.len()];
+            let mut out = Vec::new();
+            lines.render(&r, &mut out);
+            let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+            let want = jiff::Timestamp::try_from(r.time)
+                .unwrap()
+                .to_zoned(tz.clone())
+                .strftime("%Y-%m-%dT%H:%M:%S%.3f%:z")
+                .to_string();
+            assert_eq!(v["time"], want, "{ms}");
+            assert_eq!(v["remote_addr"], r.peer.to_string(), "{ms}");
+            assert_eq!(v["fingerprint"], r.fingerprint.to_string(), "{ms}");
+        }
+    }
+
+    #[test]
+    fn json_says_null_and_0_when_no_upstream_was_asked() {
+        let mut r = record();
+        r.upstream_target = None;
+        r.attempts = 0;
+        let mut out = Vec::new();
+        Lines::new(AccessLogFormat::Json, "gw", zone()).render(&r, &mut out);
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["target"], serde_json::Value::Null);
+        assert_eq!(v["attempts"], 0);
     }
 
     #[test]

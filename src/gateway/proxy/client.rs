@@ -148,6 +148,10 @@ pub(crate) struct Attempted {
 /// `timeout` bounds each wait on the upstream: a write it doesn't take, and its answer after
 /// the request is sent. A client's slow body is its own timeout's business, not the
 /// upstream's. `None` when the caller bounds the whole (a request without a body).
+///
+/// `tried` is the target of the attempt under way and the attempts so far, kept up as each
+/// begins: a request that fails, or whose exchange its caller stops (the lane's deadline, a
+/// client gone), still says where it went.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn exchange<B, R>(
     targets: &Targets,
@@ -157,6 +161,7 @@ pub(crate) async fn exchange<B, R>(
     idempotent: bool,
     asked: response::Asked<'_>,
     timeout: Option<Duration>,
+    tried_so_far: &mut Attempted,
     mut on_head: impl FnMut(&Head<'_>) -> R,
 ) -> Result<(RawConn, R, Attempted), Failure>
 where
@@ -206,6 +211,7 @@ where
             target: t,
             attempts: tried.len() as u8,
         };
+        *tried_so_far = attempted;
         match attempt(
             &target.pool,
             head,

@@ -87,12 +87,14 @@ impl Proxy {
     /// client's body streamed behind it, and reads the answer's head into hyper's response.
     /// Nothing is buffered whole. Every wait on the upstream is bounded by its timeout, every
     /// wait on the client's body by [`Proxy::body_timeout`]. The body is borrowed: what of it
-    /// the exchange left unread is the caller's to settle with the client.
+    /// the exchange left unread is the caller's to settle with the client. `tried` says where
+    /// it went, as [`client::exchange`] keeps it up.
     pub(crate) async fn exchange(
         &self,
         ask: &Ask<'_>,
         head: &[u8],
         body: &mut UpBody,
+        tried: &mut client::Attempted,
     ) -> Result<Exchanged<Response<()>>, client::Failure> {
         use http_body::Body as _;
         let parts = ask.parts;
@@ -116,6 +118,7 @@ impl Proxy {
             ask.idempotent,
             asked,
             Some(ask.upstream.timeout),
+            tried,
             |h| (response_parts(h, is_head, ask.ours), h.shape(), ask.capture(h)),
         )
         .await?;

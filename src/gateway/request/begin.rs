@@ -25,6 +25,9 @@ pub(super) struct Facts {
     pub(super) checked_at: Option<u64>,
     /// What the upstream's answer reported for a post-paid limit.
     pub(super) reported: Option<u64>,
+    /// The upstream asked and the target of its last attempt, with the attempts made; `None`
+    /// when no upstream was asked.
+    pub(super) tried: Option<(usize, crate::proxy::client::Attempted)>,
 }
 
 impl Facts {
@@ -111,6 +114,10 @@ pub(super) fn access_line(b: &mut Begun<'_>, status: u16) -> Option<Box<crate::a
     r.check_us = b.facts.checked_at;
     r.rules_version = b.snap.version;
     r.cost_reported = b.facts.reported;
+    if let Some((u, tried)) = b.facts.tried {
+        r.upstream_target = Some(b.live.upstreams[u].targets.list[tried.target].label.clone());
+        r.attempts = tried.attempts;
+    }
     Some(r)
 }
 

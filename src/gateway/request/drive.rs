@@ -11,7 +11,7 @@ use std::time::Instant;
 use bytes::Bytes;
 
 use super::{Begun, Forward, Gateway, MAX_FIELD_BODY, body_field, declared_length};
-use crate::proxy::client::Failure;
+use crate::proxy::client::{Attempted, Failure};
 use crate::proxy::{Ask, Exchanged};
 use crate::respond::{Answer, Refusal};
 use crate::server::ConnInfo;
@@ -41,10 +41,12 @@ pub(crate) trait Wire {
     fn write_request(&mut self, parts: &http::request::Parts, edits: &crate::proxy::HeaderEdits);
 
     /// Sends the request head written last, and the body, upstream, and reads the answer's
-    /// head.
+    /// head. `tried` is kept up with the target asked and the attempts so far, so a request
+    /// that fails still says where it went.
     fn exchange(
         &mut self,
         ask: Ask<'_>,
+        tried: &mut Attempted,
     ) -> impl Future<Output = Result<Exchanged<Self::Head>, Failure>> + Send;
 
     /// Makes one of the gateway's own answers ready.
@@ -185,7 +187,11 @@ pub(crate) async fn drive<W: Wire>(
             upgrade: protocol,
         };
         let started = Instant::now();
-        let exchanged = wire.exchange(ask).await;
+        let mut tried = Attempted::default();
+        let exchanged = wire.exchange(ask, &mut tried).await;
+        if tried.attempts > 0 {
+            b.facts.tried = Some((f.upstream, tried));
+        }
         gw.upstream_answered(b, &f, started.elapsed(), exchanged.as_ref().err());
         match exchanged {
             Ok(up) => {

@@ -30,7 +30,7 @@ use tokio::time::Instant;
 use super::drive::{Wire, drive};
 use super::{Begun, Forward, Gateway, X_REQUEST_ID};
 use crate::bufs::{self, Lent};
-use crate::proxy::client::{self, BodyState, Failure, header_line};
+use crate::proxy::client::{self, Attempted, BodyState, Failure, header_line};
 use crate::proxy::pool::RawConn;
 use crate::proxy::{Ask, Exchanged};
 use crate::respond::{Answer, RateFields, Refusal};
@@ -257,7 +257,7 @@ impl<S: LaneIo> Wire for Lane<'_, S> {
         client::render_request(self.head_out, parts, edits, false);
     }
 
-    async fn exchange(&mut self, ask: Ask<'_>) -> Result<Exchanged<Tail>, Failure> {
+    async fn exchange(&mut self, ask: Ask<'_>, tried: &mut Attempted) -> Result<Exchanged<Tail>, Failure> {
         let Lane {
             io,
             out,
@@ -281,6 +281,7 @@ impl<S: LaneIo> Wire for Lane<'_, S> {
                 upgrade: None,
             },
             None,
+            tried,
             |h| (head_start(h, ask.ours, out), h.shape(), ask.capture(h)),
         );
         tokio::pin!(exchange);

@@ -28,6 +28,11 @@ impl Gateway {
             return;
         }
         let route = b.facts.route.map_or("(none)", |r| &*b.snap.routes[r].name);
+        let (upstream_target, attempts) = match b.facts.tried {
+            Some((u, t)) => (&*b.live.upstreams[u].targets.list[t.target].label, t.attempts),
+            None => ("-", 0),
+        };
+        // Not `target`: an event's `target` is the `tracing` target, `tollgate::access`.
         tracing::info!(
             target: "tollgate::access",
             method = b.method.as_str(),
@@ -38,6 +43,8 @@ impl Gateway {
             fingerprint = %b.facts.fingerprint,
             latency_us = b.started.elapsed().as_micros() as u64,
             request_id = b.request_id.to_str().unwrap_or("-"),
+            upstream_target,
+            attempts,
             "request"
         );
     }

@@ -12,7 +12,7 @@ use hyper::body::Incoming;
 use super::drive::{Wire, drive};
 use super::{Begun, Forward, Gateway, X_REQUEST_ID, access_line};
 use crate::proxy::body::LimitedBody;
-use crate::proxy::client::{Failure, UpstreamBody};
+use crate::proxy::client::{Attempted, Failure, UpstreamBody};
 use crate::proxy::{Ask, Exchanged, Proxy};
 use crate::respond::{Answer, Body, Refusal, UpBody};
 use crate::server::ConnInfo;
@@ -97,7 +97,11 @@ impl Wire for General<'_> {
         crate::proxy::client::render_request(&mut self.head, parts, edits, chunked);
     }
 
-    async fn exchange(&mut self, ask: Ask<'_>) -> Result<Exchanged<Response<()>>, Failure> {
+    async fn exchange(
+        &mut self,
+        ask: Ask<'_>,
+        tried: &mut Attempted,
+    ) -> Result<Exchanged<Response<()>>, Failure> {
         if let Either::Left(b) = &mut self.body {
             b.cap(ask.max_body);
         }
@@ -107,7 +111,7 @@ impl Wire for General<'_> {
         let proxy: &Proxy = &self.gw.proxy;
         // Boxed: this future is the largest part of a request's, and boxing it once is cheaper
         // than copying it through every enclosing future.
-        crate::boxed::boxed(|| proxy.exchange(&ask, &self.head, &mut self.body)).await
+        crate::boxed::boxed(|| proxy.exchange(&ask, &self.head, &mut self.body, tried)).await
     }
 
     async fn answer(&mut self, b: &mut Begun<'_>, mut a: Answer) {
