@@ -2,7 +2,22 @@
 //! limits on requests in flight, its place under the upstream's limit and its key's quota; a
 //! [`Forward`] when it may go on, a refusal with its budget when not.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tollgate_limit::batch::FailurePolicy;
+use tollgate_limit::decision::{Decision, decide};
+use tollgate_rules::quota::Quota;
+use tollgate_rules::{Snapshot, plan};
+use tollgate_store::seats::{Seat, Seats, Taken};
+use tollgate_store::{Batch, Outcome, StoreError};
+use tollgate_telemetry::metrics::Handles;
+
+use super::begin::Facts;
+use crate::Gateway;
+use crate::concurrency::Place;
+use crate::request::{Begun, Classified, LiveUpstream};
+use crate::respond::{Answer, Budget, QuotaHeaders, RateFields, Refusal};
 
 /// What a request paid to the limiter: every bucket of its one check and the store's answer,
 /// kept so a request that is never delivered can be given its charge back.

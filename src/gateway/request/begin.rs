@@ -1,7 +1,15 @@
 //! A request's start: its id, its access record and the [`Begun`] guard that records it however
 //! it ends (no early return can skip the line, the metrics or the span).
 
-use super::*;
+use std::sync::Arc;
+use std::time::Instant;
+
+use http::HeaderValue;
+use tollgate_rules::{Fingerprint, Snapshot, identity};
+
+use crate::Gateway;
+use crate::request::{InFlight, Live, X_REQUEST_ID};
+use crate::server::ConnInfo;
 
 /// What the access line and the metrics need to know about one request.
 #[derive(Default)]

@@ -3,9 +3,12 @@
 //! `tollgate_blocks_in_force` metrics. The store holds the blocks; this is only a view.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
-use super::*;
+use tollgate_rules::Snapshot;
+use tollgate_store::Outcome;
+
+use crate::Gateway;
 
 /// Each block seen, by limit and bucket name: the microsecond it ends, on the store's clock.
 type Seen = HashMap<(Arc<str>, Arc<str>), u64>;

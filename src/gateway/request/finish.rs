@@ -1,6 +1,9 @@
 //! A request's end: its access line, metrics and span, written once by [`Begun`]'s record.
 
-use super::*;
+use std::sync::atomic::Ordering;
+
+use crate::Gateway;
+use crate::request::{Begun, End, NO_ROUTE, access_line};
 
 impl Gateway {
     /// Ends a request with the status its client got: its metrics and its access line.

@@ -2,7 +2,14 @@
 //! settles (a post-paid debit, the adaptive limit's sample), and the refund of a request that
 //! never reached it.
 
-use super::*;
+use tollgate_rules::Snapshot;
+use tollgate_store::{Batch, Store};
+
+use super::begin::Facts;
+use crate::Gateway;
+use crate::request::{Begun, Forward, Paid};
+use crate::server::ConnInfo;
+
 use crate::proxy::targets::{Picking, caller_hash};
 
 impl Gateway {

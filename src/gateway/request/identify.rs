@@ -1,7 +1,29 @@
 //! Who is asking and for what: the head checked and classified against the rules (route, key,
 //! client IP, method), before anything is charged.
 
-use super::*;
+use std::borrow::Cow;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use http::HeaderValue;
+use tollgate_http1::path::{EncodedSlashes, PathError, canonical, has_encoded_slash};
+use tollgate_http1::{method_override, sanitize};
+use tollgate_keys::Verdict;
+use tollgate_limit::clock::Clock;
+use tollgate_limit::decision::Decision;
+use tollgate_rules::identity::{KeySource, TrustedProxies};
+use tollgate_rules::jwt::{JwtCaller, TokenError};
+use tollgate_rules::{
+    Fingerprint, Identity, KeyCheck, KeyRequirement, Snapshot, hash_secret, identity, plan,
+};
+use tollgate_telemetry::metrics::Handles;
+
+use super::begin::Facts;
+use crate::Gateway;
+use crate::proxy::Provenance;
+use crate::request::{Begun, deciding_name, rate_limited, with_budget};
+use crate::respond::{Answer, Refusal};
+use crate::server::ConnInfo;
 
 /// What a request head says against the rules, before any I/O.
 #[derive(Debug, Clone)]

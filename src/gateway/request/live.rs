@@ -1,7 +1,15 @@
 //! What lives beside a rules snapshot and outlasts a request: each upstream's kept connections
 //! and places, the metric handles, rebuilt when the rules change.
 
-use super::*;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
+use tollgate_meter::counter::Meter;
+use tollgate_rules::Snapshot;
+use tollgate_telemetry::metrics::{Handles, Metrics};
+
+use crate::Gateway;
+use crate::concurrency::Places;
 use crate::dashboard::UpstreamNow;
 use crate::proxy::names::Names;
 use crate::proxy::targets::Targets;

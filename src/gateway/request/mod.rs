@@ -28,38 +28,24 @@ pub(crate) use begin::*;
 pub use identify::*;
 pub use live::*;
 
-use std::borrow::Cow;
-use std::net::IpAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
 
 use arc_swap::ArcSwap;
-use http::{HeaderValue, Request, Response};
+use http::{Request, Response};
 use hyper::body::Incoming;
 
-use crate::concurrency::{Place, Places};
-use crate::proxy::{Provenance, Proxy};
-use crate::respond::QuotaHeaders;
-use crate::respond::{Answer, Body, Budget, RateFields, Refusal};
+use crate::proxy::Proxy;
+use crate::respond::Body;
 use crate::server::{ConnInfo, Handler};
-use tollgate_http1::path::{EncodedSlashes, PathError, canonical, has_encoded_slash};
-use tollgate_http1::{method_override, sanitize};
-use tollgate_keys::Verdict;
-use tollgate_limit::batch::FailurePolicy;
 use tollgate_limit::clock::Clock;
-use tollgate_limit::decision::{Decision, decide};
 use tollgate_meter::counter::Meter;
 use tollgate_meter::flags::Flags;
-use tollgate_rules::identity::{self, KeySource, TrustedProxies};
-use tollgate_rules::jwt::{JwtCaller, TokenError};
-use tollgate_rules::plan;
-use tollgate_rules::quota::Quota;
-use tollgate_rules::{Fingerprint, Identity, KeyCheck, KeyRequirement, Snapshot, hash_secret};
-use tollgate_store::seats::{MemorySeats, Seat, Seats, Taken};
-use tollgate_store::{Batch, Outcome, Store, StoreError};
+use tollgate_rules::Snapshot;
+use tollgate_rules::identity::TrustedProxies;
+use tollgate_store::Store;
+use tollgate_store::seats::{MemorySeats, Seats};
 use tollgate_telemetry::logsample::Sampler;
-use tollgate_telemetry::metrics::{Handles, Metrics};
+use tollgate_telemetry::metrics::Metrics;
 
 pub(crate) static X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
 

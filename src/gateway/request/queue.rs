@@ -5,8 +5,9 @@
 
 use std::time::Duration;
 
-use super::*;
+use crate::Gateway;
 use crate::request::drive::Wire;
+use crate::request::{Begun, Forward, InFlight, Paid};
 
 /// The longest a waiting request sleeps before it reads the gateway's clock again, so a clock
 /// moved by hand (a test's) is followed within this.

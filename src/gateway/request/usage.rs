@@ -3,7 +3,14 @@
 //! the caller's key at cost 0, so each reads as the `RateLimit` field of a request paying it
 //! would report it, and nothing it reads is charged, even when its own cost is refused.
 
-use super::*;
+use tollgate_limit::decision::Decision;
+use tollgate_rules::{Snapshot, plan};
+use tollgate_store::Outcome;
+
+use crate::Gateway;
+use crate::request::{Begun, Classified, deciding_name, rate_limited, with_budget};
+use crate::respond::{Answer, QuotaHeaders, RateFields, Refusal};
+
 use crate::respond::{Usage, UsageLimit, UsageQuota, budget_values, quota_used};
 use tollgate_limit::bucket::secs_to_full;
 
