@@ -26,7 +26,7 @@ use tokio::time::{Instant, sleep_until};
 pub use args::FleetArgs;
 use args::{Mode, Plan, Policy, RunSpec};
 use load::{LoadSpec, Target};
-use procs::{Gateway, GatewaySpec, Proc, Redis, WorkDir};
+use procs::{GatewayProc, GatewaySpec, Proc, Redis, WorkDir};
 use report::{RunFacts, RunReport, StoreCounters};
 use rules::{BaseRules, Contract};
 
@@ -126,11 +126,13 @@ async fn start_gateways(
     setup: Arc<GatewaySpec>,
     n: u32,
     dir: &std::path::Path,
-) -> Result<Vec<Gateway>, String> {
+) -> Result<Vec<GatewayProc>, String> {
     let mut tasks = Vec::new();
     for i in 0..n as usize {
         let (setup, dir) = (setup.clone(), dir.to_path_buf());
-        tasks.push(tokio::spawn(async move { Gateway::start(&setup, i, &dir).await }));
+        tasks.push(tokio::spawn(
+            async move { GatewayProc::start(&setup, i, &dir).await },
+        ));
     }
     let mut gws = Vec::new();
     let mut first_err = None;
@@ -347,7 +349,7 @@ async fn one_run(
     let load_before = load_average();
     let t0 = Instant::now() + Duration::from_millis(50);
     let (outcome, outage) = tokio::join!(
-        load::drive(&traffic, Arc::new(targets), t0),
+        load::run_load(&traffic, Arc::new(targets), t0),
         pause_store(plan, run.policy, fleet.redis, t0)
     );
     let (outcome, outage_us) = (outcome?, outage?);
@@ -389,7 +391,7 @@ fn write_rules(dir: &std::path::Path, label: &str, text: String) -> Result<std::
 }
 
 /// Where the storm's workers send: each gateway's client and the limited path.
-fn targets(gws: &[Gateway]) -> Result<Vec<Target>, String> {
+fn targets(gws: &[GatewayProc]) -> Result<Vec<Target>, String> {
     gws.iter()
         .map(|g| {
             Ok(Target {
@@ -426,7 +428,7 @@ async fn pause_store(
 }
 
 /// The store counters summed over every gateway's /metrics.
-async fn store_counters(gws: &[Gateway]) -> Result<StoreCounters, String> {
+async fn store_counters(gws: &[GatewayProc]) -> Result<StoreCounters, String> {
     let mut counters = StoreCounters::default();
     for g in gws {
         match g.admin_get("/metrics").await {

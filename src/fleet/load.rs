@@ -161,7 +161,7 @@ async fn work(w: Worker, t0: Instant, deadline: Instant, targets: Arc<Vec<Target
 }
 
 /// Runs the load from `t0` for its duration; returns every answer, in no order.
-pub async fn drive(traffic: &LoadSpec, targets: Arc<Vec<Target>>, t0: Instant) -> Result<Outcome, String> {
+pub async fn run_load(traffic: &LoadSpec, targets: Arc<Vec<Target>>, t0: Instant) -> Result<Outcome, String> {
     let deadline = t0 + traffic.duration;
     let storm_auth = bearer(&traffic.storm_key)?;
     let partner_auth: Vec<HeaderValue> = traffic

@@ -283,7 +283,7 @@ pub async fn start_upstream(bin: &Path, dir: &Path) -> Result<(Proc, SocketAddr)
 pub type HttpClient = Client<HttpConnector, Empty<Bytes>>;
 
 /// One `tollgate serve` process and the connection pool the load driver keeps to it.
-pub struct Gateway {
+pub struct GatewayProc {
     pub proc: Proc,
     pub addr: SocketAddr,
     pub admin: SocketAddr,
@@ -311,8 +311,8 @@ pub fn client() -> HttpClient {
         .build(http)
 }
 
-impl Gateway {
-    pub async fn start(setup: &GatewaySpec, index: usize, dir: &Path) -> Result<Gateway, String> {
+impl GatewayProc {
+    pub async fn start(setup: &GatewaySpec, index: usize, dir: &Path) -> Result<GatewayProc, String> {
         let mut cmd = Command::new(&setup.bin);
         cmd.arg("serve")
             .arg("--rules")
@@ -345,7 +345,7 @@ impl Gateway {
             &["tollgate listening on http://", "admin listening on http://"],
         )
         .await?;
-        Ok(Gateway {
+        Ok(GatewayProc {
             proc,
             addr: addrs[0],
             admin: addrs[1],
