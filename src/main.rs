@@ -6,15 +6,11 @@ use anyhow::{Context, Result};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use tollgate_gateway::access::{self, AccessLogFormat};
-use tollgate_gateway::app::{self, GatewayConfig, MeterConfig, RulesSource};
-use tollgate_gateway::regions::RegionsConfig;
+use tollgate_gateway::app::{self, GatewayConfig, RulesSource};
 
 use clap::{Parser, Subcommand};
-use tollgate_gateway::config::{
-    CommonArgs, DEFAULT_ACCESS_BUFFER, DemoArgs, LogFormat, ServeArgs, StoreUrl, host_name,
-};
+use tollgate_gateway::config::{DEFAULT_ACCESS_BUFFER, DemoArgs, LogFormat, ServeArgs, host_name};
 use tollgate_gateway::server::{self, ServerLimits};
-use tollgate_rules::identity::TrustedProxies;
 
 // jemalloc, for what it gives back: see Cargo.toml.
 #[global_allocator]
@@ -265,93 +261,6 @@ fn json_asked(args: &[std::ffi::OsString]) -> bool {
     let flag = args.windows(2).any(|w| w[0] == "--log-format" && w[1] == "json")
         || args.contains(&"--log-format=json");
     flag || std::env::var("TOLLGATE_LOG_FORMAT").is_ok_and(|v| v == "json")
-}
-
-fn config(rules: RulesSource, c: &CommonArgs, demo: bool) -> Result<GatewayConfig> {
-    let mut cfg = GatewayConfig::new(rules);
-    cfg.listen = c.listen;
-    cfg.admin_listen = c.admin_listen;
-    cfg.admin_hosts = tollgate_gateway::admin_guard::AdminHosts::new(&c.admin_hosts);
-    cfg.admin_token = c
-        .admin_token_file
-        .as_deref()
-        .map(tollgate_gateway::admin_guard::AdminToken::read)
-        .transpose()
-        .map_err(anyhow::Error::msg)?;
-    cfg.keys_file = Some(c.keys_file.clone().unwrap_or_else(|| {
-        c.meter_file
-            .parent()
-            .unwrap_or(std::path::Path::new(""))
-            .join("tollgate-keys.db")
-    }));
-    cfg.store = StoreUrl::parse(&c.store).map_err(anyhow::Error::msg)?;
-    cfg.clock_source = c.clock;
-    cfg.tls = match (&c.tls_cert, &c.tls_key) {
-        (Some(cert), Some(key)) => Some((cert.clone(), key.clone())),
-        _ => None,
-    };
-    cfg.trusted = TrustedProxies::parse(&c.trusted_proxy).map_err(anyhow::Error::msg)?;
-    cfg.limits = ServerLimits {
-        header_read_timeout: c.header_timeout,
-        idle_timeout: c.idle_timeout,
-        body_read_timeout: c.body_timeout,
-        drain_timeout: c.drain_timeout,
-        upgrade_grace: c.upgrade_grace,
-        max_header_bytes: c.max_header_bytes,
-        express: !c.no_express,
-        max_connections: c.max_connections,
-        max_connections_per_ip: c.max_connections_per_ip,
-        proxy_protocol: c.proxy_protocol.then(|| std::sync::Arc::new(cfg.trusted.clone())),
-        ..ServerLimits::default()
-    };
-    cfg.demo = demo;
-    cfg.hosts_file = c.hosts_file.clone();
-    cfg.shutdown_delay = c.shutdown_delay;
-    cfg.shards = shards(c.threads);
-    cfg.store_timeout = c.store_timeout;
-    cfg.fleet_size = c.fleet_size;
-    cfg.seat_lease = c.concurrency_lease;
-    cfg.otlp = c
-        .otlp_endpoint
-        .clone()
-        .map(|endpoint| tollgate_gateway::otel::OtlpConfig {
-            endpoint,
-            sample_ratio: c.otlp_sample_ratio,
-        });
-    cfg.meter = (!c.no_meter).then(|| MeterConfig {
-        instance: c.instance.clone().unwrap_or_else(host_name),
-        interval: c.meter_interval,
-        file: c.meter_file.clone(),
-    });
-    if let Some(region) = &c.region {
-        let instance = c.instance.clone().unwrap_or_else(host_name);
-        let rc = RegionsConfig::parse(
-            region,
-            &c.regions,
-            &c.region_health,
-            c.rebalance_interval,
-            c.region_lease,
-            &instance,
-        )
-        .map_err(anyhow::Error::msg)?;
-        // This Region's store is the gateway's: naming another one with --store is a mistake.
-        match &cfg.store {
-            StoreUrl::Memory if c.store == "memory" => {}
-            StoreUrl::Redis(url) if url == rc.own_store() => {}
-            _ => anyhow::bail!(
-                "--store {} and --regions {}={} name two stores for this Region; leave --store out",
-                c.store,
-                region,
-                rc.own_store()
-            ),
-        }
-        cfg.store = StoreUrl::Redis(rc.own_store().to_string());
-        cfg.regions = Some(RegionsConfig {
-            store_timeout: c.region_store_timeout,
-            ..rc
-        });
-    }
-    Ok(cfg)
 }
 
 async fn shutdown_signal() {
@@ -673,14 +582,6 @@ fn one_line(e: &anyhow::Error) -> String {
     out
 }
 
-/// Threads that serve a gateway's connections: `--threads`, or one per CPU.
-fn shards(threads: Option<u16>) -> usize {
-    threads.map_or_else(
-        || std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
-        usize::from,
-    )
-}
-
 /// Runs `serve`, `demo` or `demo-upstream` on a runtime of `threads`.
 fn run(cli: Cli, threads: Option<u16>, format: LogFormat, lines: Option<access::AccessLog>) -> Result<()> {
     let gateway = matches!(cli.command, Command::Serve(_) | Command::Demo(_));
@@ -705,7 +606,10 @@ fn run(cli: Cli, threads: Option<u16>, format: LogFormat, lines: Option<access::
     rt.block_on(async move {
         match cli.command {
             Command::Serve(a) => {
-                let mut cfg = config(RulesSource::File(a.rules.clone()), &a.common, false)?;
+                let mut cfg = a
+                    .common
+                    .gateway_config(RulesSource::File(a.rules.clone()), false)
+                    .map_err(anyhow::Error::msg)?;
                 cfg.access_log = lines;
                 run_gateway(cfg, false, format).await
             }
@@ -714,7 +618,7 @@ fn run(cli: Cli, threads: Option<u16>, format: LogFormat, lines: Option<access::
                     Some(p) => RulesSource::File(p.clone()),
                     None => RulesSource::demo(),
                 };
-                let mut cfg = config(rules, &a.common, true)?;
+                let mut cfg = a.common.gateway_config(rules, true).map_err(anyhow::Error::msg)?;
                 cfg.access_log = lines;
                 cfg.demo_targets = a.targets;
                 run_gateway(cfg, true, format).await

@@ -2,7 +2,6 @@
 //! demo upstream, and one shutdown signal for all of them.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,7 +11,8 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::admin::Admin;
-use crate::config::{ClockSource, StoreUrl};
+use crate::config::StoreUrl;
+pub use crate::config::{GatewayConfig, MeterConfig, StartError};
 use crate::demo_instances::DemoInstances;
 use crate::otel::Otel;
 use crate::regions::{RegionTasks, Regions};
@@ -20,12 +20,10 @@ use crate::reload::{Reloader, WatchHandle};
 use crate::request::{Gateway, Parts};
 use crate::server::{self, ServerLimits, stopped, tls};
 use fred::interfaces::ClientLike;
-use tollgate_limit::clock::{Clock, SystemClock};
 use tollgate_meter::counter::{self, Meter, Sink};
 use tollgate_meter::record::Identity;
 use tollgate_meter::sink::{FlagSource, RedisSink, SqliteSink};
-use tollgate_rules::identity::TrustedProxies;
-use tollgate_rules::{CompileOptions, RulesError, Snapshot};
+use tollgate_rules::{CompileOptions, Snapshot};
 pub use tollgate_rules::{RulesLoader, RulesSource};
 use tollgate_store::Store;
 use tollgate_store::guard::Guard;
@@ -34,123 +32,6 @@ use tollgate_store::memory::MemoryStore;
 use tollgate_store::redis::{Target, side_client};
 use tollgate_store::seats::RedisSeats;
 use tollgate_telemetry::metrics::Metrics;
-
-/// A validated configuration.
-pub struct GatewayConfig {
-    pub rules: RulesSource,
-    pub listen: SocketAddr,
-    pub admin_listen: Option<SocketAddr>,
-    /// Host names the admin pages and API answer to besides IP literals and `localhost`.
-    pub admin_hosts: crate::admin_guard::AdminHosts,
-    /// The token the key API asks for; `None`: the key API answers 404.
-    pub admin_token: Option<crate::admin_guard::AdminToken>,
-    /// Where the embedded store keeps keys made through the admin API; `None`: it keeps
-    /// none and the key API is off (the command line always names one).
-    pub keys_file: Option<PathBuf>,
-    pub store: StoreUrl,
-    pub tls: Option<(PathBuf, PathBuf)>,
-    pub trusted: TrustedProxies,
-    pub limits: ServerLimits,
-    /// Start the demo upstream and point every upstream at it.
-    pub demo: bool,
-    /// How many instances of the demo upstream to start, each a target of every upstream.
-    pub demo_targets: u32,
-    /// After the stop signal, how long `/readyz` answers 503 while everything still serves,
-    /// before the public listener stops.
-    pub shutdown_delay: Duration,
-    /// The gateway's clock (the embedded store reads it; tests pass a manual one).
-    pub clock: Arc<dyn Clock>,
-    /// How long a check may wait for a remote store.
-    pub store_timeout: Duration,
-    /// Gateways in the fleet; learned from the store when `None`.
-    pub fleet_size: Option<u32>,
-    /// Whose clock a Redis store's check reads (the store's unless `--clock gateway`).
-    pub clock_source: ClockSource,
-    /// Metering of admitted requests for billing; off when `None`.
-    pub meter: Option<MeterConfig>,
-    /// Limits shared with other Regions; off when `None`.
-    pub regions: Option<crate::regions::RegionsConfig>,
-    /// How long a seat of a limit on requests in flight outlives a gateway that died holding it.
-    pub seat_lease: Duration,
-    /// A span per request over OTLP; off when `None`.
-    pub otlp: Option<crate::otel::OtlpConfig>,
-    /// Where access lines go in a conventional format; `None`: as `tollgate::access` events.
-    pub access_log: Option<crate::access::AccessLog>,
-    /// Threads that accept and serve the public listener's connections, each on a listener
-    /// of its own (`server::run_shards`); 1: the caller's runtime serves them.
-    pub shards: usize,
-    /// A hosts(5) file that answers upstream target names before the system's resolver.
-    pub hosts_file: Option<PathBuf>,
-}
-
-/// Where and how often this gateway writes its usage records.
-#[derive(Debug, Clone)]
-pub struct MeterConfig {
-    /// This gateway's name in its records (its identity adds a boot id made at start).
-    pub instance: String,
-    pub interval: Duration,
-    /// The SQLite file for the embedded store; a Redis store takes the records on its stream.
-    pub file: PathBuf,
-}
-
-impl GatewayConfig {
-    /// Defaults for a quick start on loopback: memory store, free ports, system clock.
-    pub fn new(rules: RulesSource) -> GatewayConfig {
-        GatewayConfig {
-            rules,
-            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-            admin_listen: None,
-            admin_hosts: Default::default(),
-            admin_token: None,
-            keys_file: None,
-            store: StoreUrl::Memory,
-            tls: None,
-            trusted: TrustedProxies::default(),
-            limits: ServerLimits::default(),
-            demo: false,
-            demo_targets: 1,
-            shutdown_delay: Duration::ZERO,
-            clock: SystemClock::shared(),
-            store_timeout: Duration::from_millis(3),
-            fleet_size: None,
-            clock_source: ClockSource::Store,
-            meter: None,
-            regions: None,
-            seat_lease: Duration::from_secs(30),
-            otlp: None,
-            access_log: None,
-            shards: 1,
-            hosts_file: None,
-        }
-    }
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum StartError {
-    #[error("{0}")]
-    Rules(#[from] RulesError),
-    #[error("TLS: {0}")]
-    Tls(#[from] tls::TlsError),
-    #[error("cannot listen on {addr}: {source}")]
-    Bind {
-        addr: SocketAddr,
-        source: std::io::Error,
-    },
-    #[error("store: {0}")]
-    Store(String),
-    #[error("rules file watch: {0}")]
-    Watch(String),
-    #[error("metering: {0}")]
-    Meter(String),
-    #[error("Regions: {0}")]
-    Regions(String),
-    #[error("OTLP: {0}")]
-    Otlp(String),
-    #[error("managed keys: {0}")]
-    Keys(String),
-    #[error("hosts file: {0}")]
-    HostsFile(String),
-}
 
 /// The keys made through the admin API, loaded and put in place before anything serves: in
 /// the store's Redis, or in the keys file on the embedded store. A Redis Cluster store has
@@ -237,17 +118,6 @@ async fn follow_names(gateway: Arc<Gateway>, stop: impl std::future::Future<Outp
             _ = tick.tick() => gateway.follow_names().await,
         }
     }
-}
-
-/// The running rules' limit names, for the store guard's metrics.
-pub fn limit_names(rules: Arc<ArcSwap<Snapshot>>) -> tollgate_store::guard::LimitNames {
-    Arc::new(move |li| {
-        rules
-            .load()
-            .limits
-            .get(li as usize)
-            .map_or_else(|| Arc::from("?"), |l| l.name.clone())
-    })
 }
 
 /// A gateway that is serving.

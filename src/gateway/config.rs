@@ -1,11 +1,19 @@
-//! The command line: every flag also reads a `TOLLGATE_*` environment variable, and every value
-//! is validated before anything starts.
+//! The command line and the configuration it makes: every flag also reads a `TOLLGATE_*`
+//! environment variable, every value is validated, and `CommonArgs::gateway_config` turns them
+//! into the [`GatewayConfig`] start-up takes, before anything starts.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
+use tollgate_limit::clock::{Clock, SystemClock};
+use tollgate_rules::identity::TrustedProxies;
+use tollgate_rules::{RulesError, RulesSource};
+
+use crate::regions::RegionsConfig;
+use crate::server::{ServerLimits, tls};
 pub use tollgate_limit::clock::parse_duration;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
@@ -286,6 +294,220 @@ impl StoreUrl {
             "--store {text:?}: expected \"memory\", \"redis://HOST:PORT\" or \"redis-cluster://H1:P1,H2:P2\""
         ))
     }
+}
+
+/// A validated configuration.
+pub struct GatewayConfig {
+    pub rules: RulesSource,
+    pub listen: SocketAddr,
+    pub admin_listen: Option<SocketAddr>,
+    /// Host names the admin pages and API answer to besides IP literals and `localhost`.
+    pub admin_hosts: crate::admin_guard::AdminHosts,
+    /// The token the key API asks for; `None`: the key API answers 404.
+    pub admin_token: Option<crate::admin_guard::AdminToken>,
+    /// Where the embedded store keeps keys made through the admin API; `None`: it keeps
+    /// none and the key API is off (the command line always names one).
+    pub keys_file: Option<PathBuf>,
+    pub store: StoreUrl,
+    pub tls: Option<(PathBuf, PathBuf)>,
+    pub trusted: TrustedProxies,
+    pub limits: ServerLimits,
+    /// Start the demo upstream and point every upstream at it.
+    pub demo: bool,
+    /// How many instances of the demo upstream to start, each a target of every upstream.
+    pub demo_targets: u32,
+    /// After the stop signal, how long `/readyz` answers 503 while everything still serves,
+    /// before the public listener stops.
+    pub shutdown_delay: Duration,
+    /// The gateway's clock (the embedded store reads it; tests pass a manual one).
+    pub clock: Arc<dyn Clock>,
+    /// How long a check may wait for a remote store.
+    pub store_timeout: Duration,
+    /// Gateways in the fleet; learned from the store when `None`.
+    pub fleet_size: Option<u32>,
+    /// Whose clock a Redis store's check reads (the store's unless `--clock gateway`).
+    pub clock_source: ClockSource,
+    /// Metering of admitted requests for billing; off when `None`.
+    pub meter: Option<MeterConfig>,
+    /// Limits shared with other Regions; off when `None`.
+    pub regions: Option<crate::regions::RegionsConfig>,
+    /// How long a seat of a limit on requests in flight outlives a gateway that died holding it.
+    pub seat_lease: Duration,
+    /// A span per request over OTLP; off when `None`.
+    pub otlp: Option<crate::otel::OtlpConfig>,
+    /// Where access lines go in a conventional format; `None`: as `tollgate::access` events.
+    pub access_log: Option<crate::access::AccessLog>,
+    /// Threads that accept and serve the public listener's connections, each on a listener
+    /// of its own (`server::run_shards`); 1: the caller's runtime serves them.
+    pub shards: usize,
+    /// A hosts(5) file that answers upstream target names before the system's resolver.
+    pub hosts_file: Option<PathBuf>,
+}
+
+/// Where and how often this gateway writes its usage records.
+#[derive(Debug, Clone)]
+pub struct MeterConfig {
+    /// This gateway's name in its records (its identity adds a boot id made at start).
+    pub instance: String,
+    pub interval: Duration,
+    /// The SQLite file for the embedded store; a Redis store takes the records on its stream.
+    pub file: PathBuf,
+}
+
+impl GatewayConfig {
+    /// Defaults for a quick start on loopback: memory store, free ports, system clock.
+    pub fn new(rules: RulesSource) -> GatewayConfig {
+        GatewayConfig {
+            rules,
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            admin_listen: None,
+            admin_hosts: Default::default(),
+            admin_token: None,
+            keys_file: None,
+            store: StoreUrl::Memory,
+            tls: None,
+            trusted: TrustedProxies::default(),
+            limits: ServerLimits::default(),
+            demo: false,
+            demo_targets: 1,
+            shutdown_delay: Duration::ZERO,
+            clock: SystemClock::shared(),
+            store_timeout: Duration::from_millis(3),
+            fleet_size: None,
+            clock_source: ClockSource::Store,
+            meter: None,
+            regions: None,
+            seat_lease: Duration::from_secs(30),
+            otlp: None,
+            access_log: None,
+            shards: 1,
+            hosts_file: None,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("{0}")]
+    Rules(#[from] RulesError),
+    #[error("TLS: {0}")]
+    Tls(#[from] tls::TlsError),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("store: {0}")]
+    Store(String),
+    #[error("rules file watch: {0}")]
+    Watch(String),
+    #[error("metering: {0}")]
+    Meter(String),
+    #[error("Regions: {0}")]
+    Regions(String),
+    #[error("OTLP: {0}")]
+    Otlp(String),
+    #[error("managed keys: {0}")]
+    Keys(String),
+    #[error("hosts file: {0}")]
+    HostsFile(String),
+}
+
+impl CommonArgs {
+    /// The gateway's configuration from these flags, every value checked: the one place
+    /// flags become a [`GatewayConfig`].
+    pub fn gateway_config(&self, rules: RulesSource, demo: bool) -> Result<GatewayConfig, String> {
+        let c = self;
+        let mut cfg = GatewayConfig::new(rules);
+        cfg.listen = c.listen;
+        cfg.admin_listen = c.admin_listen;
+        cfg.admin_hosts = crate::admin_guard::AdminHosts::new(&c.admin_hosts);
+        cfg.admin_token = c
+            .admin_token_file
+            .as_deref()
+            .map(crate::admin_guard::AdminToken::read)
+            .transpose()?;
+        cfg.keys_file = Some(c.keys_file.clone().unwrap_or_else(|| {
+            c.meter_file
+                .parent()
+                .unwrap_or(std::path::Path::new(""))
+                .join("tollgate-keys.db")
+        }));
+        cfg.store = StoreUrl::parse(&c.store)?;
+        cfg.clock_source = c.clock;
+        cfg.tls = match (&c.tls_cert, &c.tls_key) {
+            (Some(cert), Some(key)) => Some((cert.clone(), key.clone())),
+            _ => None,
+        };
+        cfg.trusted = TrustedProxies::parse(&c.trusted_proxy)?;
+        cfg.limits = ServerLimits {
+            header_read_timeout: c.header_timeout,
+            idle_timeout: c.idle_timeout,
+            body_read_timeout: c.body_timeout,
+            drain_timeout: c.drain_timeout,
+            upgrade_grace: c.upgrade_grace,
+            max_header_bytes: c.max_header_bytes,
+            express: !c.no_express,
+            max_connections: c.max_connections,
+            max_connections_per_ip: c.max_connections_per_ip,
+            proxy_protocol: c.proxy_protocol.then(|| std::sync::Arc::new(cfg.trusted.clone())),
+            ..ServerLimits::default()
+        };
+        cfg.demo = demo;
+        cfg.hosts_file = c.hosts_file.clone();
+        cfg.shutdown_delay = c.shutdown_delay;
+        cfg.shards = shards(c.threads);
+        cfg.store_timeout = c.store_timeout;
+        cfg.fleet_size = c.fleet_size;
+        cfg.seat_lease = c.concurrency_lease;
+        cfg.otlp = c.otlp_endpoint.clone().map(|endpoint| crate::otel::OtlpConfig {
+            endpoint,
+            sample_ratio: c.otlp_sample_ratio,
+        });
+        cfg.meter = (!c.no_meter).then(|| MeterConfig {
+            instance: c.instance.clone().unwrap_or_else(host_name),
+            interval: c.meter_interval,
+            file: c.meter_file.clone(),
+        });
+        if let Some(region) = &c.region {
+            let instance = c.instance.clone().unwrap_or_else(host_name);
+            let rc = RegionsConfig::parse(
+                region,
+                &c.regions,
+                &c.region_health,
+                c.rebalance_interval,
+                c.region_lease,
+                &instance,
+            )?;
+            // This Region's store is the gateway's: naming another one with --store is a mistake.
+            match &cfg.store {
+                StoreUrl::Memory if c.store == "memory" => {}
+                StoreUrl::Redis(url) if url == rc.own_store() => {}
+                _ => {
+                    return Err(format!(
+                        "--store {} and --regions {}={} name two stores for this Region; leave --store out",
+                        c.store,
+                        region,
+                        rc.own_store()
+                    ));
+                }
+            }
+            cfg.store = StoreUrl::Redis(rc.own_store().to_string());
+            cfg.regions = Some(RegionsConfig {
+                store_timeout: c.region_store_timeout,
+                ..rc
+            });
+        }
+        Ok(cfg)
+    }
+}
+
+/// Threads that serve a gateway's connections: `--threads`, or one per CPU.
+pub fn shards(threads: Option<u16>) -> usize {
+    threads.map_or_else(
+        || std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
+        usize::from,
+    )
 }
 
 #[cfg(test)]

@@ -18,8 +18,8 @@ use std::sync::{Arc, OnceLock};
 use arc_swap::ArcSwap;
 use tower::{Layer, ServiceBuilder};
 
-use crate::app::{GatewayConfig, StartError};
 use crate::config::{ClockSource, StoreUrl};
+use crate::config::{GatewayConfig, StartError};
 use tollgate_rules::Snapshot;
 use tollgate_store::Store;
 use tollgate_store::guard::{FleetSize, Guard};
@@ -143,7 +143,7 @@ impl Layer<Dyn> for GuardLayer<'_> {
             self.cfg.store_timeout,
             self.fleet.clone(),
             self.cfg.clock.clone(),
-            crate::app::limit_names(self.rules.clone()),
+            limit_names(self.rules.clone()),
             self.metrics.clone(),
         );
         let g = Arc::new(if self.cluster { g.per_slot(cluster_slot) } else { g });
@@ -233,7 +233,7 @@ impl HomeLayer {
                 rc.store_timeout,
                 Arc::new(FleetSize::fixed(cfg.fleet_size.unwrap_or(1))),
                 cfg.clock.clone(),
-                crate::app::limit_names(rules.clone()),
+                limit_names(rules.clone()),
                 metrics.clone(),
             );
             homes.insert(Arc::from(name.as_str()), Arc::new(guard) as Dyn);
@@ -285,4 +285,15 @@ async fn redis_store(target: Target<'_>, cfg: &GatewayConfig) -> Result<Arc<Redi
         }
         Err(e) => Err(StartError::Store(e.to_string())),
     }
+}
+
+/// The running rules' limit names, for the store guard's metrics.
+pub fn limit_names(rules: Arc<ArcSwap<Snapshot>>) -> tollgate_store::guard::LimitNames {
+    Arc::new(move |li| {
+        rules
+            .load()
+            .limits
+            .get(li as usize)
+            .map_or_else(|| Arc::from("?"), |l| l.name.clone())
+    })
 }
