@@ -9,6 +9,7 @@ pub mod cli;
 pub mod health;
 pub mod instances;
 pub mod raw;
+pub mod regions;
 pub mod relay;
 pub mod tls;
 
