@@ -11,6 +11,7 @@ pub mod instances;
 pub mod raw;
 pub mod regions;
 pub mod relay;
+pub mod replay;
 pub mod tls;
 
 use std::io::{BufRead, BufReader};
