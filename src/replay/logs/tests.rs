@@ -1,6 +1,7 @@
 //! Tests of `logs`.
 
 use super::*;
+use crate::lines::MAX_LINE;
 
 /// Dec 6 2026, 22:40:00 UTC, in µs.
 const T: u64 = 1_765_060_800_000_000;
