@@ -155,8 +155,11 @@ async fn a_recorded_log_replays_to_the_gateways_own_decisions() {
         // All but the two without a route.
         assert_eq!(replayed as usize, statuses.len() - 2, "{format}: {summary}");
         assert_eq!(logged_refused as usize, refused, "{format}: {summary}");
+        // 30 at once on a burst of 20: how many the refill lets through depends on how fast
+        // they arrive (the plan refills one every 100 ms), so only some must be refused; the
+        // totals above hold the log to what the client saw.
         assert!(
-            key(&summary, "k-7")["logged_refused"].as_u64().unwrap() >= 9,
+            key(&summary, "k-7")["logged_refused"].as_u64().unwrap() >= 1,
             "{summary}"
         );
         assert!(
