@@ -8,6 +8,7 @@ pub mod cdp;
 pub mod cli;
 pub mod health;
 pub mod instances;
+pub mod meter;
 pub mod pair;
 pub mod raw;
 pub mod regions;
