@@ -14,6 +14,7 @@ pub mod raw;
 pub mod regions;
 pub mod relay;
 pub mod replay;
+pub mod store;
 pub mod tls;
 
 use std::io::{BufRead, BufReader};
