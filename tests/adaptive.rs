@@ -231,7 +231,7 @@ async fn a_client_that_goes_away_gives_its_place_back() {
 fn bad_concurrency_fields_stop_the_gateway_with_their_message() {
     let base = rules("127.0.0.1:9".parse().unwrap(), 4, 2000);
     let bad = base.replace(r#""min": 4, "max": 2000"#, r#""min": 40, "max": 20"#);
-    let (ok, stderr) = common::serve_and_exit(&bad, &[]);
+    let (ok, stderr) = common::processes::serve_and_exit(&bad, &[]);
     assert!(!ok);
     assert!(
         stderr.contains("upstreams.orders.concurrency.max: 20 is below min 40"),

@@ -30,7 +30,7 @@ impl Conn {
 
     /// Reads one response with a `Content-Length` body; its status.
     async fn status(&mut self) -> u16 {
-        common::read_status(&mut self.tcp, Duration::from_secs(20)).await
+        common::raw::read_status(&mut self.tcp, Duration::from_secs(20)).await
     }
 
     async fn get(&mut self, path: &str) -> u16 {

@@ -21,7 +21,7 @@ async fn request(tcp: &mut TcpStream) -> u16 {
         .await
         .expect("write a request");
     // A deadline, so a lost answer fails the test instead of hanging it.
-    common::read_status(tcp, Duration::from_secs(60)).await
+    common::raw::read_status(tcp, Duration::from_secs(60)).await
 }
 
 async fn connect(addr: SocketAddr) -> TcpStream {

@@ -292,7 +292,10 @@ async fn many_h1(addr: SocketAddr, n: usize, path: &'static str) -> Vec<Duration
             let mut tcp = TcpStream::connect(addr).await.expect("connect");
             let head = format!("GET {path} HTTP/1.1\r\nHost: gw\r\nX-API-Key: {KBIG}\r\n\r\n");
             tcp.write_all(head.as_bytes()).await.unwrap();
-            assert_eq!(common::read_status(&mut tcp, Duration::from_secs(20)).await, 200);
+            assert_eq!(
+                common::raw::read_status(&mut tcp, Duration::from_secs(20)).await,
+                200
+            );
             let idle_from = Instant::now();
             drop(permit);
             let mut one = [0u8; 1];

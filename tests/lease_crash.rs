@@ -94,7 +94,7 @@ async fn request_loop(addr: std::net::SocketAddr, start: Instant, stop: Arc<Atom
     let mut next = tokio::time::Instant::now();
     while !stop.load(Ordering::Acquire) {
         tcp.write_all(req.as_bytes()).await.expect("send a request");
-        let status = common::read_status(&mut tcp, Duration::from_secs(5)).await;
+        let status = common::raw::read_status(&mut tcp, Duration::from_secs(5)).await;
         seen.push((start.elapsed().as_micros() as u64, status));
         next += PACE;
         tokio::time::sleep_until(next).await;

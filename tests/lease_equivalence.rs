@@ -110,7 +110,7 @@ async fn run(
     let mut rng = StdRng::seed_from_u64(seed);
     let keys: Vec<String> = (0..BUCKETS).map(|i| format!("rl:{{eq}}:lease{i}")).collect();
     let mut rules: Vec<BucketParams> = (0..BUCKETS).map(|_| random_params(&mut rng)).collect();
-    let mut states: HashMap<usize, common::Stored> = HashMap::new();
+    let mut states: HashMap<usize, common::store::Stored> = HashMap::new();
     let mut records: Vec<HolderRecords> = vec![HolderRecords::new(); BUCKETS];
     let (mut grants, mut denials, mut gives, mut checks, mut changes) = (0, 0, 0, 0, 0);
     let mut reclaims = 0;
@@ -128,7 +128,7 @@ async fn run(
         let stored = states.get(&i).copied();
         let before = stored;
         // The state the script reads at the call's now: none once its field has expired.
-        let read = |now: u64| common::Stored::read(stored.as_ref(), now);
+        let read = |now: u64| common::store::Stored::read(stored.as_ref(), now);
         let recs_before = records[i].clone();
         let acct = Account {
             holder: HOLDERS[rng.random_range(0..HOLDERS.len())],
@@ -254,7 +254,7 @@ async fn run(
             }
         };
         let state = state.expect("every call writes its bucket");
-        states.insert(i, common::Stored::written(&p, state, now));
+        states.insert(i, common::store::Stored::written(&p, state, now));
     }
     // The run must have granted, denied, given back, checked and changed rules, or it proves
     // little.

@@ -13,7 +13,7 @@
 
 mod common;
 
-use common::Stored;
+use common::store::Stored;
 
 use std::collections::HashMap;
 use std::sync::Arc;

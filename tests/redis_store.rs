@@ -367,7 +367,7 @@ async fn a_store_that_refuses_time_in_scripts_needs_the_gateway_clock() {
     // A store where scripts can't call TIME, as on some managed services.
     let redis = RedisServer::start_with(&["--rename-command", "TIME", ""]);
     let url = redis.url();
-    let (ok, stderr) = common::serve_and_exit(&demo_rules(), &["--store", &url]);
+    let (ok, stderr) = common::processes::serve_and_exit(&demo_rules(), &["--store", &url]);
     assert!(!ok, "tollgate started on a store whose scripts can't read TIME");
     assert!(stderr.contains(&url), "{stderr}");
     assert!(
@@ -533,7 +533,7 @@ async fn checks_queued_behind_a_busy_store_share_calls_and_abandoned_ones_charge
     for i in &items[..tollgate_store::redis::MAX_IN_FLIGHT] {
         first.push(Box::pin(store.check(std::slice::from_ref(i))));
         let last = first.len() - 1;
-        common::queue_all(&mut first[last..]).await;
+        common::store::queue_all(&mut first[last..]).await;
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while store.calls_and_checks().0 - calls0 < first.len() as u64 {
             assert!(
@@ -545,13 +545,13 @@ async fn checks_queued_behind_a_busy_store_share_calls_and_abandoned_ones_charge
         }
     }
     let mut gone = [Box::pin(store.check(std::slice::from_ref(&abandoned)))];
-    common::queue_all(&mut gone).await;
+    common::store::queue_all(&mut gone).await;
     drop(gone);
     let mut rest: Vec<_> = items[first.len()..]
         .iter()
         .map(|i| Box::pin(store.check(std::slice::from_ref(i))))
         .collect();
-    common::queue_all(&mut rest).await;
+    common::store::queue_all(&mut rest).await;
     assert_eq!(redis.cli(&["CLIENT", "UNPAUSE"]), "OK");
 
     let scale = items[0].charge.params.scale;

@@ -741,7 +741,7 @@ async fn redis_cluster_conforms() {
         .iter()
         .map(|i| Box::pin(store.check(std::slice::from_ref(i))))
         .collect();
-    common::queue_all(&mut futures).await;
+    common::store::queue_all(&mut futures).await;
     for f in futures {
         let o = f.await.expect("a queued check on the cluster succeeds");
         assert!(o.admitted);
