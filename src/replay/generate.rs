@@ -126,16 +126,18 @@ pub fn hot(gateways: u64) -> impl Iterator<Item = GenRow> {
     })
 }
 
-/// Writes rows as a trace CSV: `time,key,gateway`, and `ip` with every row from `ip`.
+/// Writes rows as a trace CSV: `time,key,gateway,method,path`, every request a `GET` of the
+/// orders route (so a replay under a rules file finds its route), and `ip` with every row
+/// from `ip`.
 pub(crate) fn write_csv(
     rows: impl Iterator<Item = GenRow>,
     ip: Option<&str>,
     out: &mut impl Write,
 ) -> io::Result<()> {
     out.write_all(if ip.is_some() {
-        b"time,key,gateway,ip\n"
+        b"time,key,gateway,method,path,ip\n"
     } else {
-        b"time,key,gateway\n"
+        b"time,key,gateway,method,path\n"
     })?;
     let mut n = itoa::Buffer::new();
     let mut frac = [b'0'; 6];
@@ -152,6 +154,7 @@ pub(crate) fn write_csv(
         out.write_all(r.key.as_bytes())?;
         out.write_all(b",")?;
         out.write_all(n.format(r.gateway).as_bytes())?;
+        out.write_all(b",GET,/v1/orders")?;
         if let Some(ip) = ip {
             out.write_all(b",")?;
             out.write_all(ip.as_bytes())?;
@@ -188,7 +191,7 @@ mod tests {
         write_csv(rows[..2].iter().copied(), None, &mut csv).unwrap();
         assert_eq!(
             String::from_utf8(csv).unwrap(),
-            "time,key,gateway\n32340.000000,k-7,0\n32340.200000,k-7,1\n"
+            "time,key,gateway,method,path\n32340.000000,k-7,0,GET,/v1/orders\n32340.200000,k-7,1,GET,/v1/orders\n"
         );
     }
 
@@ -221,7 +224,7 @@ mod tests {
         write_csv(rows[..2].iter().copied(), Some(PARTNER_IP), &mut csv).unwrap();
         assert_eq!(
             String::from_utf8(csv).unwrap(),
-            "time,key,gateway,ip\n32340.000000,k-7,0,198.51.100.7\n32340.000000,k-8,1,198.51.100.7\n"
+            "time,key,gateway,method,path,ip\n32340.000000,k-7,0,GET,/v1/orders,198.51.100.7\n32340.000000,k-8,1,GET,/v1/orders,198.51.100.7\n"
         );
     }
 }
