@@ -23,7 +23,7 @@ fn the_binary_generates_the_storm_and_replays_it_to_json_and_decisions() {
     ]));
     let text = std::fs::read_to_string(&trace).unwrap();
     assert_eq!(text.lines().count(), 48_616);
-    assert!(text.starts_with("time,key,gateway\n32340.000000,k-7,0\n"));
+    assert!(text.starts_with("time,key,gateway,method,path\n32340.000000,k-7,0,GET,/v1/orders\n"));
     let out = ok(&tollgate(&[
         "replay",
         p(&trace),
@@ -470,10 +470,10 @@ fn a_second_app_joins_the_storm_behind_the_partners_address() {
     let text = std::fs::read_to_string(&trace).unwrap();
     assert_eq!(text.lines().count(), 1 + 48_615 + 7_200);
     assert!(text.starts_with(
-        "time,key,gateway,ip\n32340.000000,k-7,0,198.51.100.7\n32340.000000,k-8,1,198.51.100.7\n"
+        "time,key,gateway,method,path,ip\n32340.000000,k-7,0,GET,/v1/orders,198.51.100.7\n32340.000000,k-8,1,GET,/v1/orders,198.51.100.7\n"
     ));
     assert_eq!(text.lines().filter(|l| l.contains(",k-8,")).count(), 7_200);
-    assert!(text.ends_with("32699.950000,k-8,14,198.51.100.7\n"));
+    assert!(text.ends_with("32699.950000,k-8,14,GET,/v1/orders,198.51.100.7\n"));
     let err = fails(&tollgate(&[
         "replay",
         "--generate",
