@@ -94,9 +94,21 @@ async fn at_most_ten_of_a_keys_requests_are_in_flight() {
         );
         assert_eq!(refusals[0]["error"], "too_many_in_flight", "{case}");
         assert_eq!(refusals[0]["max_in_flight"], 10, "{case}");
-        // Every seat came back with its answer.
-        let (statuses, _, _) = burst(&gw, 10, 0).await;
-        assert_eq!(count(&statuses, StatusCode::OK), 10, "{case}: {statuses:?}");
+        // Every seat comes back with its answer. A seat in Redis is given back by a call that
+        // follows the answer, so a client quick enough may still find it held for a moment:
+        // ask again until all ten pass, within a second.
+        let deadline = std::time::Instant::now() + Duration::from_secs(1);
+        loop {
+            let (statuses, _, _) = burst(&gw, 10, 0).await;
+            if count(&statuses, StatusCode::OK) == 10 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{case}: seats not back: {statuses:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         // A key's seats are its own: another key is not held up.
         let other = Http::new()
             .get(&gw.url("/v1/slow?ms=0"), &[("x-api-key", common::K8)])
