@@ -210,10 +210,22 @@ pub(crate) enum Socket {
 pub(crate) fn look(io: &mut Stream) -> Socket {
     match io {
         Stream::Plain(tcp) => peek(tcp),
-        Stream::Tls(tls) => match peek(tls.get_ref().0) {
-            Socket::Stray => look_tls(tls),
-            other => other,
-        },
+        Stream::Tls(tls) => {
+            // Plaintext the session already holds (decrypted with the last answer's records)
+            // is not on the socket, where the peek looks.
+            if tls
+                .get_mut()
+                .1
+                .process_new_packets()
+                .is_ok_and(|st| st.plaintext_bytes_to_read() > 0)
+            {
+                return Socket::Stray;
+            }
+            match peek(tls.get_ref().0) {
+                Socket::Stray => look_tls(tls),
+                other => other,
+            }
+        }
     }
 }
 
