@@ -113,6 +113,23 @@ pub struct InputReport {
     pub cut: bool,
 }
 
+impl InputReport {
+    /// A file's report before any of its lines is read.
+    fn unread(file: String, format: Format, gzip: bool) -> InputReport {
+        InputReport {
+            file,
+            format: format.name(),
+            gzip,
+            lines: 0,
+            access: 0,
+            skipped: 0,
+            truncated: 0,
+            too_long: 0,
+            cut: false,
+        }
+    }
+}
+
 /// What became of the lines read, over all files.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct LineCounts {
@@ -252,19 +269,22 @@ impl Collector {
         }
     }
 
+    /// Reads every line of each of `inputs`, in turn.
+    fn read_all(&mut self, inputs: Vec<Input>, progress: bool) -> Result<Vec<InputReport>, ReplayError> {
+        let mut reports = Vec::with_capacity(inputs.len());
+        for input in inputs {
+            if input.format == Format::Empty {
+                reports.push(InputReport::unread(input.name, Format::Empty, input.gzip));
+                continue;
+            }
+            reports.push(self.read(input, progress)?);
+        }
+        Ok(reports)
+    }
+
     /// Reads every line of `input`.
     fn read(&mut self, input: Input, progress: bool) -> Result<InputReport, ReplayError> {
-        let mut report = InputReport {
-            file: input.name.clone(),
-            format: input.format.name(),
-            gzip: input.gzip,
-            lines: 0,
-            access: 0,
-            skipped: 0,
-            truncated: 0,
-            too_long: 0,
-            cut: false,
-        };
+        let mut report = InputReport::unread(input.name.clone(), input.format, input.gzip);
         let Input {
             name,
             format,
@@ -483,141 +503,196 @@ pub(crate) fn replay(
     progress: bool,
 ) -> Result<LogsReport, ReplayError> {
     let mut c = Collector::default();
-    let mut reports = Vec::with_capacity(inputs.len());
-    for input in inputs {
-        if input.format == Format::Empty {
-            reports.push(InputReport {
-                file: input.name,
-                format: Format::Empty.name(),
-                gzip: input.gzip,
-                lines: 0,
-                access: 0,
-                skipped: 0,
-                truncated: 0,
-                too_long: 0,
-                cut: false,
-            });
-            continue;
-        }
-        reports.push(c.read(input, progress)?);
-    }
+    let reports = c.read_all(inputs, progress)?;
     // Stable: lines of one instant keep their file's order, and files theirs.
     c.recs.sort_by_key(|r| r.check_us);
     let recs = std::mem::take(&mut c.recs);
     let mut run = Side::new(running, &mut c);
     let mut alt = proposed.map(|p| Side::new(p, &mut c));
-    let mut tallies = vec![KeyReport::default(); c.keys.len() + 1];
-    let (mut first, mut last) = (None, None);
-    for r in &recs {
-        let shapes = &c.shapes;
-        let example = || {
-            let (m, p) = &shapes[r.shape as usize];
-            format!("{m} {p}")
+    let tallies = run_lines(&recs, &mut c, &mut run, alt.as_mut());
+    Ok(settle(c, reports, &run, alt.as_ref(), tallies))
+}
+
+/// What replaying the lines counted: per logged key id, then callers without one, and the
+/// first and last check replayed.
+struct Tallies {
+    keys: Vec<KeyReport>,
+    first: Option<u64>,
+    last: Option<u64>,
+}
+
+/// Replays the sorted lines under both sides, counting each line replayed against its key.
+fn run_lines(recs: &[Rec], c: &mut Collector, run: &mut Side, mut alt: Option<&mut Side>) -> Tallies {
+    let mut t = Tallies {
+        keys: vec![KeyReport::default(); c.keys.len() + 1],
+        first: None,
+        last: None,
+    };
+    for r in recs {
+        let Some((v, p)) = replay_line(r, c, run, alt.as_deref_mut()) else {
+            continue;
         };
-        let resolved = run.resolve(r, shapes).and_then(|a| match alt.as_mut() {
-            Some(alt) => alt.resolve(r, shapes).map(|b| (a, Some(b))),
-            None => Ok((a, None)),
-        });
-        let ((ri, key), alt_at) = match resolved {
-            Ok(x) => x,
-            Err(why) => {
-                let by_request = why == run.no_route || alt.as_ref().is_some_and(|a| why == a.no_route);
-                c.reasons
-                    .count(why, by_request.then_some(&example as &dyn Fn() -> String));
-                c.counts.not_replayable += 1;
-                continue;
-            }
-        };
-        let (ip, fp) = c.clients[r.client as usize];
-        let cost = (r.cost != NO_COST).then_some(r.cost);
-        let check = |side: &mut Side, ri: usize, key: Option<usize>| {
-            side.fleet
-                .check_route(ri, key, ip, fp, 0, r.check_us, None, cost)
-                .map(|p| p.verdict)
-                .map_err(|e| format!("{}: {}", side.file.name, e.reason))
-        };
-        let verdicts = check(&mut run, ri, key).and_then(|a| match (alt.as_mut(), alt_at) {
-            (Some(side), Some((ri, key))) => check(side, ri, key).map(|b| (a, Some(b))),
-            _ => Ok((a, None)),
-        });
-        let (v, mut p) = match verdicts {
-            Ok(x) => x,
-            Err(why) => {
-                let id = c.reasons.id(why);
-                c.reasons.count(id, Some(&example));
-                c.counts.not_replayable += 1;
-                continue;
-            }
-        };
-        // A key the proposal drops is a caller without a key there: where the route needs
-        // one, its request would get 401 however its address's bucket stands, and the
-        // partner loses it as surely as to a limit.
-        if let (Some(_), Some(side), Some((ari, None))) = (key, alt.as_ref(), alt_at)
-            && needs_caller(&side.file.snap.routes[ari])
-        {
-            p = Some(Verdict::refuse(None));
-        }
         c.counts.replayed += 1;
-        first.get_or_insert(r.check_us);
-        last = Some(r.check_us);
+        t.first.get_or_insert(r.check_us);
+        t.last = Some(r.check_us);
         let slot = if r.key == NO_KEY {
             c.keys.len()
         } else {
             r.key as usize
         };
-        let t = &mut tallies[slot];
-        t.requests += 1;
-        if r.logged_admitted {
-            t.logged_admitted += 1;
-        } else {
-            t.logged_refused += 1;
+        tally(&mut t.keys[slot], r.logged_admitted, v, p);
+    }
+    t
+}
+
+/// One line's verdicts under the running rules and the proposal, or `None`, its reason
+/// counted, when either side can't replay it.
+fn replay_line(
+    r: &Rec,
+    c: &mut Collector,
+    run: &mut Side,
+    mut alt: Option<&mut Side>,
+) -> Option<(Verdict, Option<Verdict>)> {
+    let shapes = &c.shapes;
+    let example = || {
+        let (m, p) = &shapes[r.shape as usize];
+        format!("{m} {p}")
+    };
+    let resolved = run.resolve(r, shapes).and_then(|a| match alt.as_deref_mut() {
+        Some(alt) => alt.resolve(r, shapes).map(|b| (a, Some(b))),
+        None => Ok((a, None)),
+    });
+    let ((ri, key), alt_at) = match resolved {
+        Ok(x) => x,
+        Err(why) => {
+            let by_request = why == run.no_route || alt.as_ref().is_some_and(|a| why == a.no_route);
+            c.reasons
+                .count(why, by_request.then_some(&example as &dyn Fn() -> String));
+            c.counts.not_replayable += 1;
+            return None;
         }
-        if v.admitted {
-            t.replayed_admitted += 1;
-        } else {
-            t.replayed_refused += 1;
+    };
+    let (ip, fp) = c.clients[r.client as usize];
+    let cost = (r.cost != NO_COST).then_some(r.cost);
+    let check = |side: &mut Side, ri: usize, key: Option<usize>| {
+        side.fleet
+            .check_route(ri, key, ip, fp, 0, r.check_us, None, cost)
+            .map(|p| p.verdict)
+            .map_err(|e| format!("{}: {}", side.file.name, e.reason))
+    };
+    let verdicts = check(run, ri, key).and_then(|a| match (alt.as_deref_mut(), alt_at) {
+        (Some(side), Some((ri, key))) => check(side, ri, key).map(|b| (a, Some(b))),
+        _ => Ok((a, None)),
+    });
+    let (v, mut p) = match verdicts {
+        Ok(x) => x,
+        Err(why) => {
+            let id = c.reasons.id(why);
+            c.reasons.count(id, Some(&example));
+            c.counts.not_replayable += 1;
+            return None;
         }
-        if v.admitted == r.logged_admitted {
-            t.agree += 1;
-        } else {
-            t.disagree += 1;
-        }
-        if let Some(p) = p {
-            *t.admitted_proposed.get_or_insert(0) += u64::from(p.admitted);
-            match (v.admitted, p.admitted) {
-                (true, false) => {
-                    t.newly_refused += 1;
-                    if let Some(s) = p.retry_after {
-                        t.longest_retry_after_s = Some(t.longest_retry_after_s.map_or(s, |l| l.max(s)));
-                    }
+    };
+    // A key the proposal drops is a caller without a key there: where the route needs
+    // one, its request would get 401 however its address's bucket stands, and the
+    // partner loses it as surely as to a limit.
+    if let (Some(_), Some(side), Some((ari, None))) = (key, alt.as_deref(), alt_at)
+        && needs_caller(&side.file.snap.routes[ari])
+    {
+        p = Some(Verdict::refuse(None));
+    }
+    Some((v, p))
+}
+
+/// Counts one replayed line in its key's figures: `v` under the running rules, `p` under the
+/// proposal.
+fn tally(t: &mut KeyReport, logged_admitted: bool, v: Verdict, p: Option<Verdict>) {
+    t.requests += 1;
+    if logged_admitted {
+        t.logged_admitted += 1;
+    } else {
+        t.logged_refused += 1;
+    }
+    if v.admitted {
+        t.replayed_admitted += 1;
+    } else {
+        t.replayed_refused += 1;
+    }
+    if v.admitted == logged_admitted {
+        t.agree += 1;
+    } else {
+        t.disagree += 1;
+    }
+    if let Some(p) = p {
+        *t.admitted_proposed.get_or_insert(0) += u64::from(p.admitted);
+        match (v.admitted, p.admitted) {
+            (true, false) => {
+                t.newly_refused += 1;
+                if let Some(s) = p.retry_after {
+                    t.longest_retry_after_s = Some(t.longest_retry_after_s.map_or(s, |l| l.max(s)));
                 }
-                (false, true) => t.newly_admitted += 1,
-                _ => {}
             }
+            (false, true) => t.newly_admitted += 1,
+            _ => {}
         }
     }
-    let against = alt.is_some();
-    let unknown = |side: &Side| -> BTreeMap<String, u64> {
-        side.keys
-            .iter()
-            .enumerate()
-            .filter(|(k, known)| known.is_none() && tallies[*k].requests > 0)
-            .map(|(k, _)| (c.keys[k].to_string(), tallies[k].requests))
-            .collect()
-    };
-    let rules_report = |side: &Side| RulesReport {
+}
+
+/// Turns what was read and counted into the report.
+fn settle(
+    c: Collector,
+    inputs: Vec<InputReport>,
+    run: &Side,
+    alt: Option<&Side>,
+    tallies: Tallies,
+) -> LogsReport {
+    let rules = rules_report(run, &tallies.keys, &c.keys);
+    let against = alt.map(|side| rules_report(side, &tallies.keys, &c.keys));
+    let keys = key_reports(tallies.keys, &c.keys, against.is_some());
+    let versions_note = versions_note(&c.versions, &run.file);
+    LogsReport {
+        files: inputs.len(),
+        inputs,
+        lines: c.counts,
+        not_replayable: sorted_reasons(c.reasons),
+        rules_versions: c.versions,
+        versions_note,
+        instances: c.instances.into_iter().map(|(n, l)| (n.into(), l)).collect(),
+        rules,
+        against,
+        first_check_us: tallies.first,
+        last_check_us: tallies.last,
+        keys,
+        max_newly_refused: None,
+    }
+}
+
+/// A side's rules file, and the logged key ids it does not know that came with requests.
+fn rules_report(side: &Side, tallies: &[KeyReport], ids: &[Box<str>]) -> RulesReport {
+    let unknown_keys = side
+        .keys
+        .iter()
+        .enumerate()
+        .filter(|(k, known)| known.is_none() && tallies[*k].requests > 0)
+        .map(|(k, _)| (ids[k].to_string(), tallies[k].requests))
+        .collect();
+    RulesReport {
         file: side.file.name.clone(),
         version: side.file.snap.version,
-        unknown_keys: unknown(side),
-    };
-    let rules = rules_report(&run);
-    let against_report = alt.as_ref().map(rules_report);
+        unknown_keys,
+    }
+}
+
+/// The keys that came with requests, named, worst first: by newly refused with a proposal,
+/// by disagreements without; then by key.
+fn key_reports(tallies: Vec<KeyReport>, ids: &[Box<str>], against: bool) -> Vec<KeyReport> {
     let mut keys: Vec<KeyReport> = tallies
         .into_iter()
         .enumerate()
         .filter(|(_, t)| t.requests > 0)
         .map(|(i, mut t)| {
-            t.key = c.keys.get(i).map_or("-".to_string(), |k| k.to_string());
+            // The slot past the logged ids is the callers without one.
+            t.key = ids.get(i).map_or("-".to_string(), |k| k.to_string());
             if against {
                 t.admitted_proposed.get_or_insert(0);
             }
@@ -633,24 +708,14 @@ pub(crate) fn replay(
     } else {
         keys.sort_by(|a, b| b.disagree.cmp(&a.disagree).then_with(|| a.key.cmp(&b.key)));
     }
-    let versions_note = versions_note(&c.versions, &run.file);
-    let mut reasons: Vec<Reason> = c.reasons.list.into_iter().filter(|r| r.lines > 0).collect();
-    reasons.sort_by(|a, b| b.lines.cmp(&a.lines).then_with(|| a.reason.cmp(&b.reason)));
-    Ok(LogsReport {
-        files: reports.len(),
-        inputs: reports,
-        lines: c.counts,
-        not_replayable: reasons,
-        rules_versions: c.versions,
-        versions_note,
-        instances: c.instances.into_iter().map(|(n, l)| (n.into(), l)).collect(),
-        rules,
-        against: against_report,
-        first_check_us: first,
-        last_check_us: last,
-        keys,
-        max_newly_refused: None,
-    })
+    keys
+}
+
+/// The reasons some line had, the most lines first.
+fn sorted_reasons(reasons: Reasons) -> Vec<Reason> {
+    let mut list: Vec<Reason> = reasons.list.into_iter().filter(|r| r.lines > 0).collect();
+    list.sort_by(|a, b| b.lines.cmp(&a.lines).then_with(|| a.reason.cmp(&b.reason)));
+    list
 }
 
 /// Said when the log ran other rules than the file it is replayed under.
