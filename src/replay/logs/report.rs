@@ -126,6 +126,15 @@ impl LogsReport {
 
     /// The summary for a person.
     pub fn write_text(&self, out: &mut impl Write) -> io::Result<()> {
+        self.write_inputs(out)?;
+        self.write_lines(out)?;
+        self.write_logged(out)?;
+        writeln!(out)?;
+        self.write_keys(out)
+    }
+
+    /// The rules replayed under, and each file as it was read.
+    fn write_inputs(&self, out: &mut impl Write) -> io::Result<()> {
         let l = &self.lines;
         write!(
             out,
@@ -136,8 +145,6 @@ impl LogsReport {
             write!(out, ", against {} (version {})", a.file, a.version)?;
         }
         writeln!(out)?;
-        let plural =
-            |n: u64, one: &str, many: &str| format!("{} {}", group(n), if n == 1 { one } else { many });
         writeln!(
             out,
             "{}: {} ({} JSON, {} combined)",
@@ -173,6 +180,12 @@ impl LogsReport {
             }
             writeln!(out)?;
         }
+        Ok(())
+    }
+
+    /// What became of the lines, over all files, and why some were not replayed.
+    fn write_lines(&self, out: &mut impl Write) -> io::Result<()> {
+        let l = &self.lines;
         write!(out, "skipped: {} that are not access lines", group(l.skipped))?;
         if l.truncated > 0 {
             write!(out, ", {} of them truncated", group(l.truncated))?;
@@ -212,6 +225,12 @@ impl LogsReport {
             }
             writeln!(out)?;
         }
+        Ok(())
+    }
+
+    /// What the log says beside its requests: key ids the rules don't know, the rules
+    /// versions and the instances that wrote it.
+    fn write_logged(&self, out: &mut impl Write) -> io::Result<()> {
         for rules in std::iter::once(&self.rules).chain(&self.against) {
             if !rules.unknown_keys.is_empty() {
                 let list: Vec<String> = rules
@@ -246,8 +265,7 @@ impl LogsReport {
                 .collect();
             writeln!(out, "instances: {}", list.join(", "))?;
         }
-        writeln!(out)?;
-        self.write_keys(out)
+        Ok(())
     }
 
     fn write_keys(&self, out: &mut impl Write) -> io::Result<()> {
@@ -337,4 +355,9 @@ impl LogsReport {
         }
         Ok(())
     }
+}
+
+/// `n` and its noun, one or many.
+fn plural(n: u64, one: &str, many: &str) -> String {
+    format!("{} {}", group(n), if n == 1 { one } else { many })
 }
