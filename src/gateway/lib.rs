@@ -3,7 +3,7 @@
 //!
 //! Modules in data-path order (the layers, and where a change goes: `src/ARCHITECTURE.md`):
 //! - [`config`]: the `serve` flags and environment, validated.
-//! - [`app`]: assembles rules, store and listeners into a running gateway.
+//! - [`app`]: start-up, a phase a file: rules, store, gateway, tasks, listeners.
 //! - [`server`]: accepts TCP/TLS connections, HTTP/1.1 and HTTP/2, drains on shutdown; a
 //!   handler may serve plain HTTP/1.1 connections itself first; one shard per thread, each
 //!   accepting on a listener of its own.
@@ -49,7 +49,6 @@ pub mod request;
 pub mod respond;
 pub mod server;
 pub(crate) mod shard;
-mod stack;
 pub(crate) mod upgrade;
 
 pub use request::Gateway;

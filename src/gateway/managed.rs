@@ -64,7 +64,7 @@ impl ManagedKeys {
     /// Loads every key from `store` and puts them in place beside the rules file's. A key that
     /// no longer compiles against the rules (a limit it names was removed) is left out and
     /// named in the log; its callers get 401 until it is patched.
-    pub async fn start(
+    pub async fn load(
         store: KeyStore,
         reloader: Arc<Reloader>,
         rules: Arc<ArcSwap<Snapshot>>,

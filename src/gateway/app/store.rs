@@ -30,7 +30,7 @@ use tollgate_store::slots::{Slots, cluster_slot};
 use tollgate_telemetry::metrics::Metrics;
 
 /// The built store, and the layers a running gateway reports on or stops.
-pub(crate) struct StoreStack {
+pub(super) struct StoreStack {
     pub store: Arc<dyn Store>,
     /// The embedded store, when it is the base.
     pub memory: Option<Arc<MemoryStore>>,
@@ -42,8 +42,9 @@ type Dyn = Arc<dyn Store>;
 
 /// Builds the store `cfg` asks for. Stores on the network are connected before anything is
 /// served; one that is down now is connected later, and limits decide by their failure
-/// policies meanwhile.
-pub(crate) async fn build(
+/// policies meanwhile. The embedded store's sweeper and the guard's heartbeat start with the
+/// other tasks (`tasks::spawn`).
+pub(super) async fn build(
     cfg: &GatewayConfig,
     rules: &Arc<ArcSwap<Snapshot>>,
     metrics: &Arc<Metrics>,
@@ -52,7 +53,6 @@ pub(crate) async fn build(
     let (base, memory, redis): (Dyn, _, _) = match &cfg.store {
         StoreUrl::Memory => {
             let m = Arc::new(MemoryStore::new(cfg.clock.clone()));
-            m.spawn_sweeper(std::time::Duration::from_secs(5));
             (m.clone(), Some(m), None)
         }
         StoreUrl::Redis(url) => {
@@ -147,7 +147,6 @@ impl Layer<Dyn> for GuardLayer<'_> {
             self.metrics.clone(),
         );
         let g = Arc::new(if self.cluster { g.per_slot(cluster_slot) } else { g });
-        g.spawn_heartbeat(format!("{:032x}", rand::random::<u128>()));
         let _ = self.built.set(g.clone());
         g
     }
@@ -288,7 +287,7 @@ async fn redis_store(target: Target<'_>, cfg: &GatewayConfig) -> Result<Arc<Redi
 }
 
 /// The running rules' limit names, for the store guard's metrics.
-pub fn limit_names(rules: Arc<ArcSwap<Snapshot>>) -> tollgate_store::guard::LimitNames {
+fn limit_names(rules: Arc<ArcSwap<Snapshot>>) -> tollgate_store::guard::LimitNames {
     Arc::new(move |li| {
         rules
             .load()
