@@ -51,6 +51,38 @@ fn verdict(p: &BucketParams, sufficient: bool, held: u64, wait_us: Option<u64>) 
     }
 }
 
+/// The batch's items paid from held blocks, one bit each, as [`Outcome::leased`] keeps them.
+fn leased_mask(local: &[Local]) -> u64 {
+    local
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| matches!(l, Local::Paid { .. }))
+        .fold(0u64, |m, (i, _)| m | (1 << i))
+}
+
+/// Each item's verdict as decided here; those left to the store are placeholders until its
+/// answer replaces them.
+fn local_verdicts(batch: &[CheckItem], local: &[Local]) -> SmallVec<[BucketVerdict; 4]> {
+    batch
+        .iter()
+        .zip(local)
+        .map(|(item, l)| {
+            let p = &item.charge.params;
+            match *l {
+                Local::Paid { held } | Local::Held { held } => verdict(p, true, held, Some(0)),
+                Local::Short { wait_us, held } => verdict(p, false, held, Some(wait_us)),
+                // Not asked: only insufficient buckets decide a limited request.
+                Local::Store => BucketVerdict {
+                    sufficient: true,
+                    tokens: p.capacity,
+                    wait_us: Some(0),
+                    blocked: false,
+                },
+            }
+        })
+        .collect()
+}
+
 impl Leases {
     /// What the key's holder does with one leased item: pays it, refuses it, makes it wait for
     /// the lease in flight, or leaves it to the store; and asks for the next block when due.
@@ -145,79 +177,9 @@ impl Leases {
     /// Checks a batch with leased items: each paid by its holder or refused locally, and the
     /// rest of the request checked in the inner store in one call, unless a refusal came first.
     pub(super) async fn check_leased(&self, batch: &[CheckItem]) -> Result<Outcome, StoreError> {
-        let mut local: SmallVec<[Local; 4]> = SmallVec::from_elem(Local::Store, batch.len());
-        let mut limited = false;
-        for (i, item) in batch.iter().enumerate() {
-            // Outcome::leased has room for 64 items; any further ones go to the store.
-            let Some(size) = item.lease.filter(|_| i < 64) else {
-                continue;
-            };
-            if item.charge.cost == 0 {
-                // A peek (the usage route's read of a bucket it does not charge) must neither
-                // lease nor count as spending, or merely looking would pull blocks out of the
-                // store. It sees what a request paid from the blocks is told is left; with
-                // nothing held, the store's bucket.
-                let now = self.now_us();
-                let held = self
-                    .lock()
-                    .keys
-                    .get(&item.fp)
-                    .map_or(0, |e| e.holder.held_at(now));
-                if held > 0 {
-                    local[i] = Local::Held { held };
-                }
-                continue;
-            }
-            // A shadow limit never makes a request wait.
-            let mut waited = item.charge.shadow;
-            loop {
-                let t = {
-                    let mut st = self.lock();
-                    self.try_spend(&mut st, item, size, self.now_us(), waited)
-                };
-                local[i] = match t {
-                    Try::Wait(mut rx) => {
-                        waited = true;
-                        let _ = tokio::time::timeout(self.wait, rx.changed()).await;
-                        continue;
-                    }
-                    Try::Paid { held } => Local::Paid { held },
-                    Try::Short { wait_us, held } => {
-                        limited |= !item.charge.shadow;
-                        Local::Short { wait_us, held }
-                    }
-                    Try::Store => Local::Store,
-                };
-                break;
-            }
-            if limited {
-                break;
-            }
-        }
-
-        let leased = local
-            .iter()
-            .enumerate()
-            .filter(|(_, l)| matches!(l, Local::Paid { .. }))
-            .fold(0u64, |m, (i, _)| m | (1 << i));
-        let mut verdicts: SmallVec<[BucketVerdict; 4]> = batch
-            .iter()
-            .zip(&local)
-            .map(|(item, l)| {
-                let p = &item.charge.params;
-                match *l {
-                    Local::Paid { held } | Local::Held { held } => verdict(p, true, held, Some(0)),
-                    Local::Short { wait_us, held } => verdict(p, false, held, Some(wait_us)),
-                    // Not asked: only insufficient buckets decide a limited request.
-                    Local::Store => BucketVerdict {
-                        sufficient: true,
-                        tokens: p.capacity,
-                        wait_us: Some(0),
-                        blocked: false,
-                    },
-                }
-            })
-            .collect();
+        let (local, limited) = self.decide_locally(batch).await;
+        let leased = leased_mask(&local);
+        let mut verdicts = local_verdicts(batch, &local);
         if limited {
             // The store is not asked at all: a local limit costs the shard nothing.
             self.refund_refused(batch, &local);
@@ -269,6 +231,65 @@ impl Leases {
             source: out.source,
             leased,
         })
+    }
+
+    /// Decides a batch's leased items in order, stopping at the first enforced local refusal;
+    /// also says whether one came, since then the store must not be asked.
+    async fn decide_locally(&self, batch: &[CheckItem]) -> (SmallVec<[Local; 4]>, bool) {
+        let mut local: SmallVec<[Local; 4]> = SmallVec::from_elem(Local::Store, batch.len());
+        for (i, item) in batch.iter().enumerate() {
+            // Outcome::leased has room for 64 items; any further ones go to the store.
+            let Some(size) = item.lease.filter(|_| i < 64) else {
+                continue;
+            };
+            if item.charge.cost == 0 {
+                // A peek (the usage route's read of a bucket it does not charge) must neither
+                // lease nor count as spending, or merely looking would pull blocks out of the
+                // store. It sees what a request paid from the blocks is told is left; with
+                // nothing held, the store's bucket.
+                let held = self.held_now(item);
+                if held > 0 {
+                    local[i] = Local::Held { held };
+                }
+                continue;
+            }
+            local[i] = self.spend_leased(item, size).await;
+            if matches!(local[i], Local::Short { .. }) && !item.charge.shadow {
+                return (local, true);
+            }
+        }
+        (local, false)
+    }
+
+    /// Whole tokens this gateway holds for the item's key now, none spent.
+    fn held_now(&self, item: &CheckItem) -> u64 {
+        let now = self.now_us();
+        self.lock()
+            .keys
+            .get(&item.fp)
+            .map_or(0, |e| e.holder.held_at(now))
+    }
+
+    /// Spends one leased item from its holder, waiting (once) for a lease in flight when
+    /// nothing is held.
+    async fn spend_leased(&self, item: &CheckItem, size: LeaseBlock) -> Local {
+        // A shadow limit never makes a request wait.
+        let mut waited = item.charge.shadow;
+        loop {
+            let t = {
+                let mut st = self.lock();
+                self.try_spend(&mut st, item, size, self.now_us(), waited)
+            };
+            match t {
+                Try::Wait(mut rx) => {
+                    waited = true;
+                    let _ = tokio::time::timeout(self.wait, rx.changed()).await;
+                }
+                Try::Paid { held } => return Local::Paid { held },
+                Try::Short { wait_us, held } => return Local::Short { wait_us, held },
+                Try::Store => return Local::Store,
+            }
+        }
     }
 
     /// A refund of a request some blocks paid for: their tokens go back to the blocks, the rest
