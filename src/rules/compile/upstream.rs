@@ -9,8 +9,8 @@ use http::uri::Authority;
 
 use crate::compile::{Compiler, Upstreams, slashes};
 use crate::raw::{
-    RawBalance, RawConcurrency, RawEject, RawHealth, RawPathMatch, RawRetries, RawRules, RawUpstream,
-    RawUpstreamTls,
+    RawBalance, RawConcurrency, RawEject, RawHealth, RawPathMatch, RawRetries, RawRules, RawTarget,
+    RawUpstream, RawUpstreamTls,
 };
 use crate::{
     Balance, ConcurrencyBounds, DEFAULT_CONCURRENCY_MAX, DEFAULT_CONCURRENCY_MIN, DEFAULT_IDLE_TIMEOUT,
@@ -31,6 +31,15 @@ const DEFAULT_DNS_REFRESH: Duration = Duration::from_secs(5);
 /// The most retries of one request: each is another target's time.
 const MAX_RETRIES: u32 = 10;
 
+/// One target's URL as written, before it is read: where it was given (for errors), and the
+/// weight and limit in flight given with it.
+struct TargetUrl<'u> {
+    field: String,
+    url: &'u str,
+    weight: u32,
+    max_in_flight: Option<u32>,
+}
+
 impl Compiler<'_> {
     pub(super) fn upstreams(&self, raw: &RawRules) -> Result<Upstreams, RulesError> {
         let mut upstreams = Upstreams {
@@ -47,68 +56,9 @@ impl Compiler<'_> {
 
     pub(super) fn upstream(&self, name: &str, u: &RawUpstream) -> Result<Upstream, RulesError> {
         let field = format!("upstreams.{name}");
-        let urls: Vec<(String, &str, u32, Option<u32>)> = match (&u.url, &u.targets) {
-            (Some(url), None) => vec![(format!("{field}.url"), url.as_str(), 1, None)],
-            (None, Some(targets)) if targets.is_empty() => {
-                return Err(self.err(format!("{field}.targets"), "must name at least one target"));
-            }
-            (None, Some(targets)) => targets
-                .iter()
-                .enumerate()
-                .map(|(i, t)| {
-                    let at = format!("{field}.targets[{i}]");
-                    if t.max_in_flight == Some(0) {
-                        return Err(self.err(format!("{at}.max_in_flight"), "must be above zero"));
-                    }
-                    if t.max_in_flight.is_some() && u.max_in_flight.is_some() {
-                        return Err(self.err(
-                            format!("{at}.max_in_flight"),
-                            "give max_in_flight on the upstream or on its targets, not both: the upstream's is then the sum of its targets'",
-                        ));
-                    }
-                    match t.weight {
-                        Some(0) => Err(self.err(format!("{at}.weight"), "must be at least 1")),
-                        Some(w) if w > MAX_WEIGHT => {
-                            Err(self.err(format!("{at}.weight"), format!("must be at most {MAX_WEIGHT}")))
-                        }
-                        w => Ok((format!("{at}.url"), t.url.as_str(), w.unwrap_or(1), t.max_in_flight)),
-                    }
-                })
-                .collect::<Result<_, _>>()?,
-            (Some(_), Some(_)) => {
-                return Err(self.err(format!("{field}.targets"), "give `url` or `targets`, not both"));
-            }
-            (None, None) => {
-                return Err(self.err(
-                    format!("{field}.url"),
-                    "missing: an upstream needs `url` or `targets`",
-                ));
-            }
-        };
-        let mut targets = Vec::with_capacity(urls.len());
-        let mut first = None;
-        for (url_field, url, weight, max_in_flight) in &urls {
-            let (uri, scheme, authority) = self.base_url(url_field, url)?;
-            if let Some((scheme0, path0)) = &first {
-                if *scheme0 != scheme || uri.path().trim_end_matches('/') != path0 {
-                    return Err(self.err(
-                        url_field.clone(),
-                        format!("{url:?}: every target has the scheme and path prefix of the first"),
-                    ));
-                }
-            } else {
-                first = Some((scheme.clone(), uri.path().trim_end_matches('/').to_string()));
-            }
-            if targets.iter().any(|t: &Target| t.authority == authority) {
-                return Err(self.err(url_field.clone(), format!("{url:?} is named twice")));
-            }
-            targets.push(Target {
-                authority,
-                weight: *weight,
-                max_in_flight: *max_in_flight,
-            });
-        }
-        let (uri, scheme, authority) = self.base_url(&urls[0].0, urls[0].1)?;
+        let urls = self.target_urls(&field, u)?;
+        let targets = self.targets(&urls)?;
+        let (uri, scheme, authority) = self.base_url(&urls[0].field, urls[0].url)?;
         let https = scheme == http::uri::Scheme::HTTPS;
         let eject = self.eject(&field, u.eject.as_ref())?;
         let prefix = uri.path().trim_end_matches('/');
@@ -122,25 +72,9 @@ impl Compiler<'_> {
             RawBalance::RoundRobin => Balance::RoundRobin,
             RawBalance::Hash => Balance::Hash,
         };
-        let tls = match (https, &u.tls) {
-            (true, t) => Some(self.upstream_tls(&field, &authority, t.as_ref())?),
-            (false, None) => None,
-            (false, Some(_)) => {
-                return Err(self.err(
-                    format!("{field}.tls"),
-                    format!(
-                        "{:?} is http://: only an https:// upstream takes TLS settings",
-                        urls[0].1
-                    ),
-                ));
-            }
-        };
+        let tls = self.tls_if_https(&field, https, &authority, u.tls.as_ref(), urls[0].url)?;
         let path_prefix = uri.path().trim_end_matches('/').to_string();
-        let timeout = match u.timeout_ms {
-            Some(0) => return Err(self.err(format!("{field}.timeout_ms"), "must be above zero")),
-            Some(ms) => Duration::from_millis(ms),
-            None => DEFAULT_UPSTREAM_TIMEOUT,
-        };
+        let timeout = self.above_zero_ms(&field, "timeout_ms", u.timeout_ms, DEFAULT_UPSTREAM_TIMEOUT)?;
         if u.max_in_flight == Some(0) {
             return Err(self.err(format!("{field}.max_in_flight"), "must be above zero"));
         }
@@ -149,22 +83,10 @@ impl Compiler<'_> {
             .map(Duration::from_millis)
             .unwrap_or(DEFAULT_QUEUE_TIMEOUT);
         let host_header = HeaderValue::from_str(authority.as_str())
-            .map_err(|_| self.err(urls[0].0.clone(), "the host can't be a Host header"))?;
-        let idle_timeout = match u.idle_timeout_ms {
-            Some(0) => return Err(self.err(format!("{field}.idle_timeout_ms"), "must be above zero")),
-            Some(ms) => Duration::from_millis(ms),
-            None => DEFAULT_IDLE_TIMEOUT,
-        };
-        let dns_refresh = match u.dns_refresh_ms {
-            Some(ms) if ms < MIN_DNS_REFRESH_MS => {
-                return Err(self.err(
-                    format!("{field}.dns_refresh_ms"),
-                    format!("must be at least {MIN_DNS_REFRESH_MS}"),
-                ));
-            }
-            Some(ms) => Duration::from_millis(ms),
-            None => DEFAULT_DNS_REFRESH,
-        };
+            .map_err(|_| self.err(urls[0].field.clone(), "the host can't be a Host header"))?;
+        let idle_timeout =
+            self.above_zero_ms(&field, "idle_timeout_ms", u.idle_timeout_ms, DEFAULT_IDLE_TIMEOUT)?;
+        let dns_refresh = self.dns_refresh(&field, u.dns_refresh_ms)?;
         let adaptive = match &u.concurrency {
             Some(c) => self.concurrency(&field, c, u.max_in_flight)?,
             None => None,
@@ -190,6 +112,150 @@ impl Compiler<'_> {
             retries,
             dns_refresh,
         })
+    }
+
+    /// An upstream's target URLs, from its one `url` or its `targets`, each with its weight and
+    /// limit in flight; the URLs themselves are read later, all together, as one target's
+    /// must agree with the first's.
+    fn target_urls<'u>(&self, field: &str, u: &'u RawUpstream) -> Result<Vec<TargetUrl<'u>>, RulesError> {
+        match (&u.url, &u.targets) {
+            (Some(url), None) => Ok(vec![TargetUrl {
+                field: format!("{field}.url"),
+                url: url.as_str(),
+                weight: 1,
+                max_in_flight: None,
+            }]),
+            (None, Some(targets)) if targets.is_empty() => {
+                Err(self.err(format!("{field}.targets"), "must name at least one target"))
+            }
+            (None, Some(targets)) => targets
+                .iter()
+                .enumerate()
+                .map(|(i, t)| self.target_url(&format!("{field}.targets[{i}]"), t, u.max_in_flight))
+                .collect(),
+            (Some(_), Some(_)) => {
+                Err(self.err(format!("{field}.targets"), "give `url` or `targets`, not both"))
+            }
+            (None, None) => Err(self.err(
+                format!("{field}.url"),
+                "missing: an upstream needs `url` or `targets`",
+            )),
+        }
+    }
+
+    /// One entry of `targets`, at `at`: its weight and its own limit in flight, which excludes
+    /// the upstream's.
+    fn target_url<'u>(
+        &self,
+        at: &str,
+        t: &'u RawTarget,
+        upstream_max_in_flight: Option<u32>,
+    ) -> Result<TargetUrl<'u>, RulesError> {
+        if t.max_in_flight == Some(0) {
+            return Err(self.err(format!("{at}.max_in_flight"), "must be above zero"));
+        }
+        if t.max_in_flight.is_some() && upstream_max_in_flight.is_some() {
+            return Err(self.err(
+                format!("{at}.max_in_flight"),
+                "give max_in_flight on the upstream or on its targets, not both: the upstream's is then the sum of its targets'",
+            ));
+        }
+        match t.weight {
+            Some(0) => Err(self.err(format!("{at}.weight"), "must be at least 1")),
+            Some(w) if w > MAX_WEIGHT => {
+                Err(self.err(format!("{at}.weight"), format!("must be at most {MAX_WEIGHT}")))
+            }
+            w => Ok(TargetUrl {
+                field: format!("{at}.url"),
+                url: t.url.as_str(),
+                weight: w.unwrap_or(1),
+                max_in_flight: t.max_in_flight,
+            }),
+        }
+    }
+
+    /// The targets at `urls`: one scheme and path prefix for all, since a request's path is
+    /// written once whichever target takes it, and no host twice.
+    fn targets(&self, urls: &[TargetUrl<'_>]) -> Result<Vec<Target>, RulesError> {
+        let mut targets = Vec::with_capacity(urls.len());
+        let mut first = None;
+        for TargetUrl {
+            field: url_field,
+            url,
+            weight,
+            max_in_flight,
+        } in urls
+        {
+            let (uri, scheme, authority) = self.base_url(url_field, url)?;
+            if let Some((scheme0, path0)) = &first {
+                if *scheme0 != scheme || uri.path().trim_end_matches('/') != path0 {
+                    return Err(self.err(
+                        url_field.clone(),
+                        format!("{url:?}: every target has the scheme and path prefix of the first"),
+                    ));
+                }
+            } else {
+                first = Some((scheme.clone(), uri.path().trim_end_matches('/').to_string()));
+            }
+            if targets.iter().any(|t: &Target| t.authority == authority) {
+                return Err(self.err(url_field.clone(), format!("{url:?} is named twice")));
+            }
+            targets.push(Target {
+                authority,
+                weight: *weight,
+                max_in_flight: *max_in_flight,
+            });
+        }
+        Ok(targets)
+    }
+
+    /// TLS settings for an `https://` upstream; a plain one given them is refused, as they
+    /// would silently do nothing.
+    fn tls_if_https(
+        &self,
+        field: &str,
+        https: bool,
+        authority: &Authority,
+        raw: Option<&RawUpstreamTls>,
+        first_url: &str,
+    ) -> Result<Option<UpstreamTls>, RulesError> {
+        match (https, raw) {
+            (true, t) => Ok(Some(self.upstream_tls(field, authority, t)?)),
+            (false, None) => Ok(None),
+            (false, Some(_)) => Err(self.err(
+                format!("{field}.tls"),
+                format!("{first_url:?} is http://: only an https:// upstream takes TLS settings"),
+            )),
+        }
+    }
+
+    /// A duration in ms at `{field}.{name}`, `default` when not given; zero would time out
+    /// everything at once.
+    fn above_zero_ms(
+        &self,
+        field: &str,
+        name: &str,
+        ms: Option<u64>,
+        default: Duration,
+    ) -> Result<Duration, RulesError> {
+        match ms {
+            Some(0) => Err(self.err(format!("{field}.{name}"), "must be above zero")),
+            Some(ms) => Ok(Duration::from_millis(ms)),
+            None => Ok(default),
+        }
+    }
+
+    /// How often target names are resolved again; more often than the floor only loads the
+    /// resolver.
+    fn dns_refresh(&self, field: &str, ms: Option<u64>) -> Result<Duration, RulesError> {
+        match ms {
+            Some(ms) if ms < MIN_DNS_REFRESH_MS => Err(self.err(
+                format!("{field}.dns_refresh_ms"),
+                format!("must be at least {MIN_DNS_REFRESH_MS}"),
+            )),
+            Some(ms) => Ok(Duration::from_millis(ms)),
+            None => Ok(DEFAULT_DNS_REFRESH),
+        }
     }
 
     /// `"balance": "hash"` keeps a caller to a target by its key id (a token's caller id), so
