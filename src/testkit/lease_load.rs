@@ -420,13 +420,71 @@ impl Run {
 /// Runs the load: every client offers its share at even spacing (client k offset by k/N of
 /// one step, so the fleet's arrivals interleave), catching up when it falls behind.
 pub async fn run(redis_port: u16, load: &Load) -> Run {
-    let url = format!("redis://127.0.0.1:{redis_port}");
     let params = BucketParams::new(Rate::parse(load.rate).unwrap(), load.burst).unwrap();
+    let log: Log = Arc::new(Mutex::new(Vec::with_capacity(1 << 16)));
+    let checks = Arc::new((AtomicU64::new(0), AtomicU64::new(0)));
+    let (clients, metrics, probe) = connect_clients(redis_port, load, &log, &checks).await;
+    let block = clients[0].block_for(load.block, &params);
+    let item = hot_item(params, load.block);
+
+    let total_us = (load.seconds * 1e6) as u64;
+    let per_client = load.offered_per_s as f64 / load.clients as f64;
+    let start = Instant::now();
+    let (offset_us, align_us) = align(&probe, start).await;
+    let calls_before = evalsha_calls(redis_port);
+    let mut tasks = Vec::new();
+    for (k, c) in clients.iter().enumerate() {
+        let pace = Pace {
+            start,
+            total_us,
+            per_client,
+            offset_us: k as f64 * 1e6 / load.offered_per_s as f64,
+        };
+        tasks.push(tokio::spawn(drive(c.clone(), item.clone(), pace)));
+    }
+    let mut all = gather(tasks).await;
+    let stop_us = start.elapsed().as_micros() as u64;
+    let (offset_after_us, align_after_us) = align(&probe, start).await;
+    let held_at_stop = clients.iter().map(|c| c.held()).sum();
+    let calls_during_load = evalsha_calls(redis_port) - calls_before;
+    all.admitted_us.sort_unstable();
+    Run {
+        log,
+        checks,
+        offset_us,
+        align_us,
+        drift_us: offset_after_us - offset_us,
+        align_after_us,
+        longest_stall_us: all.longest_stall_us,
+        stall_end_us: all.stall_end_us,
+        params,
+        block,
+        admitted_us: all.admitted_us,
+        offered: all.offered,
+        first_refusal_us: all.first_refusal_us,
+        stop_us,
+        start,
+        calls_before_load: calls_before,
+        calls_during_load,
+        held_at_stop,
+        clients,
+        metrics,
+    }
+}
+
+/// Connects `load.clients` lease clients, each on its own `RedisStore` connection as a
+/// gateway has, all recording into `log` and `checks`; and one of those stores, to probe the
+/// server's clock with.
+async fn connect_clients(
+    redis_port: u16,
+    load: &Load,
+    log: &Log,
+    checks: &Arc<(AtomicU64, AtomicU64)>,
+) -> (Vec<Arc<Leases>>, Vec<Arc<Metrics>>, Arc<RedisStore>) {
+    let url = format!("redis://127.0.0.1:{redis_port}");
     let mut clients = Vec::new();
     let mut metrics = Vec::new();
-    let log: Log = Arc::new(Mutex::new(Vec::with_capacity(1 << 16)));
     let mut probe = None;
-    let checks = Arc::new((AtomicU64::new(0), AtomicU64::new(0)));
     for _ in 0..load.clients {
         let store = Arc::new(
             RedisStore::connect(Target::Node(&url), None)
@@ -450,8 +508,11 @@ pub async fn run(redis_port: u16, load: &Load) -> Run {
         ));
         metrics.push(m);
     }
-    let probe = probe.expect("at least one client");
-    let block = clients[0].block_for(load.block, &params);
+    (clients, metrics, probe.expect("at least one client"))
+}
+
+/// One request's check of the hot key: cost 1, enforced, leased in `block`s.
+fn hot_item(params: BucketParams, block: LeaseBlock) -> CheckItem {
     let mut item = CheckItem::new(
         KEY.into(),
         Charge {
@@ -462,102 +523,117 @@ pub async fn run(redis_port: u16, load: &Load) -> Run {
         0,
         FailurePolicy::Local,
     );
-    item.lease = Some(load.block);
+    item.lease = Some(block);
+    item
+}
 
-    let total_us = (load.seconds * 1e6) as u64;
-    let per_client = load.offered_per_s as f64 / load.clients as f64;
-    let start = Instant::now();
-    let (offset_us, align_us) = align(&probe, start).await;
-    let calls_before = evalsha_calls(redis_port);
-    let mut tasks = Vec::new();
-    for (k, c) in clients.iter().enumerate() {
-        let c = c.clone();
-        let item = item.clone();
-        let offset_us = k as f64 * 1e6 / load.offered_per_s as f64;
-        tasks.push(tokio::spawn(async move {
-            let mut sent = 0u64;
-            let mut admitted = Vec::with_capacity((per_client * load_seconds(total_us) / 4.0) as usize);
-            let mut first_refusal = None;
-            let (mut last_us, mut stall_us, mut stall_end) = (0u64, 0u64, 0u64);
-            'load: loop {
-                let now = start.elapsed().as_micros() as f64;
-                if now >= total_us as f64 {
-                    break;
-                }
-                if sent > 0 && now as u64 - last_us > stall_us {
-                    stall_us = now as u64 - last_us;
-                    stall_end = now as u64;
-                }
-                let due = if now < offset_us {
-                    0
-                } else {
-                    ((now - offset_us) * per_client / 1e6) as u64 + 1
-                };
-                while sent < due {
-                    let out = c
-                        .check(std::slice::from_ref(&item))
-                        .await
-                        .expect("a lease client's check");
-                    let t = start.elapsed().as_micros() as u64;
-                    last_us = t;
-                    sent += 1;
-                    if out.admitted {
-                        admitted.push(t);
-                    } else if first_refusal.is_none() {
-                        first_refusal = Some(t);
-                    }
-                    if t >= total_us {
-                        break 'load;
-                    }
-                }
-                tokio::time::sleep(Duration::from_micros(500)).await;
-            }
-            (sent, admitted, first_refusal, stall_us, stall_end)
-        }));
-    }
-    let mut admitted_us = Vec::new();
-    let mut offered = 0;
-    let mut first_refusal_us: Option<u64> = None;
-    let (mut longest_stall_us, mut stall_end_us) = (0, 0);
-    for t in tasks {
-        let (sent, adm, first, stall, stall_end) = t.await.expect("client task");
-        if stall > longest_stall_us {
-            (longest_stall_us, stall_end_us) = (stall, stall_end);
+/// When one client sends: its share of the offered rate from its offset on, until the load's
+/// end.
+#[derive(Clone, Copy)]
+struct Pace {
+    start: Instant,
+    total_us: u64,
+    per_client: f64,
+    offset_us: f64,
+}
+
+/// What one client saw, times in µs since the start.
+struct Sent {
+    sent: u64,
+    admitted: Vec<u64>,
+    first_refusal: Option<u64>,
+    /// The longest gap between two of its requests, and when it ended.
+    stall_us: u64,
+    stall_end: u64,
+}
+
+/// One client's load: sends whatever is due by now, then sleeps a tick, so a client that fell
+/// behind catches up rather than losing its share.
+async fn drive(c: Arc<Leases>, item: CheckItem, pace: Pace) -> Sent {
+    let Pace {
+        start,
+        total_us,
+        per_client,
+        offset_us,
+    } = pace;
+    let mut sent = 0u64;
+    let mut admitted = Vec::with_capacity((per_client * load_seconds(total_us) / 4.0) as usize);
+    let mut first_refusal = None;
+    let (mut last_us, mut stall_us, mut stall_end) = (0u64, 0u64, 0u64);
+    'load: loop {
+        let now = start.elapsed().as_micros() as f64;
+        if now >= total_us as f64 {
+            break;
         }
-        offered += sent;
-        admitted_us.extend(adm);
-        first_refusal_us = match (first_refusal_us, first) {
+        if sent > 0 && now as u64 - last_us > stall_us {
+            stall_us = now as u64 - last_us;
+            stall_end = now as u64;
+        }
+        let due = if now < offset_us {
+            0
+        } else {
+            ((now - offset_us) * per_client / 1e6) as u64 + 1
+        };
+        while sent < due {
+            let out = c
+                .check(std::slice::from_ref(&item))
+                .await
+                .expect("a lease client's check");
+            let t = start.elapsed().as_micros() as u64;
+            last_us = t;
+            sent += 1;
+            if out.admitted {
+                admitted.push(t);
+            } else if first_refusal.is_none() {
+                first_refusal = Some(t);
+            }
+            if t >= total_us {
+                break 'load;
+            }
+        }
+        tokio::time::sleep(Duration::from_micros(500)).await;
+    }
+    Sent {
+        sent,
+        admitted,
+        first_refusal,
+        stall_us,
+        stall_end,
+    }
+}
+
+/// The whole fleet's load, merged from its clients'.
+struct Gathered {
+    offered: u64,
+    /// In no order: sorting waits until the clock has been read after the load.
+    admitted_us: Vec<u64>,
+    first_refusal_us: Option<u64>,
+    longest_stall_us: u64,
+    stall_end_us: u64,
+}
+
+/// Waits for every client and merges what they saw.
+async fn gather(tasks: Vec<tokio::task::JoinHandle<Sent>>) -> Gathered {
+    let mut all = Gathered {
+        offered: 0,
+        admitted_us: Vec::new(),
+        first_refusal_us: None,
+        longest_stall_us: 0,
+        stall_end_us: 0,
+    };
+    for t in tasks {
+        let s = t.await.expect("client task");
+        if s.stall_us > all.longest_stall_us {
+            (all.longest_stall_us, all.stall_end_us) = (s.stall_us, s.stall_end);
+        }
+        all.offered += s.sent;
+        all.admitted_us.extend(s.admitted);
+        all.first_refusal_us = match (all.first_refusal_us, s.first_refusal) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
     }
-    let stop_us = start.elapsed().as_micros() as u64;
-    let (offset_after_us, align_after_us) = align(&probe, start).await;
-    let held_at_stop = clients.iter().map(|c| c.held()).sum();
-    let calls_during_load = evalsha_calls(redis_port) - calls_before;
-    admitted_us.sort_unstable();
-    Run {
-        log,
-        checks,
-        offset_us,
-        align_us,
-        drift_us: offset_after_us - offset_us,
-        align_after_us,
-        longest_stall_us,
-        stall_end_us,
-        params,
-        block,
-        admitted_us,
-        offered,
-        first_refusal_us,
-        stop_us,
-        start,
-        calls_before_load: calls_before,
-        calls_during_load,
-        held_at_stop,
-        clients,
-        metrics,
-    }
+    all
 }
 
 /// The store's clock minus ours since `start`, µs, from the fastest of a few probes, and that
