@@ -167,25 +167,7 @@ pub(crate) async fn drive<W: Wire>(
             }
             wire.write_request(parts, &edits);
         }
-        let upstream = &b.snap.upstreams[f.upstream];
-        let targets = &b.live.upstreams[f.upstream].targets;
-        let ask = Ask {
-            upstream,
-            targets,
-            picking: if targets.several() {
-                gw.picking(b, &f, upstream)
-            } else {
-                Default::default()
-            },
-            idempotent: tollgate_http1::idempotent(&parts.method)
-                || parts.headers.contains_key(&crate::proxy::IDEMPOTENCY_KEY),
-            parts,
-            max_body: max,
-            ours: f.fields.any(),
-            post_paid,
-            holds: f.place.as_ref().is_some_and(crate::concurrency::Place::limited) || !f.seats.is_empty(),
-            upgrade: protocol,
-        };
+        let ask = gw.ask(b, &f, parts, (max, post_paid), protocol);
         let started = Instant::now();
         let mut tried = Attempted::default();
         let exchanged = wire.exchange(ask, &mut tried).await;
@@ -206,16 +188,8 @@ pub(crate) async fn drive<W: Wire>(
                 Ok((wire.relay(b, up, &mut f).await, status))
             }
             Err(Failure::ClientGone) => Err(Stop::Gone),
-            Err(failure) => {
-                // Boxed, like every rare path here: the usual request never builds it.
-                let upstream = &b.snap.upstreams[f.upstream];
-                let mut a = Answer::from(crate::proxy::failure_answer(upstream, &failure));
-                Box::pin(gw.refund_undelivered(&b.snap, &mut b.facts, f.paid.take(), &failure)).await;
-                a.fields = std::mem::take(&mut f.fields);
-                // Already waited out for the body timeout: no more waiting for it.
-                a.close = matches!(failure, Failure::ClientStalled);
-                Err(a.into())
-            }
+            // Boxed, like every rare path here: the usual request never builds it.
+            Err(failure) => Err(Box::pin(gw.failed(b, &mut f, failure)).await.into()),
         }
     };
     let (ready, status) = match ended {

@@ -10,9 +10,59 @@ use crate::Gateway;
 use crate::request::{Begun, Forward, Paid};
 use crate::server::ConnInfo;
 
+use crate::proxy::Ask;
+use crate::proxy::client::Failure;
 use crate::proxy::targets::{Picking, caller_hash};
+use crate::respond::Answer;
 
 impl Gateway {
+    /// What the exchange is asked to do for an admitted request: the upstream and its targets,
+    /// whether a failed attempt may go again, and what the answer keeps. Out of `drive` for
+    /// reading's sake only: inlined, it costs nothing.
+    #[inline(always)]
+    pub(super) fn ask<'a>(
+        &self,
+        b: &'a Begun<'_>,
+        f: &Forward,
+        parts: &'a http::request::Parts,
+        (max_body, post_paid): (u64, bool),
+        upgrade: Option<&'a str>,
+    ) -> Ask<'a> {
+        let upstream = &b.snap.upstreams[f.upstream];
+        let targets = &b.live.upstreams[f.upstream].targets;
+        Ask {
+            upstream,
+            targets,
+            picking: if targets.several() {
+                self.picking(b, f, upstream)
+            } else {
+                Default::default()
+            },
+            idempotent: tollgate_http1::idempotent(&parts.method)
+                || parts.headers.contains_key(&crate::proxy::IDEMPOTENCY_KEY),
+            parts,
+            max_body,
+            ours: f.fields.any(),
+            post_paid,
+            holds: f.place.as_ref().is_some_and(crate::concurrency::Place::limited) || !f.seats.is_empty(),
+            upgrade,
+        }
+    }
+
+    /// The answer to a request whose exchange failed (502, 504, or 408 for a client that
+    /// stalled its body), after what it paid is refunded if it never reached the upstream or
+    /// settled if it did. The rare path: its caller boxes it.
+    pub(super) async fn failed(&self, b: &mut Begun<'_>, f: &mut Forward, failure: Failure) -> Answer {
+        let upstream = &b.snap.upstreams[f.upstream];
+        let mut a = Answer::from(crate::proxy::failure_answer(upstream, &failure));
+        self.refund_undelivered(&b.snap, &mut b.facts, f.paid.take(), &failure)
+            .await;
+        a.fields = std::mem::take(&mut f.fields);
+        // Already waited out for the body timeout: no more waiting for it.
+        a.close = matches!(failure, Failure::ClientStalled);
+        a
+    }
+
     /// How the client's headers become the upstream's for a forwarded request.
     pub(crate) fn edits(
         &self,
@@ -154,7 +204,7 @@ impl Gateway {
         snap: &Snapshot,
         facts: &mut Facts,
         paid: Option<Box<Paid>>,
-        failure: &crate::proxy::client::Failure,
+        failure: &Failure,
     ) {
         if !failure.undelivered() {
             // Delivered, but no answer came: no status a limit charged on the answer keeps.
