@@ -1,6 +1,7 @@
 //! The workspace's layers (src/ARCHITECTURE.md), held against what the crates' manifests say:
 //! a crate may depend only on crates of a lower layer, and the low layers may not reach for a
-//! runtime, sockets or HTTP. A new arrow that breaks this fails here before review.
+//! runtime, sockets or HTTP. A new arrow that breaks this fails here before review. Beside
+//! them: the fixed top level, no large tracked file, and the lengths a newcomer reads at once.
 
 use std::collections::BTreeMap;
 use std::process::Command;
@@ -252,4 +253,137 @@ fn the_top_level_holds_the_fixed_layout_and_no_large_file() {
     }
     assert!(stray.is_empty(), "tracked outside the fixed top level: {stray:?}");
     assert!(large.is_empty(), "tracked files over 1 MiB: {large:?}");
+}
+
+/// The longest a function outside tests may run, from its `fn` line to its closing brace.
+const MAX_FN_LINES: usize = 120;
+/// The longest a source file under `src/` may be, and a test file.
+const MAX_SRC_LINES: usize = 1000;
+const MAX_TEST_LINES: usize = 800;
+
+/// Whether `line` (trimmed) opens a function: `fn`, after any of `pub(…)`, `const`, `async`,
+/// `unsafe`, `extern "…"`.
+fn opens_fn(trimmed: &str) -> bool {
+    let mut rest = trimmed;
+    loop {
+        if let Some(r) = rest.strip_prefix("fn ") {
+            return !r.is_empty();
+        }
+        let word = if rest.starts_with("pub(") {
+            match rest.find(") ") {
+                Some(i) => i + 2,
+                None => return false,
+            }
+        } else if let Some(abi) = rest.strip_prefix("extern \"") {
+            match abi.find("\" ") {
+                Some(i) => 8 + i + 2,
+                None => return false,
+            }
+        } else {
+            match ["pub ", "const ", "async ", "unsafe "]
+                .iter()
+                .find(|p| rest.starts_with(**p))
+            {
+                Some(p) => p.len(),
+                None => return false,
+            }
+        };
+        rest = &rest[word..];
+    }
+}
+
+/// Where the item opened on line `i` ends: the first later line at its indent that is its
+/// closing brace, or that ends a body-less declaration with `;`. rustfmt keeps both at the
+/// item's indent.
+fn item_end(lines: &[&str], i: usize) -> usize {
+    let line = lines[i];
+    let trimmed = line.trim_start();
+    if trimmed.ends_with('}') || trimmed.ends_with(';') {
+        return i;
+    }
+    let indent = &line[..line.len() - trimmed.len()];
+    for (j, l) in lines.iter().enumerate().skip(i + 1) {
+        if let Some(rest) = l.strip_prefix(indent)
+            && !rest.starts_with(char::is_whitespace)
+            && (rest == "}" || rest.ends_with(';') || rest.starts_with("};"))
+        {
+            return j;
+        }
+    }
+    lines.len() - 1
+}
+
+/// Functions in `text` that run past [`MAX_FN_LINES`], as `name (N lines)`, leaving out every
+/// item under `#[cfg(test)]`.
+fn long_functions(text: &str) -> Vec<String> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut long = Vec::new();
+    let mut test_item = false;
+    let mut i = 0;
+    while i < lines.len() {
+        let trimmed = lines[i].trim_start();
+        if trimmed.starts_with("#[cfg(test)]") {
+            test_item = true;
+        } else if trimmed.starts_with("#[") || trimmed.starts_with("///") || trimmed.is_empty() {
+            // Attributes and docs belong to the item below.
+        } else if test_item {
+            test_item = false;
+            i = item_end(&lines, i);
+        } else if opens_fn(trimmed) {
+            let end = item_end(&lines, i);
+            let n = end - i + 1;
+            if n > MAX_FN_LINES {
+                let name = trimmed.split("fn ").nth(1).unwrap_or_default();
+                let name = name.split(['(', '<']).next().unwrap_or_default();
+                long.push(format!("{name} ({n} lines)"));
+            }
+        }
+        i += 1;
+    }
+    long
+}
+
+#[test]
+fn the_long_function_finder_sees_what_it_must() {
+    let body = "    let x = 1;\n".repeat(MAX_FN_LINES);
+    let long = format!("pub(crate) async fn big(a: u8) -> u8 {{\n{body}}}\n");
+    assert_eq!(
+        long_functions(&long),
+        vec![format!("big ({} lines)", MAX_FN_LINES + 2)]
+    );
+    let in_tests = format!("#[cfg(test)]\nmod tests {{\n    fn big() {{\n{body}    }}\n}}\n");
+    assert!(long_functions(&in_tests).is_empty());
+    let short = "trait T {\n    fn f(&self,\n        x: u8,\n    ) -> u8;\n}\nfn g() {}\n";
+    assert!(long_functions(short).is_empty());
+}
+
+/// Held so a newcomer reads the code a screen at a time: every function outside tests within
+/// [`MAX_FN_LINES`], every source file within [`MAX_SRC_LINES`], every test file within
+/// [`MAX_TEST_LINES`].
+#[test]
+fn functions_and_files_stay_within_their_lengths() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut over = Vec::new();
+    for f in tracked() {
+        if !f.ends_with(".rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(root.join(&f)).unwrap_or_else(|e| panic!("{f}: {e}"));
+        let parts: Vec<&str> = f.split('/').collect();
+        let test_file = parts[0] == "tests"
+            || parts.contains(&"tests")
+            || f.ends_with("/tests.rs")
+            || parts[0] == "benches";
+        let cap = if test_file { MAX_TEST_LINES } else { MAX_SRC_LINES };
+        let n = text.lines().count();
+        if n > cap {
+            over.push(format!("{f}: {n} lines, over {cap}"));
+        }
+        if parts[0] == "src" && !test_file {
+            for l in long_functions(&text) {
+                over.push(format!("{f}: fn {l}, over {MAX_FN_LINES}"));
+            }
+        }
+    }
+    assert!(over.is_empty(), "past their lengths:\n{}", over.join("\n"));
 }
