@@ -7,24 +7,11 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 
 use common::{Answer, Http, K8, RedisServer};
 use http::{Method, StatusCode};
-use tollgate_gateway::app::{self, Running};
 use tollgate_gateway::config::StoreUrl;
 use tollgate_limit::clock::ManualClock;
-
-async fn gateway(
-    rules: &str,
-    store: StoreUrl,
-    express: bool,
-    clock: Arc<ManualClock>,
-) -> (Running, tempfile::TempDir) {
-    let (cfg, dir) = common::manual_config(rules, store, express, clock);
-    let running = app::start(cfg).await.expect("gateway starts");
-    (running, dir)
-}
 
 async fn completion(http: &Http, addr: SocketAddr, tokens: Option<u64>) -> Answer {
     let q = tokens.map(|t| format!("?tokens={t}")).unwrap_or_default();
@@ -63,7 +50,7 @@ async fn completions_owe_their_tokens_and_the_fifth_waits_for_the_debt() {
             }
         };
         let clock = ManualClock::new(1_700_000_000_000_000);
-        let (gw, _dir) = gateway(&rules, store_url, express, clock.clone()).await;
+        let (gw, _dir) = common::start_manual(&rules, store_url, express, clock.clone()).await;
 
         // No header: the reserve is the whole cost.
         let a = completion(&http, gw.addr, None).await;
@@ -189,7 +176,8 @@ async fn a_report_below_the_reserve_gives_the_rest_back() {
     let upstream = common::start_demo_upstream().await;
     let http = Http::new();
     let clock = ManualClock::new(1_700_000_000_000_000);
-    let (gw, _dir) = gateway(&tokens_only(upstream, 500), StoreUrl::Memory, true, clock.clone()).await;
+    let (gw, _dir) =
+        common::start_manual(&tokens_only(upstream, 500), StoreUrl::Memory, true, clock.clone()).await;
     // Reserve 500, report 100: 400 come back; 100 tokens refill in 0.6 s.
     let a = completion(&http, gw.addr, Some(100)).await;
     assert_eq!(a.status, StatusCode::OK);
@@ -210,7 +198,7 @@ async fn a_cost_that_is_not_a_count_costs_the_reserve() {
     let http = Http::new();
     let clock = ManualClock::new(1_700_000_000_000_000);
     for express in [true, false] {
-        let (gw, _dir) = gateway(
+        let (gw, _dir) = common::start_manual(
             &tokens_only(upstream, 500),
             StoreUrl::Memory,
             express,

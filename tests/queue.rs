@@ -92,17 +92,6 @@ fn rules(upstream: SocketAddr) -> String {
     rules.to_string()
 }
 
-async fn gateway(
-    rules: &str,
-    store: StoreUrl,
-    express: bool,
-    clock: Arc<ManualClock>,
-) -> (Running, tempfile::TempDir) {
-    let (cfg, dir) = common::manual_config(rules, store, express, clock);
-    let running = app::start(cfg).await.expect("gateway starts");
-    (running, dir)
-}
-
 /// Polls `cond` every 5 ms for up to 5 s (real time, for the gateway's tasks to run; the
 /// bucket's time is the manual clock's).
 async fn until(what: &str, cond: impl Fn() -> bool) {
@@ -136,7 +125,7 @@ async fn thirty_at_once_are_forwarded_a_tenth_of_a_second_apart_and_nine_refused
         redis.cli(&["FLUSHALL"]);
         let up = Counting::start(None).await;
         let clock = ManualClock::new(1_700_000_000_000_000);
-        let (gw, _dir) = gateway(&rules(up.addr), store, express, clock.clone()).await;
+        let (gw, _dir) = common::start_manual(&rules(up.addr), store, express, clock.clone()).await;
         let url = format!("http://{}/v1/queued", gw.addr);
         let tasks: Vec<_> = (0..30)
             .map(|_| {
@@ -272,7 +261,7 @@ async fn leavers_never_let_the_upstream_see_more_than_the_bound() {
         redis.cli(&["FLUSHALL"]);
         let clock = ManualClock::new(1_700_000_000_000_000);
         let up = Counting::start(Some(clock.clone())).await;
-        let (gw, _dir) = gateway(&rules(up.addr), store, express, clock.clone()).await;
+        let (gw, _dir) = common::start_manual(&rules(up.addr), store, express, clock.clone()).await;
         let url = format!("http://{}/v1/queued", gw.addr);
         assert_eq!(
             http.get(&url, &[("x-api-key", KBIG)]).await.status,

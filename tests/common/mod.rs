@@ -121,6 +121,19 @@ pub fn manual_config(
     (cfg, dir)
 }
 
+/// A gateway in this process on [`manual_config`], started: the tests of the queue, of
+/// post-paid debits and of blocks each run one a case.
+pub async fn start_manual(
+    rules: &str,
+    store: tollgate_gateway::config::StoreUrl,
+    express: bool,
+    clock: Arc<ManualClock>,
+) -> (Running, tempfile::TempDir) {
+    let (cfg, dir) = manual_config(rules, store, express, clock);
+    let running = tollgate_gateway::app::start(cfg).await.expect("gateway starts");
+    (running, dir)
+}
+
 /// A gateway in this process on 127.0.0.1:0 with an admin listener, on the given store.
 pub async fn start_gateway_on(
     rules: &str,
