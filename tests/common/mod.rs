@@ -15,6 +15,7 @@ pub mod pair;
 pub mod processes;
 pub mod raw;
 pub mod redis;
+pub mod redis_tls;
 pub mod regions;
 pub mod relay;
 pub mod replay;
