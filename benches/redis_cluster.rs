@@ -160,7 +160,7 @@ fn main() {
             let nodes = c.node_list();
             async move {
                 Arc::new(
-                    RedisStore::connect(Target::Cluster(&nodes), None)
+                    RedisStore::connect(Target::cluster(&nodes), None)
                         .await
                         .expect("connect to the cluster"),
                 )

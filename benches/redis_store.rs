@@ -373,7 +373,7 @@ fn main() {
     };
     println!("RedisStore: {connections} connection(s)");
     let store = Arc::new(
-        rt.block_on(RedisStore::connect_with(Target::Node(&url), None, connections))
+        rt.block_on(RedisStore::connect_with(Target::node(&url), None, connections))
             .expect("connect"),
     );
     if o.only_memory {

@@ -43,6 +43,16 @@ pub enum Command {
     },
     /// Print the JSON Schema of a rules file (rules/schema.json is its output).
     RulesSchema,
+    /// Connect to a store as `serve` would and say in one line what it is (kind, nodes or
+    /// primaries, TLS, user, version, whether scripts may read TIME); exits non-zero with the
+    /// reason when it can't serve.
+    CheckStore {
+        #[command(flatten)]
+        store: tollgate_gateway::config::StoreArgs,
+        /// Whose clock refills buckets, as `serve --clock`: on `store`, scripts must read TIME.
+        #[arg(long, env = "TOLLGATE_CLOCK", value_enum, default_value_t = tollgate_gateway::config::ClockSource::Store)]
+        clock: tollgate_gateway::config::ClockSource,
+    },
     /// Ask a running gateway's admin listener whether it is alive (`GET /healthz`); exits 0
     /// when it answers 200, 1 otherwise. For a container's HEALTHCHECK, where no curl is.
     Healthcheck {
@@ -466,6 +476,14 @@ fn run_standalone(command: &Command) -> Result<bool> {
             exit_on_error("demo-token", token.map(|token| println!("{token}")));
         }
         Command::RulesSchema => print!("{}", tollgate_rules::raw::schema()),
+        Command::CheckStore { store, clock } => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .context("an async runtime")?;
+            let found = rt.block_on(tollgate_gateway::app::check_store(store, *clock));
+            exit_on_error("check-store", found.map(|line| println!("{line}")));
+        }
         Command::Healthcheck { admin_listen, path } => {
             exit_on_error("healthcheck", healthcheck(*admin_listen, path));
         }
@@ -539,6 +557,7 @@ fn run_server(cli: Cli) -> Result<()> {
         ),
         Command::DemoUpstream { .. }
         | Command::CheckRules { .. }
+        | Command::CheckStore { .. }
         | Command::RulesSchema
         | Command::Replay(_)
         | Command::Fleet(_)
@@ -625,6 +644,7 @@ fn run(cli: Cli, threads: Option<u16>, format: LogFormat, lines: Option<access::
             }
             // These returned before the runtime started.
             Command::CheckRules { .. }
+            | Command::CheckStore { .. }
             | Command::RulesSchema
             | Command::Replay(_)
             | Command::Fleet(_)

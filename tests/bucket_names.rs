@@ -199,7 +199,7 @@ fn names_never_collide_in_lua_on_redis() {
     let redis = common::RedisServer::start();
     let rt = runtime();
     let store: Arc<dyn Store> = Arc::new(
-        rt.block_on(RedisStore::connect(Target::Node(&redis.url()), None))
+        rt.block_on(RedisStore::connect(Target::node(&redis.url()), None))
             .expect("connect to redis-server"),
     );
     run(&rt, 96, || {

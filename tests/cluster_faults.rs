@@ -679,7 +679,7 @@ async fn a_check_follows_ask_and_moved_while_its_slot_moves() {
     let cluster = RedisCluster::start();
     let clock = tollgate_limit::clock::ManualClock::new(1_000_000_000);
     let nodes = cluster.node_list();
-    let store = RedisStore::connect(Target::Cluster(&nodes), Some(clock))
+    let store = RedisStore::connect(Target::cluster(&nodes), Some(clock))
         .await
         .expect("connects");
     let it = bucket("conf");

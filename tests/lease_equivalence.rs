@@ -276,7 +276,7 @@ async fn run(
 #[tokio::test]
 async fn lease_script_and_lease_rs_agree_on_the_store_clock() {
     let redis = common::RedisServer::start();
-    let store = RedisStore::connect(Target::Node(&redis.url()), None)
+    let store = RedisStore::connect(Target::node(&redis.url()), None)
         .await
         .unwrap();
     let seed = common::eq_seed();
@@ -288,7 +288,7 @@ async fn lease_script_and_lease_rs_agree_on_the_store_clock() {
 async fn lease_script_and_lease_rs_agree_on_a_jumping_gateway_clock() {
     let redis = common::RedisServer::start();
     let clock = ManualClock::new(1_700_000_000_000_000);
-    let store = RedisStore::connect(Target::Node(&redis.url()), Some(clock.clone() as Arc<_>))
+    let store = RedisStore::connect(Target::node(&redis.url()), Some(clock.clone() as Arc<_>))
         .await
         .unwrap();
     let seed = common::eq_seed();
@@ -305,7 +305,7 @@ async fn lease_script_and_lease_rs_agree_on_a_jumping_gateway_clock() {
 #[tokio::test]
 async fn the_lease_script_comes_back_after_a_script_flush() {
     let redis = common::RedisServer::start();
-    let store = RedisStore::connect(Target::Node(&redis.url()), None)
+    let store = RedisStore::connect(Target::node(&redis.url()), None)
         .await
         .unwrap();
     let p = BucketParams::new(Rate::parse("10000/1s").unwrap(), 20_000).unwrap();

@@ -78,7 +78,7 @@ fn raw(cluster: &RedisCluster, it: &CheckItem) -> String {
 async fn cluster_store(cluster: &RedisCluster) -> (Arc<RedisStore>, Arc<ManualClock>) {
     let clock = ManualClock::new(1_000_000_000);
     let nodes = cluster.node_list();
-    let store = RedisStore::connect(Target::Cluster(&nodes), Some(clock.clone()))
+    let store = RedisStore::connect(Target::cluster(&nodes), Some(clock.clone()))
         .await
         .expect("connects");
     (Arc::new(store), clock)

@@ -384,7 +384,7 @@ async fn run(store: &RedisStore, clock: Option<&ManualClock>, tag: &str, seed: u
 #[tokio::test]
 async fn script_and_bucket_rs_agree_on_the_store_clock() {
     let redis = common::RedisServer::start();
-    let store = RedisStore::connect(Target::Node(&redis.url()), None)
+    let store = RedisStore::connect(Target::node(&redis.url()), None)
         .await
         .unwrap();
     let seed = common::eq_seed();
@@ -396,7 +396,7 @@ async fn script_and_bucket_rs_agree_on_the_store_clock() {
 async fn script_and_bucket_rs_agree_on_a_jumping_gateway_clock() {
     let redis = common::RedisServer::start();
     let clock = ManualClock::new(1_700_000_000_000_000);
-    let store = RedisStore::connect(Target::Node(&redis.url()), Some(clock.clone() as Arc<_>))
+    let store = RedisStore::connect(Target::node(&redis.url()), Some(clock.clone() as Arc<_>))
         .await
         .unwrap();
     let seed = common::eq_seed();

@@ -72,7 +72,7 @@ async fn buckets_of_the_old_layout_are_read_with_their_tokens_and_moved() {
     let redis = RedisServer::start();
     let t0 = 1_800_000_000_000_000u64;
     let clock = tollgate_limit::clock::ManualClock::new(t0);
-    let store = RedisStore::connect(Target::Node(&redis.url()), Some(clock.clone()))
+    let store = RedisStore::connect(Target::node(&redis.url()), Some(clock.clone()))
         .await
         .unwrap();
     let p = BucketParams::new(Rate::parse("10/1s").unwrap(), 10).unwrap();
@@ -186,7 +186,7 @@ async fn fields_expire_as_keys_did_and_are_swept_only_long_after() {
     let redis = RedisServer::start();
     let t0 = 1_800_000_000_000_000u64;
     let clock = tollgate_limit::clock::ManualClock::new(t0);
-    let store = RedisStore::connect(Target::Node(&redis.url()), Some(clock.clone()))
+    let store = RedisStore::connect(Target::node(&redis.url()), Some(clock.clone()))
         .await
         .unwrap();
     let check = |key: &str, rate: &str, burst: u64, cost: u64| {

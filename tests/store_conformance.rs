@@ -649,7 +649,7 @@ async fn memory_store_conforms() {
 #[tokio::test]
 async fn redis_store_conforms_on_the_store_clock() {
     let redis = common::RedisServer::start();
-    let store = RedisStore::connect(Target::Node(&redis.url()), None)
+    let store = RedisStore::connect(Target::node(&redis.url()), None)
         .await
         .expect("connects");
     conformance(Subject {
@@ -665,7 +665,7 @@ async fn redis_store_conforms_on_the_store_clock() {
 async fn redis_store_conforms_on_a_gateway_clock() {
     let redis = common::RedisServer::start();
     let clock = ManualClock::new(1_700_000_000_000_000);
-    let store = RedisStore::connect(Target::Node(&redis.url()), Some(clock.clone() as Arc<_>))
+    let store = RedisStore::connect(Target::node(&redis.url()), Some(clock.clone() as Arc<_>))
         .await
         .expect("connects");
     conformance(Subject {
@@ -681,7 +681,7 @@ async fn redis_store_conforms_on_a_gateway_clock() {
 async fn redis_cluster_conforms() {
     let cluster = common::RedisCluster::start();
     let nodes = cluster.node_list();
-    let store = RedisStore::connect(Target::Cluster(&nodes), None)
+    let store = RedisStore::connect(Target::cluster(&nodes), None)
         .await
         .expect("connects");
     assert_eq!(store.kind(), "redis-cluster");

@@ -69,6 +69,62 @@ fn parse_lines(s: &str) -> Result<usize, String> {
 /// busy gateway's output.
 pub const DEFAULT_ACCESS_BUFFER: usize = 65_536;
 
+/// Where the store is and how to reach it: `serve`, `demo` and `check-store` take these.
+#[derive(Debug, Args, Clone)]
+pub struct StoreArgs {
+    /// `memory` (embedded), `redis://HOST:PORT` or `redis-cluster://H1:P1,H2:P2`; over TLS
+    /// `rediss://HOST:PORT` or `rediss-cluster://…` (`valkey://` and `valkeys://` too).
+    #[arg(
+        id = "store",
+        long = "store",
+        env = "TOLLGATE_STORE",
+        default_value = "memory"
+    )]
+    pub url: String,
+    /// PEM CA certificates a TLS store's certificate must chain to; the built-in roots
+    /// (Mozilla's) without.
+    #[arg(id = "store_ca", long = "store-ca", env = "TOLLGATE_STORE_CA")]
+    pub ca: Option<PathBuf>,
+    /// PEM client certificate chain, for a TLS store that asks for one.
+    #[arg(
+        id = "store_cert",
+        long = "store-cert",
+        env = "TOLLGATE_STORE_CERT",
+        requires = "store_key"
+    )]
+    pub cert: Option<PathBuf>,
+    /// PEM private key for --store-cert.
+    #[arg(
+        id = "store_key",
+        long = "store-key",
+        env = "TOLLGATE_STORE_KEY",
+        requires = "store_cert"
+    )]
+    pub key: Option<PathBuf>,
+    /// The name a TLS store's certificate must carry, where the URL's host is not that name.
+    #[arg(
+        id = "store_server_name",
+        long = "store-server-name",
+        env = "TOLLGATE_STORE_SERVER_NAME"
+    )]
+    pub server_name: Option<String>,
+    /// The store's ACL user (or put it in the URL).
+    #[arg(
+        id = "store_username",
+        long = "store-username",
+        env = "TOLLGATE_STORE_USERNAME"
+    )]
+    pub username: Option<String>,
+    /// A file whose first line is the store's password, read at start and again on SIGHUP:
+    /// out of `ps` and the environment, and rotated without a restart.
+    #[arg(
+        id = "store_password_file",
+        long = "store-password-file",
+        env = "TOLLGATE_STORE_PASSWORD_FILE"
+    )]
+    pub password_file: Option<PathBuf>,
+}
+
 #[derive(Debug, Args, Clone)]
 pub struct CommonArgs {
     /// Public listener.
@@ -81,9 +137,8 @@ pub struct CommonArgs {
     /// literals and `localhost` (repeat, or separate with commas). Any other `Host` gets 421.
     #[arg(long = "admin-host", env = "TOLLGATE_ADMIN_HOST", value_delimiter = ',')]
     pub admin_hosts: Vec<String>,
-    /// `memory` (embedded), `redis://HOST:PORT` or `redis-cluster://H1:P1,H2:P2`.
-    #[arg(long, env = "TOLLGATE_STORE", default_value = "memory")]
-    pub store: String,
+    #[command(flatten)]
+    pub store: StoreArgs,
     /// How long one check may wait for a remote store before its failure policy decides.
     #[arg(long, env = "TOLLGATE_STORE_TIMEOUT", default_value = "3ms", value_parser = parse_duration)]
     pub store_timeout: Duration,
@@ -258,8 +313,13 @@ pub(crate) fn parse_positive_duration(text: &str) -> Result<Duration, String> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreUrl {
     Memory,
+    /// One node: `redis://` or, over TLS, `rediss://`.
     Redis(String),
-    RedisCluster(Vec<String>),
+    /// A cluster reached through these nodes, over TLS or not.
+    RedisCluster {
+        nodes: Vec<String>,
+        tls: bool,
+    },
 }
 
 impl StoreUrl {
@@ -268,7 +328,16 @@ impl StoreUrl {
         if t == "memory" {
             return Ok(StoreUrl::Memory);
         }
-        if let Some(rest) = t.strip_prefix("redis-cluster://") {
+        let cluster = [
+            ("redis-cluster://", false),
+            ("rediss-cluster://", true),
+            ("valkey-cluster://", false),
+            ("valkeys-cluster://", true),
+        ];
+        if let Some((rest, tls)) = cluster
+            .iter()
+            .find_map(|(p, tls)| t.strip_prefix(p).map(|r| (r, *tls)))
+        {
             let nodes: Vec<String> = rest
                 .split(',')
                 .map(str::trim)
@@ -277,7 +346,7 @@ impl StoreUrl {
                 .collect();
             if nodes.is_empty() {
                 return Err(format!(
-                    "--store {text:?}: redis-cluster:// needs at least one HOST:PORT"
+                    "--store {text:?}: a cluster URL needs at least one HOST:PORT"
                 ));
             }
             for n in &nodes {
@@ -285,13 +354,21 @@ impl StoreUrl {
                     return Err(format!("--store {text:?}: {n:?} must be HOST:PORT"));
                 }
             }
-            return Ok(StoreUrl::RedisCluster(nodes));
+            return Ok(StoreUrl::RedisCluster { nodes, tls });
         }
-        if t.starts_with("redis://") || t.starts_with("rediss://") || t.starts_with("valkey://") {
-            return Ok(StoreUrl::Redis(t.replacen("valkey://", "redis://", 1)));
+        // Valkey speaks Redis's protocol: its schemes are Redis's.
+        for (scheme, as_redis) in [
+            ("redis://", "redis://"),
+            ("rediss://", "rediss://"),
+            ("valkey://", "redis://"),
+            ("valkeys://", "rediss://"),
+        ] {
+            if let Some(rest) = t.strip_prefix(scheme) {
+                return Ok(StoreUrl::Redis(format!("{as_redis}{rest}")));
+            }
         }
         Err(format!(
-            "--store {text:?}: expected \"memory\", \"redis://HOST:PORT\" or \"redis-cluster://H1:P1,H2:P2\""
+            "--store {text:?}: expected \"memory\", \"redis://HOST:PORT\" (\"rediss://\" over TLS) or \"redis-cluster://H1:P1,H2:P2\" (\"rediss-cluster://\" over TLS)"
         ))
     }
 }
@@ -309,6 +386,8 @@ pub struct GatewayConfig {
     /// none and the key API is off (the command line always names one).
     pub keys_file: Option<PathBuf>,
     pub store: StoreUrl,
+    /// TLS and credentials for every connection to the store.
+    pub store_access: tollgate_store::redis::Access,
     pub tls: Option<(PathBuf, PathBuf)>,
     pub trusted: TrustedProxies,
     pub limits: ServerLimits,
@@ -365,6 +444,7 @@ impl GatewayConfig {
             admin_token: None,
             keys_file: None,
             store: StoreUrl::Memory,
+            store_access: Default::default(),
             tls: None,
             trusted: TrustedProxies::default(),
             limits: ServerLimits::default(),
@@ -433,7 +513,8 @@ impl CommonArgs {
                 .unwrap_or(std::path::Path::new(""))
                 .join("tollgate-keys.db")
         }));
-        cfg.store = StoreUrl::parse(&c.store)?;
+        cfg.store = StoreUrl::parse(&c.store.url)?;
+        cfg.store_access = c.store.access(&cfg.store)?;
         cfg.clock_source = c.clock;
         cfg.tls = match (&c.tls_cert, &c.tls_key) {
             (Some(cert), Some(key)) => Some((cert.clone(), key.clone())),
@@ -481,12 +562,12 @@ impl CommonArgs {
             )?;
             // This Region's store is the gateway's: naming another one with --store is a mistake.
             match &cfg.store {
-                StoreUrl::Memory if c.store == "memory" => {}
+                StoreUrl::Memory if c.store.url == "memory" => {}
                 StoreUrl::Redis(url) if url == rc.own_store() => {}
                 _ => {
                     return Err(format!(
                         "--store {} and --regions {}={} name two stores for this Region; leave --store out",
-                        c.store,
+                        cfg.store.redacted(),
                         region,
                         rc.own_store()
                     ));
@@ -499,6 +580,86 @@ impl CommonArgs {
             });
         }
         Ok(cfg)
+    }
+}
+
+impl StoreArgs {
+    /// TLS and credentials for the store from the `--store-*` flags. TLS settings on a store
+    /// that doesn't speak TLS, or credentials for the embedded store, are refused: a flag that
+    /// would do nothing is a mistake.
+    pub fn access(&self, store: &StoreUrl) -> Result<tollgate_store::redis::Access, String> {
+        use tollgate_store::redis::{Access, Credentials, StoreTls, TlsFiles};
+        let files = TlsFiles {
+            ca: self.ca.clone(),
+            client: self.cert.clone().zip(self.key.clone()),
+            server_name: self.server_name.clone(),
+        };
+        let tls_asked = files.ca.is_some() || files.client.is_some() || files.server_name.is_some();
+        let store_tls = match store {
+            StoreUrl::Memory => false,
+            StoreUrl::Redis(url) => url.starts_with("rediss://"),
+            StoreUrl::RedisCluster { tls, .. } => *tls,
+        };
+        if tls_asked && !store_tls {
+            return Err(format!(
+                "--store-ca, --store-cert and --store-server-name need a TLS store (rediss://, valkeys:// or rediss-cluster://), not --store {}",
+                store.redacted()
+            ));
+        }
+        let creds_asked = self.username.is_some() || self.password_file.is_some();
+        if creds_asked && *store == StoreUrl::Memory {
+            return Err(
+                "--store-username and --store-password-file need a Redis store (--store redis://…)".into(),
+            );
+        }
+        Ok(Access {
+            tls: if tls_asked {
+                Some(StoreTls::new(&files)?)
+            } else {
+                None
+            },
+            credentials: if creds_asked {
+                Some(Credentials::new(
+                    self.username.clone(),
+                    self.password_file.clone(),
+                )?)
+            } else {
+                None
+            },
+        })
+    }
+}
+
+impl StoreUrl {
+    /// The URL as logs and pages may show it: its password replaced.
+    pub fn redacted(&self) -> String {
+        match self {
+            StoreUrl::Memory => "memory".into(),
+            StoreUrl::Redis(url) => tollgate_store::redis::redact(url),
+            StoreUrl::RedisCluster { nodes, tls } => {
+                format!(
+                    "{}://{}",
+                    if *tls { "rediss-cluster" } else { "redis-cluster" },
+                    nodes.join(",")
+                )
+            }
+        }
+    }
+}
+
+impl GatewayConfig {
+    /// Where the Redis store is and how to reach it; `None` for the embedded store.
+    pub fn store_target(&self) -> Option<tollgate_store::redis::Target<'_>> {
+        use tollgate_store::redis::{Place, Target};
+        let place = match &self.store {
+            StoreUrl::Memory => return None,
+            StoreUrl::Redis(url) => Place::Node(url),
+            StoreUrl::RedisCluster { nodes, tls } => Place::Cluster { nodes, tls: *tls },
+        };
+        Some(Target {
+            place,
+            access: &self.store_access,
+        })
     }
 }
 
@@ -523,7 +684,21 @@ mod tests {
         assert_eq!(StoreUrl::parse("memory").unwrap(), StoreUrl::Memory);
         assert_eq!(
             StoreUrl::parse("redis-cluster://a:1,b:2").unwrap(),
-            StoreUrl::RedisCluster(vec!["a:1".into(), "b:2".into()])
+            StoreUrl::RedisCluster {
+                nodes: vec!["a:1".into(), "b:2".into()],
+                tls: false
+            }
+        );
+        assert_eq!(
+            StoreUrl::parse("valkeys://u:p@h:6380/0").unwrap(),
+            StoreUrl::Redis("rediss://u:p@h:6380/0".into())
+        );
+        assert_eq!(
+            StoreUrl::parse("rediss-cluster://a:1").unwrap(),
+            StoreUrl::RedisCluster {
+                nodes: vec!["a:1".into()],
+                tls: true
+            }
         );
         assert!(StoreUrl::parse("mysql://x").is_err());
     }

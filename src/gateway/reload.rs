@@ -10,6 +10,7 @@ use std::ffi::OsString;
 use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
+use tollgate_store::redis::Credentials;
 
 use arc_swap::ArcSwap;
 use notify::{RecursiveMode, Watcher};
@@ -37,6 +38,8 @@ pub struct Reloader {
     lock: Mutex<()>,
     /// The last reload that left the running rules in place, and why.
     rejected: Mutex<Option<Rejected>>,
+    /// The store's password file, read again on SIGHUP with the rules.
+    store_credentials: Option<Arc<Credentials>>,
 }
 
 /// Why a set of keys made through the admin API was not put in place; the running rules stay.
@@ -88,7 +91,15 @@ impl Reloader {
             metrics,
             lock: Mutex::new(()),
             rejected: Mutex::new(None),
+            store_credentials: None,
         }
+    }
+
+    /// Reads the store's password file again on each SIGHUP, so a rotated password needs no
+    /// restart: the connections open stay, and the next one authenticates with the new one.
+    pub fn with_store_credentials(mut self, credentials: Option<Arc<Credentials>>) -> Reloader {
+        self.store_credentials = credentials;
+        self
     }
 
     /// The keys made through the admin API that are in place now, compiled after the file's
@@ -194,6 +205,7 @@ impl Reloader {
             RulesSource::Embedded { .. } => None,
         };
         let hup_tx = tx.clone();
+        let credentials = self.store_credentials.clone();
         let hup = tokio::spawn(async move {
             use tokio::signal::unix::{SignalKind, signal};
             let Ok(mut hup) = signal(SignalKind::hangup()) else {
@@ -203,6 +215,15 @@ impl Reloader {
             while hup.recv().await.is_some() {
                 tracing::info!("SIGHUP: reloading rules");
                 let _ = hup_tx.try_send(());
+                match credentials.as_deref().map(Credentials::reload) {
+                    None | Some(Ok(false)) => {}
+                    Some(Ok(true)) => {
+                        tracing::info!("SIGHUP: the store's password file changed; new connections use it")
+                    }
+                    Some(Err(e)) => {
+                        tracing::error!(error = %e, "SIGHUP: the store's password file did not read; keeping the password in use")
+                    }
+                }
             }
         });
         let me = self.clone();

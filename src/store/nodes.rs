@@ -415,6 +415,18 @@ impl Nodes {
         Ok(())
     }
 
+    /// Every primary in the map, with its pool.
+    pub(crate) fn primaries(&self) -> Vec<(Server, Pool)> {
+        let map = self.map.read().unwrap_or_else(|p| p.into_inner());
+        let mut all: Vec<(Server, Pool)> = map
+            .primaries
+            .iter()
+            .map(|(s, p)| (s.clone(), p.clone()))
+            .collect();
+        all.sort_by(|a, b| (&a.0.host, a.0.port).cmp(&(&b.0.host, b.0.port)));
+        all
+    }
+
     pub(crate) async fn quit(&self) {
         let pools: Vec<Pool> = {
             let mut map = self.map.write().unwrap_or_else(|p| p.into_inner());

@@ -487,7 +487,7 @@ async fn connect_clients(
     let mut probe = None;
     for _ in 0..load.clients {
         let store = Arc::new(
-            RedisStore::connect(Target::Node(&url), None)
+            RedisStore::connect(Target::node(&url), None)
                 .await
                 .unwrap_or_else(|e| panic!("{e}")),
         );

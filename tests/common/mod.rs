@@ -25,7 +25,7 @@ pub mod tls;
 // Where the tests and the benches (which include this module by path) have always named them;
 // a binary that uses none of them would otherwise warn of each.
 #[allow(unused_imports)]
-pub use processes::{DemoUpstreamProc, Tollgate, cpu_secs, rss_kib};
+pub use processes::{DemoUpstreamProc, Tollgate, cpu_secs, gateway_bin, rss_kib, serve_and_exit};
 #[allow(unused_imports)]
 pub use raw::read_framed;
 #[allow(unused_imports)]
@@ -184,6 +184,11 @@ pub struct Answer {
 }
 
 impl Answer {
+    /// The body as text, for a test's messages.
+    pub fn body_text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
     pub fn json(&self) -> serde_json::Value {
         serde_json::from_slice(&self.body).unwrap_or_else(|e| {
             panic!(

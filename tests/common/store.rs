@@ -23,7 +23,7 @@ pub fn item(key: &str, rate: &str, burst: u64, cost: u64) -> CheckItem {
 }
 
 pub async fn connect(redis: &RedisServer) -> RedisStore {
-    RedisStore::connect(Target::Node(&redis.url()), None)
+    RedisStore::connect(Target::node(&redis.url()), None)
         .await
         .unwrap_or_else(|e| panic!("{e}"))
 }

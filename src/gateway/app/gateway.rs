@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 
-use crate::config::{GatewayConfig, MeterConfig, StartError, StoreUrl};
+use crate::config::{GatewayConfig, MeterConfig, StartError};
 use crate::otel::Otel;
 use crate::proxy::names::Names;
 use crate::regions::{Regions, RegionsConfig};
@@ -68,7 +68,7 @@ pub(super) async fn build(
     parts.otel = otel.clone();
     parts.access = cfg.access_log.clone();
     let metering = match &cfg.meter {
-        Some(m) => Some(open_meter(m, &cfg.store)?),
+        Some(m) => Some(open_meter(m, cfg)?),
         None => None,
     };
     parts.meter = metering.as_ref().map(|m| m.meter.clone());
@@ -103,9 +103,9 @@ pub(super) async fn build(
 /// Counting for billing: records go to the Redis store's stream, or to the SQLite file beside
 /// the embedded store. A Redis store that is down now only delays records: the sink connects
 /// in the background and every flush retries with the newest totals.
-fn open_meter(m: &MeterConfig, store: &StoreUrl) -> Result<Metering, StartError> {
-    let (sink, flags): (Arc<dyn Sink>, Arc<dyn FlagSource>) = match store {
-        StoreUrl::Memory => {
+fn open_meter(m: &MeterConfig, cfg: &GatewayConfig) -> Result<Metering, StartError> {
+    let (sink, flags): (Arc<dyn Sink>, Arc<dyn FlagSource>) = match cfg.store_target() {
+        None => {
             let s = Arc::new(SqliteSink::open(&m.file).map_err(|e| {
                 StartError::Meter(format!(
                     "{e}; name a file the gateway can write with --meter-file (TOLLGATE_METER_FILE), or count nothing with --no-meter"
@@ -113,12 +113,8 @@ fn open_meter(m: &MeterConfig, store: &StoreUrl) -> Result<Metering, StartError>
             })?);
             (s.clone(), s)
         }
-        StoreUrl::Redis(url) => {
-            let s = redis_sink(Target::Node(url))?;
-            (s.clone(), s)
-        }
-        StoreUrl::RedisCluster(nodes) => {
-            let s = redis_sink(Target::Cluster(nodes))?;
+        Some(target) => {
+            let s = redis_sink(target)?;
             (s.clone(), s)
         }
     };
@@ -137,12 +133,10 @@ fn redis_sink(target: Target<'_>) -> Result<Arc<RedisSink>, StartError> {
 
 /// Seats of limits on requests in flight live beside the buckets: in Redis for a fleet.
 fn redis_seats(cfg: &GatewayConfig) -> Result<Option<Arc<RedisSeats>>, StartError> {
-    let client = match &cfg.store {
-        StoreUrl::Memory => return Ok(None),
-        StoreUrl::Redis(url) => side_client(Target::Node(url)),
-        StoreUrl::RedisCluster(nodes) => side_client(Target::Cluster(nodes)),
-    }
-    .map_err(StartError::Store)?;
+    let Some(target) = cfg.store_target() else {
+        return Ok(None);
+    };
+    let client = side_client(target).map_err(StartError::Store)?;
     Ok(Some(RedisSeats::new(
         client,
         cfg.seat_lease,

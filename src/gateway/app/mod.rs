@@ -33,6 +33,7 @@ use crate::admin::Admin;
 pub use crate::config::{GatewayConfig, MeterConfig, StartError};
 use crate::otel::Otel;
 use crate::reload::{Reloader, WatchHandle};
+pub use store::check_store;
 use tollgate_meter::counter::Meter;
 use tollgate_rules::Snapshot;
 pub use tollgate_rules::{RulesLoader, RulesSource};

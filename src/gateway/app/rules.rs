@@ -15,7 +15,7 @@ use crate::managed::ManagedKeys;
 use crate::reload::{Reloader, WatchHandle};
 use tollgate_keys::KeyStore;
 use tollgate_rules::{CompileOptions, RulesLoader, Snapshot};
-use tollgate_store::redis::{Target, side_client};
+use tollgate_store::redis::side_client;
 use tollgate_telemetry::metrics::Metrics;
 
 /// The demo's upstream instances on ports of their own, when `--demo` asks for them: the rules
@@ -67,7 +67,10 @@ pub(super) fn live(
         warn_fingerprints_without_tls(&snapshot);
     }
     let rules = Arc::new(ArcSwap::from_pointee(snapshot));
-    let reloader = Arc::new(Reloader::new(loader, rules.clone(), metrics.clone()));
+    let reloader = Arc::new(
+        Reloader::new(loader, rules.clone(), metrics.clone())
+            .with_store_credentials(cfg.store_access.credentials.clone()),
+    );
     let watch = reloader
         .watch(Duration::from_millis(100))
         .map_err(StartError::Watch)?;
@@ -108,12 +111,13 @@ pub(super) async fn managed_keys(
             ),
             None => return Ok(None),
         },
-        StoreUrl::Redis(url) => {
-            let client = side_client(Target::Node(url)).map_err(StartError::Store)?;
+        StoreUrl::Redis(_) => {
+            let target = cfg.store_target().ok_or_else(|| StartError::Store("no Redis store".into()))?;
+            let client = side_client(target).map_err(StartError::Store)?;
             let _task = client.connect();
             KeyStore::Redis(tollgate_keys::redis::RedisKeys::new(client))
         }
-        StoreUrl::RedisCluster(_) => {
+        StoreUrl::RedisCluster { .. } => {
             tracing::warn!(
                 "keys made through the admin API need one Redis node or the embedded store; the key API is off on a Redis Cluster store"
             );

@@ -49,18 +49,14 @@ pub(super) async fn build(
     rules: &Arc<ArcSwap<Snapshot>>,
     metrics: &Arc<Metrics>,
 ) -> Result<StoreStack, StartError> {
-    let cluster = matches!(cfg.store, StoreUrl::RedisCluster(_));
-    let (base, memory, redis): (Dyn, _, _) = match &cfg.store {
-        StoreUrl::Memory => {
+    let cluster = matches!(cfg.store, StoreUrl::RedisCluster { .. });
+    let (base, memory, redis): (Dyn, _, _) = match cfg.store_target() {
+        None => {
             let m = Arc::new(MemoryStore::new(cfg.clock.clone()));
             (m.clone(), Some(m), None)
         }
-        StoreUrl::Redis(url) => {
-            let r = redis_store(Target::Node(url), cfg).await?;
-            (r.clone(), None, Some(r))
-        }
-        StoreUrl::RedisCluster(nodes) => {
-            let r = redis_store(Target::Cluster(nodes), cfg).await?;
+        Some(target) => {
+            let r = redis_store(target, cfg).await?;
             (r.clone(), None, Some(r))
         }
     };
@@ -218,11 +214,11 @@ impl HomeLayer {
         for (name, url) in rc.stores.iter().filter(|(n, _)| **n != rc.region) {
             // Connected before serving, like this Region's store: a Region that is down now is
             // connected later, and its limits decide by their failure policies meanwhile.
-            let remote = match RedisStore::connect(Target::Node(url), clock.clone()).await {
+            let remote = match RedisStore::connect(Target::node(url), clock.clone()).await {
                 Ok(r) => r,
                 Err(e @ ConnectError::Unreachable { .. }) => {
                     tracing::warn!(region = %name, error = %e, "another Region's store is down; its security limits decide by their failure policies until it answers");
-                    RedisStore::connect_later(Target::Node(url), clock.clone())
+                    RedisStore::connect_later(Target::node(url), clock.clone())
                         .map_err(|e| StartError::Regions(format!("Region {name} ({url}): {e}")))?
                 }
                 Err(e) => return Err(StartError::Regions(format!("Region {name} ({url}): {e}"))),
@@ -274,7 +270,12 @@ async fn redis_store(target: Target<'_>, cfg: &GatewayConfig) -> Result<Arc<Redi
         }
     };
     match RedisStore::connect(target, clock.clone()).await {
-        Ok(store) => Ok(Arc::new(store)),
+        Ok(store) => {
+            if let Some(found) = store.found() {
+                tracing::info!(store = %found, "store found");
+            }
+            Ok(Arc::new(store))
+        }
         // Down now: start degraded under the failure policies, and connect when it is back.
         Err(e @ ConnectError::Unreachable { .. }) => {
             tracing::warn!(error = %e, "starting degraded: limits decide by their failure policies until the store answers");
@@ -284,6 +285,26 @@ async fn redis_store(target: Target<'_>, cfg: &GatewayConfig) -> Result<Arc<Redi
         }
         Err(e) => Err(StartError::Store(e.to_string())),
     }
+}
+
+/// What `tollgate check-store` prints: the store `args` name, connected as `serve` would on
+/// `clock`, in one line; or why it can't serve.
+pub async fn check_store(args: &crate::config::StoreArgs, clock: ClockSource) -> Result<String, String> {
+    let url = StoreUrl::parse(&args.url)?;
+    let mut cfg = GatewayConfig::new(tollgate_rules::RulesSource::demo());
+    cfg.store_access = args.access(&url)?;
+    cfg.store = url;
+    let Some(target) = cfg.store_target() else {
+        return Ok("memory: the embedded store, in this process; nothing to check".into());
+    };
+    let clock = match clock {
+        ClockSource::Store => None,
+        ClockSource::Gateway => Some(cfg.clock.clone()),
+    };
+    let store = RedisStore::connect(target, clock)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(store.found().map(ToString::to_string).unwrap_or_default())
 }
 
 /// The running rules' limit names, for the store guard's metrics.

@@ -268,7 +268,7 @@ impl Regions {
     pub fn connect(cfg: RegionsConfig) -> Result<Arc<Regions>, String> {
         let mut stores = BTreeMap::new();
         for (name, url) in &cfg.stores {
-            let client = side_client(Target::Node(url)).map_err(|e| format!("Region {name} ({url}): {e}"))?;
+            let client = side_client(Target::node(url)).map_err(|e| format!("Region {name} ({url}): {e}"))?;
             let _task = client.connect();
             stores.insert(name.clone(), client);
         }

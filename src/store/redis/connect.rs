@@ -13,7 +13,7 @@ use fred::types::config::ClusterDiscoveryPolicy;
 use tokio::sync::mpsc;
 
 use super::check::run_queue;
-use super::{ConnectError, DEFAULT_CONNECTIONS, RedisStore, Shared, Target};
+use super::{ConnectError, DEFAULT_CONNECTIONS, Place, RedisStore, Shared, StoreTls, Target};
 use crate::nodes::{Nodes, Script};
 use tollgate_limit::clock::Clock;
 
@@ -53,6 +53,40 @@ impl Conn {
         }
     }
 
+    /// What the store is: its primaries, the server's name and version (from `INFO server`,
+    /// which a user without `+info` may not run), and whether a script may read `TIME`.
+    async fn survey(&self) -> (Vec<String>, String, bool) {
+        let pools: Vec<(String, Pool)> = match self {
+            Conn::One(pool) => vec![(String::new(), pool.clone())],
+            Conn::Cluster(nodes) => nodes
+                .primaries()
+                .into_iter()
+                .map(|(s, p)| (format!("{}:{}", s.host, s.port), p))
+                .collect(),
+        };
+        let primaries = pools
+            .iter()
+            .map(|(s, _)| s.clone())
+            .filter(|s| !s.is_empty())
+            .collect();
+        let Some((_, pool)) = pools.first() else {
+            return (primaries, "no primary connected".into(), false);
+        };
+        let info: Result<String, FredError> = pool.info(Some(fred::types::InfoKind::Server)).await;
+        let version = match info {
+            Ok(text) => server_version(&text),
+            Err(e) => format!("version unknown (INFO: {})", e.details()),
+        };
+        let time: Result<Value, FredError> = pool
+            .eval(
+                "return redis.call('TIME')[1]",
+                Vec::<Key>::new(),
+                Vec::<Value>::new(),
+            )
+            .await;
+        (primaries, version, time.is_ok())
+    }
+
     pub(super) async fn quit(&self) {
         match self {
             Conn::One(pool) => {
@@ -64,17 +98,16 @@ impl Conn {
 }
 
 fn fred_config(target: Target<'_>) -> Result<Config, String> {
-    match target {
-        Target::Node(url) => {
-            if url.starts_with("rediss://") {
-                return Err(
-                    "TLS to Redis (rediss://) is not built in; use redis:// on a trusted network".into(),
-                );
-            }
-            Config::from_url_centralized(url)
-                .map_err(|e| format!("not a usable redis:// URL: {}", e.details()))
+    let mut config = match target.place {
+        Place::Node(url) => {
+            // fred would build TLS of its own from the scheme: the access's is used instead.
+            let plain = url
+                .strip_prefix("rediss://")
+                .map(|rest| format!("redis://{rest}"));
+            Config::from_url_centralized(plain.as_deref().unwrap_or(url))
+                .map_err(|e| format!("not a usable redis:// URL: {}", e.details()))?
         }
-        Target::Cluster(nodes) => {
+        Place::Cluster { nodes, .. } => {
             let mut hosts = Vec::with_capacity(nodes.len());
             for n in nodes {
                 let (host, port) = n
@@ -88,21 +121,160 @@ fn fred_config(target: Target<'_>) -> Result<Config, String> {
                 }
                 hosts.push(Server::new(host, port));
             }
-            Ok(Config {
+            Config {
                 server: ServerConfig::Clustered {
                     hosts,
                     policy: ClusterDiscoveryPolicy::default(),
                 },
                 ..Config::default()
-            })
+            }
         }
+    };
+    reach_with(&mut config, target)?;
+    Ok(config)
+}
+
+/// Puts `target`'s TLS and credentials into `config`. A URL's password and a password file are
+/// one too many: the file is the way that keeps it out of `ps`.
+fn reach_with(config: &mut Config, target: Target<'_>) -> Result<(), String> {
+    if target.tls() {
+        let tls = target
+            .access
+            .tls_or_roots()
+            .map_err(|e| e.details().to_string())?;
+        config.tls = Some(tls.fred());
+        if let ServerConfig::Centralized { server } = &mut config.server {
+            *server = tls.server(server);
+        }
+    } else if target.access.tls.is_some() {
+        return Err("TLS settings (--store-ca, --store-cert, --store-server-name) need a TLS URL: rediss://, valkeys:// or rediss-cluster://".into());
+    }
+    if let Some(creds) = &target.access.credentials {
+        if config.password.is_some() && creds.has_file() {
+            return Err("a password in the URL and --store-password-file: give it one way (the file keeps it out of `ps`)".into());
+        }
+        if creds.has_file() {
+            config.credential_provider = Some(creds.clone());
+        } else if let Some(user) = creds.username() {
+            config.username = Some(user.to_string());
+        }
+    }
+    Ok(())
+}
+
+/// `Redis 7.0.15` or `Valkey 8.0.1` from `INFO server`'s text.
+fn server_version(info: &str) -> String {
+    let field = |name: &str| {
+        info.lines()
+            .find_map(|l| l.strip_prefix(name).map(|v| v.trim().to_string()))
+    };
+    match (field("valkey_version:"), field("redis_version:")) {
+        (Some(v), _) => format!("Valkey {v}"),
+        (None, Some(v)) => format!("Redis {v}"),
+        (None, None) => "version unknown".into(),
     }
 }
 
+/// Whether a store's answer is an ACL refusal.
+fn denied(reason: &str) -> bool {
+    reason.contains("NOPERM")
+        || reason.contains("can't run this command")
+        || reason.contains("no permissions")
+}
+
+/// Whether `version` (from [`server_version`]) is a Redis before 5.0.
+fn too_old(version: &str) -> bool {
+    version
+        .strip_prefix("Redis ")
+        .and_then(|v| v.split('.').next())
+        .and_then(|major| major.parse::<u32>().ok())
+        .is_some_and(|major| major < 5)
+}
+
+/// What start-up found of the store, said in one line and by `tollgate check-store`.
+#[derive(Debug, Clone)]
+pub struct Found {
+    /// `redis` or `redis-cluster`.
+    pub kind: &'static str,
+    /// The URL, its password replaced.
+    pub place: String,
+    /// A cluster's primaries as `HOST:PORT`; empty for one node.
+    pub primaries: Vec<String>,
+    pub tls: bool,
+    pub user: String,
+    /// `Redis 7.0.15`, `Valkey 8.0.1`, or why it is unknown.
+    pub version: String,
+    /// Whether a script may read `TIME`: the store's clock needs it.
+    pub time_in_scripts: bool,
+}
+
+impl std::fmt::Display for Found {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} at {}", self.kind, self.place)?;
+        if !self.primaries.is_empty() {
+            write!(
+                f,
+                " ({} primaries: {})",
+                self.primaries.len(),
+                self.primaries.join(", ")
+            )?;
+        }
+        write!(
+            f,
+            "; {}; user {}; {}; TIME in scripts {}",
+            if self.tls { "TLS" } else { "plain TCP" },
+            self.user,
+            self.version,
+            if self.time_in_scripts {
+                "allowed"
+            } else {
+                "refused"
+            }
+        )
+    }
+}
+
+/// Why a first connection failed. A certificate that does not check out or credentials the
+/// store refuses stop start-up; only a store that doesn't answer is waited for.
+fn why_not_connected(store: String, e: &FredError) -> ConnectError {
+    let reason = e.details().to_string();
+    let lower = reason.to_ascii_lowercase();
+    let tls_words = [
+        "certificate",
+        "tls",
+        "handshake",
+        "alert",
+        "peer sent no certificates",
+        "server name",
+    ];
+    if *e.kind() == ErrorKind::Auth
+        || lower.contains("wrongpass")
+        || lower.contains("noauth")
+        || lower.contains("noperm")
+    {
+        ConnectError::Auth { store, reason }
+    } else if *e.kind() == ErrorKind::Tls || tls_words.iter().any(|w| lower.contains(w)) {
+        ConnectError::Tls { store, reason }
+    } else {
+        ConnectError::Unreachable { store, reason }
+    }
+}
+
+/// The user a node's URL names, if any.
+fn url_user(target: Target<'_>) -> Option<String> {
+    let Place::Node(url) = target.place else {
+        return None;
+    };
+    let rest = url.split_once("://")?.1;
+    let (auth, _) = rest.rsplit_once('@')?;
+    let user = auth.split_once(':').map_or(auth, |(u, _)| u);
+    (!user.is_empty()).then(|| user.to_string())
+}
+
 fn kind_of(target: Target<'_>) -> (&'static str, bool) {
-    match target {
-        Target::Node(_) => ("redis", false),
-        Target::Cluster(_) => ("redis-cluster", true),
+    match target.place {
+        Place::Node(_) => ("redis", false),
+        Place::Cluster { .. } => ("redis-cluster", true),
     }
 }
 
@@ -122,11 +294,33 @@ fn build_client(
     let config = fred_config(target).map_err(bad)?;
     match config.server {
         ServerConfig::Clustered { hosts, .. } => {
+            let tls = match target.tls() {
+                true => Some(
+                    target
+                        .access
+                        .tls_or_roots()
+                        .map_err(|e| bad(e.details().to_string()))?,
+                ),
+                false => None,
+            };
+            let (username, password, credentials) = (
+                config.username.clone(),
+                config.password.clone(),
+                config.credential_provider.clone(),
+            );
             let make = move |server: &Server| {
+                // Each primary as one node, reached as the seeds are.
                 let config = Config {
                     server: ServerConfig::Centralized {
-                        server: server.clone(),
+                        server: match &tls {
+                            Some(t) => t.server(server),
+                            None => server.clone(),
+                        },
                     },
+                    tls: tls.as_ref().map(StoreTls::fred),
+                    username: username.clone(),
+                    password: password.clone(),
+                    credential_provider: credentials.clone(),
                     fail_fast: true,
                     ..Config::default()
                 };
@@ -197,10 +391,7 @@ impl RedisStore {
         };
         if let Err(e) = up {
             client.quit().await;
-            return Err(ConnectError::Unreachable {
-                store: name.clone(),
-                reason: e.details().to_string(),
-            });
+            return Err(why_not_connected(name, &e));
         }
         let shared = Shared::new(client, clock, cluster, name);
         let fail = |e: FredError, shared: &Shared| {
@@ -209,6 +400,8 @@ impl RedisStore {
                 ErrorKind::Timeout | ErrorKind::IO | ErrorKind::Canceled => {
                     ConnectError::Unreachable { store, reason }
                 }
+                // An ACL user without a command the script calls: the user's fault, not TIME's.
+                _ if denied(&reason) => ConnectError::NoPermission { store, reason },
                 // On the store's clock the probe does nothing but read TIME.
                 _ if shared.clock.is_none() => ConnectError::TimeRefused { store, reason },
                 _ => ConnectError::BadProbe {
@@ -219,16 +412,36 @@ impl RedisStore {
         };
         if let Err(e) = shared.load().await {
             shared.client.quit().await;
-            return Err(ConnectError::ScriptLoad {
-                store: shared.name.clone(),
-                reason: e.details().to_string(),
-            });
+            let (store, reason) = (shared.name.clone(), e.details().to_string());
+            if denied(&reason) {
+                return Err(ConnectError::NoPermission { store, reason });
+            }
+            return Err(ConnectError::ScriptLoad { store, reason });
         }
         if let Err(e) = shared.probe().await {
             shared.client.quit().await;
             return Err(fail(e, &shared));
         }
-        Ok(RedisStore::start(shared, kind))
+        let (primaries, version, time_in_scripts) = shared.client.survey().await;
+        if too_old(&version) {
+            shared.client.quit().await;
+            return Err(ConnectError::TooOld {
+                store: shared.name.clone(),
+                version,
+            });
+        }
+        let found = Found {
+            kind,
+            place: shared.name.clone(),
+            primaries,
+            tls: target.tls(),
+            user: target.access.user(url_user(target).as_deref()),
+            version,
+            time_in_scripts,
+        };
+        let mut store = RedisStore::start(shared, kind);
+        store.found = Some(found);
+        Ok(store)
     }
 
     /// A store that is down at start-up: the client connects (and reconnects) in the background
@@ -258,7 +471,12 @@ impl RedisStore {
         }
         let (queue, rx) = mpsc::unbounded_channel();
         tokio::spawn(run_queue(shared.clone(), rx));
-        RedisStore { shared, queue, kind }
+        RedisStore {
+            shared,
+            queue,
+            kind,
+            found: None,
+        }
     }
 }
 

@@ -18,6 +18,7 @@
 //! the store a command dispatch and a script start per check; sharing calls pays those once per
 //! call (benches/README.md "Row R").
 //!
+//! - `access`: TLS and credentials, for every connection to the store.
 //! - `connect`: start-up, the connections to a node or a cluster's primaries, and the side
 //!   client.
 //! - `check`: a check's way to the store: the queue, the calls checks share, their encoding and
@@ -25,6 +26,7 @@
 //! - `lease`: LEASE and GIVE BACK for the gateway's leased blocks (`lua/lease.lua`).
 //! - `refund`: refunds and post-paid debits (`lua/refund.lua`).
 
+mod access;
 mod blocks;
 mod check;
 mod connect;
@@ -38,7 +40,8 @@ use fred::bytes_utils::Str;
 use fred::prelude::{Error as FredError, ErrorKind, Key, Value};
 use tokio::sync::{Semaphore, mpsc};
 
-pub use connect::side_client;
+pub use access::{Access, Credentials, StoreTls, TlsFiles, redact};
+pub use connect::{Found, side_client};
 
 use super::nodes::Script;
 use super::{Adjusted, BoxFuture, CheckFuture, CheckItem, Outcome, Store, StoreError};
@@ -81,20 +84,62 @@ pub(crate) const STORE_CLOCK: i64 = -1;
 /// measured the same (benches/README.md).
 pub const DEFAULT_CONNECTIONS: usize = 1;
 
-/// Where the store is.
+/// Where the store is, and how a connection reaches it.
 #[derive(Debug, Clone, Copy)]
-pub enum Target<'a> {
-    /// `redis://[user:password@]host:port[/db]`.
-    Node(&'a str),
-    /// `HOST:PORT` of one or more cluster nodes; the rest are discovered.
-    Cluster(&'a [String]),
+pub struct Target<'a> {
+    pub place: Place<'a>,
+    pub access: &'a Access,
 }
 
+/// Where the store is.
+#[derive(Debug, Clone, Copy)]
+pub enum Place<'a> {
+    /// `redis[s]://[user:password@]host:port[/db]`.
+    Node(&'a str),
+    /// `HOST:PORT` of one or more cluster nodes, the rest discovered; over TLS or not.
+    Cluster { nodes: &'a [String], tls: bool },
+}
+
+impl<'a> Target<'a> {
+    /// One node at `url`, plain or (`rediss://`) TLS on the built-in roots.
+    pub fn node(url: &'a str) -> Target<'a> {
+        Target {
+            place: Place::Node(url),
+            access: Access::none(),
+        }
+    }
+
+    /// A plain cluster reached through `nodes`.
+    pub fn cluster(nodes: &'a [String]) -> Target<'a> {
+        Target {
+            place: Place::Cluster { nodes, tls: false },
+            access: Access::none(),
+        }
+    }
+
+    /// The same place, reached with `access`'s TLS and credentials.
+    pub fn with(self, access: &'a Access) -> Target<'a> {
+        Target { access, ..self }
+    }
+
+    /// Whether connections to it speak TLS.
+    pub fn tls(&self) -> bool {
+        match self.place {
+            Place::Node(url) => url.starts_with("rediss://"),
+            Place::Cluster { tls, .. } => tls,
+        }
+    }
+}
+
+/// The URL with its password replaced: what logs, errors and the admin pages show.
 impl std::fmt::Display for Target<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Target::Node(url) => f.write_str(url),
-            Target::Cluster(nodes) => write!(f, "redis-cluster://{}", nodes.join(",")),
+        match self.place {
+            Place::Node(url) => f.write_str(&redact(url)),
+            Place::Cluster { nodes, tls } => {
+                let scheme = if tls { "rediss-cluster" } else { "redis-cluster" };
+                write!(f, "{scheme}://{}", nodes.join(","))
+            }
         }
     }
 }
@@ -106,6 +151,15 @@ pub enum ConnectError {
     BadTarget { store: String, reason: String },
     #[error("cannot connect to the Redis store at {store}: {reason}")]
     Unreachable { store: String, reason: String },
+    /// The store answered but its TLS did not check out: never retried in plain text.
+    #[error("TLS to the Redis store at {store} failed: {reason}")]
+    Tls { store: String, reason: String },
+    #[error("the Redis store at {store} refused the credentials (auth): {reason}")]
+    Auth { store: String, reason: String },
+    #[error(
+        "the Redis store at {store} does not let this user run what Tollgate needs (ACL): {reason}. The README's \"Redis users\" lists the commands and keys to allow"
+    )]
+    NoPermission { store: String, reason: String },
     #[error("the Redis store at {store} refused to load lua/check.lua: {reason}")]
     ScriptLoad { store: String, reason: String },
     #[error(
@@ -117,6 +171,10 @@ pub enum ConnectError {
     TimeRefused { store: String, reason: String },
     #[error("the Redis store at {store} ran lua/check.lua but answered {answer}")]
     BadProbe { store: String, answer: String },
+    #[error(
+        "the Redis store at {store} is {version}: Tollgate needs Redis 5.0 or later (or any Valkey), whose scripts may read TIME before they write"
+    )]
+    TooOld { store: String, version: String },
 }
 
 /// Buckets in Redis, checked by `lua/check.lua`.
@@ -124,6 +182,15 @@ pub struct RedisStore {
     shared: Arc<Shared>,
     queue: mpsc::UnboundedSender<Pending>,
     kind: &'static str,
+    /// What start-up found; `None` for a store connected later.
+    found: Option<Found>,
+}
+
+impl RedisStore {
+    /// What start-up found of the store: `None` when it was down at start.
+    pub fn found(&self) -> Option<&Found> {
+        self.found.as_ref()
+    }
 }
 
 /// What the queue's task and the callers share.
