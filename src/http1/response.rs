@@ -132,33 +132,83 @@ pub fn parse<R>(
         return Ok(Parsed::Interim(n));
     }
     let http10 = resp.version == Some(0);
-    let scan = scan_headers(resp.headers, http10)?;
+    let mut length: Option<u64> = None;
+    let mut encoded = false;
+    let mut chunked = false;
+    let mut closes = http10;
+    let mut dated = false;
+    let mut connection_named = SmallVec::new();
+    for h in resp.headers.iter() {
+        let name = h.name.as_bytes();
+        if name.eq_ignore_ascii_case(b"content-length") {
+            let v = std::str::from_utf8(h.value)
+                .ok()
+                .map(str::trim)
+                .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+                .and_then(|v| v.parse::<u64>().ok())
+                .ok_or(Unforwardable("an invalid Content-Length"))?;
+            if length.is_some_and(|l| l != v) {
+                return Err(Unforwardable("disagreeing Content-Length headers"));
+            }
+            length = Some(v);
+        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+            if encoded {
+                return Err(Unforwardable("more than one Transfer-Encoding"));
+            }
+            encoded = true;
+            chunked = chunked_last(h.value);
+        } else if name.eq_ignore_ascii_case(b"connection") {
+            for token in connection_tokens(h.value) {
+                if token.eq_ignore_ascii_case(b"close") {
+                    closes = true;
+                } else if token.eq_ignore_ascii_case(b"keep-alive") {
+                    closes &= !http10;
+                } else {
+                    connection_named.push(token);
+                }
+            }
+        } else if name.eq_ignore_ascii_case(b"date") {
+            dated = true;
+        }
+    }
     let bodiless_status = status == 204 || status == 304 || switched;
-    let framing = framing_of(is_head || bodiless_status, &scan)?;
+    let framing = if is_head || bodiless_status {
+        Framing::Empty
+    } else if encoded {
+        if !chunked {
+            return Err(Unforwardable("a transfer coding other than chunked"));
+        }
+        Framing::Chunked
+    } else {
+        match length {
+            Some(0) => Framing::Empty,
+            Some(n) => Framing::Fixed(n),
+            None => Framing::Close,
+        }
+    };
     // Content-Length beside Transfer-Encoding: the coding wins (RFC 9112 §6.3), the length is
     // dropped, and a connection framed two ways is not trusted with another request.
-    let two_ways = scan.encoded && scan.length.is_some();
+    let two_ways = encoded && length.is_some();
     let head = Head {
         status,
         reason: resp.reason.unwrap_or(""),
         headers: resp.headers,
         framing,
         // After a switch the connection is the new protocol's, never a pooled one again.
-        reusable: !scan.closes && !two_ways && framing != Framing::Close && !switched,
-        dated: scan.dated,
+        reusable: !closes && !two_ways && framing != Framing::Close && !switched,
+        dated,
         // No length where the body is chunked or can't exist (RFC 9110 §8.6); a HEAD's says
         // what a GET would carry.
-        length: scan
-            .length
-            .filter(|_| !bodiless_status && (!scan.encoded || is_head)),
-        connection_named: scan.connection_named,
+        length: length.filter(|_| !bodiless_status && (!encoded || is_head)),
+        connection_named,
     };
     Ok(Parsed::Final(n, f(&head)))
 }
 
 /// Whether a `101` switches to the protocol the request asked to upgrade to; anything else
-/// would hand the client a connection in a protocol it did not ask for.
-#[inline]
+/// would hand the client a connection in a protocol it did not ask for. Apart from `parse`,
+/// whose usual response never comes here.
+#[cold]
 fn switch_asked_for(upgrade: Option<&str>, headers: &[httparse::Header<'_>]) -> Result<(), Unforwardable> {
     let Some(want) = upgrade else {
         return Err(Unforwardable("an upgrade nobody asked for"));
@@ -173,93 +223,6 @@ fn switch_asked_for(upgrade: Option<&str>, headers: &[httparse::Header<'_>]) -> 
         ));
     }
     Ok(())
-}
-
-/// What a final head's headers say about its body and its connection, gathered in one pass
-/// over them.
-struct Scan<'b> {
-    length: Option<u64>,
-    /// A `Transfer-Encoding` was sent.
-    encoded: bool,
-    /// Chunked is the last coding of that `Transfer-Encoding`.
-    chunked: bool,
-    closes: bool,
-    dated: bool,
-    connection_named: SmallVec<[&'b [u8]; 4]>,
-}
-
-/// Reads the headers that decide framing and reuse; refuses lengths and codings a reader
-/// after us could take another way.
-#[inline]
-fn scan_headers<'b>(headers: &[httparse::Header<'b>], http10: bool) -> Result<Scan<'b>, Unforwardable> {
-    let mut scan = Scan {
-        length: None,
-        encoded: false,
-        chunked: false,
-        closes: http10,
-        dated: false,
-        connection_named: SmallVec::new(),
-    };
-    for h in headers {
-        let name = h.name.as_bytes();
-        if name.eq_ignore_ascii_case(b"content-length") {
-            let v = content_length(h.value)?;
-            if scan.length.is_some_and(|l| l != v) {
-                return Err(Unforwardable("disagreeing Content-Length headers"));
-            }
-            scan.length = Some(v);
-        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
-            if scan.encoded {
-                return Err(Unforwardable("more than one Transfer-Encoding"));
-            }
-            scan.encoded = true;
-            scan.chunked = chunked_last(h.value);
-        } else if name.eq_ignore_ascii_case(b"connection") {
-            for token in connection_tokens(h.value) {
-                if token.eq_ignore_ascii_case(b"close") {
-                    scan.closes = true;
-                } else if token.eq_ignore_ascii_case(b"keep-alive") {
-                    scan.closes &= !http10;
-                } else {
-                    scan.connection_named.push(token);
-                }
-            }
-        } else if name.eq_ignore_ascii_case(b"date") {
-            scan.dated = true;
-        }
-    }
-    Ok(scan)
-}
-
-/// A `Content-Length` value: digits only, as RFC 9110 §8.6 has it; a sign or a list is refused
-/// rather than read one way here and another by the client.
-#[inline]
-fn content_length(value: &[u8]) -> Result<u64, Unforwardable> {
-    std::str::from_utf8(value)
-        .ok()
-        .map(str::trim)
-        .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
-        .and_then(|v| v.parse::<u64>().ok())
-        .ok_or(Unforwardable("an invalid Content-Length"))
-}
-
-/// How the body is delimited; `bodiless` when the request or the status rules a body out.
-#[inline]
-fn framing_of(bodiless: bool, scan: &Scan<'_>) -> Result<Framing, Unforwardable> {
-    if bodiless {
-        return Ok(Framing::Empty);
-    }
-    if scan.encoded {
-        if !scan.chunked {
-            return Err(Unforwardable("a transfer coding other than chunked"));
-        }
-        return Ok(Framing::Chunked);
-    }
-    Ok(match scan.length {
-        Some(0) => Framing::Empty,
-        Some(n) => Framing::Fixed(n),
-        None => Framing::Close,
-    })
 }
 
 /// Whether every line of a parsed head ends in CRLF. httparse has found the lines, so only
