@@ -72,8 +72,9 @@ pub const DEFAULT_ACCESS_BUFFER: usize = 65_536;
 /// Where the store is and how to reach it: `serve`, `demo` and `check-store` take these.
 #[derive(Debug, Args, Clone)]
 pub struct StoreArgs {
-    /// `memory` (embedded), `redis://HOST:PORT` or `redis-cluster://H1:P1,H2:P2`; over TLS
-    /// `rediss://HOST:PORT` or `rediss-cluster://…` (`valkey://` and `valkeys://` too).
+    /// `memory` (embedded), `redis://HOST:PORT`, `redis-cluster://H1:P1,H2:P2` or
+    /// `redis-sentinel://S1:P1,S2:P2/SERVICE`; over TLS `rediss://`, `rediss-cluster://`,
+    /// `rediss-sentinel://` (`valkey://` and `valkeys://` too).
     #[arg(
         id = "store",
         long = "store",
@@ -320,6 +321,12 @@ pub enum StoreUrl {
         nodes: Vec<String>,
         tls: bool,
     },
+    /// The primary these sentinels name for `service`, over TLS or not.
+    RedisSentinel {
+        sentinels: Vec<String>,
+        service: String,
+        tls: bool,
+    },
 }
 
 impl StoreUrl {
@@ -356,6 +363,11 @@ impl StoreUrl {
             }
             return Ok(StoreUrl::RedisCluster { nodes, tls });
         }
+        for (scheme, tls) in [("redis-sentinel://", false), ("rediss-sentinel://", true)] {
+            if let Some(rest) = t.strip_prefix(scheme) {
+                return sentinel_url(text, rest, tls);
+            }
+        }
         // Valkey speaks Redis's protocol: its schemes are Redis's.
         for (scheme, as_redis) in [
             ("redis://", "redis://"),
@@ -368,9 +380,39 @@ impl StoreUrl {
             }
         }
         Err(format!(
-            "--store {text:?}: expected \"memory\", \"redis://HOST:PORT\" (\"rediss://\" over TLS) or \"redis-cluster://H1:P1,H2:P2\" (\"rediss-cluster://\" over TLS)"
+            "--store {text:?}: expected \"memory\", \"redis://HOST:PORT\", \"redis-cluster://H1:P1,H2:P2\" or \"redis-sentinel://S1:P1,S2:P2/SERVICE\" (\"rediss://\" and the like over TLS)"
         ))
     }
+}
+
+/// `S1:P1,S2:P2/SERVICE`, after `redis-sentinel://`.
+fn sentinel_url(text: &str, rest: &str, tls: bool) -> Result<StoreUrl, String> {
+    let (hosts, service) = rest.split_once('/').ok_or_else(|| {
+        format!("--store {text:?}: a sentinel URL ends with the service's name: redis-sentinel://S1:26379,S2:26379/mymaster")
+    })?;
+    let service = service.trim_end_matches('/');
+    if service.is_empty() || service.contains('/') {
+        return Err(format!("--store {text:?}: {service:?} is not a service name"));
+    }
+    let sentinels: Vec<String> = hosts
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(String::from)
+        .collect();
+    if sentinels.is_empty() {
+        return Err(format!(
+            "--store {text:?}: a sentinel URL needs at least one HOST:PORT"
+        ));
+    }
+    if let Some(n) = sentinels.iter().find(|n| !n.contains(':')) {
+        return Err(format!("--store {text:?}: {n:?} must be HOST:PORT"));
+    }
+    Ok(StoreUrl::RedisSentinel {
+        sentinels,
+        service: service.to_string(),
+        tls,
+    })
 }
 
 /// A validated configuration.
@@ -598,7 +640,7 @@ impl StoreArgs {
         let store_tls = match store {
             StoreUrl::Memory => false,
             StoreUrl::Redis(url) => url.starts_with("rediss://"),
-            StoreUrl::RedisCluster { tls, .. } => *tls,
+            StoreUrl::RedisCluster { tls, .. } | StoreUrl::RedisSentinel { tls, .. } => *tls,
         };
         if tls_asked && !store_tls {
             return Err(format!(
@@ -643,6 +685,15 @@ impl StoreUrl {
                     nodes.join(",")
                 )
             }
+            StoreUrl::RedisSentinel {
+                sentinels,
+                service,
+                tls,
+            } => format!(
+                "{}://{}/{service}",
+                if *tls { "rediss-sentinel" } else { "redis-sentinel" },
+                sentinels.join(",")
+            ),
         }
     }
 }
@@ -655,6 +706,15 @@ impl GatewayConfig {
             StoreUrl::Memory => return None,
             StoreUrl::Redis(url) => Place::Node(url),
             StoreUrl::RedisCluster { nodes, tls } => Place::Cluster { nodes, tls: *tls },
+            StoreUrl::RedisSentinel {
+                sentinels,
+                service,
+                tls,
+            } => Place::Sentinel {
+                sentinels,
+                service,
+                tls: *tls,
+            },
         };
         Some(Target {
             place,
@@ -701,5 +761,15 @@ mod tests {
             }
         );
         assert!(StoreUrl::parse("mysql://x").is_err());
+        assert_eq!(
+            StoreUrl::parse("redis-sentinel://s1:26379,s2:26379/mymaster").unwrap(),
+            StoreUrl::RedisSentinel {
+                sentinels: vec!["s1:26379".into(), "s2:26379".into()],
+                service: "mymaster".into(),
+                tls: false
+            }
+        );
+        assert!(StoreUrl::parse("redis-sentinel://s1:26379").is_err());
+        assert!(StoreUrl::parse("redis-sentinel://s1/mymaster").is_err());
     }
 }

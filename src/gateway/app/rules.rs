@@ -111,7 +111,7 @@ pub(super) async fn managed_keys(
             ),
             None => return Ok(None),
         },
-        StoreUrl::Redis(_) => {
+        StoreUrl::Redis(_) | StoreUrl::RedisSentinel { .. } => {
             let target = cfg.store_target().ok_or_else(|| StartError::Store("no Redis store".into()))?;
             let client = side_client(target).map_err(StartError::Store)?;
             let _task = client.connect();

@@ -55,8 +55,17 @@ impl Conn {
 
     /// What the store is: its primaries, the server's name and version (from `INFO server`,
     /// which a user without `+info` may not run), and whether a script may read `TIME`.
-    async fn survey(&self) -> (Vec<String>, String, bool) {
+    async fn survey(&self, sentinel: bool) -> (Vec<String>, String, bool) {
         let pools: Vec<(String, Pool)> = match self {
+            // Under Sentinel, the primary the sentinels named.
+            Conn::One(pool) if sentinel => {
+                let at = pool.next().active_connections();
+                let at = at
+                    .first()
+                    .map(|s| format!("{}:{}", s.host, s.port))
+                    .unwrap_or_default();
+                vec![(at, pool.clone())]
+            }
             Conn::One(pool) => vec![(String::new(), pool.clone())],
             Conn::Cluster(nodes) => nodes
                 .primaries()
@@ -107,31 +116,45 @@ fn fred_config(target: Target<'_>) -> Result<Config, String> {
             Config::from_url_centralized(plain.as_deref().unwrap_or(url))
                 .map_err(|e| format!("not a usable redis:// URL: {}", e.details()))?
         }
-        Place::Cluster { nodes, .. } => {
-            let mut hosts = Vec::with_capacity(nodes.len());
-            for n in nodes {
-                let (host, port) = n
-                    .rsplit_once(':')
-                    .ok_or_else(|| format!("cluster node {n:?} must be HOST:PORT"))?;
-                let port: u16 = port
-                    .parse()
-                    .map_err(|_| format!("cluster node {n:?}: {port:?} is not a port number"))?;
-                if host.is_empty() {
-                    return Err(format!("cluster node {n:?} has no host"));
-                }
-                hosts.push(Server::new(host, port));
-            }
-            Config {
-                server: ServerConfig::Clustered {
-                    hosts,
-                    policy: ClusterDiscoveryPolicy::default(),
-                },
-                ..Config::default()
-            }
-        }
+        Place::Cluster { nodes, .. } => Config {
+            server: ServerConfig::Clustered {
+                hosts: servers("cluster node", nodes)?,
+                policy: ClusterDiscoveryPolicy::default(),
+            },
+            ..Config::default()
+        },
+        // fred asks the sentinels for the primary at each connection, checks that it is one
+        // (`ROLE`), and asks again when the connection drops: a failover is a reconnect.
+        Place::Sentinel {
+            sentinels, service, ..
+        } => Config {
+            server: ServerConfig::Sentinel {
+                hosts: servers("sentinel", sentinels)?,
+                service_name: service.to_string(),
+            },
+            ..Config::default()
+        },
     };
     reach_with(&mut config, target)?;
     Ok(config)
+}
+
+/// `HOST:PORT` strings as fred's servers; `what` names them in an error.
+fn servers(what: &str, list: &[String]) -> Result<Vec<Server>, String> {
+    let mut hosts = Vec::with_capacity(list.len());
+    for n in list {
+        let (host, port) = n
+            .rsplit_once(':')
+            .ok_or_else(|| format!("{what} {n:?} must be HOST:PORT"))?;
+        let port: u16 = port
+            .parse()
+            .map_err(|_| format!("{what} {n:?}: {port:?} is not a port number"))?;
+        if host.is_empty() {
+            return Err(format!("{what} {n:?} has no host"));
+        }
+        hosts.push(Server::new(host, port));
+    }
+    Ok(hosts)
 }
 
 /// Puts `target`'s TLS and credentials into `config`. A URL's password and a password file are
@@ -211,13 +234,10 @@ pub struct Found {
 impl std::fmt::Display for Found {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{} at {}", self.kind, self.place)?;
-        if !self.primaries.is_empty() {
-            write!(
-                f,
-                " ({} primaries: {})",
-                self.primaries.len(),
-                self.primaries.join(", ")
-            )?;
+        match self.primaries.as_slice() {
+            [] => {}
+            [one] => write!(f, " (primary {one})")?,
+            all => write!(f, " ({} primaries: {})", all.len(), all.join(", "))?,
         }
         write!(
             f,
@@ -275,6 +295,7 @@ fn kind_of(target: Target<'_>) -> (&'static str, bool) {
     match target.place {
         Place::Node(_) => ("redis", false),
         Place::Cluster { .. } => ("redis-cluster", true),
+        Place::Sentinel { .. } => ("redis-sentinel", false),
     }
 }
 
@@ -333,7 +354,12 @@ fn build_client(
         _ => {
             let mut config = config;
             config.fail_fast = fail_fast;
-            let policy = if fail_fast {
+            let sentinel = matches!(config.server, ServerConfig::Sentinel { .. });
+            let policy = if sentinel {
+                // Each try asks the sentinels anew: the promoted replica is found within
+                // 100 ms of their naming it.
+                ReconnectPolicy::new_constant(0, 100)
+            } else if fail_fast {
                 ReconnectPolicy::new_exponential(0, 100, 2_000, 2)
             } else {
                 ReconnectPolicy::new_constant(0, 500)
@@ -422,7 +448,8 @@ impl RedisStore {
             shared.client.quit().await;
             return Err(fail(e, &shared));
         }
-        let (primaries, version, time_in_scripts) = shared.client.survey().await;
+        let sentinel = matches!(target.place, Place::Sentinel { .. });
+        let (primaries, version, time_in_scripts) = shared.client.survey(sentinel).await;
         if too_old(&version) {
             shared.client.quit().await;
             return Err(ConnectError::TooOld {

@@ -98,6 +98,12 @@ pub enum Place<'a> {
     Node(&'a str),
     /// `HOST:PORT` of one or more cluster nodes, the rest discovered; over TLS or not.
     Cluster { nodes: &'a [String], tls: bool },
+    /// A primary that `HOST:PORT` sentinels name for `service`, followed through failovers.
+    Sentinel {
+        sentinels: &'a [String],
+        service: &'a str,
+        tls: bool,
+    },
 }
 
 impl<'a> Target<'a> {
@@ -126,7 +132,7 @@ impl<'a> Target<'a> {
     pub fn tls(&self) -> bool {
         match self.place {
             Place::Node(url) => url.starts_with("rediss://"),
-            Place::Cluster { tls, .. } => tls,
+            Place::Cluster { tls, .. } | Place::Sentinel { tls, .. } => tls,
         }
     }
 }
@@ -139,6 +145,14 @@ impl std::fmt::Display for Target<'_> {
             Place::Cluster { nodes, tls } => {
                 let scheme = if tls { "rediss-cluster" } else { "redis-cluster" };
                 write!(f, "{scheme}://{}", nodes.join(","))
+            }
+            Place::Sentinel {
+                sentinels,
+                service,
+                tls,
+            } => {
+                let scheme = if tls { "rediss-sentinel" } else { "redis-sentinel" };
+                write!(f, "{scheme}://{}/{service}", sentinels.join(","))
             }
         }
     }
