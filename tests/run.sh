@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+command -v redis-sentinel >/dev/null 2>&1 || need+=(redis-sentinel)
 command -v redis-cli >/dev/null 2>&1 || need+=(redis-tools)
 command -v node >/dev/null 2>&1 || need+=(nodejs)
 # The dashboard's test drives a real headless browser.

@@ -19,6 +19,7 @@ pub mod redis_tls;
 pub mod regions;
 pub mod relay;
 pub mod replay;
+pub mod sentinel;
 pub mod store;
 pub mod tls;
 
