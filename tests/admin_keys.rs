@@ -461,6 +461,23 @@ async fn until(what: &str, check: impl AsyncFn() -> bool) -> Duration {
 async fn gateways_on_one_redis_follow_each_others_keys() {
     let redis = common::RedisServer::start();
     let url = redis.url();
+    follow_each_others_keys(&url, move || drop(redis)).await;
+}
+
+/// The same on a Redis Cluster of three primaries: the keys share a hash tag, so a write is
+/// one call to one primary, and every gateway follows it from there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateways_on_one_cluster_follow_each_others_keys() {
+    let cluster = common::RedisCluster::start();
+    let url = cluster.url();
+    follow_each_others_keys(&url, move || drop(cluster)).await;
+}
+
+/// Two gateways on the store at `url` see the keys each other makes and revokes within a
+/// second, a third that starts later loads them all, and one that loses the store (`lose`)
+/// keeps what it has.
+async fn follow_each_others_keys(url: &str, lose: impl FnOnce()) {
+    let url = url.to_string();
     let dir = tempfile::tempdir().unwrap();
     let token = token_file(dir.path());
     let args = ["demo", "--store", &url, "--admin-token-file", &token];
@@ -502,7 +519,7 @@ async fn gateways_on_one_redis_follow_each_others_keys() {
 
     // A gateway that loses the store keeps the keys it has: the key is still known (the
     // limit's failure policy decides the rest), the revoked one still refused.
-    drop(redis);
+    lose();
     tokio::time::sleep(Duration::from_millis(600)).await;
     assert_ne!(orders(&http, &pc, &later).await.0, StatusCode::UNAUTHORIZED);
     refused_as_revoked(orders(&http, &pc, &secret).await);

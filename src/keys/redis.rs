@@ -23,28 +23,63 @@ pub const CHANGES: &str = "tollgate:keys:changes";
 
 const PUT_SCRIPT: &str = include_str!("../../lua/keys_put.lua");
 
+/// Where the keys live in one store. On one node, the names above, as earlier releases kept
+/// them; on a cluster, the same under one hash tag, so the write script's three keys share a
+/// slot.
+#[derive(Debug, Clone, Copy)]
+struct Names {
+    keys: &'static str,
+    generation: &'static str,
+    changes: &'static str,
+}
+
+const ON_A_NODE: Names = Names {
+    keys: KEYS,
+    generation: GEN,
+    changes: CHANGES,
+};
+
+const ON_A_CLUSTER: Names = Names {
+    keys: "tollgate:{keys}",
+    generation: "tollgate:{keys}:gen",
+    changes: "tollgate:{keys}:changes",
+};
+
 pub struct RedisKeys {
     client: Client,
     server: String,
     put_sha: String,
+    names: Names,
 }
 
 fn command(name: &'static str) -> CustomCommand {
     CustomCommand::new_static(name, ClusterHash::FirstKey, false)
 }
 
+/// `EVALSHA sha 3 KEY…` or `EVAL script 3 KEY…`: routed by its first key, the third word.
+fn script_command(name: &'static str) -> CustomCommand {
+    CustomCommand::new_static(name, ClusterHash::Offset(2), false)
+}
+
 impl RedisKeys {
     /// Uses `client` as it is: the gateway connects it (and keeps it connected) as it does
     /// its other Redis clients.
     pub fn new(client: Client) -> RedisKeys {
-        let server = match &client.client_config().server {
-            ServerConfig::Centralized { server } => format!("redis://{}:{}", server.host, server.port),
-            other => format!("{other:?}"),
+        let (server, names) = match &client.client_config().server {
+            ServerConfig::Centralized { server } => {
+                (format!("redis://{}:{}", server.host, server.port), ON_A_NODE)
+            }
+            ServerConfig::Clustered { hosts, .. } => {
+                let hosts: Vec<String> = hosts.iter().map(|h| format!("{}:{}", h.host, h.port)).collect();
+                (format!("redis-cluster://{}", hosts.join(",")), ON_A_CLUSTER)
+            }
+            other => (format!("{other:?}"), ON_A_NODE),
         };
         RedisKeys {
             client,
             server,
             put_sha: fred::util::sha1_hash(PUT_SCRIPT),
+            names,
         }
     }
 
@@ -72,20 +107,27 @@ impl RedisKeys {
     /// sent it whole, which loads it again.
     async fn write(&self, rec: &KeyRecord, mode: &'static str) -> Result<Option<u64>, KeysError> {
         let tail: [Value; 6] = [
-            KEYS.into(),
-            GEN.into(),
-            CHANGES.into(),
+            self.names.keys.into(),
+            self.names.generation.into(),
+            self.names.changes.into(),
             rec.id.as_str().into(),
             rec.to_json().into(),
             mode.into(),
         ];
         let mut args: Vec<Value> = vec![self.put_sha.as_str().into(), 3.into()];
         args.extend(tail.iter().cloned());
-        let reply = match self.client.custom::<Value, Value>(command("EVALSHA"), args).await {
+        let reply = match self
+            .client
+            .custom::<Value, Value>(script_command("EVALSHA"), args)
+            .await
+        {
             Err(e) if is_noscript(&e) => {
                 let mut args: Vec<Value> = vec![PUT_SCRIPT.into(), 3.into()];
                 args.extend(tail);
-                self.call("EVAL", args).await?
+                self.client
+                    .custom::<Value, Value>(script_command("EVAL"), args)
+                    .await
+                    .map_err(|e| self.fail("EVAL", e.details()))?
             }
             other => other.map_err(|e| self.fail("lua/keys_put.lua", e.details()))?,
         };
@@ -108,7 +150,7 @@ impl RedisKeys {
     }
 
     pub async fn get(&self, id: &str) -> Result<Option<KeyRecord>, KeysError> {
-        let v = self.call("HGET", vec![KEYS.into(), id.into()]).await?;
+        let v = self.call("HGET", vec![self.names.keys.into(), id.into()]).await?;
         match text(v) {
             Ok(None) => Ok(None),
             Ok(Some(json)) => self.read(id, &json).map(Some),
@@ -120,7 +162,7 @@ impl RedisKeys {
     /// after the generation, so it comes again from `changes_since`; none is missed.
     pub async fn load_all(&self) -> Result<(u64, Vec<KeyRecord>), KeysError> {
         let generation = self.generation().await?;
-        let all = self.call("HGETALL", vec![KEYS.into()]).await?;
+        let all = self.call("HGETALL", vec![self.names.keys.into()]).await?;
         let pairs: HashMap<String, String> = all.convert().map_err(|e| self.fail("HGETALL", e.details()))?;
         let mut ids: Vec<&String> = pairs.keys().collect();
         ids.sort();
@@ -141,7 +183,11 @@ impl RedisKeys {
         let ids = self
             .call(
                 "ZRANGEBYSCORE",
-                vec![CHANGES.into(), format!("({since}").into(), "+inf".into()],
+                vec![
+                    self.names.changes.into(),
+                    format!("({since}").into(),
+                    "+inf".into(),
+                ],
             )
             .await?;
         let ids: Vec<String> = ids
@@ -150,7 +196,7 @@ impl RedisKeys {
         if ids.is_empty() {
             return Ok((generation, Vec::new()));
         }
-        let mut args: Vec<Value> = vec![KEYS.into()];
+        let mut args: Vec<Value> = vec![self.names.keys.into()];
         args.extend(ids.iter().map(|id| Value::from(id.as_str())));
         let found = self.call("HMGET", args).await?.into_array();
         let mut records = Vec::with_capacity(ids.len());
@@ -166,17 +212,18 @@ impl RedisKeys {
     }
 
     async fn generation(&self) -> Result<u64, KeysError> {
-        let v = self.call("GET", vec![GEN.into()]).await?;
+        let generation = self.names.generation;
+        let v = self.call("GET", vec![generation.into()]).await?;
         if v.is_null() {
             return Ok(0);
         }
         v.as_u64()
-            .ok_or_else(|| self.fail("GET", format!("{GEN} holds {v:?}, not a generation")))
+            .ok_or_else(|| self.fail("GET", format!("{generation} holds {v:?}, not a generation")))
     }
 
     fn read(&self, id: &str, json: &str) -> Result<KeyRecord, KeysError> {
         let unreadable = |reason: String| KeysError::Unreadable {
-            place: format!("Redis store {} ({KEYS})", self.server),
+            place: format!("Redis store {} ({})", self.server, self.names.keys),
             id: id.to_string(),
             reason,
         };

@@ -9,7 +9,7 @@ use arc_swap::ArcSwap;
 use fred::interfaces::ClientLike;
 use tokio::sync::watch;
 
-use crate::config::{GatewayConfig, StartError, StoreUrl};
+use crate::config::{GatewayConfig, StartError};
 use crate::demo_instances::DemoInstances;
 use crate::managed::ManagedKeys;
 use crate::reload::{Reloader, WatchHandle};
@@ -93,15 +93,15 @@ fn warn_fingerprints_without_tls(snap: &Snapshot) {
 }
 
 /// The keys made through the admin API, loaded and put in place before anything serves: in
-/// the store's Redis, or in the keys file on the embedded store. A Redis Cluster store has
-/// none yet. Following their changes is a task (`tasks::spawn`).
+/// the store's Redis, or in the keys file on the embedded store. Following their changes is a
+/// task (`tasks::spawn`).
 pub(super) async fn managed_keys(
     cfg: &GatewayConfig,
     live: &LiveRules,
     metrics: &Arc<Metrics>,
 ) -> Result<Option<Arc<ManagedKeys>>, StartError> {
-    let store = match &cfg.store {
-        StoreUrl::Memory => match &cfg.keys_file {
+    let store = match cfg.store_target() {
+        None => match &cfg.keys_file {
             Some(file) => KeyStore::Sqlite(
                 tollgate_keys::sqlite::SqliteKeys::open(file).map_err(|e| {
                     StartError::Keys(format!(
@@ -111,17 +111,11 @@ pub(super) async fn managed_keys(
             ),
             None => return Ok(None),
         },
-        StoreUrl::Redis(_) | StoreUrl::RedisSentinel { .. } => {
-            let target = cfg.store_target().ok_or_else(|| StartError::Store("no Redis store".into()))?;
+        // A node, a Sentinel's primary or a cluster: on a cluster the keys share a hash tag.
+        Some(target) => {
             let client = side_client(target).map_err(StartError::Store)?;
             let _task = client.connect();
             KeyStore::Redis(tollgate_keys::redis::RedisKeys::new(client))
-        }
-        StoreUrl::RedisCluster { .. } => {
-            tracing::warn!(
-                "keys made through the admin API need one Redis node or the embedded store; the key API is off on a Redis Cluster store"
-            );
-            return Ok(None);
         }
     };
     let keys = ManagedKeys::load(
