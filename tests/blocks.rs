@@ -1,6 +1,6 @@
 //! Limits that block for a while once they refuse (`"block_for": "30s"`), end to end: two
-//! gateways in this process on one redis-server reading one manual clock, and one on the
-//! embedded store, on the express lane and on hyper's path. A refusal blocks the bucket on every
+//! gateways in this process on one redis-server reading one manual clock, two on a Redis
+//! Cluster of three primaries, and one on the embedded store, on the express lane and on hyper's path. A refusal blocks the bucket on every
 //! gateway, whatever refills meanwhile, until the block ends or an operator lifts it through
 //! `/admin/blocks`; a shadow limit only counts what it would have blocked.
 
@@ -9,7 +9,7 @@ mod common;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use common::{Answer, Http, KBIG, RedisServer};
+use common::{Answer, Http, KBIG, RedisCluster, RedisServer};
 use http::{Method, StatusCode};
 use tollgate_gateway::admin_guard::AdminToken;
 use tollgate_gateway::app::{self, Running};
@@ -89,20 +89,26 @@ const BUCKET: &str = "rl:{ip:127.0.0.1}:guard";
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refusal_blocks_the_bucket_on_every_gateway_until_it_ends_or_is_lifted() {
     let redis = RedisServer::start();
+    // The blocks of a cluster lie on each of its primaries: the list asks every one.
+    let cluster = RedisCluster::start();
     let upstream = common::start_demo_upstream().await;
     let http = Http::new();
     for express in [true, false] {
-        for store in ["redis", "memory"] {
+        for store in ["redis", "cluster", "memory"] {
             let case = format!("{store}, express lane {express}");
             redis.cli(&["FLUSHALL"]);
+            for node in &cluster.nodes {
+                node.cli(&["FLUSHALL"]);
+            }
             let url = || match store {
                 "redis" => StoreUrl::parse(&redis.url()).unwrap(),
+                "cluster" => StoreUrl::parse(&cluster.url()).unwrap(),
                 _ => StoreUrl::Memory,
             };
             let clock = ManualClock::new(1_700_000_000_000_000);
             let (one, _d1) = gateway(&rules(upstream), url(), express, clock.clone()).await;
             // On the embedded store each gateway has its own buckets: the second is the first.
-            let two_running = if store == "redis" {
+            let two_running = if store != "memory" {
                 Some(gateway(&rules(upstream), url(), express, clock.clone()).await)
             } else {
                 None

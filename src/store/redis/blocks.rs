@@ -5,6 +5,9 @@
 
 use fred::prelude::{Key, Value};
 
+use fred::prelude::LuaInterface;
+
+use super::connect::Conn;
 use super::{RedisStore, int, store_error};
 use crate::nodes::Script;
 use crate::page::page_of;
@@ -66,44 +69,51 @@ return 0
 "#;
 
 impl RedisStore {
-    /// The blocks in force. A Redis Cluster's pages are spread over its primaries, and one
-    /// script sees one node's: there it is refused rather than half answered.
+    /// The blocks in force. A Redis Cluster's pages are spread over its primaries: the list is
+    /// run on each, and one that doesn't answer fails the whole list rather than half of it.
     pub async fn list_blocks(&self) -> Result<Blocks, StoreError> {
-        if self.shared.cluster {
-            return Err(StoreError::Unavailable(
-                "listing blocks on a Redis Cluster is not supported; each block still lifts by its bucket"
-                    .into(),
-            ));
-        }
-        let v = self
-            .shared
-            .client
-            .run(
-                Script::Text(LIST),
-                Vec::new(),
-                vec![Value::Integer(self.shared.clock_arg())],
-            )
-            .await
-            .map_err(|e| store_error(&e))?;
-        let bad = |what: &str| StoreError::Protocol(format!("the block list answered {what}"));
-        let Value::Array(items) = v else {
-            return Err(bad("something else than an array"));
+        let args = || vec![Value::Integer(self.shared.clock_arg())];
+        let answers: Vec<Value> = match &self.shared.client {
+            Conn::One(_) => vec![
+                self.shared
+                    .client
+                    .run(Script::Text(LIST), Vec::new(), args())
+                    .await
+                    .map_err(|e| store_error(&e))?,
+            ],
+            Conn::Cluster(nodes) => {
+                let primaries = nodes.primaries();
+                if primaries.is_empty() {
+                    return Err(StoreError::Unavailable("no cluster primary is connected".into()));
+                }
+                let mut all = Vec::with_capacity(primaries.len());
+                for (server, pool) in primaries {
+                    let v: Value = pool.eval(LIST, Vec::<Key>::new(), args()).await.map_err(|e| {
+                        StoreError::Unavailable(format!(
+                            "primary {}:{}: {}",
+                            server.host,
+                            server.port,
+                            e.details()
+                        ))
+                    })?;
+                    all.push(v);
+                }
+                all
+            }
         };
-        let now_us = items.first().and_then(int).ok_or_else(|| bad("no now"))? as u64;
-        let mut list = Vec::with_capacity(items.len() / 2);
-        for pair in items[1..].chunks(2) {
-            let [name, end] = pair else {
-                return Err(bad("a name without an end"));
-            };
-            let name = name
-                .as_str()
-                .ok_or_else(|| bad("a name that is not text"))?
-                .to_string();
-            let end = int(end).ok_or_else(|| bad("an end that is not a number"))? as u64;
-            list.push((name, end));
+        let mut blocks = Blocks {
+            now_us: 0,
+            list: Vec::new(),
+        };
+        for v in answers {
+            let (now_us, list) = read_list(v)?;
+            // The latest primary's clock: a block it still shows has not ended by then.
+            blocks.now_us = blocks.now_us.max(now_us);
+            blocks.list.extend(list);
         }
-        list.sort();
-        Ok(Blocks { now_us, list })
+        blocks.list.retain(|(_, end)| *end > blocks.now_us);
+        blocks.list.sort();
+        Ok(blocks)
     }
 
     /// Lifts `bucket`'s block and refills the bucket: whether it had a block in force.
@@ -123,4 +133,26 @@ impl RedisStore {
             .map_err(|e| store_error(&e))?;
         Ok(int(&v) == Some(1))
     }
+}
+
+/// One node's answer to [`LIST`]: its now and its blocks.
+fn read_list(v: Value) -> Result<(u64, Vec<(String, u64)>), StoreError> {
+    let bad = |what: &str| StoreError::Protocol(format!("the block list answered {what}"));
+    let Value::Array(items) = v else {
+        return Err(bad("something else than an array"));
+    };
+    let now_us = items.first().and_then(int).ok_or_else(|| bad("no now"))? as u64;
+    let mut list = Vec::with_capacity(items.len() / 2);
+    for pair in items[1..].chunks(2) {
+        let [name, end] = pair else {
+            return Err(bad("a name without an end"));
+        };
+        let name = name
+            .as_str()
+            .ok_or_else(|| bad("a name that is not text"))?
+            .to_string();
+        let end = int(end).ok_or_else(|| bad("an end that is not a number"))? as u64;
+        list.push((name, end));
+    }
+    Ok((now_us, list))
 }
