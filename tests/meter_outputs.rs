@@ -168,7 +168,8 @@ fn bad_input_names_the_flag_and_the_reason() {
         .unwrap();
     let e = String::from_utf8_lossy(&out.stderr);
     assert!(
-        !out.status.success() && e.contains("--store") && e.contains("one Redis node"),
+        !out.status.success()
+            && e.contains("cannot connect to the Redis store at redis-cluster://127.0.0.1:1"),
         "{e}"
     );
 }

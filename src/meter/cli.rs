@@ -36,7 +36,8 @@ pub enum MeterCommand {
 /// quota's time zone.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Source {
-    /// The Redis node the gateways write `tollgate:usage` to: redis://HOST:PORT.
+    /// The Redis the gateways write `tollgate:usage` to: redis://HOST:PORT, or
+    /// redis-cluster://H1:P1,H2:P2.
     #[arg(
         long,
         value_name = "URL",

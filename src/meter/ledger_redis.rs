@@ -1,11 +1,13 @@
 //! The ledger in Redis, beside the stream it adds up: the consumer group on `tollgate:usage`,
 //! the keys the Lua scripts under `lua/meter_*.lua` keep, and the questions `usage` and
 //! `export` ask of them. Every change to the ledger is one script call, so consumers can run
-//! side by side; the meter needs one Redis node, since a record's keys lie in many hash slots.
+//! side by side. On a Redis Cluster every ledger key carries the hash tag `{meter}`, so a
+//! record's keys share one slot and its script one primary.
 
 use std::collections::HashSet;
 use std::time::Duration;
 
+use fred::interfaces::LuaInterface;
 use fred::prelude::{
     Builder, Client, ClientLike, Config, ConnectionConfig, Error as FredError, PerformanceConfig,
     ReconnectPolicy, Value,
@@ -22,25 +24,56 @@ use tollgate_rules::quota::Per;
 
 /// The consumer group every `tollgate meter` joins.
 pub const GROUP: &str = "tollgate:meter";
-const LIVE: &str = "tollgate:meter:live";
-const SEQ: &str = "tollgate:meter:seq";
-const ENDED: &str = "tollgate:meter:ended";
-const UNCLEAN: &str = "tollgate:meter:unclean";
-const KEY_LAST: &str = "tollgate:meter:key-last";
 
-/// `hash key -> largest total` of one identity.
-pub(crate) fn max_key(identity: &Identity) -> String {
-    format!("tollgate:meter:max:{}", identity_code(identity))
+/// The ledger's key names: `tollgate:meter:…` on one node, as earlier releases kept them, and
+/// `tollgate:{meter}:…` on a cluster, one hash tag for every key a script touches.
+#[derive(Debug, Clone, Copy)]
+struct Names {
+    prefix: &'static str,
 }
 
-/// `hash key -> admitted` of one period.
-pub(crate) fn usage_key(per: Per, label: &str) -> String {
-    format!("tollgate:meter:usage:{}:{label}", per.as_str())
-}
+const ON_A_NODE: Names = Names {
+    prefix: "tollgate:meter:",
+};
+const ON_A_CLUSTER: Names = Names {
+    prefix: "tollgate:{meter}:",
+};
 
-/// The identities that added to one key in one period.
-pub(crate) fn ids_key(per: Per, label: &str, key: &str) -> String {
-    format!("tollgate:meter:ids:{}:{label}:{key}", per.as_str())
+impl Names {
+    fn live(&self) -> String {
+        format!("{}live", self.prefix)
+    }
+
+    fn seq(&self) -> String {
+        format!("{}seq", self.prefix)
+    }
+
+    fn ended(&self) -> String {
+        format!("{}ended", self.prefix)
+    }
+
+    fn unclean(&self) -> String {
+        format!("{}unclean", self.prefix)
+    }
+
+    fn key_last(&self) -> String {
+        format!("{}key-last", self.prefix)
+    }
+
+    /// `hash key -> largest total` of one identity.
+    fn max(&self, identity: &Identity) -> String {
+        format!("{}max:{}", self.prefix, identity_code(identity))
+    }
+
+    /// `hash key -> admitted` of one period.
+    fn usage(&self, per: Per, label: &str) -> String {
+        format!("{}usage:{}:{label}", self.prefix, per.as_str())
+    }
+
+    /// The identities that added to one key in one period.
+    fn ids(&self, per: Per, label: &str, key: &str) -> String {
+        format!("{}ids:{}:{label}:{key}", self.prefix, per.as_str())
+    }
 }
 
 const APPLY_SCRIPT: &str = include_str!("../../lua/meter_apply.lua");
@@ -56,6 +89,7 @@ const COMMAND_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct RedisLedger {
     client: Client,
     url: String,
+    names: Names,
     /// This process's name in the group, when it reads records.
     consumer: Option<String>,
     claim_idle_ms: u64,
@@ -66,6 +100,36 @@ pub struct RedisLedger {
 
 fn command(name: &'static str) -> CustomCommand {
     CustomCommand::new_static(name, ClusterHash::FirstKey, false)
+}
+
+/// A command whose key is its `at`th argument (`EVALSHA sha n KEY`, `XINFO GROUPS KEY`), so a
+/// cluster sends it to the key's primary.
+fn command_at(name: &'static str, at: usize) -> CustomCommand {
+    CustomCommand::new_static(name, ClusterHash::Offset(at), false)
+}
+
+/// A cluster reached through `nodes` (`H1:P1,H2:P2`), the rest found from its slot map.
+fn cluster_config(url: &str, nodes: &str) -> Result<Config, String> {
+    let mut hosts = Vec::new();
+    for n in nodes.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+        let (host, port) = n
+            .rsplit_once(':')
+            .and_then(|(h, p)| Some((h, p.parse::<u16>().ok()?)))
+            .ok_or_else(|| format!("--store {url}: {n:?} must be HOST:PORT"))?;
+        hosts.push(fred::types::config::Server::new(host, port));
+    }
+    if hosts.is_empty() {
+        return Err(format!(
+            "--store {url}: a cluster URL needs at least one HOST:PORT"
+        ));
+    }
+    Ok(Config {
+        server: fred::types::config::ServerConfig::Clustered {
+            hosts,
+            policy: Default::default(),
+        },
+        ..Config::default()
+    })
 }
 
 fn text(v: &Value) -> Option<String> {
@@ -116,19 +180,19 @@ fn entry(v: Value) -> Option<RawEntry> {
 
 impl RedisLedger {
     pub async fn connect(url: &str, role: Role) -> Result<RedisLedger, String> {
-        if url.starts_with("redis-cluster://") {
-            return Err(format!(
-                "--store {url}: the meter needs one Redis node (redis://HOST:PORT): each record's \
-                 ledger keys lie in many hash slots, which one script call on a cluster can't reach"
-            ));
-        }
-        if !url.starts_with("redis://") {
-            return Err(format!(
-                "--store {url}: not a redis://HOST:PORT URL (use --meter-file PATH for the embedded store)"
-            ));
-        }
-        let config = Config::from_url_centralized(url)
-            .map_err(|e| format!("--store {url}: not a usable redis:// URL: {}", e.details()))?;
+        let (config, names) = match url.strip_prefix("redis-cluster://") {
+            Some(nodes) => (cluster_config(url, nodes)?, ON_A_CLUSTER),
+            None if url.starts_with("redis://") => (
+                Config::from_url_centralized(url)
+                    .map_err(|e| format!("--store {url}: not a usable redis:// URL: {}", e.details()))?,
+                ON_A_NODE,
+            ),
+            None => {
+                return Err(format!(
+                    "--store {url}: not a redis://HOST:PORT or redis-cluster://H1:P1,H2:P2 URL (use --meter-file PATH for the embedded store)"
+                ));
+            }
+        };
         let client = Builder::from_config(Config {
             fail_fast: true,
             ..config
@@ -151,6 +215,7 @@ impl RedisLedger {
         let mut ledger = RedisLedger {
             client,
             url: url.to_string(),
+            names,
             consumer: None,
             claim_idle_ms: 0,
             apply_sha: fred::util::sha1_hash(APPLY_SCRIPT),
@@ -161,8 +226,9 @@ impl RedisLedger {
         if let Role::Consumer { claim_idle_ms } = role {
             // From 0: a group made after records were written still adds up all of them.
             let made = ledger
-                .call(
+                .call_at(
                     "XGROUP",
+                    1,
                     vec![
                         "CREATE".into(),
                         STREAM.into(),
@@ -198,14 +264,22 @@ impl RedisLedger {
             .map_err(|e| self.fail(name, e))
     }
 
+    async fn call_at(&self, name: &'static str, at: usize, args: Vec<Value>) -> Result<Value, String> {
+        self.client
+            .custom::<Value, Value>(command_at(name, at), args)
+            .await
+            .map_err(|e| self.fail(name, e))
+    }
+
     async fn load_scripts(&self) -> Result<(), String> {
         for (file, script) in [
             ("lua/meter_apply.lua", APPLY_SCRIPT),
             ("lua/meter_silence.lua", SILENCE_SCRIPT),
             ("lua/meter_flag.lua", FLAG_SCRIPT),
         ] {
+            // On every primary of a cluster.
             self.client
-                .custom::<Value, Value>(command("SCRIPT"), vec!["LOAD".into(), script.into()])
+                .script_load_cluster::<(), _>(script)
                 .await
                 .map_err(|e| format!("the Redis store at {} refused {file}: {}", self.url, e.details()))?;
         }
@@ -219,12 +293,12 @@ impl RedisLedger {
         all.extend(args);
         match self
             .client
-            .custom::<Value, Value>(command("EVALSHA"), all.clone())
+            .custom::<Value, Value>(command_at("EVALSHA", 2), all.clone())
             .await
         {
             Err(e) if is_noscript(&e) => {
                 self.load_scripts().await?;
-                self.call("EVALSHA", all).await
+                self.call_at("EVALSHA", 2, all).await
             }
             other => other.map_err(|e| self.fail("EVALSHA", e)),
         }
@@ -268,8 +342,9 @@ impl RedisLedger {
 
     async fn read_new(&self, max: usize) -> Result<Vec<RawEntry>, String> {
         let reply = self
-            .call(
+            .call_at(
                 "XREADGROUP",
+                6,
                 vec![
                     "GROUP".into(),
                     GROUP.into(),
@@ -299,7 +374,8 @@ impl RedisLedger {
     fn apply_call(&self, p: &Placed) -> (Vec<String>, Vec<Value>) {
         let r = &p.record;
         let code = identity_code(&r.identity);
-        let mut keys = vec![LIVE.into(), SEQ.into(), ENDED.into(), UNCLEAN.into()];
+        let n = &self.names;
+        let mut keys = vec![n.live(), n.seq(), n.ended(), n.unclean()];
         let mut args: Vec<Value> = vec![
             Value::from(""),
             code.into(),
@@ -310,12 +386,12 @@ impl RedisLedger {
             Kind::Usage { key, total } => {
                 args[0] = "usage".into();
                 keys.extend([
-                    max_key(&r.identity),
-                    usage_key(Per::Day, &p.day),
-                    usage_key(Per::Month, &p.month),
-                    ids_key(Per::Day, &p.day, key),
-                    ids_key(Per::Month, &p.month, key),
-                    KEY_LAST.into(),
+                    n.max(&r.identity),
+                    n.usage(Per::Day, &p.day),
+                    n.usage(Per::Month, &p.month),
+                    n.ids(Per::Day, &p.day, key),
+                    n.ids(Per::Month, &p.month, key),
+                    n.key_last(),
                 ]);
                 args.push(key.as_str().into());
                 args.push(total.to_string().into());
@@ -335,7 +411,7 @@ impl RedisLedger {
                 let mut all: Vec<Value> = vec![self.apply_sha.as_str().into(), (keys.len() as i64).into()];
                 all.extend(keys.into_iter().map(Value::from));
                 all.extend(args);
-                pipe.custom::<(), Value>(command("EVALSHA"), all)
+                pipe.custom::<(), Value>(command_at("EVALSHA", 2), all)
                     .await
                     .map_err(|e| self.fail("EVALSHA", e))?;
             }
@@ -405,7 +481,9 @@ impl RedisLedger {
             oldest = pending.get(1).and_then(text).as_deref().and_then(id_ms);
         }
         // Not yet delivered to any: the first entry after the group's last delivered id.
-        let groups = self.call("XINFO", vec!["GROUPS".into(), STREAM.into()]).await?;
+        let groups = self
+            .call_at("XINFO", 1, vec!["GROUPS".into(), STREAM.into()])
+            .await?;
         let mut last_delivered = None;
         for g in groups.into_array() {
             let fields = g.into_array();
@@ -449,7 +527,7 @@ impl RedisLedger {
             let found = self
                 .eval(
                     &self.silence_sha,
-                    vec![LIVE.into(), UNCLEAN.into()],
+                    vec![self.names.live(), self.names.unclean()],
                     vec![before_ms.into(), (SILENT_PER_CALL as i64).into()],
                 )
                 .await?
@@ -473,7 +551,7 @@ impl RedisLedger {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        let mut args: Vec<Value> = vec![KEY_LAST.into()];
+        let mut args: Vec<Value> = vec![self.names.key_last().into()];
         args.extend(keys.iter().map(|k| Value::from(*k)));
         let v = self.call("HMGET", args).await?.into_array();
         Ok(v.iter().map(int).collect())
@@ -513,10 +591,10 @@ impl RedisLedger {
     }
 
     async fn contributors(&self, period: &PeriodLabel, key: &str) -> Result<(u64, u64), String> {
-        let ids = ids_key(period.per, &period.label, key);
+        let ids = self.names.ids(period.per, &period.label, key);
         let all = self.call("SCARD", vec![ids.as_str().into()]).await?;
         let unclean = self
-            .call("SINTER", vec![ids.as_str().into(), UNCLEAN.into()])
+            .call("SINTER", vec![ids.as_str().into(), self.names.unclean().into()])
             .await?
             .into_array();
         Ok((int(&all).unwrap_or(0) as u64, unclean.len() as u64))
@@ -526,7 +604,7 @@ impl RedisLedger {
         let admitted = self
             .call(
                 "HGET",
-                vec![usage_key(period.per, &period.label).into(), key.into()],
+                vec![self.names.usage(period.per, &period.label).into(), key.into()],
             )
             .await?;
         let admitted = int(&admitted).unwrap_or(0).max(0) as u64;
@@ -540,7 +618,10 @@ impl RedisLedger {
 
     pub(crate) async fn period_rows(&self, period: &PeriodLabel) -> Result<Vec<(String, Usage)>, String> {
         let all = self
-            .call("HGETALL", vec![usage_key(period.per, &period.label).into()])
+            .call(
+                "HGETALL",
+                vec![self.names.usage(period.per, &period.label).into()],
+            )
             .await?
             .into_array();
         let mut rows = Vec::new();
@@ -581,8 +662,9 @@ impl RedisLedger {
                 .await;
             if matches!(&mine, Ok(v) if v.clone().into_array().is_empty() || v.is_null()) {
                 let _ = self
-                    .call(
+                    .call_at(
                         "XGROUP",
+                        1,
                         vec![
                             "DELCONSUMER".into(),
                             STREAM.into(),
