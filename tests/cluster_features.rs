@@ -167,4 +167,32 @@ async fn every_feature_runs_on_a_cluster() {
     assert_eq!(sum("tollgate_store_bypass_total"), 0.0, "{metrics}");
     let log = gw.stderr();
     assert!(!log.contains("CROSSSLOT"), "{log}");
+    assert!(
+        log.contains("(3 primaries: "),
+        "the start-up line names the primaries: {log}"
+    );
+
+    // `check-store` says what it finds, and refuses a cluster whose slots are not all served.
+    let check = || {
+        let out = std::process::Command::new(common::gateway_bin())
+            .args(["check-store", "--store", &cluster.url()])
+            .output()
+            .unwrap();
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (out.status.success(), text(&out.stdout), text(&out.stderr))
+    };
+    let (ok, out, err) = check();
+    assert!(
+        ok && out.contains("redis-cluster at redis-cluster://") && out.contains("3 primaries"),
+        "{out}{err}"
+    );
+    for node in &cluster.nodes {
+        node.cli(&["CLUSTER", "DELSLOTSRANGE", "0", "99"]);
+    }
+    let (ok, out, err) = check();
+    assert!(!ok, "check-store passed a cluster with 100 slots unserved: {out}");
+    assert!(
+        err.contains("100 hash slots without a primary") && err.contains("full coverage"),
+        "{err}"
+    );
 }

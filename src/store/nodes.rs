@@ -415,6 +415,18 @@ impl Nodes {
         Ok(())
     }
 
+    /// Hash slots the map gives no primary: 0 on a cluster with full coverage.
+    pub(crate) fn uncovered(&self) -> u32 {
+        let map = self.map.read().unwrap_or_else(|p| p.into_inner());
+        let covered: u32 = map
+            .routing
+            .slots()
+            .iter()
+            .map(|r| u32::from(r.end) - u32::from(r.start) + 1)
+            .sum();
+        16_384u32.saturating_sub(covered)
+    }
+
     /// Every primary in the map, with its pool.
     pub(crate) fn primaries(&self) -> Vec<(Server, Pool)> {
         let map = self.map.read().unwrap_or_else(|p| p.into_inner());

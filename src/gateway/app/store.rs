@@ -304,7 +304,13 @@ pub async fn check_store(args: &crate::config::StoreArgs, clock: ClockSource) ->
     let store = RedisStore::connect(target, clock)
         .await
         .map_err(|e| e.to_string())?;
-    Ok(store.found().map(ToString::to_string).unwrap_or_default())
+    let found = store.found().ok_or("the store was not surveyed")?;
+    if found.uncovered_slots > 0 {
+        return Err(format!(
+            "{found}: a cluster without full coverage can't serve those slots' checks"
+        ));
+    }
+    Ok(found.to_string())
 }
 
 /// The running rules' limit names, for the store guard's metrics.

@@ -229,6 +229,9 @@ pub struct Found {
     pub version: String,
     /// Whether a script may read `TIME`: the store's clock needs it.
     pub time_in_scripts: bool,
+    /// A cluster's hash slots that no primary serves: their checks follow the failure
+    /// policies until one does.
+    pub uncovered_slots: u32,
 }
 
 impl std::fmt::Display for Found {
@@ -250,7 +253,11 @@ impl std::fmt::Display for Found {
             } else {
                 "refused"
             }
-        )
+        )?;
+        if self.uncovered_slots > 0 {
+            write!(f, "; {} hash slots without a primary", self.uncovered_slots)?;
+        }
+        Ok(())
     }
 }
 
@@ -465,6 +472,10 @@ impl RedisStore {
             user: target.access.user(url_user(target).as_deref()),
             version,
             time_in_scripts,
+            uncovered_slots: match &shared.client {
+                Conn::Cluster(nodes) => nodes.uncovered(),
+                Conn::One(_) => 0,
+            },
         };
         let mut store = RedisStore::start(shared, kind);
         store.found = Some(found);
