@@ -50,5 +50,3 @@ pub mod respond;
 pub mod server;
 pub(crate) mod shard;
 pub(crate) mod upgrade;
-
-pub use request::Gateway;

@@ -13,8 +13,8 @@ use tollgate_store::seats::{Seat, Seats, Taken};
 use tollgate_store::{Batch, Outcome, StoreError};
 use tollgate_telemetry::metrics::Handles;
 
+use super::Gateway;
 use super::begin::Facts;
-use crate::Gateway;
 use crate::concurrency::Place;
 use crate::request::{Begun, Classified, LiveUpstream};
 use crate::respond::{Answer, Budget, QuotaHeaders, RateFields, Refusal};

@@ -7,7 +7,7 @@ use std::time::Instant;
 use http::HeaderValue;
 use tollgate_rules::{Fingerprint, Snapshot, identity};
 
-use crate::Gateway;
+use super::Gateway;
 use crate::request::{InFlight, Live, X_REQUEST_ID};
 use crate::server::ConnInfo;
 

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use tollgate_rules::Snapshot;
 use tollgate_store::Outcome;
 
-use crate::Gateway;
+use super::Gateway;
 
 /// Each block seen, by limit and bucket name: the microsecond it ends, on the store's clock.
 type Seen = HashMap<(Arc<str>, Arc<str>), u64>;

@@ -2,7 +2,7 @@
 
 use std::sync::atomic::Ordering;
 
-use crate::Gateway;
+use super::Gateway;
 use crate::request::{Begun, End, NO_ROUTE, access_line};
 
 impl Gateway {

@@ -5,8 +5,8 @@
 use tollgate_rules::Snapshot;
 use tollgate_store::{Batch, Store};
 
+use super::Gateway;
 use super::begin::Facts;
-use crate::Gateway;
 use crate::request::{Begun, Forward, Paid};
 use crate::server::ConnInfo;
 

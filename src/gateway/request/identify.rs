@@ -18,8 +18,8 @@ use tollgate_rules::{
 };
 use tollgate_telemetry::metrics::Handles;
 
+use super::Gateway;
 use super::begin::Facts;
-use crate::Gateway;
 use crate::proxy::Provenance;
 use crate::request::{Begun, deciding_name, rate_limited, with_budget};
 use crate::respond::{Answer, Refusal};

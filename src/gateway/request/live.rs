@@ -8,7 +8,7 @@ use tollgate_meter::counter::Meter;
 use tollgate_rules::Snapshot;
 use tollgate_telemetry::metrics::{Handles, Metrics};
 
-use crate::Gateway;
+use super::Gateway;
 use crate::concurrency::Places;
 use crate::dashboard::UpstreamNow;
 use crate::proxy::names::Names;

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use crate::Gateway;
+use super::Gateway;
 use crate::request::drive::Wire;
 use crate::request::{Begun, Forward, InFlight, Paid};
 

@@ -7,7 +7,7 @@ use tollgate_limit::decision::Decision;
 use tollgate_rules::{Snapshot, plan};
 use tollgate_store::Outcome;
 
-use crate::Gateway;
+use super::Gateway;
 use crate::request::{Begun, Classified, deciding_name, rate_limited, with_budget};
 use crate::respond::{Answer, QuotaHeaders, RateFields, Refusal};
 
