@@ -4,8 +4,8 @@
 //! made here in a checksummed form ([`secret`]) and shown once. The admin API's bodies are
 //! read and applied to records by pure functions of the time handed in ([`change`]). Records
 //! are kept in a SQLite file or in Redis ([`store`], [`sqlite`], [`redis`] with
-//! `lua/keys_put.lua`), each write at a new generation, so gateways follow one another's
-//! writes by asking what changed since the generation they hold.
+//! `lua/keys_put.lua`, failing with an [`error`]), each write at a new generation, so gateways
+//! follow one another's writes by asking what changed since the generation they hold.
 //!
 //! The gateway brings the HTTP: it routes the admin API to [`change`] and [`store`], compiles
 //! the records beside the rules file's keys (`tollgate_rules::ManagedKey`), and on the request
@@ -13,6 +13,7 @@
 //! in its rules.
 
 pub mod change;
+pub mod error;
 pub mod record;
 pub mod redis;
 pub mod secret;
@@ -20,6 +21,7 @@ pub mod sqlite;
 pub mod store;
 
 pub use change::{Create, FieldError, Patch, Refusal, Rotate};
+pub use error::KeysError;
 pub use record::{KeyRecord, Numbers, Secret, Status};
 pub use secret::Verdict;
-pub use store::{KeyStore, KeysError};
+pub use store::KeyStore;

@@ -11,8 +11,8 @@ use fred::prelude::{Client, ClientLike, Error as FredError, Value};
 use fred::types::config::ServerConfig;
 use fred::types::{ClusterHash, CustomCommand};
 
+use crate::error::KeysError;
 use crate::record::KeyRecord;
-use crate::store::KeysError;
 
 /// The hash of records: field = key id, value = [`KeyRecord::to_json`].
 pub const KEYS: &str = "tollgate:keys";

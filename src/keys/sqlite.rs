@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
+use crate::error::KeysError;
 use crate::record::KeyRecord;
-use crate::store::KeysError;
 
 /// The file a gateway uses when it is given none.
 pub const DEFAULT_FILE: &str = "tollgate-keys.db";

@@ -1,5 +1,5 @@
 //! Where managed keys are kept: one interface over the SQLite file of a single gateway and
-//! the Redis store a fleet shares, and the errors either can give.
+//! the Redis store a fleet shares.
 //!
 //! Every write takes the next *generation* of the store, a counter that only grows; each
 //! record is kept with the generation of its last write. A gateway loads everything once
@@ -8,31 +8,10 @@
 //! while it was being read); applying a record is replacing the key by its id, so that does
 //! no harm. Keys are never deleted, only revoked, so the changes are all there is to follow.
 
+use crate::error::KeysError;
 use crate::record::KeyRecord;
 use crate::redis::RedisKeys;
 use crate::sqlite::SqliteKeys;
-
-/// Why the store could not do what was asked; each names its file or server and the reason.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum KeysError {
-    #[error("{file}: {reason}")]
-    File { file: String, reason: String },
-    #[error("Redis store {server}: {what}: {reason}")]
-    Redis {
-        server: String,
-        what: String,
-        reason: String,
-    },
-    /// A stored record that doesn't read: written by hand, or by a newer gateway that changed
-    /// a field's meaning. Loading stops rather than leave the key out, which would refuse its
-    /// callers without a word.
-    #[error("{place}: key {id:?}: {reason}")]
-    Unreadable {
-        place: String,
-        id: String,
-        reason: String,
-    },
-}
 
 /// The store of managed keys the gateway was started with.
 pub enum KeyStore {
