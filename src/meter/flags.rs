@@ -6,6 +6,8 @@ use std::collections::HashMap;
 
 use tollgate_rules::quota::Per;
 
+use crate::counter::BoxFuture;
+
 /// The Redis hash of flags: field = key id, value = a [`Flag`] as JSON.
 pub const FLAGS: &str = "tollgate:quota:flags";
 
@@ -59,13 +61,19 @@ impl Flag {
     }
 }
 
+/// Where a gateway reads the quota flags the consumer sets.
+pub trait FlagSource: Send + Sync {
+    /// Every flag as stored: key id → JSON.
+    fn read_flags(&self) -> BoxFuture<'_, Result<Vec<(String, String)>, String>>;
+}
+
 /// The flags a gateway last read, swapped whole every second.
 pub type Flags = HashMap<String, Flag>;
 
 /// Reads the flags from `source` every `every` into `into`, until the task is dropped. A read
 /// that fails keeps the last flags: an outage of the store must not lift every quota.
 pub async fn follow(
-    source: std::sync::Arc<dyn crate::sink::FlagSource>,
+    source: std::sync::Arc<dyn FlagSource>,
     into: std::sync::Arc<arc_swap::ArcSwap<Flags>>,
     every: std::time::Duration,
 ) {

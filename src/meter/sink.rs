@@ -11,11 +11,9 @@ use crate::counter::{BoxFuture, Sink};
 use crate::flags::FLAGS;
 use crate::record::{Record, STREAM};
 
-/// Where a gateway reads the quota flags the consumer sets.
-pub trait FlagSource: Send + Sync {
-    /// Every flag as stored: key id → JSON.
-    fn read_flags(&self) -> BoxFuture<'_, Result<Vec<(String, String)>, String>>;
-}
+// The trait lives with the flags it reads; named here too, where the gateway has always
+// found it beside the two sources.
+pub use crate::flags::FlagSource;
 
 /// Appends to `tollgate:usage` with `XADD` in one `MULTI`, so a flush lands whole.
 pub struct RedisSink {
