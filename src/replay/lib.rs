@@ -15,7 +15,7 @@
 //! - [`report`]: per-key statistics, the table, `--json` and `--decisions`.
 //! - [`generate`]: the retry-storm and hot-key traces.
 //! - [`plot`]: `--plot`'s charts, SVG or PNG: admitted per second per design, a bucket's tokens.
-//! - [`args`]: the command line.
+//! - [`flags`]: the command line's flags and their help; [`args`]: the command, run from them.
 //!
 //! Nothing here reads a clock: each row's time is the only `now`. Designs: `central` is one
 //! bucket per key for the fleet (one store call per request); `local` gives every gateway its
@@ -27,6 +27,7 @@ pub mod access;
 pub mod algorithms;
 pub mod args;
 pub mod edge;
+pub mod flags;
 pub mod generate;
 pub mod leased;
 pub mod lines;
@@ -40,7 +41,7 @@ use std::collections::HashMap;
 use std::io::BufRead;
 use std::sync::Arc;
 
-pub use args::ReplayArgs;
+pub use flags::ReplayArgs;
 
 use self::algorithms::{
     Buckets, FixedWindow, Gcra, Metered, Queue, SlidingCounter, SlidingLog, Verdict, share,

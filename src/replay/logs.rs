@@ -20,7 +20,7 @@ use serde::Serialize;
 
 use super::access::{self, AccessLine, Logged};
 use super::algorithms::Verdict;
-use super::args::ReplayArgs;
+use super::flags::ReplayArgs;
 use super::lines::Line;
 use super::report::group;
 use super::rules::{RulesFleet, needs_caller};
@@ -731,17 +731,6 @@ fn versions_note(versions: &BTreeMap<u64, u64>, rules: &RulesFile) -> Option<Str
         list.join(", "),
         rules.name
     ))
-}
-
-/// `--max-newly-refused`: a percentage, 0 or more.
-pub(crate) fn parse_pct(text: &str) -> Result<f64, String> {
-    let t = text.trim().trim_end_matches('%');
-    match t.parse::<f64>() {
-        Ok(p) if p.is_finite() && p >= 0.0 => Ok(p),
-        _ => Err(format!(
-            "{text:?}: a percentage of each key's admitted requests, 0 or more, such as 0.5"
-        )),
-    }
 }
 
 /// The flags that mean something for a CSV trace only.

@@ -15,7 +15,7 @@ use plotters::prelude::*;
 use plotters::style::FontStyle;
 
 use super::algorithms::Verdict;
-use super::trace::{format_time_us, parse_time_us};
+use super::trace::{format_time_us, parse_micros, parse_time_us};
 use super::{Design, ReplayError, setting};
 use tollgate_limit::bucket::{BucketParams, US_PER_S};
 
@@ -84,7 +84,7 @@ impl Window {
                 let Some(f) = from_us else {
                     return Err(format!("{text:?}: +{d} counts from FROM, so FROM is needed"));
                 };
-                let d = super::args::parse_micros(d)?;
+                let d = parse_micros(d)?;
                 Some(
                     f.checked_add(d)
                         .ok_or_else(|| format!("{text:?}: the window ends too late"))?,

@@ -9,6 +9,9 @@
 //! hand-written: the
 //! trace format is small, and a byte-level fast path keeps the replay above ten million rows a
 //! minute on one core.
+//!
+//! Its time parsers serve the command line too: `--excess-from`, `--plot-window` and the
+//! duration flags read times as the trace's time column does.
 
 use std::io::BufRead;
 
@@ -484,6 +487,29 @@ pub(crate) fn parse_time_us(text: &[u8]) -> Result<u64, String> {
             .ok_or_else(|| format!("{:?} is too large", show()))?;
     }
     Ok(us)
+}
+
+/// `250us`, `1ms`, `2s`, or `0`: the durations flags and `--plot-window` give, here beside
+/// [`parse_time_us`] so the flags and the charts share them without needing each other.
+pub(crate) fn parse_micros(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    if t == "0" {
+        return Ok(0);
+    }
+    let split = t
+        .find(|c: char| !c.is_ascii_digit())
+        .ok_or_else(|| format!("{text:?} needs a unit: us, ms or s"))?;
+    let (n, unit) = t.split_at(split);
+    let n: u64 = n
+        .parse()
+        .map_err(|_| format!("{text:?} must start with a whole number"))?;
+    let mult = match unit {
+        "us" | "µs" => 1,
+        "ms" => 1_000,
+        "s" => 1_000_000,
+        _ => return Err(format!("{text:?}: unknown unit {unit:?} (use us, ms or s)")),
+    };
+    n.checked_mul(mult).ok_or_else(|| format!("{text:?} is too long"))
 }
 
 /// Formats microseconds as decimal seconds with 6 decimals, the inverse of [`parse_time_us`].

@@ -349,12 +349,3 @@ fn a_proposal_shows_what_it_would_newly_refuse() {
     assert_eq!(fields, want);
     assert_eq!(v["against"]["file"], "tight.json");
 }
-
-#[test]
-fn percentages_are_zero_or_more() {
-    assert_eq!(parse_pct("0"), Ok(0.0));
-    assert_eq!(parse_pct("2.5%"), Ok(2.5));
-    assert!(parse_pct("-1").is_err());
-    assert!(parse_pct("lots").is_err());
-    assert!(parse_pct("NaN").is_err());
-}
