@@ -12,7 +12,8 @@ use tollgate_limit::clock::parse_duration;
 use tollgate_rules::quota::{self, Per};
 
 use crate::consumer::{self, RulesFile, RunOptions};
-use crate::ledger::{Ledger, PeriodLabel, Place, Role};
+use crate::ledger::{Ledger, Place};
+use crate::ledger_types::{PeriodLabel, Role};
 use crate::metrics::{self, MeterMetrics};
 
 #[derive(Debug, clap::Args)]

@@ -10,7 +10,8 @@ use std::time::{Duration, SystemTime};
 use tollgate_rules::{CompileOptions, Snapshot};
 
 use crate::flags::{Flag, State};
-use crate::ledger::{Calendar, Ledger, PassReport, PeriodLabel};
+use crate::ledger::Ledger;
+use crate::ledger_types::{Calendar, PassReport, PeriodLabel};
 use crate::metrics::MeterMetrics;
 
 /// Passes per tick while records keep coming, so a long backlog still gets its flags and lag

@@ -15,7 +15,7 @@ use fred::prelude::{
 use fred::types::{ClusterHash, CustomCommand};
 
 use crate::flags::{FLAGS, Flag};
-use crate::ledger::{
+use crate::ledger_types::{
     Calendar, Liveness, PassReport, PeriodLabel, Placed, RawEntry, Role, Usage, identity_code,
     identity_from_code,
 };

@@ -11,7 +11,7 @@ use rusqlite::types::ValueRef;
 use rusqlite::{Connection, OptionalExtension, Transaction, TransactionBehavior, params};
 
 use crate::flags::Flag;
-use crate::ledger::{Calendar, Liveness, PassReport, PeriodLabel, Placed, RawEntry, Usage};
+use crate::ledger_types::{Calendar, Liveness, PassReport, PeriodLabel, Placed, RawEntry, Usage};
 use crate::record::{Identity, Kind, Record};
 use tollgate_rules::quota::Per;
 

@@ -18,6 +18,7 @@ pub mod flags;
 pub(crate) mod ledger;
 pub(crate) mod ledger_redis;
 pub(crate) mod ledger_sqlite;
+pub(crate) mod ledger_types;
 pub mod metrics;
 pub mod record;
 pub mod sink;
