@@ -3,6 +3,7 @@
 //!
 //! Modules in data-path order (the layers, and where a change goes: `src/ARCHITECTURE.md`):
 //! - [`config`]: the `serve` flags and environment, validated.
+//! - [`store_url`]: `--store`'s URL: which store, and where.
 //! - [`app`]: start-up, a phase a file: rules, store, gateway, tasks, listeners.
 //! - [`server`]: accepts TCP/TLS connections, HTTP/1.1 and HTTP/2, drains on shutdown; a
 //!   handler may serve plain HTTP/1.1 connections itself first; one shard per thread, each
@@ -49,4 +50,5 @@ pub mod request;
 pub mod respond;
 pub mod server;
 pub(crate) mod shard;
+pub mod store_url;
 pub(crate) mod upgrade;

@@ -25,7 +25,7 @@ use tollgate_store::Store;
 use tollgate_store::guard::{FleetSize, Guard};
 use tollgate_store::lease::Leases;
 use tollgate_store::memory::MemoryStore;
-use tollgate_store::redis::{ConnectError, RedisStore, Target};
+use tollgate_store::redis::{Access, ConnectError, RedisStore, Target};
 use tollgate_store::slots::{Slots, cluster_slot};
 use tollgate_telemetry::metrics::Metrics;
 
@@ -212,13 +212,17 @@ impl HomeLayer {
         };
         let mut homes = std::collections::BTreeMap::new();
         for (name, url) in rc.stores.iter().filter(|(n, _)| **n != rc.region) {
+            let place = StoreUrl::parse(url).map_err(StartError::Regions)?;
+            let target = place
+                .target(Access::none())
+                .ok_or_else(|| StartError::Regions(format!("Region {name} ({url}): not a Redis store")))?;
             // Connected before serving, like this Region's store: a Region that is down now is
             // connected later, and its limits decide by their failure policies meanwhile.
-            let remote = match RedisStore::connect(Target::node(url), clock.clone()).await {
+            let remote = match RedisStore::connect(target, clock.clone()).await {
                 Ok(r) => r,
                 Err(e @ ConnectError::Unreachable { .. }) => {
                     tracing::warn!(region = %name, error = %e, "another Region's store is down; its security limits decide by their failure policies until it answers");
-                    RedisStore::connect_later(Target::node(url), clock.clone())
+                    RedisStore::connect_later(target, clock.clone())
                         .map_err(|e| StartError::Regions(format!("Region {name} ({url}): {e}")))?
                 }
                 Err(e) => return Err(StartError::Regions(format!("Region {name} ({url}): {e}"))),
@@ -231,7 +235,13 @@ impl HomeLayer {
                 limit_names(rules.clone()),
                 metrics.clone(),
             );
-            homes.insert(Arc::from(name.as_str()), Arc::new(guard) as Dyn);
+            // A cluster's buckets lie in many slots: checked slot by slot, each slot behind a
+            // breaker of its own, as this Region's are.
+            let home: Dyn = match place {
+                StoreUrl::RedisCluster { .. } => Arc::new(Slots::new(Arc::new(guard.per_slot(cluster_slot)))),
+                _ => Arc::new(guard),
+            };
+            homes.insert(Arc::from(name.as_str()), home);
         }
         let own: Arc<str> = Arc::from(rc.region.as_str());
         let home_of: crate::regions::home::HomeOf = Arc::new(move |li| {

@@ -17,7 +17,7 @@ use tollgate_regions::{Agent, Design, Params, ReclaimRule, View};
 use tollgate_rules::Snapshot;
 
 use super::records::{AgentState, RegionRecord, read_all};
-use super::{Regions, keys, timeout};
+use super::{Regions, timeout};
 
 /// Extends the lease only for its holder.
 const RENEW: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0";
@@ -83,7 +83,7 @@ pub(crate) async fn run(
     if held.is_some() {
         let released: Result<i64, String> = timeout(regions.own.eval(
             RELEASE,
-            vec![keys::AGENT],
+            vec![regions.keys.agent()],
             vec![cfg.holder.clone()],
         ))
         .await;
@@ -105,7 +105,7 @@ async fn step(
     match held {
         None => {
             let won: Option<String> = timeout(regions.own.set(
-                keys::AGENT,
+                regions.keys.agent(),
                 cfg.holder.clone(),
                 Some(Expiration::PX(lease_ms)),
                 Some(SetOptions::NX),
@@ -115,7 +115,7 @@ async fn step(
             if won.is_none() {
                 return Ok(());
             }
-            let text: Option<String> = timeout(regions.own.get(keys::STATE)).await?;
+            let text: Option<String> = timeout(regions.own.get(regions.keys.state())).await?;
             let state = match AgentState::parse(text) {
                 Ok(s) => s,
                 Err(e) => {
@@ -143,7 +143,7 @@ async fn step(
         Some(_) => {
             let kept: i64 = match timeout(regions.own.eval(
                 RENEW,
-                vec![keys::AGENT],
+                vec![regions.keys.agent()],
                 vec![cfg.holder.clone(), lease_ms.to_string()],
             ))
             .await
@@ -182,7 +182,7 @@ async fn step(
 /// One rebalance; `false` when the lock was no longer this gateway's.
 async fn rebalance(regions: &Regions, _snap: &Snapshot, h: &mut Held, now: u64) -> Result<bool, String> {
     let cfg = &regions.cfg;
-    let totals: HashMap<String, String> = timeout(regions.own.hgetall(keys::DEMAND)).await?;
+    let totals: HashMap<String, String> = timeout(regions.own.hgetall(regions.keys.demand())).await?;
     let total_of = |bucket: &str| {
         totals
             .get(bucket)
@@ -257,14 +257,14 @@ async fn rebalance(regions: &Regions, _snap: &Snapshot, h: &mut Held, now: u64) 
     let state = serde_json::to_string(&next).map_err(|e| e.to_string())?;
     let mut args = vec![cfg.holder.clone(), state, record.clone()];
     args.extend(shares);
-    let own_key = keys::record(&cfg.region);
+    let own_key = regions.keys.record(&cfg.region);
     let committed: i64 = timeout(regions.own.eval(
         COMMIT,
         vec![
-            keys::AGENT.to_string(),
-            keys::STATE.to_string(),
+            regions.keys.agent(),
+            regions.keys.state(),
             own_key.clone(),
-            keys::SHARES.to_string(),
+            regions.keys.shares(),
         ],
         args,
     ))
@@ -283,13 +283,12 @@ async fn rebalance(regions: &Regions, _snap: &Snapshot, h: &mut Held, now: u64) 
         if busy.swap(true, Ordering::AcqRel) {
             continue;
         }
-        let (name, client, key, record, busy) = (
-            name.clone(),
-            client.clone(),
-            own_key.clone(),
-            record.clone(),
-            busy.clone(),
-        );
+        // Under the names that Region's store uses (a cluster's carry a hash tag).
+        let key = regions
+            .store_keys
+            .get(name)
+            .map_or_else(|| own_key.clone(), |k| k.record(&cfg.region));
+        let (name, client, record, busy) = (name.clone(), client.clone(), record.clone(), busy.clone());
         tokio::spawn(async move {
             let r: Result<(), String> = timeout(client.set(key, record, None, None, false)).await;
             if let Err(e) = r {

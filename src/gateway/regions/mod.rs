@@ -23,24 +23,54 @@ use tokio::task::JoinHandle;
 use tollgate_limit::batch::Batch;
 use tollgate_limit::bucket::{BucketParams, Rate};
 use tollgate_rules::{Scope, Snapshot};
-use tollgate_store::redis::{Target, side_client};
+use tollgate_store::redis::{Access, side_client};
 
 pub(crate) use health::Health;
 
-/// The keys every Region's store holds for the shared limits.
-pub(crate) mod keys {
+/// The keys every Region's store holds for the shared limits: `tollgate:regions:…` on one
+/// node, `tollgate:{regions}:…` on a cluster, so the agent's commit and the read of every
+/// record, each one call over several keys, reach one slot.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RegionKeys {
+    prefix: &'static str,
+}
+
+impl RegionKeys {
+    /// The names in the store at `url`.
+    pub(crate) fn of(url: &str) -> RegionKeys {
+        let cluster = url.starts_with("redis-cluster://") || url.starts_with("rediss-cluster://");
+        RegionKeys {
+            prefix: if cluster {
+                "tollgate:{regions}:"
+            } else {
+                "tollgate:regions:"
+            },
+        }
+    }
+
     /// The agent lock: the holder's name, with a lease.
-    pub(crate) const AGENT: &str = "tollgate:regions:agent";
+    pub(crate) fn agent(&self) -> String {
+        format!("{}agent", self.prefix)
+    }
+
     /// The agent's whole state, so a new agent goes on where the last one stopped.
-    pub(crate) const STATE: &str = "tollgate:regions:state";
+    pub(crate) fn state(&self) -> String {
+        format!("{}state", self.prefix)
+    }
+
     /// A shared bucket's name → the share this Region's gateways enforce.
-    pub(crate) const SHARES: &str = "tollgate:regions:shares";
+    pub(crate) fn shares(&self) -> String {
+        format!("{}shares", self.prefix)
+    }
+
     /// A shared bucket's name → running total of requests this Region's gateways received.
-    pub(crate) const DEMAND: &str = "tollgate:regions:demand";
+    pub(crate) fn demand(&self) -> String {
+        format!("{}demand", self.prefix)
+    }
 
     /// A Region's last record, in every Region's store.
-    pub fn record(region: &str) -> String {
-        format!("tollgate:regions:record:{region}")
+    pub(crate) fn record(&self, region: &str) -> String {
+        format!("{}record:{region}", self.prefix)
     }
 }
 
@@ -73,7 +103,21 @@ fn region_name_ok(name: &str) -> bool {
 /// `NAME=VALUE` pairs of a list flag, each name given once.
 fn pairs(flag: &str, items: &[String]) -> Result<BTreeMap<String, String>, String> {
     let mut out = BTreeMap::new();
+    // The flag is split at commas, and so is a cluster's or a sentinel URL's list of nodes:
+    // an item without `NAME=` goes on with the URL before it.
+    let mut joined: Vec<String> = Vec::with_capacity(items.len());
     for item in items {
+        match joined.last_mut() {
+            Some(last)
+                if !item.contains('=') && (last.contains("-cluster://") || last.contains("-sentinel://")) =>
+            {
+                last.push(',');
+                last.push_str(item);
+            }
+            _ => joined.push(item.clone()),
+        }
+    }
+    for item in &joined {
         let Some((name, value)) = item.split_once('=') else {
             return Err(format!("{flag} {item:?}: expected NAME=URL"));
         };
@@ -112,10 +156,13 @@ impl RegionsConfig {
             return Err("--regions: name at least two Regions, this one's store first".into());
         }
         for (name, url) in &stores {
-            if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
-                return Err(format!(
-                    "--regions {name}={url}: each Region's store must be redis://HOST:PORT"
-                ));
+            match crate::store_url::StoreUrl::parse(url) {
+                Ok(crate::store_url::StoreUrl::Memory) | Err(_) => {
+                    return Err(format!(
+                        "--regions {name}={url}: each Region's store is Redis: redis://HOST:PORT, redis-cluster://H1:P1,H2:P2 or redis-sentinel://S1:P1/SERVICE (rediss… over TLS)"
+                    ));
+                }
+                Ok(_) => {}
             }
         }
         let health = pairs("--region-health", health)?;
@@ -253,6 +300,10 @@ pub struct Regions {
     pub(crate) buckets: ArcSwap<SharedBuckets>,
     /// This Region's store.
     pub(crate) own: Client,
+    /// The names of the shared limits' keys in this Region's store.
+    pub(crate) keys: RegionKeys,
+    /// The same in each Region's store, by name.
+    pub(crate) store_keys: BTreeMap<String, RegionKeys>,
     /// Every Region's store, by name (this Region's too).
     pub(crate) stores: BTreeMap<String, Client>,
     pub(crate) health: Arc<Health>,
@@ -268,17 +319,29 @@ impl Regions {
     pub fn connect(cfg: RegionsConfig) -> Result<Arc<Regions>, String> {
         let mut stores = BTreeMap::new();
         for (name, url) in &cfg.stores {
-            let client = side_client(Target::node(url)).map_err(|e| format!("Region {name} ({url}): {e}"))?;
+            let place = crate::store_url::StoreUrl::parse(url)?;
+            let target = place
+                .target(Access::none())
+                .ok_or_else(|| format!("Region {name} ({url}): not a Redis store"))?;
+            let client = side_client(target).map_err(|e| format!("Region {name} ({url}): {e}"))?;
             let _task = client.connect();
             stores.insert(name.clone(), client);
         }
         let own = stores[&cfg.region].clone();
+        let store_keys: BTreeMap<String, RegionKeys> = cfg
+            .stores
+            .iter()
+            .map(|(n, u)| (n.clone(), RegionKeys::of(u)))
+            .collect();
+        let keys = store_keys[&cfg.region];
         let writing = stores.keys().map(|r| (r.clone(), Arc::default())).collect();
         let health = Arc::new(Health::new(&cfg.health));
         Ok(Arc::new(Regions {
             cfg,
             buckets: ArcSwap::from_pointee(SharedBuckets::default()),
             own,
+            keys,
+            store_keys,
             stores,
             health,
             is_agent: std::sync::atomic::AtomicBool::new(false),
@@ -320,7 +383,7 @@ impl Regions {
     /// Rebuilds the buckets when the rules changed, reports the demand counted since the last
     /// call, and takes the shares this Region's agent published.
     async fn refresh(&self, snap: &Snapshot) -> Result<(), String> {
-        let shares: HashMap<String, String> = timeout(self.own.hgetall(keys::SHARES)).await?;
+        let shares: HashMap<String, String> = timeout(self.own.hgetall(self.keys.shares())).await?;
         let shares: HashMap<String, f64> = shares
             .into_iter()
             .filter_map(|(k, v)| v.parse().ok().map(|v| (k, v)))
@@ -348,7 +411,7 @@ impl Regions {
             }
         }
         for (i, (name, n)) in counts.iter().enumerate() {
-            let r: Result<i64, String> = timeout(self.own.hincrby(keys::DEMAND, name, *n as i64)).await;
+            let r: Result<i64, String> = timeout(self.own.hincrby(self.keys.demand(), name, *n as i64)).await;
             if let Err(e) = r {
                 // Put back what could not be written, so the next report carries it.
                 let buckets = self.buckets.load();

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use tollgate_regions::{Agent, ShareRecord};
 
-use super::{Regions, keys, timeout};
+use super::{Regions, timeout};
 
 /// One Region's record: per shared bucket, what `tollgate_regions::Agent` published, plus who
 /// wrote it and when.
@@ -43,7 +43,7 @@ pub(crate) struct AgentState {
 
 impl AgentState {
     pub(crate) fn parse(text: Option<String>) -> Result<Option<AgentState>, String> {
-        text.map(|t| serde_json::from_str(&t).map_err(|e| format!("{}: {e}", keys::STATE)))
+        text.map(|t| serde_json::from_str(&t).map_err(|e| format!("the Regions' agent state: {e}")))
             .transpose()
     }
 }
@@ -52,7 +52,7 @@ impl AgentState {
 /// left out and logged, never guessed.
 pub(crate) async fn read_all(regions: &Regions) -> Result<BTreeMap<String, RegionRecord>, String> {
     let names: Vec<&String> = regions.cfg.stores.keys().collect();
-    let ks: Vec<String> = names.iter().map(|r| keys::record(r)).collect();
+    let ks: Vec<String> = names.iter().map(|r| regions.keys.record(r)).collect();
     let texts: Vec<Option<String>> = timeout(regions.own.mget(ks)).await?;
     let mut out = BTreeMap::new();
     for (name, text) in names.into_iter().zip(texts) {
@@ -62,10 +62,10 @@ pub(crate) async fn read_all(regions: &Regions) -> Result<BTreeMap<String, Regio
                 out.insert(name.clone(), r);
             }
             Ok(r) => {
-                tracing::warn!(key = %keys::record(name), holds = %r.region, "a Region's record names another Region; ignored")
+                tracing::warn!(key = %regions.keys.record(name), holds = %r.region, "a Region's record names another Region; ignored")
             }
             Err(e) => {
-                tracing::warn!(key = %keys::record(name), error = %e, "a Region's record is not valid JSON; ignored")
+                tracing::warn!(key = %regions.keys.record(name), error = %e, "a Region's record is not valid JSON; ignored")
             }
         }
     }
@@ -75,10 +75,11 @@ pub(crate) async fn read_all(regions: &Regions) -> Result<BTreeMap<String, Regio
 /// `GET /admin/regions`.
 pub(crate) async fn describe(regions: &Regions, now_ms: u64) -> Value {
     let cfg = &regions.cfg;
-    let agent: Result<Option<String>, String> = timeout(regions.own.get(keys::AGENT)).await;
+    let agent: Result<Option<String>, String> = timeout(regions.own.get(regions.keys.agent())).await;
     let records = read_all(regions).await;
-    let state: Result<Option<String>, String> = timeout(regions.own.get(keys::STATE)).await;
-    let shares: Result<BTreeMap<String, String>, String> = timeout(regions.own.hgetall(keys::SHARES)).await;
+    let state: Result<Option<String>, String> = timeout(regions.own.get(regions.keys.state())).await;
+    let shares: Result<BTreeMap<String, String>, String> =
+        timeout(regions.own.hgetall(regions.keys.shares())).await;
     let mut errors = Vec::new();
 
     let regions_json: serde_json::Map<String, Value> = match &records {
