@@ -3,7 +3,8 @@
 //! ledger whose keys share one hash tag, and `tollgate meter usage` bills each key exactly what
 //! the gateways admitted; a second pass over the same records changes nothing. Then the primary
 //! that holds the ledger is killed while a meter runs and the gateways admit: nothing is lost or
-//! counted twice.
+//! counted twice. Last, a key's quota, flagged by the meter in the cluster, is refused by a
+//! gateway on it.
 
 mod common;
 
@@ -179,6 +180,40 @@ async fn two_gateways_on_a_cluster_are_billed_what_they_admitted() {
     eprintln!("k-big: {big} admitted through the failover, billed {v}");
     assert_eq!(v["admitted"], big, "{v}");
     assert_eq!(v["unclean_ends"], 0, "{v}");
+
+    // A quota: the meter's flag, in the cluster, reaches a gateway, which refuses the key.
+    // k-7 is past 5 already today, so the first pass of the meter sets its flag.
+    let (_qdir, quota_rules) = common::rules_file(&common::demo_rules_with_k7_quota(upstream, 5));
+    let gw = Tollgate::spawn(&[
+        "serve",
+        "--rules",
+        quota_rules.to_str().unwrap(),
+        "--store",
+        &url,
+        "--instance",
+        "gw-q",
+    ]);
+    let mut consumer = spawn_meter(&url, &quota_rules);
+    let started = Instant::now();
+    loop {
+        let r = http.get(&gw.url("/v1/orders"), &[("x-api-key", K7)]).await;
+        if r.status == StatusCode::TOO_MANY_REQUESTS && r.json()["error"] == "quota_exceeded" {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "k-7 was never refused for its quota: {} {}",
+            r.status,
+            r.body_text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!(
+        "k-7 refused for its quota {:?} after the meter started",
+        started.elapsed()
+    );
+    let _ = consumer.kill();
+    let _ = consumer.wait();
 }
 
 /// `ROLE`'s first word on the node at `port`: `master` or `slave`.
