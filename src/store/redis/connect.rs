@@ -532,3 +532,34 @@ pub fn side_client(target: Target<'_>) -> Result<fred::clients::Client, String> 
         .build()
         .map_err(|e| e.details().to_string())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{server_version, too_old, why_not_connected};
+    use fred::prelude::{Error as FredError, ErrorKind};
+
+    #[test]
+    fn the_version_is_read_from_info_and_old_ones_are_refused() {
+        let info = "# Server\r\nredis_version:7.0.15\r\nredis_mode:standalone\r\n";
+        assert_eq!(server_version(info), "Redis 7.0.15");
+        let valkey = "# Server\r\nredis_version:7.2.4\r\nvalkey_version:8.0.1\r\n";
+        assert_eq!(server_version(valkey), "Valkey 8.0.1");
+        assert_eq!(server_version("nothing"), "version unknown");
+        assert!(too_old("Redis 4.0.9"));
+        assert!(!too_old("Redis 5.0.0"));
+        assert!(!too_old("Valkey 8.0.1"));
+        assert!(!too_old("version unknown (INFO: NOPERM)"));
+    }
+
+    #[test]
+    fn a_first_connection_fails_for_a_reason_of_its_kind() {
+        let why =
+            |kind, text: &'static str| why_not_connected("s".into(), &FredError::new(kind, text)).to_string();
+        assert!(why(ErrorKind::Auth, "WRONGPASS invalid").contains("(auth)"));
+        assert!(
+            why(ErrorKind::IO, "invalid peer certificate: UnknownIssuer")
+                .starts_with("TLS to the Redis store")
+        );
+        assert!(why(ErrorKind::IO, "Connection refused").starts_with("cannot connect"));
+    }
+}
