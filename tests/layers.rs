@@ -12,6 +12,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("tollgate-http1", 0),
     ("tollgate-hello", 0),
     ("tollgate-telemetry", 1),
+    ("tollgate-access", 1),
     ("tollgate-rules", 1),
     ("tollgate-regions", 1),
     ("tollgate-store", 2),
@@ -50,6 +51,11 @@ const NEVER: &[(&str, &[&str], &str)] = &[
         "tollgate-regions",
         &["tokio", "http", "hyper", "fred"],
         "the share decisions are pure: the live agent brings the clock and the store",
+    ),
+    (
+        "tollgate-access",
+        &["tokio", "hyper", "http"],
+        "reaching a store is settings and files: the store and the meter bring the connections",
     ),
     (
         "tollgate-store",

@@ -65,8 +65,8 @@ async fn two_gateways_share_one_limit_over_tls_with_a_client_certificate() {
         "--store-key",
         &key,
     ];
-    let a = Tollgate::spawn(&args);
-    let b = Tollgate::spawn(&args);
+    let mut a = Tollgate::spawn(&args);
+    let mut b = Tollgate::spawn(&args);
     let http = Http::new();
     let mut admitted = 0;
     let mut statuses = std::collections::BTreeMap::new();
@@ -103,6 +103,49 @@ async fn two_gateways_share_one_limit_over_tls_with_a_client_certificate() {
         found.contains(&format!("redis at {url}")) && found.contains("; TLS;") && found.contains("Redis 7"),
         "{found}"
     );
+
+    // The meter reads their usage records over TLS too, with the same flags.
+    a.stop();
+    b.stop();
+    let meter = |sub: &[&str], extra: &[&str]| {
+        let out = Command::new(common::gateway_bin())
+            .arg("meter")
+            .args(sub)
+            .args([
+                "--store",
+                &url,
+                "--store-ca",
+                &ca,
+                "--store-cert",
+                &cert,
+                "--store-key",
+                &key,
+            ])
+            .args(["--rules", rules.to_str().unwrap()])
+            .args(extra)
+            .output()
+            .expect("tollgate meter runs");
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "tollgate meter {sub:?}: {err}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    meter(&[], &["--once"]);
+    let usage: serde_json::Value = serde_json::from_str(&meter(&["usage"], &["--key", "k-7"])).unwrap();
+    assert_eq!(usage["admitted"], admitted, "{usage}");
+    // Without the CA the meter refuses to read, naming TLS.
+    let out = Command::new(common::gateway_bin())
+        .args([
+            "meter",
+            "--once",
+            "--store",
+            &url,
+            "--rules",
+            rules.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains(&url), "{err}");
 }
 
 #[test]

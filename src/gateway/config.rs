@@ -528,7 +528,7 @@ impl StoreArgs {
     /// that doesn't speak TLS, or credentials for the embedded store, are refused: a flag that
     /// would do nothing is a mistake.
     pub fn access(&self, store: &StoreUrl) -> Result<tollgate_store::redis::Access, String> {
-        use tollgate_store::redis::{Access, Credentials, StoreTls, TlsFiles};
+        use tollgate_store::redis::{Access, TlsFiles};
         let files = TlsFiles {
             ca: self.ca.clone(),
             client: self.cert.clone().zip(self.key.clone()),
@@ -552,21 +552,7 @@ impl StoreArgs {
                 "--store-username and --store-password-file need a Redis store (--store redis://…)".into(),
             );
         }
-        Ok(Access {
-            tls: if tls_asked {
-                Some(StoreTls::new(&files)?)
-            } else {
-                None
-            },
-            credentials: if creds_asked {
-                Some(Credentials::new(
-                    self.username.clone(),
-                    self.password_file.clone(),
-                )?)
-            } else {
-                None
-            },
-        })
+        Access::from_flags(files, self.username.clone(), self.password_file.clone())
     }
 }
 

@@ -6,6 +6,7 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+use tollgate_access::{Access, TlsFiles};
 
 use jiff::tz::TimeZone;
 use tollgate_limit::clock::parse_duration;
@@ -38,7 +39,7 @@ pub enum MeterCommand {
 #[derive(Debug, Clone, clap::Args)]
 pub struct Source {
     /// The Redis the gateways write `tollgate:usage` to: redis://HOST:PORT, or
-    /// redis-cluster://H1:P1,H2:P2.
+    /// redis-cluster://H1:P1,H2:P2; over TLS rediss://… and rediss-cluster://….
     #[arg(
         long,
         value_name = "URL",
@@ -46,6 +47,34 @@ pub struct Source {
         required_unless_present = "meter_file"
     )]
     pub store: Option<String>,
+    /// PEM CA certificates a TLS store's certificate must chain to; the built-in roots without.
+    #[arg(long, env = "TOLLGATE_STORE_CA", value_name = "FILE")]
+    pub store_ca: Option<PathBuf>,
+    /// PEM client certificate chain, for a TLS store that asks for one.
+    #[arg(
+        long,
+        env = "TOLLGATE_STORE_CERT",
+        value_name = "FILE",
+        requires = "store_key"
+    )]
+    pub store_cert: Option<PathBuf>,
+    /// PEM private key for --store-cert.
+    #[arg(
+        long,
+        env = "TOLLGATE_STORE_KEY",
+        value_name = "FILE",
+        requires = "store_cert"
+    )]
+    pub store_key: Option<PathBuf>,
+    /// The name a TLS store's certificate must carry, where the URL's host is not that name.
+    #[arg(long, env = "TOLLGATE_STORE_SERVER_NAME", value_name = "NAME")]
+    pub store_server_name: Option<String>,
+    /// The store's ACL user (or put it in the URL).
+    #[arg(long, env = "TOLLGATE_STORE_USERNAME", value_name = "USER")]
+    pub store_username: Option<String>,
+    /// A file whose first line is the store's password: out of `ps` and the environment.
+    #[arg(long, env = "TOLLGATE_STORE_PASSWORD_FILE", value_name = "FILE")]
+    pub store_password_file: Option<PathBuf>,
     /// The embedded store's metering file (SQLite), instead of --store.
     #[arg(long, value_name = "PATH")]
     pub meter_file: Option<PathBuf>,
@@ -58,7 +87,18 @@ pub struct Source {
 impl Source {
     fn place(&self) -> Result<Place, String> {
         match (&self.store, &self.meter_file) {
-            (Some(url), None) => Ok(Place::Redis(url.clone())),
+            (Some(url), None) => Ok(Place::Redis {
+                url: url.clone(),
+                access: Access::from_flags(
+                    TlsFiles {
+                        ca: self.store_ca.clone(),
+                        client: self.store_cert.clone().zip(self.store_key.clone()),
+                        server_name: self.store_server_name.clone(),
+                    },
+                    self.store_username.clone(),
+                    self.store_password_file.clone(),
+                )?,
+            }),
             (None, Some(path)) => Ok(Place::File(path.clone())),
             _ => Err("give either --store redis://HOST:PORT or --meter-file PATH".into()),
         }

@@ -15,10 +15,14 @@ use crate::ledger_types::{Calendar, PassReport, PeriodLabel, Role, Usage};
 use crate::record::Identity;
 
 /// Where the ledger is.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub enum Place {
-    /// `--store redis://HOST:PORT`.
-    Redis(String),
+    /// `--store redis://HOST:PORT` (or a cluster's, or over TLS), reached with the
+    /// `--store-*` flags' TLS and credentials.
+    Redis {
+        url: String,
+        access: tollgate_access::Access,
+    },
     /// `--meter-file PATH`.
     File(std::path::PathBuf),
 }
@@ -32,7 +36,9 @@ pub enum Ledger {
 impl Ledger {
     pub async fn open(place: &Place, role: Role) -> Result<Ledger, String> {
         match place {
-            Place::Redis(url) => Ok(Ledger::Redis(Box::new(RedisLedger::connect(url, role).await?))),
+            Place::Redis { url, access } => Ok(Ledger::Redis(Box::new(
+                RedisLedger::connect(url, access, role).await?,
+            ))),
             Place::File(path) => Ok(Ledger::Sqlite(SqliteLedger::open(path)?)),
         }
     }

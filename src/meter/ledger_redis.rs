@@ -20,6 +20,7 @@ use crate::ledger_types::{
     identity_from_code,
 };
 use crate::record::{Identity, Kind, Record, RecordError, STREAM};
+use tollgate_access::Access;
 use tollgate_rules::quota::Per;
 
 /// The consumer group every `tollgate meter` joins.
@@ -179,20 +180,35 @@ fn entry(v: Value) -> Option<RawEntry> {
 }
 
 impl RedisLedger {
-    pub async fn connect(url: &str, role: Role) -> Result<RedisLedger, String> {
-        let (config, names) = match url.strip_prefix("redis-cluster://") {
-            Some(nodes) => (cluster_config(url, nodes)?, ON_A_CLUSTER),
-            None if url.starts_with("redis://") => (
-                Config::from_url_centralized(url)
-                    .map_err(|e| format!("--store {url}: not a usable redis:// URL: {}", e.details()))?,
+    pub async fn connect(url: &str, access: &Access, role: Role) -> Result<RedisLedger, String> {
+        let shown = tollgate_access::redact(url);
+        let cluster = url
+            .strip_prefix("redis-cluster://")
+            .map(|n| (n, false))
+            .or_else(|| url.strip_prefix("rediss-cluster://").map(|n| (n, true)));
+        // TLS comes from `access`, never from fred's reading of the scheme.
+        let node = url
+            .strip_prefix("redis://")
+            .map(|r| (r, false))
+            .or_else(|| url.strip_prefix("rediss://").map(|r| (r, true)));
+        let (mut config, names, tls) = match (cluster, node) {
+            (Some((nodes, tls)), _) => (cluster_config(&shown, nodes)?, ON_A_CLUSTER, tls),
+            (None, Some((rest, tls))) => (
+                Config::from_url_centralized(&format!("redis://{rest}"))
+                    .map_err(|e| format!("--store {shown}: not a usable redis:// URL: {}", e.details()))?,
                 ON_A_NODE,
+                tls,
             ),
-            None => {
+            (None, None) => {
                 return Err(format!(
-                    "--store {url}: not a redis://HOST:PORT or redis-cluster://H1:P1,H2:P2 URL (use --meter-file PATH for the embedded store)"
+                    "--store {shown}: not a redis://HOST:PORT or redis-cluster://H1:P1,H2:P2 URL (rediss… over TLS; use --meter-file PATH for the embedded store)"
                 ));
             }
         };
+        access
+            .apply(&mut config, tls)
+            .map_err(|e| format!("--store {shown}: {e}"))?;
+        let url = shown.as_str();
         let client = Builder::from_config(Config {
             fail_fast: true,
             ..config

@@ -160,29 +160,7 @@ fn servers(what: &str, list: &[String]) -> Result<Vec<Server>, String> {
 /// Puts `target`'s TLS and credentials into `config`. A URL's password and a password file are
 /// one too many: the file is the way that keeps it out of `ps`.
 fn reach_with(config: &mut Config, target: Target<'_>) -> Result<(), String> {
-    if target.tls() {
-        let tls = target
-            .access
-            .tls_or_roots()
-            .map_err(|e| e.details().to_string())?;
-        config.tls = Some(tls.fred());
-        if let ServerConfig::Centralized { server } = &mut config.server {
-            *server = tls.server(server);
-        }
-    } else if target.access.tls.is_some() {
-        return Err("TLS settings (--store-ca, --store-cert, --store-server-name) need a TLS URL: rediss://, valkeys:// or rediss-cluster://".into());
-    }
-    if let Some(creds) = &target.access.credentials {
-        if config.password.is_some() && creds.has_file() {
-            return Err("a password in the URL and --store-password-file: give it one way (the file keeps it out of `ps`)".into());
-        }
-        if creds.has_file() {
-            config.credential_provider = Some(creds.clone());
-        } else if let Some(user) = creds.username() {
-            config.username = Some(user.to_string());
-        }
-    }
-    Ok(())
+    target.access.apply(config, target.tls())
 }
 
 /// `Redis 7.0.15` or `Valkey 8.0.1` from `INFO server`'s text.

@@ -18,7 +18,6 @@
 //! the store a command dispatch and a script start per check; sharing calls pays those once per
 //! call (benches/README.md "Row R").
 //!
-//! - `access`: TLS and credentials, for every connection to the store.
 //! - `connect`: start-up, the connections to a node or a cluster's primaries, and the side
 //!   client.
 //! - `check`: a check's way to the store: the queue, the calls checks share, their encoding and
@@ -26,7 +25,6 @@
 //! - `lease`: LEASE and GIVE BACK for the gateway's leased blocks (`lua/lease.lua`).
 //! - `refund`: refunds and post-paid debits (`lua/refund.lua`).
 
-mod access;
 mod blocks;
 mod check;
 mod connect;
@@ -40,8 +38,8 @@ use fred::bytes_utils::Str;
 use fred::prelude::{Error as FredError, ErrorKind, Key, Value};
 use tokio::sync::{Semaphore, mpsc};
 
-pub use access::{Access, Credentials, StoreTls, TlsFiles, redact};
 pub use connect::{Found, side_client};
+pub use tollgate_access::{Access, Credentials, StoreTls, TlsFiles, redact};
 
 use super::nodes::Script;
 use super::{Adjusted, BoxFuture, CheckFuture, CheckItem, Outcome, Store, StoreError};

@@ -1,14 +1,15 @@
-//! How a connection reaches a store beyond its address: TLS (the built-in roots or a private
-//! CA, a client certificate, the name the server's certificate carries) and credentials (a
-//! user, and a password read from a file and read again on a reload, so a rotated password
-//! needs no restart). Every connection to the store takes them: the checks', the side
-//! clients', and each primary's of a cluster.
+//! How a connection reaches a Redis store beyond its address: TLS (the built-in roots or a
+//! private CA, a client certificate, the name the server's certificate carries) and
+//! credentials (a user, and a password read from a file and read again on a reload, so a
+//! rotated password needs no restart). Every connection to the store takes them: the checks',
+//! the side clients', each primary's of a cluster, and the meter's, which is why this is a
+//! crate below both the store and the meter.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, LazyLock};
 
 use arc_swap::ArcSwap;
-use fred::prelude::{Error as FredError, ErrorKind, Server};
+use fred::prelude::{Config, Error as FredError, ErrorKind, Server, ServerConfig};
 use fred::types::config::{CredentialProvider, TlsConfig, TlsHostMapping};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
@@ -100,7 +101,7 @@ impl StoreTls {
 
     /// fred's TLS settings; a cluster's nodes are reached by the addresses the cluster gives,
     /// each checked against the server name when one is set.
-    pub(crate) fn fred(&self) -> TlsConfig {
+    pub fn fred(&self) -> TlsConfig {
         let mut tls = TlsConfig::from((*self.config).clone());
         if let Some(name) = &self.server_name {
             tls.hostnames = TlsHostMapping::Custom(Arc::new(FixedName(name.clone())));
@@ -109,7 +110,7 @@ impl StoreTls {
     }
 
     /// `server` as a TLS connection reaches it: under the server name when one is set.
-    pub(crate) fn server(&self, server: &Server) -> Server {
+    pub fn server(&self, server: &Server) -> Server {
         Server::new_with_tls(server.host.clone(), server.port, self.server_name.clone())
     }
 }
@@ -232,11 +233,61 @@ impl Access {
     }
 
     /// The TLS settings for a store whose URL asks for TLS.
-    pub(crate) fn tls_or_roots(&self) -> Result<StoreTls, FredError> {
+    pub fn tls_or_roots(&self) -> Result<StoreTls, FredError> {
         match &self.tls {
             Some(t) => Ok(t.clone()),
             None => StoreTls::new(&TlsFiles::default()).map_err(|e| FredError::new(ErrorKind::Tls, e)),
         }
+    }
+
+    /// The access the `--store-*` flags describe: TLS settings when any file or name is given,
+    /// credentials when a user or a password file is. Files that don't read are errors naming
+    /// the flag and the file.
+    pub fn from_flags(
+        files: TlsFiles,
+        username: Option<String>,
+        password_file: Option<PathBuf>,
+    ) -> Result<Access, String> {
+        let tls_asked = files.ca.is_some() || files.client.is_some() || files.server_name.is_some();
+        let creds_asked = username.is_some() || password_file.is_some();
+        Ok(Access {
+            tls: if tls_asked {
+                Some(StoreTls::new(&files)?)
+            } else {
+                None
+            },
+            credentials: if creds_asked {
+                Some(Credentials::new(username, password_file)?)
+            } else {
+                None
+            },
+        })
+    }
+
+    /// Puts this access's TLS (when `tls`: the URL asks for it) and credentials into fred's
+    /// `config`. TLS settings for a plain URL, and a URL's password beside a password file,
+    /// are refused: each would be a flag that does nothing, or one too many.
+    pub fn apply(&self, config: &mut Config, tls: bool) -> Result<(), String> {
+        if tls {
+            let tls = self.tls_or_roots().map_err(|e| e.details().to_string())?;
+            config.tls = Some(tls.fred());
+            if let ServerConfig::Centralized { server } = &mut config.server {
+                *server = tls.server(server);
+            }
+        } else if self.tls.is_some() {
+            return Err("TLS settings (--store-ca, --store-cert, --store-server-name) need a TLS URL: rediss://, valkeys:// or rediss-cluster://".into());
+        }
+        if let Some(creds) = &self.credentials {
+            if config.password.is_some() && creds.has_file() {
+                return Err("a password in the URL and --store-password-file: give it one way (the file keeps it out of `ps`)".into());
+            }
+            if creds.has_file() {
+                config.credential_provider = Some(creds.clone());
+            } else if let Some(user) = creds.username() {
+                config.username = Some(user.to_string());
+            }
+        }
+        Ok(())
     }
 
     /// What start-up says of the user: the one named, or `default`.
