@@ -1,12 +1,12 @@
-mod common;
+//! A Redis Cluster that speaks TLS only, as a managed one does: three `redis-server` masters with
+//! no plain listener (`port 0`, `tls-port`), whose cluster bus and replication are TLS too, and
+//! real gateway processes with `--store rediss-cluster://SEED`. Only one seed is named: the other
+//! masters are found through the cluster's slot map and reached with the same TLS settings, so a
+//! bucket in a slot the seed does not serve is only reachable that way. Two gateways share one
+//! limit through it, a request whose buckets lie in two slots on two masters pays both, and
+//! `check-store` refuses the cluster without the CA that signed it.
 
-// A Redis Cluster that speaks TLS only, as a managed one does: three `redis-server` masters with
-// no plain listener (`port 0`, `tls-port`), whose cluster bus and replication are TLS too, and
-// real gateway processes with `--store rediss-cluster://SEED`. Only one seed is named: the other
-// masters are found through the cluster's slot map and reached with the same TLS settings, so a
-// bucket in a slot the seed does not serve is only reachable that way. Two gateways share one
-// limit through it, a request whose buckets lie in two slots on two masters pays both, and
-// `check-store` refuses the cluster without the CA that signed it.
+mod common;
 
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
