@@ -372,6 +372,43 @@ impl RedisSentinels {
         start.elapsed()
     }
 
+    /// Waits until the two data nodes are settled: the sentinels agree on a primary, and the
+    /// other node is its replica, in sync. Returns `(primary, replica)`. On a loaded machine
+    /// the sentinels may fail over again while a node restarts (a primary that misses its
+    /// PINGs for `down-after-milliseconds` is down to them), so which node ends primary is
+    /// theirs to say; what holds is that there is one, and one replica of it.
+    pub fn wait_settled(&self, timeout: Duration) -> (u16, u16) {
+        let [a, b] = self.data_ports();
+        let mut settled = None;
+        let done = poll(timeout, || {
+            let named = self.named_primaries();
+            let Some(Some(p)) = named.first().copied() else {
+                return false;
+            };
+            if named.iter().any(|n| *n != Some(p)) {
+                return false;
+            }
+            let replica = if p == a { b } else { a };
+            let info = redis_cli(replica, &["INFO", "replication"]);
+            let ok = info_field(&info, "role") == Some("slave")
+                && info_field(&info, "master_port") == Some(p.to_string().as_str())
+                && info_field(&info, "master_link_status") == Some("up")
+                && info_field(&redis_cli(p, &["INFO", "replication"]), "role") == Some("master");
+            if ok {
+                settled = Some((p, replica));
+            }
+            ok
+        });
+        match (done, settled) {
+            (true, Some(pair)) => pair,
+            _ => panic!(
+                "the data nodes did not settle as a primary and its replica in {timeout:?}\n{}\n{}",
+                self.data_logs(),
+                self.sentinel_logs()
+            ),
+        }
+    }
+
     /// Runs `redis-cli -h 127.0.0.1 -p port args...` against any data node or sentinel and
     /// returns what it printed, trimmed. (`|args: &[&str]| sentinels.cli(port, args)` is a
     /// `RedisCli` of `common::redis_tls`.)
